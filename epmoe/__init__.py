@@ -1,0 +1,3 @@
+"""epmoe: expert-parallel Mixture-of-Experts layers for inference."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,82 @@
+"""The ``epmoe`` command: info, demo, bench, tune, convert, fidelity."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import torch
+
+COMMANDS = {
+    "info": ("epmoe.cli", "info_main", "what this machine can run, and why not"),
+    "demo": ("epmoe.demo", "main", "a DeepSeek-style MoE layer under EP in local processes"),
+    "bench": (None, None, "bench experts | bench layer"),
+    "tune": ("epmoe.bench.tune", "main", "tune Triton kernel configs on this GPU"),
+    "convert": ("epmoe.quant.convert", "main", "convert an FP8 checkpoint to INT8"),
+    "fidelity": ("epmoe.bench.fidelity", "main", "error of every scheme against float64"),
+}
+BENCHES = {
+    "experts": ("epmoe.bench.experts", "main"),
+    "layer": ("epmoe.bench.layer", "main"),
+}
+
+
+def capability_rows(device: torch.device) -> list[tuple[str, str, str]]:
+    """``(kind, name, status)`` for every backend x scheme and every dispatcher on ``device``."""
+    from .dispatch.base import DispatchConfig
+    from .dispatch.select import DISPATCHERS, dispatcher_decisions
+    from .experts.select import BACKENDS, backend_decisions
+    from .quant.schemes import SCHEMES
+
+    rows = []
+    both = frozenset({"contiguous", "masked"})
+    for name in BACKENDS:
+        for scheme in SCHEMES.values():
+            ((_, cls, reason),) = backend_decisions(scheme, both, device, 7168, 2048, (name,))
+            rows.append(("backend", f"{name} {scheme.name}", "available" if cls else reason))
+    # Two ranks: what an EP deployment of this machine would be offered.
+    cfg = DispatchConfig(num_experts=256, hidden_size=7168, top_k=8, world_size=2, device=device)
+    for name, cls, reason in dispatcher_decisions(cfg, tuple(DISPATCHERS)):
+        rows.append(("dispatcher", name, "available" if cls else reason))
+    return rows
+
+
+def info_main(argv: list[str] | None = None) -> int:
+    import triton  # noqa: F401 - reported below when present
+
+    from . import __version__
+
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    print(f"epmoe {__version__}; torch {torch.__version__}; device {device}", end="")
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_capability()
+        print(f" ({torch.cuda.get_device_name()}, sm_{cap[0]}{cap[1]}, CUDA {torch.version.cuda})", end="")
+    print()
+    for kind, name, status in capability_rows(device):
+        print(f"{kind:<10} {name:<36} {status}")
+    return 0
+
+
+def _run(module: str, func: str, argv: list[str]) -> int:
+    return int(getattr(importlib.import_module(module), func)(argv) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: epmoe <command> [args]\n\ncommands:")
+        for name, (_, _, help_text) in COMMANDS.items():
+            print(f"  {name:<9} {help_text}")
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "bench":
+        if not rest or rest[0] not in BENCHES:
+            print(f"usage: epmoe bench {{{'|'.join(BENCHES)}}} [args]")
+            return 2
+        return _run(*BENCHES[rest[0]], rest[1:])
+    module, func, _ = COMMANDS[cmd]
+    return _run(module, func, rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

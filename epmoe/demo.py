@@ -1,0 +1,168 @@
+"""``epmoe demo``: a DeepSeek-style MoE layer, scaled down, under EP in several local processes.
+
+For every scheme this machine can run it builds the layer on each rank (gloo and the CPU without a
+GPU; NCCL and one GPU per rank with them), checks each rank's output against a float64 reference
+over all experts on that rank's tokens, times the forward pass and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .layer import DeepEPMoELayer
+from .quant import SCHEMES, get_scheme, quantize_weight
+from .reference import moe_float64
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _weights(args, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    e, h, i = args.experts, args.hidden, args.intermediate
+    w13 = torch.randn(e, 2 * i, h, generator=g) / h**0.5
+    w2 = torch.randn(e, h, i, generator=g) / i**0.5
+    bias = torch.randn(e, generator=g) * 0.05
+    return w13, w2, bias
+
+
+def _rank_main(rank: int, args, port: int, out_dir: str) -> None:
+    use_cuda = args.device == "cuda"
+    if use_cuda:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // args.ranks))
+    dist.init_process_group(
+        "nccl" if use_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        world_size=args.ranks, timeout=datetime.timedelta(seconds=300),
+    )  # fmt: skip
+    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if use_cuda else torch.float32
+    w13, w2, bias = _weights(args)
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(args.tokens, args.hidden, generator=g).to(dtype)
+    logits = torch.randn(args.tokens, args.experts, generator=g)
+    rows = []
+    for name in args.schemes:
+        scheme = get_scheme(name)
+        try:
+            layer = DeepEPMoELayer(
+                args.experts, args.top_k, args.hidden, args.intermediate, quant=name,
+                device=device, params_dtype=dtype, scoring_func="sigmoid",
+                num_expert_group=args.groups, topk_group=args.topk_groups,
+                routed_scaling_factor=2.5, use_correction_bias=True,
+            )  # fmt: skip
+        except RuntimeError as exc:  # this machine cannot run the scheme: say why, go on
+            rows.append(dict(scheme=name, skipped=str(exc)))
+            continue
+        q13, s13 = quantize_weight(w13, scheme)
+        q2, s2 = quantize_weight(w2, scheme)
+        if not scheme.quantized:
+            q13, q2 = q13.to(dtype), q2.to(dtype)
+        layer.load_experts(*[None if t is None else t.to(device) for t in (q13, q2, s13, s2)])
+        layer.load_weights([("mlp.gate.e_score_correction_bias", bias.to(device))])
+        xd, ld = x.to(device), logits.to(device)
+        out = layer(xd, ld)
+        ids, weights = layer.route(ld)
+        ref = moe_float64(x.float(), ids.cpu(), weights.cpu(), w13, w2)
+        err = float((out.cpu().double() - ref).norm() / ref.norm())
+        if use_cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(args.iters):
+            layer(xd, ld)
+        if use_cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        seconds = (time.perf_counter() - start) / args.iters
+        rows.append(
+            dict(scheme=name, backend=layer.backend.name, dispatch=layer.dispatcher.name,
+                 payload=layer.payload, err=err, bound=scheme.rel_error_bound,
+                 tokens_per_s=args.tokens * args.ranks / seconds)  # fmt: skip
+        )
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(rows, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _table(rank_rows: list[list[dict]]) -> tuple[str, bool]:
+    lines = [
+        f"{'scheme':<13} {'backend':<8} {'dispatcher':<18} {'payload':<11} {'rel.err (max rank)':>18}"
+        f" {'bound':>6} {'tokens/s':>10}"
+    ]
+    ok = True
+    for i, row in enumerate(rank_rows[0]):
+        if "skipped" in row:
+            lines.append(f"{row['scheme']:<13} skipped: {row['skipped']}")
+            continue
+        err = max(rows[i]["err"] for rows in rank_rows)
+        ok &= err < row["bound"]
+        lines.append(
+            f"{row['scheme']:<13} {row['backend']:<8} {row['dispatch']:<18} {row['payload']:<11} "
+            f"{err:>18.2e} {row['bound']:>6.0e} {row['tokens_per_s']:>10.0f}"
+            + ("" if err < row["bound"] else "  OVER BOUND")
+        )
+    return "\n".join(lines), ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="epmoe demo", description=__doc__)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--groups", type=int, default=4)
+    p.add_argument("--topk-groups", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--intermediate", type=int, default=256)
+    p.add_argument("--tokens", type=int, default=256, help="tokens per rank")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--schemes", default=",".join(SCHEMES))
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--json", help="write the rows of every rank here")
+    args = p.parse_args(argv)
+    args.schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
+    for s in args.schemes:
+        get_scheme(s)
+    if args.device == "auto":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        args.device = "cuda" if gpus >= args.ranks else "cpu"
+    if args.device == "cuda" and torch.cuda.device_count() < args.ranks:
+        p.error(f"--ranks={args.ranks} needs as many GPUs; {torch.cuda.device_count()} visible")
+    print(
+        f"epmoe demo: {args.experts} experts, top-{args.top_k} in {args.groups} groups, "
+        f"H={args.hidden}, I={args.intermediate}, EP={args.ranks} on {args.device}, "
+        f"{args.tokens} tokens per rank",
+        flush=True,
+    )
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(
+            _rank_main, args=(args, _free_port(), out_dir), nprocs=args.ranks, start_method="spawn"
+        )
+        rank_rows = []
+        for r in range(args.ranks):
+            with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+                rank_rows.append(json.load(f))
+    table, ok = _table(rank_rows)
+    print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(args=vars(args), ranks=rank_rows), f, indent=1)
+    if not ok:
+        print("error: a scheme's relative error is over its documented bound", file=sys.stderr)
+    return 0 if ok else 1

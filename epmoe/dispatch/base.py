@@ -1,0 +1,140 @@
+"""The dispatcher contract.
+
+A dispatcher moves token rows to the ranks that own their experts and brings the expert outputs
+back. ``dispatch`` returns a :class:`Dispatched` that carries everything ``combine`` needs (the
+handle): the dispatcher object itself keeps nothing per batch, so two batches can be in flight.
+
+Each dispatcher declares:
+
+* ``layouts``: ``{"contiguous"}`` (it delivers received tokens that the layer scatters into the
+  contiguous layout), ``{"masked"}`` (it delivers a masked batch), or both (an auto dispatcher that
+  picks per batch); the backend must implement every layout the dispatcher may deliver;
+* ``payloads``: the activation formats it can carry (see :data:`PAYLOADS`);
+* per batch, :attr:`Dispatched.combine_applies_weights`: whether ``combine`` multiplies by the
+  top-k weights itself. When it does not, the layer applies them in the weighted gather before
+  ``combine``; either way exactly once.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+PAYLOADS = ("float", "int8_token", "int8_group", "fp8_group")
+"""Activation formats on the wire: the input dtype; int8 with a per-token or per-1x128 fp32 scale;
+e4m3 with per-1x128 fp32 scales."""
+
+
+@dataclass
+class Dispatched:
+    """What arrived on this rank, plus the handle to send results back.
+
+    Token layout (``layout == "contiguous"``: the layer scatters these rows into it):
+        x: ``[R, H]`` received rows (payload dtype); x_scale: ``[R, S]`` fp32 or ``None``;
+        topk_ids: ``[R, k]`` int64 local expert ids, ``-1`` for slots of other ranks;
+        topk_weights: ``[R, k]`` fp32.
+    Masked layout (``layout == "masked"``):
+        x: ``[E_loc, cap, H]``; x_scale: ``[E_loc, cap, S]`` or ``None``; masked_m: ``[E_loc]``
+        int32; expected_m: row-count hint.
+    Both:
+        handle: dispatcher-private state for ``combine``.
+        num_tokens: tokens this rank sent (the row count ``combine`` returns).
+        combine_applies_weights: ``True`` when ``combine`` weighs the expert outputs itself.
+    """
+
+    x: torch.Tensor
+    x_scale: torch.Tensor | None
+    handle: Any
+    num_tokens: int
+    topk_ids: torch.Tensor | None = None
+    topk_weights: torch.Tensor | None = None
+    masked_m: torch.Tensor | None = None
+    expected_m: int | None = None
+    combine_applies_weights: bool = False
+
+    @property
+    def layout(self) -> str:
+        return "masked" if self.masked_m is not None else "contiguous"
+
+
+@dataclass
+class DispatchConfig:
+    """What a dispatcher is built from (the layer fills it in).
+
+    Attributes:
+        num_experts: global expert count ``E``.
+        hidden_size: ``H``.
+        top_k: experts per token.
+        group: process group, or ``None`` for a single process / the default group.
+        world_size, rank: of ``group``.
+        device: where the tokens live.
+        alignment: rows each expert segment is padded to in the contiguous layout (the backend's).
+        timeout_s: how long the host waits on a collective before raising.
+        max_tokens_per_rank: capacity of fixed-size (low-latency) dispatch.
+        deepep_buffer: the shared DeepEP buffer owner, when DeepEP is used.
+    """
+
+    num_experts: int
+    hidden_size: int
+    top_k: int
+    group: Any = None
+    world_size: int = 1
+    rank: int = 0
+    device: torch.device = torch.device("cpu")
+    alignment: int = 1
+    timeout_s: float = 300.0
+    max_tokens_per_rank: int = 128
+    deepep_buffer: Any = None
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.world_size
+
+
+class Dispatcher(ABC):
+    """Base class of dispatchers; see the module docstring for the declared attributes."""
+
+    name: ClassVar[str]
+    layouts: ClassVar[frozenset[str]]
+    payloads: ClassVar[frozenset[str]]
+
+    def __init__(self, cfg: DispatchConfig) -> None:
+        self.cfg = cfg
+
+    @classmethod
+    def available(cls, cfg: DispatchConfig) -> tuple[bool, str]:
+        """Whether this dispatcher can run for ``cfg`` (ranks, device, sizes) here."""
+        return True, "available"
+
+    @abstractmethod
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        x_scale: torch.Tensor | None,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+    ) -> Dispatched:
+        """Send rows to their experts' ranks.
+
+        Args:
+            x: ``[T, H]`` payload (float, int8 or e4m3).
+            x_scale: ``[T, S]`` fp32 or ``None``.
+            topk_ids: ``[T, k]`` int64 global expert ids.
+            topk_weights: ``[T, k]`` fp32.
+        """
+
+    @abstractmethod
+    def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        """Bring results home and sum them per token.
+
+        Args:
+            y: token layout: ``[R, H]`` already weighted per received token; masked layout:
+                ``[E_loc, cap, H]`` expert outputs (weights applied here).
+            dispatched: what :meth:`dispatch` returned.
+
+        Returns:
+            ``[T, H]`` fp32 or the input dtype.
+        """

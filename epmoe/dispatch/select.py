@@ -1,0 +1,71 @@
+"""Choosing a dispatcher: capability predicates that return reasons (lazy imports, as for
+backends, so a missing DeepEP is a refusal with a reason)."""
+
+from __future__ import annotations
+
+import importlib
+
+from .base import DispatchConfig, Dispatcher
+
+DISPATCHERS: dict[str, str] = {
+    "local": "epmoe.dispatch.local:LocalDispatcher",
+    "all_to_all": "epmoe.dispatch.all_to_all:AllToAllDispatcher",
+    "deepep_normal": "epmoe.dispatch.deepep:DeepEPNormalDispatcher",
+    "deepep_low_latency": "epmoe.dispatch.deepep:DeepEPLowLatencyDispatcher",
+    "deepep_auto": "epmoe.dispatch.deepep:DeepEPAutoDispatcher",
+}
+
+AUTO_ORDER = ("local", "deepep_auto", "all_to_all")
+"""``dispatch="auto"``: one rank runs locally; several use DeepEP (low-latency while the batch fits,
+normal otherwise) when it is installed and usable, else torch.distributed all-to-all."""
+
+
+class DispatcherUnavailableError(RuntimeError):
+    """A forced dispatcher cannot run here."""
+
+
+def load_dispatcher(name: str) -> tuple[type[Dispatcher] | None, str]:
+    """Import dispatcher ``name``; returns ``(class, "")`` or ``(None, reason)``."""
+    if name not in DISPATCHERS:
+        raise ValueError(f"dispatch={name!r} is not known; allowed: {['auto', *DISPATCHERS]}")
+    module, _, attr = DISPATCHERS[name].partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr), ""
+    except ImportError as exc:
+        return None, f"cannot be imported ({exc})"
+
+
+def dispatcher_decisions(
+    cfg: DispatchConfig, candidates: tuple[str, ...]
+) -> list[tuple[str, type[Dispatcher] | None, str]]:
+    """For each candidate: ``(name, class or None when refused, reason)``."""
+    out = []
+    for name in candidates:
+        cls, reason = load_dispatcher(name)
+        if cls is not None:
+            ok, reason = cls.available(cfg)
+            if not ok:
+                cls = None
+        out.append((name, cls, reason))
+    return out
+
+
+def select_dispatcher(requested: str, cfg: DispatchConfig) -> tuple[type[Dispatcher], list[str]]:
+    """Pick the dispatcher class; returns it and log lines. A forced choice that cannot run raises
+    :class:`DispatcherUnavailableError`."""
+    candidates = AUTO_ORDER if requested == "auto" else (requested,)
+    if requested != "auto":
+        load_dispatcher(requested)
+    lines = []
+    for name, cls, reason in dispatcher_decisions(cfg, candidates):
+        if cls is None:
+            if requested != "auto":
+                raise DispatcherUnavailableError(
+                    f"dispatch={requested!r} cannot run with {cfg.world_size} rank(s) on "
+                    f"{cfg.device}: {reason}"
+                )
+            lines.append(f"dispatcher {name!r} refused: {reason}")
+            continue
+        lines.append(f"dispatcher {name!r} chosen for {cfg.world_size} rank(s) on {cfg.device}")
+        return cls, lines
+    raise DispatcherUnavailableError("no dispatcher can run here: " + "; ".join(lines))

@@ -1,0 +1,120 @@
+"""The experts-backend contract.
+
+A backend computes ``w2 . silu_and_mul(w13 . x)`` for every local expert on one layout. It
+declares the schemes and layouts it supports and answers ``supports(...) -> (ok, reason)`` so the
+layer can say why it was or was not chosen.
+
+Input activations reach a backend either in floating point (``x_scale is None``: the backend
+quantizes them the way its scheme does) or already quantized (``x_scale`` given). A quantized input
+whose format differs from the scheme's (FP8 1x128 from low-latency dispatch into an INT8 backend)
+is dequantized and requantized by the backend.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..layouts import ContiguousBatch, MaskedBatch
+from ..quant.schemes import QuantScheme
+
+ACCUMULATORS = ("fp32", "int32")
+
+
+@dataclass
+class ExpertWeights:
+    """The local experts' weights, stored out x in.
+
+    Attributes:
+        scheme: the quantization scheme.
+        w13: ``[E, 2I, H]`` gate rows then up rows (bf16/fp16/fp32, int8 or e4m3).
+        w2: ``[E, H, I]``.
+        w13_scale: fp32 ``[E, 2I, 1]`` (channel) or ``[E, 2I/128, H/128]`` (block), else ``None``.
+        w2_scale: fp32 ``[E, H, 1]`` or ``[E, H/128, I/128]``, else ``None``.
+    """
+
+    scheme: QuantScheme
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.w13.shape[2]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w2.shape[2]
+
+
+class ExpertsBackend(ABC):
+    """Base class of experts backends.
+
+    Class attributes:
+        name: the value of the layer's ``backend=`` argument that selects it.
+        schemes: scheme names it implements.
+        layouts: ``"contiguous"`` and/or ``"masked"``.
+
+    Instances carry only configuration (scheme, accumulator); nothing per batch.
+    """
+
+    name: ClassVar[str]
+    schemes: ClassVar[frozenset[str]]
+    layouts: ClassVar[frozenset[str]]
+
+    def __init__(self, scheme: QuantScheme, *, accumulator: str = "fp32") -> None:
+        if accumulator not in ACCUMULATORS:
+            raise ValueError(f"accumulator={accumulator!r}; allowed: {list(ACCUMULATORS)}")
+        if accumulator == "int32" and scheme.name != "int8_channel":
+            raise ValueError(
+                f"accumulator='int32' applies to quant='int8_channel' only; got quant={scheme.name!r}"
+            )
+        self.scheme = scheme
+        self.accumulator = accumulator
+
+    @property
+    def alignment(self) -> int:
+        """Rows each expert segment of the contiguous layout is padded to."""
+        return 1
+
+    @classmethod
+    def available(cls, device: torch.device) -> tuple[bool, str]:
+        """Whether the libraries and hardware this backend needs are present on ``device``."""
+        return True, "available"
+
+    @classmethod
+    def supports(
+        cls, scheme: QuantScheme, layout: str, device: torch.device, hidden: int, intermediate: int
+    ) -> tuple[bool, str]:
+        """Whether this backend can run ``scheme`` on ``layout`` for these sizes on ``device``."""
+        if scheme.name not in cls.schemes:
+            return False, f"does not implement quant={scheme.name!r} (has {sorted(cls.schemes)})"
+        if layout not in cls.layouts:
+            return False, f"does not implement the {layout} layout (has {sorted(cls.layouts)})"
+        return cls.available(device)
+
+    def prepare_weights(self, weights: ExpertWeights) -> ExpertWeights:
+        """Hook for a backend-specific weight layout, called once after weights change."""
+        return weights
+
+    @abstractmethod
+    def run_contiguous(
+        self, batch: ContiguousBatch, weights: ExpertWeights, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Experts over the contiguous layout: returns ``[M, H]`` of ``out_dtype`` (padding rows
+        hold anything)."""
+
+    @abstractmethod
+    def run_masked(
+        self, batch: MaskedBatch, weights: ExpertWeights, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Experts over the masked layout: returns ``[E, cap, H]`` of ``out_dtype`` (rows past
+        ``masked_m`` hold anything)."""

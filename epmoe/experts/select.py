@@ -1,0 +1,114 @@
+"""Choosing an experts backend: capability predicates that return reasons.
+
+Backends are imported lazily by dotted path, so a missing optional library (DeepGEMM, sgl-kernel)
+turns into a refusal with a reason instead of an import error at ``import epmoe``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import torch
+
+from ..quant.schemes import QuantScheme
+from .base import ExpertsBackend
+
+log = logging.getLogger("epmoe")
+
+BACKENDS: dict[str, str] = {
+    "torch": "epmoe.experts.torch_backend:TorchBackend",
+    "triton": "epmoe.experts.triton_backend:TritonBackend",
+    "deepgemm": "epmoe.experts.deepgemm_backend:DeepGemmBackend",
+    "cutlass": "epmoe.experts.cutlass_backend:CutlassBackend",
+}
+
+AUTO_ORDER: dict[str, tuple[str, ...]] = {
+    "bf16": ("triton", "torch"),
+    "int8_channel": ("triton", "torch"),
+    "int8_block": ("triton", "torch"),
+    "fp8_block": ("cutlass", "deepgemm", "torch"),
+}
+"""Preference of ``backend="auto"`` per scheme, fastest first; ``torch`` runs anywhere."""
+
+AUTO_DEVICE_TYPES: dict[str, frozenset[str]] = {"torch": frozenset({"cpu", "cuda"})}
+"""Device types where ``auto`` may pick a backend; others are GPU-only for ``auto`` (Triton's
+CPU interpreter is for tests, far too slow to be picked silently)."""
+
+
+def load_backend(name: str) -> tuple[type[ExpertsBackend] | None, str]:
+    """Import backend ``name``; returns ``(class, "")`` or ``(None, reason)``."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend={name!r} is not known; allowed: {['auto', *BACKENDS]}")
+    module, _, attr = BACKENDS[name].partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr), ""
+    except ImportError as exc:  # an optional dependency of that backend is missing
+        return None, f"cannot be imported ({exc})"
+
+
+def backend_decisions(
+    scheme: QuantScheme,
+    layouts: frozenset[str],
+    device: torch.device,
+    hidden: int,
+    intermediate: int,
+    candidates: tuple[str, ...],
+) -> list[tuple[str, type[ExpertsBackend] | None, str]]:
+    """For each candidate name: ``(name, class or None when refused, reason)``."""
+    out = []
+    for name in candidates:
+        cls, reason = load_backend(name)
+        if cls is not None:
+            for layout in sorted(layouts):
+                ok, reason = cls.supports(scheme, layout, device, hidden, intermediate)
+                if not ok:
+                    cls = None
+                    break
+        out.append((name, cls, reason))
+    return out
+
+
+class BackendUnavailableError(RuntimeError):
+    """A forced backend (argument or environment) cannot run here."""
+
+
+def select_backend(
+    requested: str,
+    scheme: QuantScheme,
+    layouts: frozenset[str],
+    device: torch.device,
+    hidden: int,
+    intermediate: int,
+) -> tuple[type[ExpertsBackend], list[str]]:
+    """Pick the backend class; returns it and log lines (the choice and every refusal).
+
+    ``requested="auto"`` walks :data:`AUTO_ORDER`; a named backend that cannot run raises
+    :class:`BackendUnavailableError` with the reason (never a silent fallback).
+    """
+    if requested == "auto":
+        candidates = AUTO_ORDER[scheme.name]
+    else:
+        load_backend(requested)  # validates the name
+        candidates = (requested,)
+    lines = []
+    for name, cls, reason in backend_decisions(
+        scheme, layouts, device, hidden, intermediate, candidates
+    ):
+        if cls is not None and requested == "auto":
+            allowed = AUTO_DEVICE_TYPES.get(name, frozenset({"cuda"}))
+            if device.type not in allowed:
+                cls, reason = None, f"auto picks it on {sorted(allowed)} only (force it to use it)"
+        if cls is None:
+            if requested != "auto":
+                raise BackendUnavailableError(
+                    f"backend={requested!r} cannot run quant={scheme.name!r} on "
+                    f"{device} with layouts {sorted(layouts)}: {reason}"
+                )
+            lines.append(f"experts backend {name!r} refused: {reason}")
+            continue
+        lines.append(f"experts backend {name!r} chosen for quant={scheme.name!r} on {device}")
+        return cls, lines
+    raise BackendUnavailableError(
+        f"no experts backend can run quant={scheme.name!r} on {device}: " + "; ".join(lines)
+    )

@@ -1,0 +1,72 @@
+"""The reference experts backend: dequantized weights, emulated activation quantization, fp32.
+
+It runs on any device and every scheme, one expert at a time, and is what every faster backend is
+tested against. It quantizes activations with :mod:`epmoe.quant.reference` and then computes in
+fp32, so its only differences from an exact integer/e4m3 kernel are fp32 summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..layouts import ContiguousBatch, MaskedBatch
+from ..quant.reference import dequantize_rows, dequantize_weight, fake_quantize_act
+from ..quant.schemes import QuantScheme
+from .base import ExpertsBackend, ExpertWeights
+
+
+def gemm_input(x: torch.Tensor, x_scale: torch.Tensor | None, scheme: QuantScheme) -> torch.Tensor:
+    """The fp32 activation a GEMM of ``scheme`` sees for input ``x`` (float or quantized)."""
+    if x_scale is None:
+        return fake_quantize_act(x, scheme)
+    xf = dequantize_rows(x, x_scale)
+    same_format = x.dtype == scheme.qdtype and x_scale.shape[-1] == scheme.act_scale_cols(x.shape[-1])
+    return xf if same_format else fake_quantize_act(xf, scheme)
+
+
+def expert_mlp(xq: torch.Tensor, weights: ExpertWeights, e: int) -> torch.Tensor:
+    """``w2[e] . fq(silu(gate) * up)`` in fp32 for the fp32 GEMM input ``xq [m, H]``."""
+    w13 = dequantize_weight(weights.w13[e : e + 1], _slice(weights.w13_scale, e))[0]
+    w2 = dequantize_weight(weights.w2[e : e + 1], _slice(weights.w2_scale, e))[0]
+    gate_up = xq @ w13.t()
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = fake_quantize_act(F.silu(gate) * up, weights.scheme)
+    return act @ w2.t()
+
+
+def _slice(scale: torch.Tensor | None, e: int) -> torch.Tensor | None:
+    return None if scale is None else scale[e : e + 1]
+
+
+class TorchBackend(ExpertsBackend):
+    name = "torch"
+    schemes = frozenset({"bf16", "int8_channel", "int8_block", "fp8_block"})
+    layouts = frozenset({"contiguous", "masked"})
+
+    def run_contiguous(
+        self, batch: ContiguousBatch, weights: ExpertWeights, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        out = torch.zeros(batch.x.shape[0], weights.hidden_size, dtype=out_dtype, device=batch.x.device)
+        offsets = batch.expert_offsets.tolist()
+        for e, n in enumerate(batch.num_rows):
+            if n == 0:
+                continue
+            rows = slice(offsets[e], offsets[e] + n)
+            scale = None if batch.x_scale is None else batch.x_scale[rows]
+            xq = gemm_input(batch.x[rows], scale, self.scheme)
+            out[rows] = expert_mlp(xq, weights, e).to(out_dtype)
+        return out
+
+    def run_masked(
+        self, batch: MaskedBatch, weights: ExpertWeights, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        e_loc, cap, _ = batch.x.shape
+        out = torch.zeros(e_loc, cap, weights.hidden_size, dtype=out_dtype, device=batch.x.device)
+        for e, n in enumerate(batch.masked_m.tolist()):
+            if n == 0:
+                continue
+            scale = None if batch.x_scale is None else batch.x_scale[e, :n]
+            xq = gemm_input(batch.x[e, :n], scale, self.scheme)
+            out[e, :n] = expert_mlp(xq, weights, e).to(out_dtype)
+        return out

@@ -1,0 +1,195 @@
+"""Tile configs of the grouped GEMMs, looked up per (device, mode, N, K, rows per expert).
+
+Tuned configs ship as package data, one JSON file per device name in ``epmoe/configs/`` (the
+name with every non-alphanumeric character replaced by ``_``, e.g. ``NVIDIA_H200.json``)::
+
+    {"device": "NVIDIA H200", "triton": "3.6.0", "source": "...",
+     "configs": {"int8_channel": {"N=4096,K=7168": {"8": {"BLOCK_M": 16, ...}, ...}}}}
+
+A lookup takes the entry for the smallest tuned row bucket that is >= the batch's rows per expert
+(the largest bucket past the end). Shapes or devices without an entry get :func:`default_config`,
+a heuristic that fits the device's shared memory. ``EPMOE_CONFIG_DIR`` adds a directory searched
+before the package's own. ``epmoe tune`` regenerates the files.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+PACKAGE_DIR = Path(__file__).resolve().parent.parent / "configs"
+INT32_ACC_MODE = "int8_channel_int32"
+"""Mode key of the int32-accumulator variant; falls back to ``int8_channel`` entries."""
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One tile config of the grouped GEMM kernel."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    swap_ab: bool = False
+    num_warps: int = 4
+    num_stages: int = 3
+
+    _KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SWAP_AB", "num_warps", "num_stages")
+
+    def to_dict(self) -> dict:
+        values = asdict(self)
+        return dict(zip(self._KEYS, values.values()))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GemmConfig":
+        unknown = set(d) - set(cls._KEYS)
+        if unknown:
+            raise ValueError(f"unknown config keys {sorted(unknown)}; allowed: {list(cls._KEYS)}")
+        missing = {"BLOCK_M", "BLOCK_N", "BLOCK_K"} - set(d)
+        if missing:
+            raise ValueError(f"config {d} lacks {sorted(missing)}")
+        cfg = cls(
+            int(d["BLOCK_M"]), int(d["BLOCK_N"]), int(d["BLOCK_K"]), int(d.get("GROUP_M", 8)),
+            bool(d.get("SWAP_AB", False)), int(d.get("num_warps", 4)), int(d.get("num_stages", 3)),
+        )
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name.upper()}={v}; must be a power of two >= 16")
+        if self.group_m < 1 or self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"config {self.to_dict()} has an invalid GROUP_M, num_warps or num_stages")
+
+    def smem_bytes(self, elem_bytes: int) -> int:
+        """Shared memory the pipelined A and B tiles need."""
+        return (self.block_m + self.block_n) * self.block_k * elem_bytes * self.num_stages
+
+
+def device_name(device: torch.device | str | None = None) -> str:
+    """The name configs are keyed by: the CUDA device name, or ``"cpu"``."""
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type != "cuda":
+        return "cpu"
+    if not torch.cuda.is_available():
+        return "cpu"
+    return torch.cuda.get_device_name(device)
+
+
+def config_filename(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_") + ".json"
+
+
+def shape_key(n: int, k: int) -> str:
+    return f"N={n},K={k}"
+
+
+@functools.lru_cache(maxsize=None)
+def load_table(name: str) -> dict:
+    """``{mode: {shape_key: {bucket: config dict}}}`` for a device name (empty when none ships)."""
+    dirs = [Path(p) for p in os.environ.get("EPMOE_CONFIG_DIR", "").split(os.pathsep) if p]
+    for d in dirs + [PACKAGE_DIR]:
+        path = d / config_filename(name)
+        if path.is_file():
+            with open(path) as f:
+                data = json.load(f)
+            table = data.get("configs")
+            if not isinstance(table, dict):
+                raise ValueError(f"{path}: expected a 'configs' object")
+            return table
+    return {}
+
+
+def pick_bucket(buckets: dict, m_per_expert: float) -> dict | None:
+    """Entry of the smallest bucket >= ``m_per_expert``, else of the largest bucket."""
+    if not buckets:
+        return None
+    keys = sorted(int(b) for b in buckets)
+    chosen = next((b for b in keys if b >= m_per_expert), keys[-1])
+    return buckets[str(chosen)]
+
+
+def get_config(
+    mode: str,
+    n: int,
+    k: int,
+    m_per_expert: float,
+    *,
+    device: torch.device | str | None = None,
+    accumulator: str = "fp32",
+) -> GemmConfig:
+    """The config for one grouped GEMM call (tuned entry if one ships, else the default)."""
+    name = device_name(device)
+    table = load_table(name)
+    keys = [INT32_ACC_MODE, mode] if accumulator == "int32" else [mode]
+    for key in keys:
+        entry = pick_bucket(table.get(key, {}).get(shape_key(n, k), {}), m_per_expert)
+        if entry is not None:
+            cfg = GemmConfig.from_dict(entry)
+            if mode == "int8_block" and 128 % cfg.block_k:
+                cfg = _with(cfg, block_k=128)
+            return cfg
+    return default_config(mode, m_per_expert, device=device)
+
+
+def default_config(mode: str, m_per_expert: float, *, device: torch.device | str | None = None) -> GemmConfig:
+    """Heuristic tiles: weight-streaming shapes for small batches, large MMA tiles for big ones."""
+    if device_name(device) == "cpu":
+        # Triton's interpreter: few large programs are fastest; MMA shapes do not matter.
+        return GemmConfig(16 if m_per_expert <= 16 else 32, 64, 64, 8, False, 4, 1)
+    int8 = mode != "bf16"
+    kb = 128 if int8 else 64
+    if m_per_expert <= 16:
+        cfg = GemmConfig(16, 128, 256 if int8 else 128, 1, False, 4, 4)
+    elif m_per_expert <= 32:
+        cfg = GemmConfig(32, 128, 256 if int8 else 128, 1, False, 4, 4)
+    elif m_per_expert <= 64:
+        cfg = GemmConfig(64, 128, kb, 8, False, 4, 4)
+    elif m_per_expert <= 256:
+        cfg = GemmConfig(128, 128, kb, 8, False, 8, 4)
+    else:
+        cfg = GemmConfig(128, 256, kb, 8, False, 8, 3)
+    if mode == "int8_block" and cfg.block_k > 128:
+        cfg = _with(cfg, block_k=128, num_stages=cfg.num_stages + 2)
+    return fit_shared_memory(cfg, 1 if int8 else 2, device)
+
+
+def fit_shared_memory(cfg: GemmConfig, elem_bytes: int, device) -> GemmConfig:
+    """Drop pipeline stages (then K width) until the tiles fit the device's shared memory."""
+    limit = _smem_limit(device)
+    while cfg.smem_bytes(elem_bytes) > limit and cfg.num_stages > 2:
+        cfg = _with(cfg, num_stages=cfg.num_stages - 1)
+    while cfg.smem_bytes(elem_bytes) > limit and cfg.block_k > 32:
+        cfg = _with(cfg, block_k=cfg.block_k // 2)
+    return cfg
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_limit_cached(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    optin = getattr(props, "shared_memory_per_block_optin", 0) or 0
+    # Leave room for the kernel's own scratch (reductions, layout conversions).
+    return max(optin, 48 * 1024) - 8 * 1024
+
+
+def _smem_limit(device) -> int:
+    if not torch.cuda.is_available():
+        return 1 << 30
+    d = torch.device(device) if device is not None else torch.device("cuda")
+    if d.type != "cuda":
+        return 1 << 30
+    return _smem_limit_cached(d.index if d.index is not None else torch.cuda.current_device())
+
+
+def _with(cfg: GemmConfig, **changes) -> GemmConfig:
+    d = asdict(cfg)
+    d.update(changes)
+    return GemmConfig(**d)

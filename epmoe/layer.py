@@ -1,0 +1,437 @@
+"""``DeepEPMoELayer``: the routed experts of a DeepSeek-V3/R1-class MoE block under expert
+parallelism. It builds the three seams (router, dispatcher, experts backend), checks the contract
+between them once, and composes them per batch:
+
+    route -> quantize -> dispatch -> experts (GEMM1, SiLU*up, GEMM2) -> weigh -> combine
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .dispatch.base import DispatchConfig, Dispatched
+from .dispatch.select import select_dispatcher
+from .experts.base import ExpertWeights
+from .experts.select import select_backend
+from .layouts import MaskedBatch, gather_weighted, to_contiguous
+from .quant.payload import choose_payload, quantize_payload
+from .quant.schemes import BLOCK, get_scheme
+from .routing import check_routing_config, select_experts
+
+log = logging.getLogger("epmoe")
+
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+LOW_LATENCY_INT8_PAYLOADS = ("float", "fp8_group")
+
+_EXPERT_NAME = re.compile(
+    r"(?:^|\.)experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale|weight_scale_inv)$"
+)
+_BIAS_NAME = re.compile(r"(?:^|\.)e_score_correction_bias$")
+
+
+def _resolve_group(group) -> tuple[object, int, int]:
+    """``(group, world_size, rank)``; ``None`` means the default group when one exists."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return None, 1, 0
+    return group, dist.get_world_size(group), dist.get_rank(group)
+
+
+def _default_device(device) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class DeepEPMoELayer(nn.Module):
+    """Routed experts with expert parallelism.
+
+    Each of the ``world_size`` ranks of ``group`` owns ``num_experts / world_size`` consecutive
+    experts (rank ``r`` owns global ids ``[r * E_loc, (r + 1) * E_loc)``) and holds only their
+    weights.
+
+    Args:
+        num_experts: global routed experts ``E``.
+        top_k: experts per token.
+        hidden_size: ``H``.
+        intermediate_size: ``I`` (per expert).
+        quant: ``"bf16" | "int8_channel" | "int8_block" | "fp8_block"``.
+        backend: ``"auto" | "torch" | "triton" | "deepgemm" | "cutlass"`` (env ``EPMOE_BACKEND``
+            overrides ``"auto"``).
+        dispatch: ``"auto" | "local" | "all_to_all" | "deepep_normal" | "deepep_low_latency" |
+            "deepep_auto"`` (env ``EPMOE_DISPATCH`` overrides ``"auto"``).
+        group: torch.distributed process group; ``None`` is the default group when one is
+            initialized, else a single process.
+        params_dtype: dtype of unquantized weights (``bf16`` scheme).
+        device: where weights and tokens live (default: the current CUDA device, else CPU).
+        renormalize, scoring_func, num_expert_group, topk_group, routed_scaling_factor: routing
+            options, see :func:`epmoe.routing.select_experts`.
+        use_correction_bias: hold an ``e_score_correction_bias [E]`` fp32 parameter (DeepSeek-V3).
+        accumulator: ``"fp32"`` or ``"int32"`` cross-K accumulator (``int8_channel`` only).
+        timeout_s: seconds a rank waits on a collective before raising.
+        max_tokens_per_rank: capacity of low-latency dispatch (tokens per rank per batch).
+        deepep_buffer: a :class:`epmoe.dispatch.deepep.DeepEPBuffer` shared by the layers of one
+            group (created on demand when ``None`` and DeepEP is chosen).
+        low_latency_int8_payload: for INT8 schemes over low-latency dispatch, ``"float"`` (send
+            BF16, quantize after) or ``"fp8_group"`` (send FP8, requantize); see docs/deepep.md.
+        validate: check inputs (shapes, dtypes, expert-id range, finite router logits); range and
+            finiteness checks cost a host sync and are skipped during CUDA-graph capture.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        quant: str = "bf16",
+        backend: str = "auto",
+        dispatch: str = "auto",
+        group=None,
+        params_dtype: torch.dtype = torch.bfloat16,
+        device=None,
+        renormalize: bool = True,
+        scoring_func: str = "softmax",
+        num_expert_group: int | None = None,
+        topk_group: int | None = None,
+        routed_scaling_factor: float = 1.0,
+        use_correction_bias: bool = False,
+        accumulator: str = "fp32",
+        timeout_s: float = 300.0,
+        max_tokens_per_rank: int = 128,
+        deepep_buffer=None,
+        low_latency_int8_payload: str = "float",
+        validate: bool = True,
+    ) -> None:
+        super().__init__()
+        self.scheme = get_scheme(quant)
+        check_routing_config(num_experts, top_k, scoring_func, num_expert_group, topk_group)
+        for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+            if self.scheme.needs_block_alignment and value % BLOCK:
+                raise ValueError(
+                    f"{name}={value} must be a multiple of {BLOCK} for quant={quant!r} "
+                    "(128x128 weight blocks, 1x128 activation groups)"
+                )
+        if params_dtype not in INPUT_DTYPES:
+            raise ValueError(f"params_dtype={params_dtype}; allowed: {list(INPUT_DTYPES)}")
+        if low_latency_int8_payload not in LOW_LATENCY_INT8_PAYLOADS:
+            raise ValueError(
+                f"low_latency_int8_payload={low_latency_int8_payload!r}; allowed: "
+                f"{list(LOW_LATENCY_INT8_PAYLOADS)}"
+            )
+        self.group, self.world_size, self.rank = _resolve_group(group)
+        if num_experts % self.world_size:
+            raise ValueError(
+                f"num_experts={num_experts} is not divisible by the EP size {self.world_size} "
+                "(each rank must own the same number of experts)"
+            )
+        self.num_experts, self.top_k = num_experts, top_k
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.num_local_experts = num_experts // self.world_size
+        self.first_expert = self.rank * self.num_local_experts
+        self.params_dtype = params_dtype
+        self.device = _default_device(device)
+        self.routing = dict(
+            renormalize=renormalize,
+            scoring_func=scoring_func,
+            num_expert_group=num_expert_group,
+            topk_group=topk_group,
+            routed_scaling_factor=routed_scaling_factor,
+        )
+        self.validate = validate
+        self.low_latency_int8_payload = low_latency_int8_payload
+        self._create_parameters(use_correction_bias)
+
+        if dispatch == "auto":
+            dispatch = os.environ.get("EPMOE_DISPATCH", "auto")
+        if backend == "auto":
+            backend = os.environ.get("EPMOE_BACKEND", "auto")
+        cfg = DispatchConfig(
+            num_experts=num_experts,
+            hidden_size=hidden_size,
+            top_k=top_k,
+            group=self.group,
+            world_size=self.world_size,
+            rank=self.rank,
+            device=self.device,
+            timeout_s=timeout_s,
+            max_tokens_per_rank=max_tokens_per_rank,
+            deepep_buffer=deepep_buffer,
+        )
+        dispatcher_cls, dlines = select_dispatcher(dispatch, cfg)
+        backend_cls, blines = select_backend(
+            backend, self.scheme, dispatcher_cls.layouts, self.device, hidden_size, intermediate_size
+        )
+        self.backend = backend_cls(self.scheme, accumulator=accumulator)
+        cfg.alignment = self.backend.alignment
+        self.dispatcher = dispatcher_cls(cfg)
+        self.payload = choose_payload(
+            self.scheme, dispatcher_cls.payloads, self.low_latency_int8_payload
+        )
+        self._prepared: ExpertWeights | None = None
+        for line in dlines + blines:
+            log.info("rank %d: %s", self.rank, line)
+        log.info(
+            "rank %d: DeepEPMoELayer E=%d (local %d from %d) top_k=%d H=%d I=%d quant=%s "
+            "backend=%s dispatch=%s payload=%s",
+            self.rank, num_experts, self.num_local_experts, self.first_expert, top_k,
+            hidden_size, intermediate_size, quant, self.backend.name, self.dispatcher.name,
+            self.payload,
+        )  # fmt: skip
+
+    # ----------------------------------------------------------------------------- parameters
+    def _create_parameters(self, use_correction_bias: bool) -> None:
+        e, h, i = self.num_local_experts, self.hidden_size, self.intermediate_size
+        wdtype = self.scheme.qdtype or self.params_dtype
+
+        def param(*shape, dtype):
+            return nn.Parameter(torch.zeros(shape, dtype=dtype, device=self.device), requires_grad=False)
+
+        self.w13_weight = param(e, 2 * i, h, dtype=wdtype)
+        self.w2_weight = param(e, h, i, dtype=wdtype)
+        s13 = self.scheme.weight_scale_shape(e, 2 * i, h)
+        s2 = self.scheme.weight_scale_shape(e, h, i)
+        self.w13_weight_scale = None if s13 is None else param(*s13, dtype=torch.float32)
+        self.w2_weight_scale = None if s2 is None else param(*s2, dtype=torch.float32)
+        self.e_score_correction_bias = (
+            param(self.num_experts, dtype=torch.float32) if use_correction_bias else None
+        )
+
+    def expert_weights(self) -> ExpertWeights:
+        """The local experts' weights as the backend contract wants them."""
+        return ExpertWeights(
+            self.scheme, self.w13_weight, self.w2_weight, self.w13_weight_scale, self.w2_weight_scale
+        )
+
+    @torch.no_grad()
+    def load_experts(
+        self,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        w13_scale: torch.Tensor | None = None,
+        w2_scale: torch.Tensor | None = None,
+    ) -> None:
+        """Load weights of all ``E`` experts (global tensors); this rank keeps its slice.
+
+        Args:
+            w13: ``[E, 2I, H]`` in the scheme's storage dtype (int8 / e4m3 / float for bf16).
+            w2: ``[E, H, I]``.
+            w13_scale, w2_scale: fp32 scales of the scheme's shape over all ``E`` experts.
+        """
+        sl = slice(self.first_expert, self.first_expert + self.num_local_experts)
+        items = [("w13", w13, self.w13_weight), ("w2", w2, self.w2_weight)]
+        if self.scheme.quantized:
+            for name, scale in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+                if scale is None:
+                    raise ValueError(f"{name} is required for quant={self.scheme.name!r}")
+            items += [
+                ("w13_scale", w13_scale, self.w13_weight_scale),
+                ("w2_scale", w2_scale, self.w2_weight_scale),
+            ]
+        for name, src, dst in items:
+            expected = (self.num_experts, *dst.shape[1:])
+            if tuple(src.shape) != expected:
+                raise ValueError(f"{name} has shape {tuple(src.shape)}; expected {list(expected)}")
+            self._check_dtype(name, src, dst)
+            dst.copy_(src[sl])
+        self._prepared = None
+
+    def _check_dtype(self, name: str, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if dst.dtype in (torch.int8, torch.float8_e4m3fn) and src.dtype != dst.dtype:
+            raise TypeError(
+                f"{name} has dtype {src.dtype}; quant={self.scheme.name!r} stores {dst.dtype} "
+                "(convert the checkpoint with `epmoe convert`)"
+            )
+        if not src.is_floating_point() and dst.is_floating_point():
+            raise TypeError(f"{name} has dtype {src.dtype}; expected a floating-point tensor")
+
+    @torch.no_grad()
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = True
+    ) -> set[str]:
+        """Load checkpoint tensors named the DeepSeek/HF way.
+
+        Names end in ``experts.{e}.{gate_proj|up_proj|down_proj}.{weight|weight_scale|
+        weight_scale_inv}`` with a global expert id ``e`` (any prefix), or in
+        ``e_score_correction_bias``. Both scale names mean the multiplier that dequantizes
+        (``w = q * scale``): ``[N, 1]`` per channel or ``[ceil(N/128), ceil(K/128)]`` per block.
+        Experts of other ranks are skipped.
+
+        Args:
+            named_tensors: ``(name, tensor)`` pairs.
+            strict: raise on names that match neither pattern (else skip them).
+
+        Returns:
+            The names that were loaded into this rank's parameters.
+        """
+        loaded = set()
+        i, h = self.intermediate_size, self.hidden_size
+        for name, tensor in named_tensors:
+            if _BIAS_NAME.search(name) and self.e_score_correction_bias is not None:
+                if tuple(tensor.shape) != (self.num_experts,):
+                    raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected [{self.num_experts}]")
+                self.e_score_correction_bias.copy_(tensor.float())
+                loaded.add(name)
+                continue
+            m = _EXPERT_NAME.search(name)
+            if m is None:
+                if strict:
+                    raise ValueError(
+                        f"checkpoint tensor {name!r} is not an expert weight: expected names ending "
+                        "in 'experts.<id>.<gate_proj|up_proj|down_proj>.<weight|weight_scale|"
+                        "weight_scale_inv>' or 'e_score_correction_bias' (pass strict=False to skip)"
+                    )
+                continue
+            expert, proj, kind = int(m.group(1)), m.group(2), m.group(3)
+            if expert >= self.num_experts:
+                raise ValueError(f"{name}: expert id {expert} is out of range [0, {self.num_experts})")
+            local = expert - self.first_expert
+            if not 0 <= local < self.num_local_experts:
+                continue
+            rows = {"gate_proj": slice(0, i), "up_proj": slice(i, 2 * i), "down_proj": slice(0, h)}[proj]
+            n, k = (i, h) if proj != "down_proj" else (h, i)
+            if kind == "weight":
+                dst = (self.w2_weight if proj == "down_proj" else self.w13_weight)[local, rows]
+                expected = (n, k)
+            else:
+                if not self.scheme.quantized:
+                    raise ValueError(f"{name}: quant='bf16' takes no weight scales")
+                full = self.w2_weight_scale if proj == "down_proj" else self.w13_weight_scale
+                dst, expected = self._scale_slot(full[local], proj, n, k)
+                if tensor.dim() == 1 and self.scheme.weight_granularity == "channel":
+                    tensor = tensor.unsqueeze(1)
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected {list(expected)}")
+            self._check_dtype(name, tensor, dst)
+            dst.copy_(tensor)
+            loaded.add(name)
+        self._prepared = None
+        return loaded
+
+    def _scale_slot(self, scale: torch.Tensor, proj: str, n: int, k: int):
+        """The view of one expert's scale tensor that ``proj`` fills, and its expected shape."""
+        if self.scheme.weight_granularity == "channel":
+            if proj == "down_proj":
+                return scale, (n, 1)
+            start = 0 if proj == "gate_proj" else n
+            return scale[start : start + n], (n, 1)
+        nb, kb = -(-n // BLOCK), -(-k // BLOCK)
+        if proj == "down_proj":
+            return scale, (nb, kb)
+        start = 0 if proj == "gate_proj" else nb
+        return scale[start : start + nb], (nb, kb)
+
+    # ---------------------------------------------------------------------------------- forward
+    def _check_inputs(self, hidden_states, router_logits, topk_ids, topk_weights) -> None:
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2:
+            raise ValueError(
+                f"hidden_states must be a [T, hidden_size={self.hidden_size}] tensor; got "
+                f"{tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__}"
+            )
+        t, h = hidden_states.shape
+        if h != self.hidden_size:
+            raise ValueError(f"hidden_states has hidden size {h}; the layer has hidden_size={self.hidden_size}")
+        if hidden_states.dtype not in INPUT_DTYPES:
+            raise TypeError(f"hidden_states has dtype {hidden_states.dtype}; allowed: {list(INPUT_DTYPES)}")
+        if hidden_states.device.type != self.device.type:
+            raise ValueError(f"hidden_states is on {hidden_states.device}; the layer is on {self.device}")
+        if (router_logits is None) == (topk_ids is None and topk_weights is None):
+            raise ValueError("pass either router_logits or both topk_ids and topk_weights")
+        if router_logits is not None:
+            if tuple(router_logits.shape) != (t, self.num_experts):
+                raise ValueError(
+                    f"router_logits has shape {tuple(router_logits.shape)}; expected [{t}, {self.num_experts}]"
+                )
+            if not router_logits.is_floating_point():
+                raise TypeError(f"router_logits has dtype {router_logits.dtype}; expected floating point")
+            return
+        if topk_ids is None or topk_weights is None:
+            raise ValueError("topk_ids and topk_weights must be given together")
+        for name, tensor in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if tuple(tensor.shape) != (t, self.top_k):
+                raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected [{t}, {self.top_k}]")
+        if topk_ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"topk_ids has dtype {topk_ids.dtype}; allowed: int32, int64")
+        if not topk_weights.is_floating_point():
+            raise TypeError(f"topk_weights has dtype {topk_weights.dtype}; expected floating point")
+
+    def _check_values(self, router_logits, topk_ids) -> None:
+        """Value checks that need a host sync; skipped while a CUDA graph is being captured."""
+        if not self.validate or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return
+        if router_logits is not None and router_logits.numel() and not bool(torch.isfinite(router_logits).all()):
+            raise ValueError("router_logits contain NaN or Inf; routing on them is undefined")
+        if topk_ids is not None and topk_ids.numel():
+            lo, hi = int(topk_ids.min()), int(topk_ids.max())
+            if lo < 0 or hi >= self.num_experts:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"topk_ids contains expert id {bad}, outside [0, {self.num_experts})")
+
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[T, E]`` logits -> ``(topk_ids [T, k] int64, topk_weights [T, k] fp32)``."""
+        return select_experts(
+            router_logits, self.top_k, correction_bias=self.e_score_correction_bias, **self.routing
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor | None = None,
+        *,
+        topk_ids: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Routed-experts output for this rank's tokens.
+
+        Args:
+            hidden_states: ``[T, H]`` bf16/fp16/fp32 (``T = 0`` allowed).
+            router_logits: ``[T, E]``; or instead ``topk_ids [T, k]`` (int, global ids) and
+                ``topk_weights [T, k]``.
+
+        Returns:
+            ``[T, H]`` in the dtype of ``hidden_states``. A NaN/Inf in a token's hidden state makes
+            that token's output non-finite and leaves the other tokens' outputs unchanged.
+        """
+        self._check_inputs(hidden_states, router_logits, topk_ids, topk_weights)
+        self._check_values(router_logits, topk_ids)
+        if router_logits is not None:
+            topk_ids, topk_weights = self.route(router_logits)
+        x, x_scale = quantize_payload(hidden_states, self.payload)
+        dispatched = self.dispatcher.dispatch(x, x_scale, topk_ids.long(), topk_weights.float())
+        y = self._run_experts(dispatched, hidden_states.dtype)
+        return self.dispatcher.combine(y, dispatched).to(hidden_states.dtype)
+
+    def _weights(self) -> ExpertWeights:
+        if self._prepared is None:
+            self._prepared = self.backend.prepare_weights(self.expert_weights())
+        return self._prepared
+
+    def _run_experts(self, d: Dispatched, dtype: torch.dtype) -> torch.Tensor:
+        """Experts on what arrived; returns what ``combine`` takes."""
+        if d.layout == "masked":
+            batch = MaskedBatch(d.x, d.x_scale, d.masked_m, d.expected_m)
+            return self.backend.run_masked(batch, self._weights(), dtype)
+        batch = to_contiguous(d.x, d.x_scale, d.topk_ids, self.num_local_experts, self.backend.alignment)
+        out = self.backend.run_contiguous(batch, self._weights(), dtype)
+        weights = d.topk_weights
+        if d.combine_applies_weights:
+            weights = torch.ones_like(weights)
+        return gather_weighted(out, batch.slot_pos, weights).to(dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, local={self.num_local_experts}, top_k={self.top_k}, "
+            f"hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
+            f"quant={self.scheme.name}, backend={self.backend.name}, dispatch={self.dispatcher.name}"
+        )

@@ -1,0 +1,198 @@
+"""The two expert layouts and the conversions between received tokens and them.
+
+This module is the contract between the dispatcher seam and the experts seam: dispatchers deliver
+received tokens (to be scattered into the contiguous layout) or a masked batch; backends consume a
+:class:`ContiguousBatch` or a :class:`MaskedBatch`. Neither seam imports the other, both import this.
+
+Shapes (``R`` received tokens, ``k`` top-k, ``E`` local experts, ``H`` hidden, ``S`` scale columns):
+
+* received tokens: ``x [R, H]``, ``x_scale [R, S] | None``, ``topk_ids [R, k]`` int64 *local*
+  expert ids with ``-1`` for slots owned by another rank, ``topk_weights [R, k]`` fp32.
+* contiguous: ``x [M, H]`` rows grouped by expert, each expert's segment padded to ``alignment``.
+* masked: ``x [E, cap, H]`` with the first ``masked_m[e]`` rows of expert ``e`` valid.
+
+The torch functions here are the reference and the CPU path; ``epmoe.kernels.permute`` has the
+Triton versions that :func:`to_contiguous` and :func:`gather_weighted` use on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ContiguousBatch:
+    """Rows grouped by local expert.
+
+    Attributes:
+        x: ``[M, H]`` activations (float, or quantized int8 / e4m3 with ``x_scale``).
+        x_scale: ``[M, S]`` fp32 or ``None``.
+        expert_offsets: ``[E + 1]`` int32; expert ``e`` owns rows ``offsets[e]:offsets[e+1]``
+            (segment lengths are multiples of the backend's alignment).
+        m_indices: ``[M]`` int32 expert of each row, ``-1`` on padding rows.
+        slot_pos: ``[R, k]`` int64 row of each (received token, top-k slot), ``-1`` when the slot is
+            not a local expert. This is the map back used by :func:`gather_weighted`.
+        num_rows: ``[E]`` host list of valid rows per expert (before padding).
+    """
+
+    x: torch.Tensor
+    x_scale: torch.Tensor | None
+    expert_offsets: torch.Tensor
+    m_indices: torch.Tensor
+    slot_pos: torch.Tensor
+    num_rows: list[int]
+
+    @property
+    def num_experts(self) -> int:
+        return self.expert_offsets.numel() - 1
+
+
+@dataclass
+class MaskedBatch:
+    """Fixed-capacity per-expert slabs (what low-latency dispatch delivers).
+
+    Attributes:
+        x: ``[E, cap, H]`` activations; rows past ``masked_m[e]`` are garbage and never read back.
+        x_scale: ``[E, cap, S]`` fp32 or ``None``.
+        masked_m: ``[E]`` int32 valid rows per expert.
+        expected_m: hint for kernels: typical rows per expert.
+    """
+
+    x: torch.Tensor
+    x_scale: torch.Tensor | None
+    masked_m: torch.Tensor
+    expected_m: int
+
+    @property
+    def num_experts(self) -> int:
+        return self.x.shape[0]
+
+
+def _local_slots(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Flat indices ``r * k + j`` of valid slots, ordered by (expert, token) — a stable sort."""
+    flat = topk_ids.reshape(-1)
+    valid = (flat >= 0) & (flat < num_experts)
+    key = torch.where(valid, flat, torch.full_like(flat, num_experts))
+    order = torch.sort(key, stable=True).indices
+    return order[: int(valid.sum())]
+
+
+def to_contiguous(
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    alignment: int = 1,
+) -> ContiguousBatch:
+    """Scatter received tokens into the contiguous layout (one host sync for the row count).
+
+    Args:
+        x: ``[R, H]`` received activations.
+        x_scale: ``[R, S]`` fp32 or ``None``.
+        topk_ids: ``[R, k]`` local expert ids, ``-1`` for other ranks' slots.
+        num_experts: local experts ``E``.
+        alignment: each expert's segment is padded to a multiple of this.
+
+    Returns:
+        A :class:`ContiguousBatch` whose padding rows are zero (scale 1 when quantized scales exist).
+    """
+    r, k = topk_ids.shape
+    device = x.device
+    slots = _local_slots(topk_ids, num_experts)
+    experts = topk_ids.reshape(-1)[slots]
+    counts = torch.bincount(experts, minlength=num_experts)[:num_experts]
+    num_rows = counts.tolist()
+    padded = [-(-c // alignment) * alignment for c in num_rows]
+    offsets_list = [0]
+    for p in padded:
+        offsets_list.append(offsets_list[-1] + p)
+    m = offsets_list[-1]
+    offsets = torch.tensor(offsets_list, dtype=torch.int64, device=device)
+    # Rank of each slot inside its expert segment: slots are sorted by expert, so it is the slot's
+    # position minus the first position of its expert.
+    first = torch.cumsum(counts, 0) - counts
+    within = torch.arange(slots.numel(), device=device) - first[experts]
+    pos = offsets[:-1][experts] + within
+
+    out_x = x.new_zeros((m, x.shape[1]))
+    out_x[pos] = x[slots // k]
+    out_scale = None
+    if x_scale is not None:
+        out_scale = x_scale.new_ones((m, x_scale.shape[1]))
+        out_scale[pos] = x_scale[slots // k]
+    m_indices = torch.full((m,), -1, dtype=torch.int32, device=device)
+    m_indices[pos] = experts.to(torch.int32)
+    slot_pos = torch.full((r * k,), -1, dtype=torch.int64, device=device)
+    slot_pos[slots] = pos
+    return ContiguousBatch(
+        out_x, out_scale, offsets.to(torch.int32), m_indices, slot_pos.reshape(r, k), num_rows
+    )
+
+
+def gather_weighted(
+    expert_out: torch.Tensor, slot_pos: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    """Per received token, the top-k weighted sum of its local experts' rows, in fp32.
+
+    Args:
+        expert_out: ``[M, H]`` backend output on the contiguous layout.
+        slot_pos: ``[R, k]`` int64 rows (``-1`` = not local), from :class:`ContiguousBatch`.
+        topk_weights: ``[R, k]`` fp32.
+
+    Returns:
+        ``[R, H]`` fp32. Tokens with no local slot get zeros.
+    """
+    r, k = slot_pos.shape
+    out = torch.zeros(r, expert_out.shape[1], dtype=torch.float32, device=expert_out.device)
+    for j in range(k):
+        pos = slot_pos[:, j]
+        hit = (pos >= 0).nonzero().squeeze(1)
+        # Only valid rows are read: padding rows may hold garbage (even NaN) from the backend.
+        rows = expert_out[pos[hit]].float()
+        out.index_add_(0, hit, rows * topk_weights[hit, j].float().unsqueeze(1))
+    return out
+
+
+def to_masked(
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    capacity: int,
+) -> tuple[MaskedBatch, torch.Tensor]:
+    """Scatter received tokens into the masked layout (used by tests and the local masked path).
+
+    Returns:
+        The :class:`MaskedBatch` and ``slot_pos [R, k]`` int64 flat row index ``e * cap + i``
+        (``-1`` for non-local slots). Raises ``ValueError`` when an expert has more than
+        ``capacity`` rows.
+    """
+    r, k = topk_ids.shape
+    slots = _local_slots(topk_ids, num_experts)
+    experts = topk_ids.reshape(-1)[slots]
+    counts = torch.bincount(experts, minlength=num_experts)[:num_experts]
+    if slots.numel() and int(counts.max()) > capacity:
+        raise ValueError(
+            f"an expert received {int(counts.max())} rows, over the masked capacity {capacity}"
+        )
+    first = torch.cumsum(counts, 0) - counts
+    within = torch.arange(slots.numel(), device=x.device) - first[experts]
+    flat_pos = experts * capacity + within
+    out_x = x.new_zeros((num_experts * capacity, x.shape[1]))
+    out_x[flat_pos] = x[slots // k]
+    out_scale = None
+    if x_scale is not None:
+        out_scale = x_scale.new_ones((num_experts * capacity, x_scale.shape[1]))
+        out_scale[flat_pos] = x_scale[slots // k]
+        out_scale = out_scale.reshape(num_experts, capacity, -1)
+    slot_pos = torch.full((r * k,), -1, dtype=torch.int64, device=x.device)
+    slot_pos[slots] = flat_pos
+    batch = MaskedBatch(
+        out_x.reshape(num_experts, capacity, -1),
+        out_scale,
+        counts.to(torch.int32),
+        max(1, -(-slots.numel() // max(num_experts, 1))),
+    )
+    return batch, slot_pos.reshape(r, k)

@@ -1,0 +1,224 @@
+"""Single-process layer tests: every scheme against float64 references, both layouts, bad input."""
+
+import logging
+
+import pytest
+import torch
+
+from cases import CASE_NAMES, make_case
+from epmoe.experts.torch_backend import TorchBackend
+from epmoe.layer import DeepEPMoELayer
+from epmoe.layouts import gather_weighted, to_contiguous, to_masked
+from epmoe.quant import get_scheme
+from helpers import SCHEME_NAMES, make_weights
+from reference import moe_reference, rel_err
+
+E, K, H, I = 8, 3, 256, 128
+
+
+def build(scheme, **kw):
+    layer = DeepEPMoELayer(E, K, H, I, quant=scheme, params_dtype=torch.float32, device="cpu", **kw)
+    stored, deq = make_weights(E, H, I, scheme)
+    layer.load_experts(*stored)
+    return layer, deq
+
+
+@pytest.mark.parametrize("scheme", SCHEME_NAMES)
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_layer_matches_float64(scheme, case):
+    layer, (w13, w2) = build(scheme, dispatch="local", backend="torch")
+    x, ids, w = make_case(case, 0, E, K, H)
+    out = layer(x, topk_ids=ids, topk_weights=w)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    if x.shape[0] == 0:
+        return
+    # Tight: float64 math that emulates the scheme's activation quantization by itself.
+    assert rel_err(out, moe_reference(x, ids, w, w13, w2, scheme)) < 1e-3
+    # Loose: exact float64 math on the unquantized weights, within the scheme's documented bound.
+    _, (f13, f2) = make_weights(E, H, I, "bf16")
+    assert rel_err(out, moe_reference(x, ids, w, f13, f2)) < get_scheme(scheme).rel_error_bound
+
+
+@pytest.mark.parametrize("scheme", SCHEME_NAMES)
+def test_masked_layout_matches_contiguous(scheme):
+    stored, (w13, w2) = make_weights(E, H, I, scheme)
+    s = get_scheme(scheme)
+    from epmoe.experts.base import ExpertWeights
+
+    weights = ExpertWeights(s, *stored)
+    backend = TorchBackend(s)
+    x, ids, w = make_case("empty_experts", 0, E, K, H)
+    masked, slot_pos = to_masked(x, None, ids, E, capacity=x.shape[0])
+    y = backend.run_masked(masked, weights, torch.float32)
+    out_masked = gather_weighted(y.reshape(-1, H), slot_pos, w)
+    assert (masked.masked_m[E // 2 :] == 0).all()
+    assert rel_err(out_masked, moe_reference(x, ids, w, w13, w2, scheme)) < 1e-3
+    batch = to_contiguous(x, None, ids, E, alignment=16)
+    assert (torch.tensor(batch.num_rows) == masked.masked_m).all()
+    out_contig = gather_weighted(backend.run_contiguous(batch, weights, torch.float32), batch.slot_pos, w)
+    torch.testing.assert_close(out_contig, out_masked, rtol=1e-5, atol=1e-6)
+
+
+def test_contiguous_layout_invariants():
+    x, ids, _ = make_case("random", 0, E, K, H)
+    ids[0, 1] = -1  # a slot owned by another rank
+    b = to_contiguous(x, None, ids, E, alignment=8)
+    offsets = b.expert_offsets.tolist()
+    assert offsets[0] == 0 and all((offsets[e + 1] - offsets[e]) % 8 == 0 for e in range(E))
+    assert b.slot_pos[0, 1] == -1
+    for e in range(E):
+        seg = b.m_indices[offsets[e] : offsets[e + 1]]
+        assert (seg[: b.num_rows[e]] == e).all() and (seg[b.num_rows[e] :] == -1).all()
+    valid = b.slot_pos >= 0
+    rows = b.slot_pos[valid]
+    assert torch.equal(b.m_indices[rows].long(), ids[valid])
+    assert torch.equal(b.x[rows], x.unsqueeze(1).expand(-1, K, -1)[valid])
+
+
+def test_bf16_inputs_and_weights():
+    layer = DeepEPMoELayer(E, K, H, I, quant="bf16", device="cpu", dispatch="local", backend="torch")
+    stored, _ = make_weights(E, H, I, "bf16")
+    layer.load_experts(stored[0].bfloat16(), stored[1].bfloat16())
+    x, ids, w = make_case("random", 0, E, K, H)
+    out = layer(x.bfloat16(), topk_ids=ids, topk_weights=w)
+    assert out.dtype == torch.bfloat16
+    ref = moe_reference(x.bfloat16().float(), ids, w, stored[0].bfloat16().float(), stored[1].bfloat16().float())
+    assert rel_err(out, ref) < 1e-2  # bf16 output rounding (2^-9 relative) and bf16 transfers
+
+
+def test_router_logits_path_and_grouped_routing():
+    layer, (w13, w2) = build(
+        "int8_channel", dispatch="local", backend="torch", scoring_func="sigmoid",
+        num_expert_group=4, topk_group=2, use_correction_bias=True, routed_scaling_factor=2.5,
+    )  # fmt: skip
+    bias = torch.randn(E) * 0.1
+    layer.load_weights([("model.layers.3.mlp.gate.e_score_correction_bias", bias)])
+    x = torch.randn(21, H)
+    logits = torch.randn(21, E)
+    out = layer(x, logits)
+    ids, w = layer.route(logits)
+    assert torch.allclose(w.sum(-1), torch.full((21,), 2.5))
+    assert rel_err(out, moe_reference(x, ids, w, w13, w2, "int8_channel")) < 1e-3
+
+
+def test_nan_in_one_token_stays_in_that_token():
+    layer, _ = build("int8_block", dispatch="local", backend="torch")
+    x, ids, w = make_case("random", 0, E, K, H)
+    clean = layer(x, topk_ids=ids, topk_weights=w)
+    x[5, 17] = float("nan")
+    x[9, 3] = float("inf")
+    out = layer(x, topk_ids=ids, topk_weights=w)
+    assert not torch.isfinite(out[5]).all() and not torch.isfinite(out[9]).all()
+    others = [t for t in range(x.shape[0]) if t not in (5, 9)]
+    torch.testing.assert_close(out[others], clean[others])
+
+
+def test_logs_choice_and_refusals(caplog):
+    with caplog.at_level(logging.INFO, logger="epmoe"):
+        DeepEPMoELayer(E, K, H, I, quant="fp8_block", device="cpu")
+    text = caplog.text
+    assert "dispatcher 'local' chosen" in text
+    assert "experts backend 'deepgemm' refused" in text
+    assert "experts backend 'torch' chosen" in text
+
+
+def test_load_weights_by_checkpoint_names():
+    stored, (w13, w2) = make_weights(E, H, I, "int8_block")
+    q13, q2, s13, s2 = stored
+    named = []
+    for e in range(E):
+        p = f"model.layers.7.mlp.experts.{e}."
+        named += [
+            (p + "gate_proj.weight", q13[e, :I]), (p + "up_proj.weight", q13[e, I:]),
+            (p + "down_proj.weight", q2[e]),
+            (p + "gate_proj.weight_scale_inv", s13[e, : I // 128]),
+            (p + "up_proj.weight_scale_inv", s13[e, I // 128 :]),
+            (p + "down_proj.weight_scale_inv", s2[e]),
+        ]  # fmt: skip
+    layer = DeepEPMoELayer(E, K, H, I, quant="int8_block", device="cpu", params_dtype=torch.float32)
+    loaded = layer.load_weights(named)
+    assert len(loaded) == len(named)
+    ref_layer, _ = build("int8_block", dispatch="local", backend="torch")
+    x, ids, w = make_case("random", 0, E, K, H)
+    torch.testing.assert_close(layer(x, topk_ids=ids, topk_weights=w), ref_layer(x, topk_ids=ids, topk_weights=w))
+
+
+def test_load_weights_channel_scales():
+    stored, _ = make_weights(E, H, I, "int8_channel")
+    q13, q2, s13, s2 = stored
+    layer = DeepEPMoELayer(E, K, H, I, quant="int8_channel", device="cpu", params_dtype=torch.float32)
+    layer.load_weights([("experts.2.up_proj.weight_scale", s13[2, I:, 0]), ("experts.2.down_proj.weight_scale", s2[2])])
+    assert torch.equal(layer.w13_weight_scale[2, I:], s13[2, I:])
+    assert torch.equal(layer.w2_weight_scale[2], s2[2])
+
+
+BAD_CONSTRUCT = [
+    (dict(quant="int4"), ValueError, "quant='int4' is not a known scheme"),
+    (dict(quant="int8_block", hidden_size=200), ValueError, "hidden_size=200 must be a multiple of 128"),
+    (dict(quant="fp8_block", intermediate_size=96), ValueError, "intermediate_size=96 must be a multiple of 128"),
+    (dict(backend="cuda_magic"), ValueError, "backend='cuda_magic' is not known"),
+    (dict(dispatch="mpi"), ValueError, "dispatch='mpi' is not known"),
+    (dict(backend="triton", quant="fp8_block"), RuntimeError, "backend='triton' cannot run quant='fp8_block'"),
+    (dict(backend="deepgemm", quant="fp8_block"), RuntimeError, "backend='deepgemm' cannot run"),
+    (dict(dispatch="all_to_all"), RuntimeError, "dispatch=.all_to_all. cannot run with 1 rank.*not initialized"),
+    (dict(accumulator="int32", quant="int8_block"), ValueError, "accumulator='int32' applies to quant='int8_channel' only"),
+    (dict(accumulator="fp16"), ValueError, r"accumulator='fp16'; allowed: \['fp32', 'int32'\]"),
+    (dict(top_k=9), ValueError, r"top_k=9 must be an integer in \[1, num_experts=8\]"),
+    (dict(low_latency_int8_payload="int4"), ValueError, "low_latency_int8_payload='int4'"),
+    (dict(params_dtype=torch.int8), ValueError, "params_dtype=torch.int8"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,match", BAD_CONSTRUCT)
+def test_bad_construction(kwargs, exc, match):
+    args = dict(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, device="cpu")
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        DeepEPMoELayer(**args)
+
+
+def test_bad_forward_inputs():
+    layer, _ = build("int8_channel", dispatch="local", backend="torch")
+    x = torch.randn(5, H)
+    ids = torch.zeros(5, K, dtype=torch.int64)
+    w = torch.ones(5, K)
+    cases = [
+        (lambda: layer(torch.randn(5, H + 1), torch.randn(5, E)), ValueError, f"hidden size {H + 1}; the layer has hidden_size={H}"),
+        (lambda: layer(torch.randn(5, 2, H), torch.randn(5, E)), ValueError, "must be a \\[T, hidden_size"),
+        (lambda: layer(x.double(), torch.randn(5, E)), TypeError, "hidden_states has dtype torch.float64"),
+        (lambda: layer(x, torch.randn(5, E + 1)), ValueError, rf"router_logits has shape \(5, {E + 1}\); expected \[5, {E}\]"),
+        (lambda: layer(x), ValueError, "pass either router_logits or both topk_ids and topk_weights"),
+        (lambda: layer(x, torch.randn(5, E), topk_ids=ids, topk_weights=w), ValueError, "pass either"),
+        (lambda: layer(x, topk_ids=ids), ValueError, "must be given together"),
+        (lambda: layer(x, topk_ids=ids[:, :2], topk_weights=w[:, :2]), ValueError, rf"topk_ids has shape \(5, 2\); expected \[5, {K}\]"),
+        (lambda: layer(x, topk_ids=ids.float(), topk_weights=w), TypeError, "topk_ids has dtype torch.float32"),
+        (lambda: layer(x, topk_ids=ids + E, topk_weights=w), ValueError, rf"expert id {E}, outside \[0, {E}\)"),
+        (lambda: layer(x, topk_ids=ids - 1, topk_weights=w), ValueError, r"expert id -1, outside"),
+        (lambda: layer(x, torch.full((5, E), float("nan"))), ValueError, "router_logits contain NaN or Inf"),
+    ]
+    for call, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            call()
+
+
+def test_bad_weights():
+    layer = DeepEPMoELayer(E, K, H, I, quant="int8_channel", device="cpu")
+    stored, _ = make_weights(E, H, I, "int8_channel")
+    q13, q2, s13, s2 = stored
+    with pytest.raises(ValueError, match=rf"w13 has shape \(4, {2 * I}, {H}\); expected \[{E}, {2 * I}, {H}\]"):
+        layer.load_experts(q13[:4], q2, s13, s2)
+    with pytest.raises(TypeError, match="w13 has dtype torch.float32; quant='int8_channel' stores torch.int8"):
+        layer.load_experts(q13.float(), q2, s13, s2)
+    with pytest.raises(ValueError, match="w13_scale is required"):
+        layer.load_experts(q13, q2)
+    with pytest.raises(ValueError, match="is not an expert weight"):
+        layer.load_weights([("model.layers.0.mlp.experts.0.gate.weight", q13[0, :I])])
+    assert layer.load_weights([("lm_head.weight", torch.zeros(3))], strict=False) == set()
+    with pytest.raises(ValueError, match=rf"expert id {E} is out of range"):
+        layer.load_weights([(f"experts.{E}.gate_proj.weight", q13[0, :I])])
+    with pytest.raises(ValueError, match=rf"experts.1.down_proj.weight has shape \({I}, {H}\); expected \[{H}, {I}\]"):
+        layer.load_weights([("experts.1.down_proj.weight", q2[1].t())])
+    with pytest.raises(ValueError, match=r"experts.1.gate_proj.weight_scale has shape \(3, 1\)"):
+        layer.load_weights([("experts.1.gate_proj.weight_scale", s13[1, :3])])
+    with pytest.raises(TypeError, match="has dtype torch.float8_e4m3fn; quant='int8_channel' stores torch.int8"):
+        layer.load_weights([("experts.1.gate_proj.weight", q13[1, :I].float().to(torch.float8_e4m3fn))])
