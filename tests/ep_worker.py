@@ -63,6 +63,8 @@ def run_suite(rank, world, port, device_type, schemes, dispatch, backend, out_pa
                     row["err_emulated"] = rel_err(out.cpu(), moe_reference(xr, ids, w, w13, w2, scheme))
                     row["err_exact"] = rel_err(out.cpu(), moe_reference(xr, ids, w, f13, f2))
                     row["bound"] = get_scheme(scheme).rel_error_bound
+                    # bf16 outputs and bf16 return trips round at 2^-9 relative, fp32 at 2^-24.
+                    row["tol_emulated"] = 1e-3 if dtype == torch.float32 else 1.5e-2
                 results.append(row)
     except Exception:
         results.append(dict(rank=rank, error=traceback.format_exc()))

@@ -9,11 +9,11 @@ import ep_worker
 from helpers import SCHEME_NAMES, free_port
 
 
-def run_ranks(world, tmp_path, schemes=SCHEME_NAMES, dispatch="all_to_all"):
+def run_ranks(world, tmp_path, schemes=SCHEME_NAMES, dispatch="all_to_all", device="cpu", backend="torch"):
     out = str(tmp_path / "res")
     mp.start_processes(
         ep_worker.run_suite,
-        args=(world, free_port(), "cpu", schemes, dispatch, "torch", out),
+        args=(world, free_port(), device, schemes, dispatch, backend, out),
         nprocs=world,
         start_method="spawn",
     )
@@ -31,7 +31,7 @@ def check(rows, world, dispatch):
         assert r["shape_ok"], r
         assert r["dispatch"] == dispatch
         if r["tokens"]:
-            assert r["err_emulated"] < 1e-3, r
+            assert r["err_emulated"] < r["tol_emulated"], r
             assert r["err_exact"] < r["bound"], r
     # The case that starves a rank really ran with zero tokens there.
     if world > 1:

@@ -50,16 +50,20 @@ _MODE_IDS = {("bf16", "fp32"): 0, ("int8_channel", "fp32"): 1, ("int8_channel", 
 def _mma(a, b, acc, SWAP_AB: tl.constexpr):
     """``a [BM, BK] . b [BN, BK]^T`` as ``[BM, BN]``, or transposed ``[BN, BM]`` with SWAP_AB."""
     if SWAP_AB:
-        return tl.dot(b, tl.trans(a), acc)
-    return tl.dot(a, tl.trans(b), acc)
+        out = tl.dot(b, tl.trans(a), acc)
+    else:
+        out = tl.dot(a, tl.trans(b), acc)
+    return out
 
 
 @triton.jit
 def _mma_int8(a, b, acc, SWAP_AB: tl.constexpr):
     """:func:`_mma` for int8 operands: exact int32 products."""
     if SWAP_AB:
-        return tl.dot(b, tl.trans(a), acc, out_dtype=tl.int32)
-    return tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
+        out = tl.dot(b, tl.trans(a), acc, out_dtype=tl.int32)
+    else:
+        out = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
+    return out
 
 
 @triton.jit
@@ -67,27 +71,31 @@ def _mma_ieee(a, b, acc, SWAP_AB: tl.constexpr):
     """fp32 operands: exact fp32 products instead of TF32, so the bf16 mode with fp32 weights
     matches the reference."""
     if SWAP_AB:
-        return tl.dot(b, tl.trans(a), acc, input_precision="ieee")
-    return tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+        out = tl.dot(b, tl.trans(a), acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+    return out
 
 
 @triton.jit
 def _outer(row_vec, col_vec, SWAP_AB: tl.constexpr):
     """Outer product laid out like the accumulator of :func:`_mma`."""
     if SWAP_AB:
-        return col_vec[:, None] * row_vec[None, :]
-    return row_vec[:, None] * col_vec[None, :]
+        out = col_vec[:, None] * row_vec[None, :]
+    else:
+        out = row_vec[:, None] * col_vec[None, :]
+    return out
 
 
 @triton.jit
 def _zero_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, INT_ACC: tl.constexpr):
     if SWAP_AB:
-        if INT_ACC:
-            return tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
-        return tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if INT_ACC:
-        return tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    return tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = acc.to(tl.int32)
+    return acc
 
 
 @triton.jit

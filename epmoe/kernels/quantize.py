@@ -65,8 +65,10 @@ def quantize_values(x, scale, QMAX: tl.constexpr, TO_E4M3: tl.constexpr):
     y = tl.where(y == y, y, 0.0)
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
     if TO_E4M3:
-        return round_to_e4m3(y)
-    return tl.minimum(tl.maximum(round_half_even(y), -QMAX), QMAX)
+        q = round_to_e4m3(y)
+    else:
+        q = tl.minimum(tl.maximum(round_half_even(y), -QMAX), QMAX)
+    return q
 
 
 @triton.jit
@@ -86,10 +88,13 @@ def _load_dequant(X, XS, row, offs, mask, stride_xm, stride_xsm, IN_GROUP, HAS_X
 
 
 @triton.jit
-def _row_valid(MASKED_M, row, CAP, HAS_MASK: tl.constexpr):
+def row_valid(MASKED_M, row, CAP, HAS_MASK: tl.constexpr):
+    """Whether flat row ``row`` of an ``[E, cap, K]`` operand is below ``masked_m``."""
     if HAS_MASK:
-        return (row % CAP) < tl.load(MASKED_M + row // CAP)
-    return row >= 0
+        ok = (row % CAP) < tl.load(MASKED_M + row // CAP)
+    else:
+        ok = row >= 0
+    return ok
 
 
 @triton.jit
@@ -101,7 +106,7 @@ def _per_token_kernel(
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    if _row_valid(MASKED_M, row, CAP, HAS_MASK):
+    if row_valid(MASKED_M, row, CAP, HAS_MASK):
         offs = tl.arange(0, BLOCK)
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         nans = tl.zeros([BLOCK], dtype=tl.int32)
@@ -128,7 +133,7 @@ def _per_group_kernel(
     GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    if _row_valid(MASKED_M, row, CAP, HAS_MASK):
+    if row_valid(MASKED_M, row, CAP, HAS_MASK):
         g = tl.program_id(1) * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
         offs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
         mask = offs < K

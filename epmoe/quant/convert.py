@@ -1023,7 +1023,11 @@ def layer_kwargs_from_config(path: str | os.PathLike) -> dict:
 
 
 def iter_expert_weights(
-    path: str | os.PathLike, layer: int, experts: Iterable[int] | None = None
+    path: str | os.PathLike,
+    layer: int,
+    experts: Iterable[int] | None = None,
+    *,
+    correction_bias: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream the routed-expert tensors of decoder layer ``layer`` from a checkpoint directory.
 
@@ -1031,6 +1035,8 @@ def iter_expert_weights(
     {weight|weight_scale|weight_scale_inv}``), one tensor read at a time, shard by shard, in the
     storage format of the checkpoint's scheme: pass the iterator to
     ``DeepEPMoELayer.load_weights``. ``experts`` restricts to those global expert ids.
+    ``correction_bias`` also yields the layer's ``mlp.gate.e_score_correction_bias`` (for a layer
+    built with ``use_correction_bias=True``).
 
     Raises:
         FileNotFoundError: no index or a missing shard.
@@ -1045,23 +1051,42 @@ def iter_expert_weights(
         rf"^(?:.*\.)?layers\.{int(layer)}\.mlp\.experts\.(\d+)\."
         r"(gate_proj|up_proj|down_proj)\.(weight|weight_scale|weight_scale_inv)$"
     )
+    bias_re = re.compile(rf"^(?:.*\.)?layers\.{int(layer)}\.mlp\.gate\.e_score_correction_bias$")
     by_shard: dict[str, list[str]] = {}
-    found: dict[int, set[str]] = {}
+    found: dict[int, dict[str, str]] = {}
+    have_bias = False
     for name, shard in weight_map.items():
+        if correction_bias and bias_re.match(name):
+            by_shard.setdefault(shard, []).append(name)
+            have_bias = True
+            continue
         m = pat.match(name)
         if m and (wanted is None or int(m[1]) in wanted):
             by_shard.setdefault(shard, []).append(name)
             if m[3] == "weight":
-                found.setdefault(int(m[1]), set()).add(m[2])
+                found.setdefault(int(m[1]), {})[m[2]] = name
     if not found:
         raise ValueError(f"{root / INDEX_NAME} has no routed expert weights for layer {layer}")
+    if correction_bias and not have_bias:
+        raise ValueError(
+            f"{root / INDEX_NAME} has no e_score_correction_bias for layer {layer}; "
+            "pass correction_bias=False for a model without one"
+        )
+    scale_suffix = {"fp8_block": "weight_scale_inv", "int8_block": "weight_scale_inv",
+                    "int8_channel": "weight_scale", "bf16": None}[checkpoint_scheme(root)]  # fmt: skip
     for e in sorted(wanted if wanted is not None else found):
-        have = found.get(e, set())
-        if have != {"gate_proj", "up_proj", "down_proj"}:
+        have = found.get(e, {})
+        if set(have) != {"gate_proj", "up_proj", "down_proj"}:
             raise ValueError(
                 f"layer {layer} expert {e}: checkpoint has projections {sorted(have)}; "
                 "expected gate_proj, up_proj and down_proj"
             )
+        for w in have.values():
+            if scale_suffix is not None and w[: -len("weight")] + scale_suffix not in weight_map:
+                raise ValueError(
+                    f"{w!r} has no {scale_suffix!r}: a {checkpoint_scheme(root)} checkpoint stores "
+                    "one fp32 scale tensor with every expert weight"
+                )
     for shard in sorted(by_shard):
         f = SafetensorsFile(root / shard)
         for name in sorted(by_shard[shard], key=lambda n: f.tensors[n].begin if n in f.tensors else -1):

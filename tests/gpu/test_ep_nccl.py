@@ -1,0 +1,23 @@
+"""The EP tests of tests/test_ep.py over NCCL on two GPUs (skipped without them)."""
+
+import pytest
+import torch
+
+from helpers import SCHEME_NAMES
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.multigpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"
+    ),
+]
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_all_to_all_nccl_matches_reference(backend, tmp_path):
+    from test_ep import check, run_ranks
+
+    rows = run_ranks(2, tmp_path, SCHEME_NAMES, "all_to_all", device="cuda", backend=backend)
+    check(rows, 2, "all_to_all")
+    print({(r["scheme"], r["backend"]) for r in rows})
