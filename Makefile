@@ -1,6 +1,7 @@
 # Two entry points on a fresh clone: `make demo` and `make test`.
-# The venv sees system site-packages so that a torch already installed (your CUDA build) is used
-# as is; only where no torch exists is the CPU wheel torch==2.13.0 installed.
+# The venv sees the packages of the Python that creates it (also when that Python is itself a
+# venv), so a torch you already have -- your CUDA build -- is used as is; only where no torch exists
+# is the CPU wheel torch==2.13.0 installed.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -8,11 +9,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test install clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PYTHON) -c "import site, sysconfig; print('\n'.join(dict.fromkeys([sysconfig.get_paths()['purelib'], sysconfig.get_paths()['platlib'], *site.getsitepackages()])))" \
+		> "$$($(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/_epmoe_parent_site.pth"
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "torch==2.13.0"
 	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/python -m pip install -q "triton==3.6.0"
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q --no-build-isolation -e ".[test]" 2>/dev/null \
+		|| $(BIN)/python -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
 install: $(STAMP)

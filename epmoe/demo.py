@@ -49,6 +49,7 @@ def _rank_main(rank: int, args, port: int, out_dir: str) -> None:
     dist.init_process_group(
         "nccl" if use_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
         world_size=args.ranks, timeout=datetime.timedelta(seconds=300),
+        **({"device_id": torch.device("cuda", rank)} if use_cuda else {}),
     )  # fmt: skip
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
     dtype = torch.bfloat16 if use_cuda else torch.float32

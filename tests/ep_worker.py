@@ -33,6 +33,7 @@ def init(rank: int, world: int, port: int, device_type: str) -> torch.device:
     dist.init_process_group(
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=120),
+        **({"device_id": torch.device("cuda", rank)} if device_type == "cuda" else {}),
     )  # fmt: skip
     return torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
 
