@@ -2,7 +2,7 @@
 parallelism. It builds the three seams (router, dispatcher, experts backend), checks the contract
 between them once, and composes them per batch:
 
-    route -> quantize -> dispatch -> experts (GEMM1, SiLU*up, GEMM2) -> weigh -> combine
+    route -> dispatch (quantize, send) -> experts (GEMM1, SiLU*up, GEMM2) -> weigh -> combine
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .dispatch.select import select_dispatcher
 from .experts.base import ExpertWeights
 from .experts.select import select_backend
 from .layouts import MaskedBatch, gather_weighted, to_contiguous
-from .quant.payload import choose_payload, quantize_payload
+from .quant.payload import choose_payloads
 from .quant.schemes import BLOCK, get_scheme
 from .routing import check_routing_config, select_experts
 
@@ -175,19 +175,19 @@ class DeepEPMoELayer(nn.Module):
         )
         self.backend = backend_cls(self.scheme, accumulator=accumulator)
         cfg.alignment = self.backend.alignment
-        self.dispatcher = dispatcher_cls(cfg)
-        self.payload = choose_payload(
+        cfg.payload, cfg.low_latency_payload = choose_payloads(
             self.scheme, dispatcher_cls.payloads, self.low_latency_int8_payload
         )
+        self.dispatcher = dispatcher_cls(cfg)
         self._prepared: ExpertWeights | None = None
         for line in dlines + blines:
             log.info("rank %d: %s", self.rank, line)
         log.info(
             "rank %d: DeepEPMoELayer E=%d (local %d from %d) top_k=%d H=%d I=%d quant=%s "
-            "backend=%s dispatch=%s payload=%s",
+            "backend=%s dispatch=%s payload=%s low_latency_payload=%s",
             self.rank, num_experts, self.num_local_experts, self.first_expert, top_k,
             hidden_size, intermediate_size, quant, self.backend.name, self.dispatcher.name,
-            self.payload,
+            cfg.payload, cfg.low_latency_payload,
         )  # fmt: skip
 
     # ----------------------------------------------------------------------------- parameters
@@ -407,8 +407,7 @@ class DeepEPMoELayer(nn.Module):
         self._check_values(router_logits, topk_ids)
         if router_logits is not None:
             topk_ids, topk_weights = self.route(router_logits)
-        x, x_scale = quantize_payload(hidden_states, self.payload)
-        dispatched = self.dispatcher.dispatch(x, x_scale, topk_ids.long(), topk_weights.float())
+        dispatched = self.dispatcher.dispatch(hidden_states, topk_ids.long(), topk_weights.float())
         y = self._run_experts(dispatched, hidden_states.dtype)
         return self.dispatcher.combine(y, dispatched).to(hidden_states.dtype)
 
@@ -428,6 +427,17 @@ class DeepEPMoELayer(nn.Module):
         if d.combine_applies_weights:
             weights = torch.ones_like(weights)
         return gather_weighted(out, batch.slot_pos, weights).to(dtype)
+
+    @property
+    def payload(self) -> str:
+        """What activations travel as: the low-latency payload for a dispatcher that only has that
+        path, else the normal one (an auto dispatcher uses both)."""
+        cfg = self.dispatcher.cfg
+        if self.dispatcher.layouts == frozenset({"masked"}):
+            return cfg.low_latency_payload
+        if "masked" in self.dispatcher.layouts:
+            return f"{cfg.payload}|{cfg.low_latency_payload}"
+        return cfg.payload
 
     def extra_repr(self) -> str:
         return (

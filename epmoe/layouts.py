@@ -11,8 +11,9 @@ Shapes (``R`` received tokens, ``k`` top-k, ``E`` local experts, ``H`` hidden, `
 * contiguous: ``x [M, H]`` rows grouped by expert, each expert's segment padded to ``alignment``.
 * masked: ``x [E, cap, H]`` with the first ``masked_m[e]`` rows of expert ``e`` valid.
 
-The torch functions here are the reference and the CPU path; ``epmoe.kernels.permute`` has the
-Triton versions that :func:`to_contiguous` and :func:`gather_weighted` use on a GPU.
+The torch code here is the reference and the CPU path; on CUDA tensors :func:`to_contiguous` and
+:func:`gather_weighted` move rows with the Triton kernels of ``epmoe.kernels.permute`` (same
+semantics, tested against these).
 """
 
 from __future__ import annotations
@@ -20,6 +21,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+def kernel_permute():
+    """The Triton row-movement kernels, imported only where a GPU runs them."""
+    from .kernels import permute
+
+    return permute
 
 
 @dataclass
@@ -116,19 +124,21 @@ def to_contiguous(
     within = torch.arange(slots.numel(), device=device) - first[experts]
     pos = offsets[:-1][experts] + within
 
-    out_x = x.new_zeros((m, x.shape[1]))
-    out_x[pos] = x[slots // k]
-    out_scale = None
-    if x_scale is not None:
-        out_scale = x_scale.new_ones((m, x_scale.shape[1]))
-        out_scale[pos] = x_scale[slots // k]
     m_indices = torch.full((m,), -1, dtype=torch.int32, device=device)
     m_indices[pos] = experts.to(torch.int32)
     slot_pos = torch.full((r * k,), -1, dtype=torch.int64, device=device)
     slot_pos[slots] = pos
-    return ContiguousBatch(
-        out_x, out_scale, offsets.to(torch.int32), m_indices, slot_pos.reshape(r, k), num_rows
-    )
+    slot_pos = slot_pos.reshape(r, k)
+    if x.is_cuda:
+        out_x, out_scale = kernel_permute().scatter_rows(x, slot_pos, m, x_scale)
+    else:
+        out_x = x.new_zeros((m, x.shape[1]))
+        out_x[pos] = x[slots // k]
+        out_scale = None
+        if x_scale is not None:
+            out_scale = x_scale.new_ones((m, x_scale.shape[1]))
+            out_scale[pos] = x_scale[slots // k]
+    return ContiguousBatch(out_x, out_scale, offsets.to(torch.int32), m_indices, slot_pos, num_rows)
 
 
 def gather_weighted(
@@ -144,6 +154,8 @@ def gather_weighted(
     Returns:
         ``[R, H]`` fp32. Tokens with no local slot get zeros.
     """
+    if expert_out.is_cuda:
+        return kernel_permute().gather_weighted(expert_out, slot_pos, topk_weights.float())
     r, k = slot_pos.shape
     out = torch.zeros(r, expert_out.shape[1], dtype=torch.float32, device=expert_out.device)
     for j in range(k):

@@ -92,9 +92,9 @@ def synthetic_activations(tokens: int, hidden: int, kind: str, gen: torch.Genera
     """Float64 ``[tokens, hidden]`` hidden states.
 
     ``gaussian``: i.i.d. N(0, 1). ``outliers``: Student-t (4 dof) entries, a log-normal per-token
-    scale (sigma 0.5, so some tokens are several times larger than others), and 1% of the channels
-    (at least 2) carrying 10x-100x the magnitude of the rest, the persistent outlier channels seen
-    in the hidden states of large transformers.
+    scale (sigma 0.5, so some tokens are several times larger than others), and one channel per
+    1024 (at least 2; 7 for H = 7168) carrying 10x-100x the magnitude of the rest: the few
+    persistent outlier feature dimensions seen in the hidden states of large transformers.
     """
     if kind == "gaussian":
         return torch.randn(tokens, hidden, generator=gen, dtype=torch.float64)
@@ -105,7 +105,7 @@ def synthetic_activations(tokens: int, hidden: int, kind: str, gen: torch.Genera
     chi2 = torch.randn(nu, tokens, hidden, generator=gen, dtype=torch.float64).pow(2).sum(0)
     x = z / torch.sqrt(chi2 / nu) / math.sqrt(nu / (nu - 2))
     x = x * torch.exp(0.5 * torch.randn(tokens, 1, generator=gen, dtype=torch.float64))
-    n_out = max(2, hidden // 100)
+    n_out = max(2, hidden // 1024)
     chans = torch.randperm(hidden, generator=gen)[:n_out]
     factors = torch.exp(
         torch.empty(n_out, dtype=torch.float64).uniform_(math.log(10), math.log(100), generator=gen)
@@ -412,7 +412,8 @@ def _layer_class():
 def build_layer(source: WeightSource, scheme: str, accumulator: str, via_fp8: bool, top_k: int):
     """A ``DeepEPMoELayer`` (torch backend, local dispatch) loaded with the variant's weights.
 
-    Returns ``(layer, weight_error, accumulator_applied)``.
+    Returns ``(layer, weight_error, conversion_error, accumulator_applied)``; the conversion
+    error (``None`` unless ``via_fp8``) is measured against the FP8 weights that were converted.
     """
     cls = _layer_class()
     kwargs = dict(
@@ -429,20 +430,26 @@ def build_layer(source: WeightSource, scheme: str, accumulator: str, via_fp8: bo
         kwargs["accumulator"] = accumulator
         applied = True
     layer = cls(source.num_experts, top_k, source.hidden, source.intermediate, **kwargs)
-    err = {"sq": 0.0, "ref": 0.0}
+    err = {"sq": 0.0, "ref": 0.0, "conv_sq": 0.0, "fp8": 0.0}
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for e in range(source.num_experts):
             for proj in PROJS:
                 t = variant_tensors(source, scheme, via_fp8, e, proj)
-                ref = source.reference(e, proj)
-                err["sq"] += float((_dequant(t) - ref).pow(2).sum())
+                ref, deq = source.reference(e, proj), _dequant(t)
+                err["sq"] += float((deq - ref).pow(2).sum())
                 err["ref"] += float(ref.pow(2).sum())
+                if via_fp8:
+                    q, s = source.fp8(e, proj)
+                    w8 = _dequant({"weight": q, "weight_scale_inv": s})
+                    err["conv_sq"] += float((deq - w8).pow(2).sum())
+                    err["fp8"] += float(w8.pow(2).sum())
                 for suffix, v in t.items():
                     yield f"model.layers.0.mlp.experts.{e}.{proj}.{suffix}", v
 
     layer.load_weights(tensors())
-    return layer, math.sqrt(err["sq"] / err["ref"]), applied
+    conv = math.sqrt(err["conv_sq"] / err["fp8"]) if via_fp8 else None
+    return layer, math.sqrt(err["sq"] / err["ref"]), conv, applied
 
 
 def emulate_int8_channel(
@@ -503,13 +510,14 @@ def run_fidelity(source: WeightSource, tokens: int, top_k: int, seed: int) -> di
         if via and source.scheme not in (None, "fp8_block"):
             continue  # the FP8 conversion path exists only for FP8 (or unquantized) sources
         t0 = time.perf_counter()
-        layer, werr, applied = build_layer(source, scheme, acc, via, top_k)
+        layer, werr, conv_err, applied = build_layer(source, scheme, acc, via, top_k)
         row = {
             "scheme": label,
             "accumulator": acc,
             "accumulator_in_layer": applied,
             "weights": "fp8 -> bf16 -> int8 (epmoe convert)" if via else "direct",
             "weight_rel_err": werr,
+            "conversion_rel_err": conv_err,
             "bound": SCHEMES[scheme].rel_error_bound,
         }
         with torch.inference_mode():
@@ -556,15 +564,17 @@ def format_markdown(result: dict) -> str:
         f"Weights: {r['source']}; E={r['experts']}, H={r['hidden']}, I={r['intermediate']}, "
         f"top-{r['top_k']}, {r['tokens']} tokens, seed {r['seed']}.",
         "",
-        "| scheme | accumulate | weights | weight err | gaussian: out err | gaussian: mean-abs err "
-        "| outliers: out err | outliers: mean-abs err | outliers: worst token | bound |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| scheme | accumulate | weights | weight err | conversion err | gaussian: out err "
+        "| gaussian: mean-abs err | outliers: out err | outliers: mean-abs err "
+        "| outliers: worst token | bound |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in r["rows"]:
         acc = row["accumulator"] + ("" if row["accumulator_in_layer"] else " (*)")
         g, o = row["gaussian"], row["outliers"]
+        conv = "-" if row["conversion_rel_err"] is None else _pct(row["conversion_rel_err"])
         lines.append(
-            f"| {row['scheme']} | {acc} | {row['weights']} | {_pct(row['weight_rel_err'])} | "
+            f"| {row['scheme']} | {acc} | {row['weights']} | {_pct(row['weight_rel_err'])} | {conv} | "
             f"{_pct(g['rel_fro'])} | {_pct(g['rel_mean_abs'])} | {_pct(o['rel_fro'])} | "
             f"{_pct(o['rel_mean_abs'])} | {_pct(o['worst_token'])} | {_pct(row['bound'])} |"
         )
@@ -578,7 +588,8 @@ def format_markdown(result: dict) -> str:
         "",
         "INT8 channel-wise accumulator, emulated exactly (layer-independent, fp32 output, no bf16 cast):",
         "",
-        "| accumulate | gaussian: out err | outliers: out err | fp32 vs int32 (rel. to ref) |",
+        "| accumulate | gaussian: out err | outliers: out err "
+        "| fp32 minus int32, rel. to ref (gaussian / outliers) |",
         "|---|---|---|---|",
     ]
     for e in r["accumulator_emulation"]:

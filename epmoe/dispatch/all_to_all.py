@@ -96,7 +96,7 @@ class AllToAllDispatcher(Dispatcher):
         self._wait(work, what)
         return recv
 
-    def dispatch(self, x, x_scale, topk_ids, topk_weights) -> Dispatched:
+    def send(self, x, x_scale, topk_ids, topk_weights) -> Dispatched:
         t, k = topk_ids.shape
         e_loc = self.cfg.num_local_experts
         dest = topk_ids // e_loc

@@ -9,7 +9,9 @@ Each dispatcher declares:
 * ``layouts``: ``{"contiguous"}`` (it delivers received tokens that the layer scatters into the
   contiguous layout), ``{"masked"}`` (it delivers a masked batch), or both (an auto dispatcher that
   picks per batch); the backend must implement every layout the dispatcher may deliver;
-* ``payloads``: the activation formats it can carry (see :data:`PAYLOADS`);
+* ``payloads``: the activation formats it can carry (see :data:`PAYLOADS`); it quantizes into
+  ``cfg.payload`` itself, so a mode that casts inside the collective (DeepEP low-latency) needs no
+  quantize-dequantize round trip;
 * per batch, :attr:`Dispatched.combine_applies_weights`: whether ``combine`` multiplies by the
   top-k weights itself. When it does not, the layer applies them in the weighted gather before
   ``combine``; either way exactly once.
@@ -22,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+
+from ..quant.payload import quantize_payload
 
 PAYLOADS = ("float", "int8_token", "int8_group", "fp8_group")
 """Activation formats on the wire: the input dtype; int8 with a per-token or per-1x128 fp32 scale;
@@ -75,6 +79,10 @@ class DispatchConfig:
         timeout_s: how long the host waits on a collective before raising.
         max_tokens_per_rank: capacity of fixed-size (low-latency) dispatch.
         deepep_buffer: the shared DeepEP buffer owner, when DeepEP is used.
+        payload: what the dispatcher quantizes activations into before sending them (one of
+            :data:`PAYLOADS`; the layer picks the scheme's own format when the dispatcher carries it).
+        low_latency_payload: the same for low-latency paths, which cast inside the collective:
+            ``"float"`` (BF16 on the wire) or ``"fp8_group"``.
     """
 
     num_experts: int
@@ -88,6 +96,8 @@ class DispatchConfig:
     timeout_s: float = 300.0
     max_tokens_per_rank: int = 128
     deepep_buffer: Any = None
+    payload: str = "float"
+    low_latency_payload: str = "float"
 
     @property
     def num_local_experts(self) -> int:
@@ -109,19 +119,32 @@ class Dispatcher(ABC):
         """Whether this dispatcher can run for ``cfg`` (ranks, device, sizes) here."""
         return True, "available"
 
-    @abstractmethod
     def dispatch(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> Dispatched:
+        """Quantize rows into ``cfg.payload`` and send them to their experts' ranks.
+
+        Args:
+            x: ``[T, H]`` floating-point activations.
+            topk_ids: ``[T, k]`` int64 global expert ids.
+            topk_weights: ``[T, k]`` fp32.
+        """
+        x, x_scale = quantize_payload(x, self.cfg.payload)
+        return self.send(x, x_scale, topk_ids, topk_weights)
+
+    @abstractmethod
+    def send(
         self,
         x: torch.Tensor,
         x_scale: torch.Tensor | None,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
     ) -> Dispatched:
-        """Send rows to their experts' ranks.
+        """Send an already-quantized payload (the second half of :meth:`dispatch`).
 
         Args:
-            x: ``[T, H]`` payload (float, int8 or e4m3).
-            x_scale: ``[T, S]`` fp32 or ``None``.
+            x: ``[T, H]`` payload (float, int8 or e4m3) in ``cfg.payload``'s format.
+            x_scale: ``[T, S]`` fp32, or ``None`` for a float payload.
             topk_ids: ``[T, k]`` int64 global expert ids.
             topk_weights: ``[T, k]`` fp32.
         """

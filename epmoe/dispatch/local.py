@@ -18,7 +18,7 @@ class LocalDispatcher(Dispatcher):
             return False, f"runs one rank only; the group has {cfg.world_size}"
         return True, "available"
 
-    def dispatch(self, x, x_scale, topk_ids, topk_weights) -> Dispatched:
+    def send(self, x, x_scale, topk_ids, topk_weights) -> Dispatched:
         return Dispatched(
             x=x,
             x_scale=x_scale,

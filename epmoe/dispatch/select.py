@@ -15,9 +15,10 @@ DISPATCHERS: dict[str, str] = {
     "deepep_auto": "epmoe.dispatch.deepep:DeepEPAutoDispatcher",
 }
 
-AUTO_ORDER = ("local", "deepep_auto", "all_to_all")
+AUTO_ORDER = ("local", "deepep_auto", "deepep_normal", "all_to_all")
 """``dispatch="auto"``: one rank runs locally; several use DeepEP (low-latency while the batch fits,
-normal otherwise) when it is installed and usable, else torch.distributed all-to-all."""
+normal otherwise) when it is installed and usable, DeepEP normal alone when the sizes rule out
+low-latency mode, else torch.distributed all-to-all."""
 
 
 class DispatcherUnavailableError(RuntimeError):

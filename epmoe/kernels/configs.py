@@ -141,10 +141,16 @@ def get_config(
 
 
 def default_config(mode: str, m_per_expert: float, *, device: torch.device | str | None = None) -> GemmConfig:
-    """Heuristic tiles: weight-streaming shapes for small batches, large MMA tiles for big ones."""
+    """Config for shapes without a tuned entry: :func:`heuristic_config` fitted to the device."""
     if device_name(device) == "cpu":
         # Triton's interpreter: few large programs are fastest; MMA shapes do not matter.
         return GemmConfig(16 if m_per_expert <= 16 else 32, 64, 64, 8, False, 4, 1)
+    return fit_shared_memory(heuristic_config(mode, m_per_expert), 2 if mode == "bf16" else 1, device)
+
+
+def heuristic_config(mode: str, m_per_expert: float) -> GemmConfig:
+    """Weight-streaming tiles for small batches (short M, long K, deep pipeline), large MMA tiles
+    for big ones; sized for Hopper's 227 KB of shared memory."""
     int8 = mode != "bf16"
     kb = 128 if int8 else 64
     if m_per_expert <= 16:
@@ -159,7 +165,7 @@ def default_config(mode: str, m_per_expert: float, *, device: torch.device | str
         cfg = GemmConfig(128, 256, kb, 8, False, 8, 3)
     if mode == "int8_block" and cfg.block_k > 128:
         cfg = _with(cfg, block_k=128, num_stages=cfg.num_stages + 2)
-    return fit_shared_memory(cfg, 1 if int8 else 2, device)
+    return cfg
 
 
 def fit_shared_memory(cfg: GemmConfig, elem_bytes: int, device) -> GemmConfig:

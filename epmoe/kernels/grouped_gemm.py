@@ -174,8 +174,18 @@ def _grouped_gemm_kernel(
             else:
                 kb = (kk * BLOCK_K) // SCALE_BLOCK
                 sa = tl.load(AS + rows * stride_asm + kb)
-                sb = tl.load(BS + e64 * stride_bse + (cols // SCALE_BLOCK) * stride_bsn + kb * stride_bsk)
-                acc += _mma_int8(a, b, None, SWAP_AB).to(tl.float32) * _outer(sa, sb, SWAP_AB)
+                part = _mma_int8(a, b, None, SWAP_AB).to(tl.float32)
+                if BLOCK_N <= SCALE_BLOCK:
+                    # The tile lies inside one weight block: one scalar, and a row vector instead
+                    # of a [BM, BN] scale tile keeps registers for the two accumulators.
+                    sb_blk = tl.load(BS + e64 * stride_bse + ((pid_n * BLOCK_N) // SCALE_BLOCK) * stride_bsn + kb * stride_bsk)
+                    if SWAP_AB:
+                        acc += part * (sa * sb_blk)[None, :]
+                    else:
+                        acc += part * (sa * sb_blk)[:, None]
+                else:
+                    sb = tl.load(BS + e64 * stride_bse + (cols // SCALE_BLOCK) * stride_bsn + kb * stride_bsk)
+                    acc += part * _outer(sa, sb, SWAP_AB)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
 

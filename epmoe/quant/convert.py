@@ -80,7 +80,7 @@ _SHARD_NAME_RE = re.compile(r"^[^/\\]+\.safetensors$")
 # Rows converted at once: a multiple of BLOCK (so blocks never straddle two chunks) that keeps the
 # fp32 temporaries of an 18432 x 7168 dense weight at ~30 MB instead of ~2 GB.
 _CHUNK_ROWS = 8 * BLOCK
-_COPY_CHUNK = 16 << 20
+_COPY_CHUNK = 4 << 20  # big enough for full-speed sequential I/O, small next to a shard
 _MAX_HEADER = 100 << 20  # the limit the safetensors library itself enforces
 
 _DTYPES: dict[str, tuple[torch.dtype | None, int]] = {
@@ -787,7 +787,9 @@ def _prepare_dst(plan: ConversionPlan, resume: bool) -> dict:
     }
     manifest = _load_manifest(dst) if dst.is_dir() else None
     if manifest is None:
-        if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        if dst.exists() and not dst.is_dir():
+            raise ValueError(f"DST {dst} is a file; choose a new or empty directory")
+        if dst.exists() and any(dst.iterdir()):
             if resume:
                 raise ValueError(
                     f"DST {dst} has no {MANIFEST_NAME}: it is not a conversion that can be resumed; "
@@ -1002,7 +1004,8 @@ def layer_kwargs_from_config(path: str | os.PathLike) -> dict:
     """
     cfg_path = Path(path) / CONFIG_NAME
     config = _read_json(cfg_path, "config")
-    missing = [k for k in ("n_routed_experts", "num_experts_per_tok", "hidden_size", "moe_intermediate_size") if k not in config]
+    required = ("n_routed_experts", "num_experts_per_tok", "hidden_size", "moe_intermediate_size")
+    missing = [k for k in required if k not in config]
     if missing:
         raise ValueError(f"{cfg_path} lacks {missing}; it does not describe a DeepSeek MoE model")
     n_group, topk_group = config.get("n_group"), config.get("topk_group")
@@ -1054,6 +1057,7 @@ def iter_expert_weights(
     bias_re = re.compile(rf"^(?:.*\.)?layers\.{int(layer)}\.mlp\.gate\.e_score_correction_bias$")
     by_shard: dict[str, list[str]] = {}
     found: dict[int, dict[str, str]] = {}
+    layer_ids: set[int] = set()
     have_bias = False
     for name, shard in weight_map.items():
         if correction_bias and bias_re.match(name):
@@ -1061,11 +1065,14 @@ def iter_expert_weights(
             have_bias = True
             continue
         m = pat.match(name)
-        if m and (wanted is None or int(m[1]) in wanted):
+        if m is None:
+            continue
+        layer_ids.add(int(m[1]))
+        if wanted is None or int(m[1]) in wanted:
             by_shard.setdefault(shard, []).append(name)
             if m[3] == "weight":
                 found.setdefault(int(m[1]), {})[m[2]] = name
-    if not found:
+    if not layer_ids:
         raise ValueError(f"{root / INDEX_NAME} has no routed expert weights for layer {layer}")
     if correction_bias and not have_bias:
         raise ValueError(
@@ -1134,6 +1141,12 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"epmoe convert: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # disk full, permissions: the shards finished so far are kept
+        print(f"epmoe convert: error: {exc}; fix the cause and rerun with --resume", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("epmoe convert: interrupted; rerun with --resume to continue", file=sys.stderr)
+        return 130
     print(
         f"converted {res.tensors_converted} weights to {res.target}: {len(res.shards_written)} shards "
         f"written, {len(res.shards_skipped)} kept from an earlier run, {_fmt_bytes(res.total_size)} "

@@ -26,16 +26,26 @@ _FORMATS = {
 }
 
 
-def choose_payload(scheme: QuantScheme, carried: frozenset[str], low_latency_int8: str) -> str:
-    """The payload to dispatch: the scheme's own when the dispatcher carries it; for INT8 schemes
-    over a dispatcher that carries only BF16/FP8 (DeepEP low-latency), ``low_latency_int8``
-    (``"float"`` or ``"fp8_group"``) decides; otherwise the unquantized input."""
+def choose_payloads(
+    scheme: QuantScheme, carried: frozenset[str], low_latency_int8: str
+) -> tuple[str, str]:
+    """``(payload, low_latency_payload)`` for a dispatcher that carries ``carried``.
+
+    ``payload``: the scheme's own format when the dispatcher carries it (half the bytes of BF16
+    for the 1-byte formats), else the unquantized input. ``low_latency_payload``: DeepEP
+    low-latency casts BF16 to FP8 1x128 inside its kernel, so FP8 schemes use that; INT8 schemes
+    use ``low_latency_int8`` (``"float"``: quantize after dispatch; ``"fp8_group"``: requantize
+    from FP8); BF16 sends BF16.
+    """
     natural = NATURAL_PAYLOAD[scheme.name]
-    if natural in carried:
-        return natural
-    if low_latency_int8 == "fp8_group" and scheme.qdtype == torch.int8 and "fp8_group" in carried:
-        return "fp8_group"
-    return "float"
+    payload = natural if natural in carried else "float"
+    if scheme.name == "fp8_block":
+        low_latency = "fp8_group"
+    elif scheme.qdtype == torch.int8:
+        low_latency = low_latency_int8
+    else:
+        low_latency = "float"
+    return payload, low_latency
 
 
 def quantize_payload(x: torch.Tensor, payload: str) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,0 +1,517 @@
+"""``epmoe bench experts``: the routed-experts pass on one GPU, every backend side by side.
+
+For each rows-per-expert ``m`` (uniform routing, fresh random data) it times GEMM1, the
+activation, GEMM2 and the whole pass (input quantization included) of:
+
+* ``torch_bf16``: BF16 ``torch._grouped_mm`` GEMMs with torch ``silu * mul`` between (baseline);
+* ``triton_int8_channel`` (fp32 accumulator), ``triton_int8_channel_int32``,
+  ``triton_int8_block`` and ``triton_bf16``;
+* any other :class:`~epmoe.experts.base.ExpertsBackend` given with ``--extra module:Class[@scheme]``
+  (whole pass only, through its ``run_contiguous``), so FP8 rows need no edit here.
+
+Ceilings measured in the same run: device copy bandwidth, a BF16 8192^3 matmul and
+``torch._int_mm`` INT8 8192^3. Each GEMM is reported as a fraction of its memory floor (weight
+bytes / copy bandwidth) and of peak (measured ceiling, and the datasheet peak). Accuracy is the
+relative mean absolute error of the pass against float64 math on the unquantized weights, on a
+few experts. Small batches are timed inside CUDA graphs so launch overhead does not hide the
+kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib
+import json
+import math
+import platform
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+DATASHEET = {"int8": 1979.0, "bf16": 989.0, "fp8": 1979.0}
+"""H200 SXM dense peaks (TOPS / TFLOP/s)."""
+
+BUILTIN = ("torch_bf16", "triton_int8_channel", "triton_int8_channel_int32", "triton_int8_block", "triton_bf16")
+GRAPH_MAX_M = 32
+"""Rows per expert up to which timings run inside CUDA graphs (launch overhead is visible)."""
+
+
+@dataclass
+class Case:
+    """One timed configuration: stage name -> ms (``None`` when not measurable)."""
+
+    backend: str
+    m: int
+    precision: str
+    ms: dict = field(default_factory=dict)
+    error: str | None = None
+    accuracy: float | None = None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="epmoe bench experts", description=__doc__.split("\n\n")[0])
+    p.add_argument("--m", default="8,32,128,512,2048", help="rows per expert, comma separated")
+    p.add_argument("--experts", type=int, default=128, help="local experts E_loc")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--intermediate", type=int, default=2048)
+    p.add_argument("--backends", default=",".join(BUILTIN), help=f"subset of {','.join(BUILTIN)}")
+    p.add_argument("--extra", action="append", default=[], help="module:Class[@scheme] of another ExpertsBackend")
+    p.add_argument("--json", default=None, help="write all numbers here")
+    p.add_argument("--plot", default=None, help="write a PNG here (needs matplotlib)")
+    p.add_argument("--rep-ms", type=float, default=200.0, help="do_bench repetition time per measurement")
+    p.add_argument("--ceiling-size", type=int, default=8192, help="edge of the ceiling matmuls")
+    p.add_argument("--accuracy-experts", type=int, default=2, help="experts checked against float64")
+    args = p.parse_args(argv)
+    try:
+        args.m = [int(v) for v in args.m.split(",") if v]
+    except ValueError:
+        p.error(f"--m must be comma-separated integers; got {args.m!r}")
+    args.backends = [b for b in args.backends.split(",") if b]
+    unknown = set(args.backends) - set(BUILTIN)
+    if unknown:
+        p.error(f"unknown --backends {sorted(unknown)}; allowed: {list(BUILTIN)}")
+    return args
+
+
+# ------------------------------------------------------------------------------- timing
+
+
+def make_timer(device: torch.device, rep_ms: float) -> Callable[[Callable, bool], float]:
+    """Median ms of ``fn()``; inside a CUDA graph when ``graph``. CPU: one wall-clock run."""
+    if device.type != "cuda":
+
+        def cpu_timer(fn, graph=False):
+            fn()
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e3
+
+        return cpu_timer
+    import triton.testing as tt
+
+    def gpu_timer(fn, graph=False):
+        if graph:
+            fn()
+            torch.cuda.synchronize()
+            # do_bench_cudagraph replays its graph ten times; a quarter of the budget is plenty.
+            return float(tt.do_bench_cudagraph(fn, rep=max(20.0, rep_ms / 4), return_mode="median"))
+        return float(tt.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
+
+    return gpu_timer
+
+
+def measure_ceilings(device: torch.device, size: int, timer) -> dict:
+    """Copy bandwidth (read + write bytes per second) and the dense matmul ceilings."""
+    out = {}
+    n_bytes = 1 << 30 if device.type == "cuda" else 1 << 24
+    src = torch.empty(n_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src))
+    out["copy_GBps"] = 2 * n_bytes / ms / 1e6
+    del src, dst
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16).t()
+    ms = timer(lambda: a @ b)
+    out["bf16_matmul_TFLOPs"] = 2 * size**3 / ms / 1e9
+    ai = torch.randint(-127, 128, (size, size), device=device, dtype=torch.int8)
+    bi = torch.randint(-127, 128, (size, size), device=device, dtype=torch.int8).t()
+    try:
+        ms = timer(lambda: torch._int_mm(ai, bi))
+        out["int8_int_mm_TOPS"] = 2 * size**3 / ms / 1e9
+    except RuntimeError as exc:  # CPU builds lack an int8 GEMM for some shapes
+        out["int8_int_mm_TOPS"] = None
+        out["int8_error"] = str(exc).splitlines()[0]
+    return out
+
+
+# ------------------------------------------------------------------------------- problem
+
+
+@dataclass
+class Problem:
+    e: int
+    hidden: int
+    inter: int
+    w13: torch.Tensor  # bf16 [E, 2I, H]
+    w2: torch.Tensor  # bf16 [E, H, I]
+    quantized: dict = field(default_factory=dict)  # scheme name -> ExpertWeights
+
+    def gemm_shapes(self) -> dict:
+        return {"gemm1": (2 * self.inter, self.hidden), "gemm2": (self.hidden, self.inter)}
+
+
+def build_problem(e: int, hidden: int, inter: int, device: torch.device, dtype: torch.dtype) -> Problem:
+    g = torch.Generator(device=device).manual_seed(0)
+    w13 = (torch.randn(e, 2 * inter, hidden, device=device, generator=g) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(e, hidden, inter, device=device, generator=g) / inter**0.5).to(dtype)
+    return Problem(e, hidden, inter, w13, w2)
+
+
+def weights_for(problem: Problem, scheme_name: str):
+    """ExpertWeights of ``scheme_name`` (quantized from the bf16 weights once, in expert chunks)."""
+    from ..experts.base import ExpertWeights
+    from ..quant.reference import quantize_weight
+    from ..quant.schemes import get_scheme
+
+    if scheme_name in problem.quantized:
+        return problem.quantized[scheme_name]
+    scheme = get_scheme(scheme_name)
+    if not scheme.quantized:
+        w = ExpertWeights(scheme, problem.w13, problem.w2)
+    else:
+        parts = {"w13": [], "w2": [], "s13": [], "s2": []}
+        chunk = 8  # bounds the fp32 temporaries of the reference quantizer
+        for lo in range(0, problem.e, chunk):
+            q13, s13 = quantize_weight(problem.w13[lo : lo + chunk], scheme)
+            q2, s2 = quantize_weight(problem.w2[lo : lo + chunk], scheme)
+            for key, val in zip(("w13", "s13", "w2", "s2"), (q13, s13, q2, s2)):
+                parts[key].append(val)
+        w = ExpertWeights(scheme, *(torch.cat(parts[k]) for k in ("w13", "w2", "s13", "s2")))
+    problem.quantized[scheme_name] = w
+    return w
+
+
+def uniform_batch(problem: Problem, m: int, device: torch.device, dtype: torch.dtype, seed: int, alignment: int = 1):
+    """``m`` rows for every expert (the same rows for any alignment); padding rows are zero."""
+    from ..layouts import ContiguousBatch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(m * problem.e, problem.hidden, device=device, generator=g).to(dtype)
+    seg = -(-m // alignment) * alignment
+    if seg != m:
+        padded = torch.zeros(problem.e, seg, problem.hidden, device=device, dtype=dtype)
+        padded[:, :m] = x.view(problem.e, m, -1)
+        x = padded.view(problem.e * seg, -1)
+    offsets = (torch.arange(problem.e + 1, device=device) * seg).to(torch.int32)
+    m_indices = torch.arange(problem.e, device=device, dtype=torch.int32).repeat_interleave(seg)
+    m_indices.view(problem.e, seg)[:, m:] = -1
+    valid = (m_indices >= 0).nonzero().squeeze(1)
+    return ContiguousBatch(x, None, offsets, m_indices, valid.unsqueeze(1), [m] * problem.e)
+
+
+# ------------------------------------------------------------------------------- stages
+
+
+def torch_bf16_stages(problem: Problem, batch) -> dict[str, Callable]:
+    """The BF16 baseline: torch._grouped_mm GEMMs, torch silu * mul between."""
+    import torch.nn.functional as F
+
+    offs = batch.expert_offsets[1:].contiguous()
+    w13t, w2t = problem.w13.transpose(1, 2), problem.w2.transpose(1, 2)
+    x = batch.x
+    gate_up = torch._grouped_mm(x, w13t, offs=offs)
+    h = F.silu(gate_up[:, : problem.inter]) * gate_up[:, problem.inter :]
+
+    def total():
+        gu = torch._grouped_mm(x, w13t, offs=offs)
+        return torch._grouped_mm(F.silu(gu[:, : problem.inter]) * gu[:, problem.inter :], w2t, offs=offs)
+
+    return {
+        "gemm1": lambda: torch._grouped_mm(x, w13t, offs=offs),
+        "act": lambda: F.silu(gate_up[:, : problem.inter]) * gate_up[:, problem.inter :],
+        "gemm2": lambda: torch._grouped_mm(h, w2t, offs=offs),
+        "total": total,
+    }
+
+
+def triton_stages(problem: Problem, batch, scheme_name: str, accumulator: str) -> tuple[dict, Callable]:
+    """Stages of the triton backend, built from the same kernels its run_contiguous calls."""
+    from ..experts.triton_backend import TritonBackend
+    from ..kernels import activation, grouped_gemm, quantize
+    from ..quant.schemes import get_scheme
+
+    scheme = get_scheme(scheme_name)
+    backend = TritonBackend(scheme, accumulator=accumulator)
+    w = backend.prepare_weights(weights_for(problem, scheme_name))
+    dtype = batch.x.dtype
+    offsets = batch.expert_offsets
+    if scheme.act_granularity == "token":
+        quant = lambda: quantize.per_token_quant_int8(batch.x)  # noqa: E731
+        act = lambda gu: activation.silu_and_mul_quant(gu, "token")  # noqa: E731
+    elif scheme.act_granularity == "group":
+        quant = lambda: quantize.per_group_quant(batch.x, 128, torch.int8)  # noqa: E731
+        act = lambda gu: activation.silu_and_mul_quant(gu, "group", 128)  # noqa: E731
+    else:
+        quant = lambda: (batch.x, None)  # noqa: E731
+        act = lambda gu: (activation.silu_and_mul(gu, w.w2.dtype), None)  # noqa: E731
+    xq, xs = quant()
+
+    def gemm(a, a_scale, weight, scale):
+        return grouped_gemm.grouped_gemm_contiguous(
+            a, weight, offsets, mode=scheme_name, a_scale=a_scale, b_scale=scale,
+            accumulator=accumulator, out_dtype=dtype,
+        )
+
+    gate_up = gemm(xq, xs, w.w13, w.w13_scale)
+    hq, hs = act(gate_up)
+    stages = {
+        "gemm1": lambda: gemm(xq, xs, w.w13, w.w13_scale),
+        "act": lambda: act(gate_up),
+        "gemm2": lambda: gemm(hq, hs, w.w2, w.w2_scale),
+        "total": lambda: backend.run_contiguous(batch, w, dtype),
+    }
+    if scheme.quantized:
+        stages["quant"] = quant
+    return stages, stages["total"]
+
+
+def load_extra(spec: str):
+    """``module:Class[@scheme]`` -> (label, backend instance)."""
+    from ..quant.schemes import get_scheme
+
+    path, _, scheme_name = spec.partition("@")
+    module, _, cls_name = path.partition(":")
+    if not module or not cls_name:
+        raise ValueError(f"--extra {spec!r}: expected module:Class[@scheme]")
+    cls = getattr(importlib.import_module(module), cls_name)
+    scheme_name = scheme_name or sorted(cls.schemes)[0]
+    return f"{cls.name}_{scheme_name}", cls(get_scheme(scheme_name))
+
+
+# ------------------------------------------------------------------------------- accuracy
+
+
+def reference_rows(problem: Problem, batch, experts: int, max_rows: int = 64) -> dict[int, tuple[slice, torch.Tensor]]:
+    """float64 outputs of the first ``experts`` experts on unquantized weights."""
+    import torch.nn.functional as F
+
+    out = {}
+    offs = batch.expert_offsets.tolist()
+    for e in range(min(experts, problem.e)):
+        rows = slice(offs[e], offs[e] + min(batch.num_rows[e], max_rows))
+        x = batch.x[rows].double()
+        gu = x @ problem.w13[e].double().t()
+        h = F.silu(gu[:, : problem.inter]) * gu[:, problem.inter :]
+        out[e] = (rows, h @ problem.w2[e].double().t())
+    return out
+
+
+def accuracy(output: torch.Tensor, refs: dict) -> float:
+    num = sum(float((output[rows].double() - ref).abs().sum()) for rows, ref in refs.values())
+    den = sum(float(ref.abs().sum()) for _, ref in refs.values())
+    return num / den if den else float("nan")
+
+
+# ------------------------------------------------------------------------------- run
+
+
+def precision_of(label: str) -> str:
+    if "int8" in label:
+        return "int8"
+    if "fp8" in label:
+        return "fp8"
+    return "bf16"
+
+
+def run_case(label: str, m: int, stages: dict, timer, refs: dict) -> Case:
+    case = Case(label, m, precision_of(label))
+    graph = m <= GRAPH_MAX_M
+    try:
+        case.accuracy = accuracy(stages["total"](), refs)
+        for name, fn in stages.items():
+            case.ms[name] = timer(fn, graph)
+    except Exception as exc:  # one failing backend must not end the run
+        case.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        traceback.print_exc(file=sys.stderr)
+    return case
+
+
+def derive(case: Case, problem: Problem, ceilings: dict, baseline: Case | None) -> dict:
+    """TOPS, floor and peak fractions and the speed-up over BF16 of one case."""
+    rows = case.m * problem.e
+    wbytes = 1 if case.precision in ("int8", "fp8") else 2
+    measured_peak = ceilings.get("int8_int_mm_TOPS") if wbytes == 1 else ceilings.get("bf16_matmul_TFLOPs")
+    d = {}
+    total_flops = total_floor = 0.0
+    for gemm, (n, k) in problem.gemm_shapes().items():
+        flops = 2.0 * rows * n * k
+        floor_ms = problem.e * n * k * wbytes / (ceilings["copy_GBps"] * 1e6)
+        total_flops += flops
+        total_floor += floor_ms
+        ms = case.ms.get(gemm)
+        if ms:
+            d[gemm] = {
+                "ms": ms,
+                "TOPS": flops / ms / 1e9,
+                "floor_ms": floor_ms,
+                "frac_floor": floor_ms / ms,
+                "frac_peak_measured": flops / ms / 1e9 / measured_peak if measured_peak else None,
+                "frac_peak_datasheet": flops / ms / 1e9 / DATASHEET[case.precision],
+                "speedup_vs_bf16": baseline.ms[gemm] / ms if baseline and baseline.ms.get(gemm) else None,
+            }
+    ms = case.ms.get("total")
+    if ms:
+        d["total"] = {
+            "ms": ms,
+            "TOPS": total_flops / ms / 1e9,
+            "floor_ms": total_floor,
+            "frac_floor": total_floor / ms,
+            "speedup_vs_bf16": baseline.ms["total"] / ms if baseline and baseline.ms.get("total") else None,
+        }
+    return d
+
+
+def fmt(v, spec=".3f") -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def table(results: list[dict]) -> str:
+    head = (
+        f"{'m':>5} {'backend':<28} {'g1 ms':>7} {'g1 TOPS':>7} {'g1 flr':>6} {'g1 pk':>5} {'g1 ds':>5} "
+        f"{'act ms':>6} {'g2 ms':>7} {'g2 TOPS':>7} {'g2 flr':>6} {'g2 pk':>5} {'g2 ds':>5} "
+        f"{'tot ms':>7} {'flr':>5} {'xBF16':>5} {'err':>8}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in results:
+        d = r["derived"]
+        g1, g2, tot = d.get("gemm1", {}), d.get("gemm2", {}), d.get("total", {})
+        if r["error"]:
+            lines.append(f"{r['m']:>5} {r['backend']:<28} ERROR {r['error'][:90]}")
+            continue
+        lines.append(
+            f"{r['m']:>5} {r['backend']:<28} {fmt(g1.get('ms'))!s:>7} {fmt(g1.get('TOPS'), '.0f'):>7} "
+            f"{fmt(g1.get('frac_floor'), '.2f'):>6} {fmt(g1.get('frac_peak_measured'), '.2f'):>5} "
+            f"{fmt(g1.get('frac_peak_datasheet'), '.2f'):>5} {fmt(r['ms'].get('act')):>6} "
+            f"{fmt(g2.get('ms')):>7} {fmt(g2.get('TOPS'), '.0f'):>7} {fmt(g2.get('frac_floor'), '.2f'):>6} "
+            f"{fmt(g2.get('frac_peak_measured'), '.2f'):>5} {fmt(g2.get('frac_peak_datasheet'), '.2f'):>5} "
+            f"{fmt(tot.get('ms')):>7} {fmt(tot.get('frac_floor'), '.2f'):>5} "
+            f"{fmt(tot.get('speedup_vs_bf16'), '.2f'):>5} {fmt(r['accuracy'], '.2e'):>8}"
+        )
+    legend = (
+        "flr: memory floor (weight bytes / copy bandwidth) / time; pk: fraction of the measured "
+        "ceiling (int8 _int_mm or bf16 matmul); ds: of the datasheet peak (1979 int8 / 989 bf16); "
+        "xBF16: whole-pass speed-up over torch_bf16; err: rel. mean abs error vs float64 "
+        "(unquantized weights)."
+    )
+    return "\n".join(lines + [legend])
+
+
+def plot(results: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not importable; no plot written to {path}", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for backend in dict.fromkeys(r["backend"] for r in results):
+        rs = [r for r in results if r["backend"] == backend and "total" in r["derived"]]
+        if not rs:
+            continue
+        ms = [r["m"] for r in rs]
+        axes[0].plot(ms, [r["derived"]["total"]["ms"] for r in rs], marker="o", label=backend)
+        axes[1].plot(ms, [r["derived"]["total"]["TOPS"] for r in rs], marker="o", label=backend)
+    for ax, ylabel in zip(axes, ("whole pass ms", "effective TOPS")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("rows per expert m")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
+    if device.type == "cpu":
+        import os
+
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        print("no CUDA device: timing on CPU with the Triton interpreter (numbers are not meaningful)")
+    t_start = time.time()
+    timer = make_timer(device, args.rep_ms)
+    ceilings = measure_ceilings(device, args.ceiling_size, timer)
+    print("ceilings:", {k: (round(v, 1) if isinstance(v, float) else v) for k, v in ceilings.items()}, flush=True)
+    problem = build_problem(args.experts, args.hidden, args.intermediate, device, dtype)
+    extras = []
+    for spec in args.extra:
+        try:
+            extras.append(load_extra(spec))
+        except Exception as exc:
+            print(f"--extra {spec}: cannot load ({type(exc).__name__}: {exc})", file=sys.stderr)
+    results = []
+    for i, m in enumerate(args.m):
+        batch = uniform_batch(problem, m, device, dtype, seed=1000 + i)
+        refs = reference_rows(problem, batch, args.accuracy_experts)
+        cases = []
+        for name in args.backends:
+            print(f"m={m} {name} ...", flush=True)
+            if name == "torch_bf16":
+                try:
+                    stages = torch_bf16_stages(problem, batch)
+                except Exception as exc:
+                    cases.append(Case(name, m, "bf16", error=f"{type(exc).__name__}: {exc}"))
+                    continue
+            else:
+                scheme = name.removeprefix("triton_").removesuffix("_int32")
+                try:
+                    stages, _ = triton_stages(problem, batch, scheme, "int32" if name.endswith("_int32") else "fp32")
+                except Exception as exc:
+                    traceback.print_exc(file=sys.stderr)
+                    cases.append(Case(name, m, precision_of(name), error=f"{type(exc).__name__}: {exc}"))
+                    continue
+            cases.append(run_case(name, m, stages, timer, refs))
+        for label, backend in extras:
+            print(f"m={m} {label} ...", flush=True)
+            try:
+                w = backend.prepare_weights(weights_for(problem, backend.scheme.name))
+                own, own_refs = batch, refs
+                if backend.alignment > 1 and m % backend.alignment:
+                    own = uniform_batch(problem, m, device, dtype, 1000 + i, backend.alignment)
+                    own_refs = reference_rows(problem, own, args.accuracy_experts)
+                total = lambda b=backend, w=w, own=own: b.run_contiguous(own, w, dtype)  # noqa: E731
+                cases.append(run_case(label, m, {"total": total}, timer, own_refs))
+            except Exception as exc:
+                cases.append(Case(label, m, precision_of(label), error=f"{type(exc).__name__}: {exc}"))
+        baseline = next((c for c in cases if c.backend == "torch_bf16" and not c.error), None)
+        for c in cases:
+            results.append({
+                "backend": c.backend, "m": m, "precision": c.precision, "ms": c.ms, "error": c.error,
+                "accuracy": c.accuracy, "derived": derive(c, problem, ceilings, baseline),
+            })
+        del batch, refs
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    report = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "shapes": {"experts": args.experts, "hidden": args.hidden, "intermediate": args.intermediate},
+        "ceilings": ceilings,
+        "datasheet_peaks": DATASHEET,
+        "results": results,
+        "seconds": round(time.time() - t_start, 1),
+    }
+    print()
+    print(table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(results, args.plot)
+    return 1 if any(r["error"] for r in results) else 0
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+
+        return triton.__version__
+    except ImportError:
+        return None
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,248 @@
+"""FP8 block backends on one GPU: the deepgemm backend vs calling DeepGEMM directly vs cutlass.
+
+    python -m epmoe.bench.fp8 [--experts 128 --hidden 7168 --inter 2048 --m 8,32,128,512,2048]
+                              [--impls deepgemm,direct,cutlass] [--json fp8_bench.json]
+
+For every m (rows per expert, uniform routing) it times, with CUDA events around a fixed number of
+calls (median of repeats):
+
+* ``gemm1`` ``[E*m, H] x [H, 2I]`` and ``gemm2`` ``[E*m, I] x [I, H]``:
+  ``direct`` = the raw ``deep_gemm`` call (contiguous layout, segments padded to 128),
+  ``deepgemm`` = the backend's wrapper of that call, ``cutlass`` = the CUTLASS grouped GEMM
+  (unpadded segments); for m <= 128 also the masked GEMMs (``direct-masked``, ``deepgemm-masked``).
+* ``experts``: the whole experts pass from bf16 activations (quantize, GEMM1, SiLU*up + requant,
+  GEMM2): ``DeepGemmBackend.run_contiguous`` / ``run_masked``, the same four launches with raw
+  DeepGEMM calls (``direct``), and ``CutlassBackend.run_contiguous``.
+
+TFLOP/s count only valid rows (``2 * E*m * N * K`` per GEMM). Targets (issue 5): ``deepgemm`` within
+5% of ``direct``; ``cutlass`` within 10% of ``direct`` for m >= 512. DeepGEMM compiles each shape
+on first use and the CUTLASS extension builds on first use; both are done (untimed) before timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+BLOCK = 128
+
+
+def _time(fn, iters: int, repeats: int) -> float:
+    """Median milliseconds per call."""
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / iters)
+    return statistics.median(samples)
+
+
+def _weights(e: int, n: int, k: int, dev, seed: int):
+    """Random e4m3 weights [E, N, K] and fp32 block scales, built per expert to bound memory."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    w = torch.empty((e, n, k), dtype=torch.float8_e4m3fn, device=dev)
+    for i in range(e):
+        w[i] = (torch.randn((n, k), generator=g, device=dev, dtype=torch.bfloat16) * 64).to(torch.float8_e4m3fn)
+    s = torch.rand((e, n // BLOCK, k // BLOCK), generator=g, device=dev) * 1e-3 + 1e-4
+    return w, s
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m epmoe.bench.fp8", description=__doc__.split("\n")[0])
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--inter", type=int, default=2048)
+    p.add_argument("--m", default="8,32,128,512,2048", help="rows per expert, comma-separated")
+    p.add_argument("--impls", default="deepgemm,direct,cutlass")
+    p.add_argument("--masked-max-m", type=int, default=128, help="also time masked GEMMs up to this m")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", default="fp8_bench.json")
+    args = p.parse_args(argv)
+
+    from ..experts.base import ExpertWeights
+    from ..kernels import activation, quantize
+    from ..layouts import ContiguousBatch, MaskedBatch
+    from ..quant.schemes import get_scheme
+
+    if not torch.cuda.is_available():
+        print("no CUDA GPU", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda", torch.cuda.current_device())
+    e, h, inter = args.experts, args.hidden, args.inter
+    ms = [int(v) for v in args.m.split(",") if v]
+    impls = [v for v in args.impls.split(",") if v]
+    scheme = get_scheme("fp8_block")
+    t_start = time.perf_counter()
+
+    dg = cut = None
+    if "deepgemm" in impls or "direct" in impls:
+        from ..experts import deepgemm_backend as dgb
+
+        api = dgb.deep_gemm_api()
+        if api is None:
+            print("deep_gemm not importable; skipping deepgemm/direct", file=sys.stderr)
+            impls = [i for i in impls if i not in ("deepgemm", "direct")]
+        else:
+            dg = dgb
+    if "cutlass" in impls:
+        os.environ.setdefault("SGLANG_CUTLASS_MOE", "1")
+        from ..experts import cutlass_backend as cb
+
+        t0 = time.perf_counter()
+        try:
+            if not cb._use_sgl():
+                cb.load_extension()
+            cut = cb
+            print(f"cutlass ready in {time.perf_counter() - t0:.1f} s (sgl-kernel: {cb._use_sgl()})")
+        except Exception as exc:
+            print(f"cutlass unavailable: {exc}", file=sys.stderr)
+            impls.remove("cutlass")
+
+    w13, s13 = _weights(e, 2 * inter, h, dev, 0)
+    w2, s2 = _weights(e, h, inter, dev, 1)
+    weights = ExpertWeights(scheme, w13, w2, s13, s2)
+    dg_backend = dg.DeepGemmBackend(scheme) if dg else None
+    cut_backend = cut.CutlassBackend(scheme) if cut else None
+    rows = []
+
+    def record(m, gemm, impl, ms_, n, k):
+        flops = 2.0 * e * m * n * k
+        row = dict(m=m, gemm=gemm, impl=impl, ms=round(ms_, 4), tflops=round(flops / ms_ / 1e9, 1))
+        rows.append(row)
+        print(f"m={m:5d} {gemm:8s} {impl:16s} {ms_:9.3f} ms {row['tflops']:8.1f} TFLOP/s", flush=True)
+
+    for m in ms:
+        g = torch.Generator(device=dev).manual_seed(m)
+        # ---- contiguous, padded to DeepGEMM's alignment ----
+        align = dg.deep_gemm_api().alignment if dg else BLOCK
+        per = -(-m // align) * align
+        m_indices = torch.full((e, per), -1, dtype=torch.int32, device=dev)
+        m_indices[:, :m] = torch.arange(e, dtype=torch.int32, device=dev)[:, None]
+        m_indices = m_indices.reshape(-1)
+        x_pad = torch.zeros((e, per, h), dtype=torch.bfloat16, device=dev)
+        x_pad[:, :m] = torch.randn((e, m, h), generator=g, device=dev, dtype=torch.bfloat16)
+        x_pad = x_pad.reshape(-1, h)
+        offsets_pad = torch.arange(0, e * per + 1, per, dtype=torch.int32, device=dev)
+        batch_pad = ContiguousBatch(x_pad, None, offsets_pad, m_indices, torch.empty(0, 1, device=dev), [m] * e)
+        a, sa = quantize.per_group_quant(x_pad, BLOCK, torch.float8_e4m3fn)
+        hq = torch.randn((e * per, inter), generator=g, device=dev, dtype=torch.bfloat16)
+        hq, sh = quantize.per_group_quant(hq, BLOCK, torch.float8_e4m3fn)
+        if dg:
+            api = dg.deep_gemm_api()
+            d1 = torch.empty((e * per, 2 * inter), dtype=torch.bfloat16, device=dev)
+            d2 = torch.empty((e * per, h), dtype=torch.bfloat16, device=dev)
+
+            def direct1():
+                api.contiguous((a, sa), (w13, s13), d1, m_indices)
+
+            def direct2():
+                api.contiguous((hq, sh), (w2, s2), d2, m_indices)
+
+            def direct_pass():
+                q, s = quantize.per_group_quant(x_pad, BLOCK, torch.float8_e4m3fn)
+                api.contiguous((q, s), (w13, s13), d1, m_indices)
+                h_, hs = activation.silu_and_mul_quant(d1, "group", BLOCK, torch.float8_e4m3fn)
+                api.contiguous((h_, hs), (w2, s2), d2, m_indices)
+
+            cases = []
+            if "direct" in impls:
+                cases += [("gemm1", "direct", direct1, 2 * inter, h), ("gemm2", "direct", direct2, h, inter),
+                          ("experts", "direct", direct_pass, None, None)]  # fmt: skip
+            if "deepgemm" in impls:
+                cases += [
+                    ("gemm1", "deepgemm", lambda: dg.gemm_contiguous(a, sa, w13, s13, m_indices, d1), 2 * inter, h),
+                    ("gemm2", "deepgemm", lambda: dg.gemm_contiguous(hq, sh, w2, s2, m_indices, d2), h, inter),
+                    ("experts", "deepgemm",
+                     lambda: dg_backend.run_contiguous(batch_pad, weights, torch.bfloat16), None, None),
+                ]  # fmt: skip
+            for gemm, impl, fn, n, k in cases:
+                t = _time(fn, args.iters, args.repeats)
+                if gemm == "experts":
+                    record(m, gemm, impl, t, 3 * inter, h)  # 2I*H + H*I = 3*I*H per row
+                else:
+                    record(m, gemm, impl, t, n, k)
+            del d1, d2
+        # ---- contiguous without padding (cutlass) ----
+        if cut:
+            x = x_pad.reshape(e, per, h)[:, :m].reshape(-1, h).contiguous()
+            offsets = torch.arange(0, e * m + 1, m, dtype=torch.int32, device=dev)
+            mi = torch.arange(e, dtype=torch.int32, device=dev).repeat_interleave(m)
+            batch = ContiguousBatch(x, None, offsets, mi, torch.empty(0, 1, device=dev), [m] * e)
+            ca = a.reshape(e, per, h)[:, :m].reshape(-1, h).contiguous()
+            csa = sa.reshape(e, per, -1)[:, :m].reshape(e * m, -1).contiguous()
+            ch = hq.reshape(e, per, inter)[:, :m].reshape(-1, inter).contiguous()
+            csh = sh.reshape(e, per, -1)[:, :m].reshape(e * m, -1).contiguous()
+            o1 = torch.empty((e * m, 2 * inter), dtype=torch.bfloat16, device=dev)
+            o2 = torch.empty((e * m, h), dtype=torch.bfloat16, device=dev)
+            for gemm, fn, n, k in (
+                ("gemm1", lambda: cut.grouped_gemm(ca, csa, w13, s13, offsets, o1), 2 * inter, h),
+                ("gemm2", lambda: cut.grouped_gemm(ch, csh, w2, s2, offsets, o2), h, inter),
+                ("experts", lambda: cut_backend.run_contiguous(batch, weights, torch.bfloat16), 3 * inter, h),
+            ):
+                record(m, gemm, "cutlass", _time(fn, args.iters, args.repeats), n, k)
+            del x, o1, o2, ca, ch
+        del x_pad, a, hq
+        # ---- masked (decode sizes) ----
+        if dg and m <= args.masked_max_m:
+            api = dg.deep_gemm_api()
+            xm = torch.randn((e, m, h), generator=g, device=dev, dtype=torch.bfloat16)
+            mm = torch.full((e,), m, dtype=torch.int32, device=dev)
+            am, sam = quantize.per_group_quant(xm, BLOCK, torch.float8_e4m3fn)
+            hm, shm = quantize.per_group_quant(
+                torch.randn((e, m, inter), generator=g, device=dev, dtype=torch.bfloat16), BLOCK, torch.float8_e4m3fn
+            )
+            dm1 = torch.empty((e, m, 2 * inter), dtype=torch.bfloat16, device=dev)
+            dm2 = torch.empty((e, m, h), dtype=torch.bfloat16, device=dev)
+            mb = MaskedBatch(xm, None, mm, m)
+            cases = []
+            if "direct" in impls:
+                cases += [
+                    ("gemm1", "direct-masked", lambda: api.masked((am, sam), (w13, s13), dm1, mm, m), 2 * inter, h),
+                    ("gemm2", "direct-masked", lambda: api.masked((hm, shm), (w2, s2), dm2, mm, m), h, inter),
+                ]
+            if "deepgemm" in impls:
+                cases += [
+                    ("gemm1", "deepgemm-masked", lambda: dg.gemm_masked(am, sam, w13, s13, mm, m, dm1), 2 * inter, h),
+                    ("gemm2", "deepgemm-masked", lambda: dg.gemm_masked(hm, shm, w2, s2, mm, m, dm2), h, inter),
+                    ("experts", "deepgemm-masked",
+                     lambda: dg_backend.run_masked(mb, weights, torch.bfloat16), 3 * inter, h),
+                ]  # fmt: skip
+            for gemm, impl, fn, n, k in cases:
+                record(m, gemm, impl, _time(fn, args.iters, args.repeats), n, k)
+            del xm, am, hm, dm1, dm2
+        torch.cuda.empty_cache()
+
+    # ---- summary: ratios against direct DeepGEMM ----
+    by = {(r["m"], r["gemm"], r["impl"]): r["ms"] for r in rows}
+    print("\nratios (time / direct DeepGEMM contiguous; targets: deepgemm <= 1.05, cutlass <= 1.10 for m >= 512)")
+    for m in ms:
+        for gemm in ("gemm1", "gemm2", "experts"):
+            base = by.get((m, gemm, "direct"))
+            if not base:
+                continue
+            parts = [f"{impl}={by[(m, gemm, impl)] / base:.3f}" for impl in ("deepgemm", "cutlass") if (m, gemm, impl) in by]
+            print(f"m={m:5d} {gemm:8s} " + " ".join(parts))
+    meta = dict(device=torch.cuda.get_device_name(dev), torch=torch.__version__, cuda=torch.version.cuda,
+                experts=e, hidden=h, inter=inter, iters=args.iters, repeats=args.repeats,
+                wall_s=round(time.perf_counter() - t_start, 1))  # fmt: skip
+    with open(args.json, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"wrote {args.json} ({meta['wall_s']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

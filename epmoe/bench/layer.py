@@ -1,0 +1,562 @@
+"""``epmoe bench layer``: the EP layer over DeepEP on 2 GPUs at DeepSeek-V3 shapes.
+
+Two ranks (torch.multiprocessing, NCCL), 256 experts, top-8, H = 7168, I = 2048 (128 experts per
+rank), one shared :class:`~epmoe.dispatch.deepep.DeepEPBuffer`:
+
+* prefill: 4096 tokens per rank, ``deepep_normal``; decode: 128 tokens per rank,
+  ``deepep_low_latency``; schemes bf16, int8_channel, int8_block (backend ``auto``);
+* whole-layer time and per-phase times (quantize, dispatch, scatter, GEMM1, activation, GEMM2,
+  gather, combine), calling the pieces the layer composes; GEMM1 / activation / GEMM2 are split
+  by calling the Triton kernels of :mod:`epmoe.kernels` the way the Triton backend does (other
+  backends: one ``experts`` phase);
+* bytes sent per rank, remote and local; DeepEP's own dispatch / combine time for the same payload
+  (``deep_ep.Buffer`` called directly) next to the layer's;
+* low-latency INT8 payload study: BF16 dispatch then INT8 quantization, against FP8 dispatch then
+  INT8 requantization (time, and error against the exact activations in float64).
+
+Every rank runs a fixed number of iterations timed with CUDA events (never a per-process
+repetition count: ranks that disagree make DeepEP stop with "CPU recv timeout").
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+E, K, H, I = 256, 8, 7168, 2048
+WORLD = 2
+SCHEMES = ("bf16", "int8_channel", "int8_block")
+PHASES = ("quantize", "dispatch", "scatter", "quantize_post", "gemm1", "activation", "gemm2",
+          "experts", "gather", "combine")  # fmt: skip
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="epmoe bench layer", description=__doc__.split("\n\n")[0])
+    p.add_argument("--prefill-tokens", type=int, default=4096)
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--schemes", default=",".join(SCHEMES))
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--iters", type=int, default=10, help="timed iterations (the same on every rank)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--plot", default=None, help="write a PNG plot here")
+    p.add_argument("--port", type=int, default=0)
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------- helpers
+class _Timer:
+    """CUDA events recorded between phases over a fixed number of iterations."""
+
+    def __init__(self):
+        self.marks: list[list[tuple[str, torch.cuda.Event]]] = []
+
+    def start(self):
+        self.marks.append([])
+        self.mark("start")
+
+    def mark(self, name):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        self.marks[-1].append((name, ev))
+
+    def result_ms(self) -> dict[str, float]:
+        torch.cuda.synchronize()
+        sums: dict[str, float] = {}
+        for marks in self.marks:
+            for (_, a), (name, b) in zip(marks, marks[1:]):
+                sums[name] = sums.get(name, 0.0) + a.elapsed_time(b)
+        return {k: v / len(self.marks) for k, v in sums.items()}
+
+
+def _barrier(device):
+    import torch.distributed as dist
+
+    t = torch.ones(1, device=device)
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+
+
+def _time_loop(fn, iters, warmup, device) -> float:
+    """Mean ms of ``fn`` over ``iters`` back-to-back calls (same count on every rank)."""
+    for _ in range(warmup):
+        fn()
+    _barrier(device)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / iters
+
+
+def _routing(t, seed, rank, device):
+    from epmoe.routing import select_experts
+
+    g = torch.Generator(device=device).manual_seed(seed * 1000 + rank)
+    x = torch.randn(t, H, generator=g, device=device).to(torch.bfloat16)
+    logits = torch.randn(t, E, generator=g, device=device)
+    ids, w = select_experts(logits, K, renormalize=True)
+    return x, ids.long().contiguous(), w.float().contiguous()
+
+
+def _fill_weights(layer, scheme):
+    """Random weights generated on the GPU (dequantized std ~ 1/sqrt(K) per GEMM)."""
+    with torch.no_grad():
+        for w, s, k in ((layer.w13_weight, layer.w13_weight_scale, H), (layer.w2_weight, layer.w2_weight_scale, I)):
+            std = k**-0.5
+            if scheme == "bf16":
+                w.normal_(0.0, std)
+            else:
+                w.copy_(torch.randint(-127, 128, w.shape, dtype=torch.int8, device=w.device))
+                s.uniform_(0.5 * std / 73.0, 1.5 * std / 73.0)  # uniform int8 has std ~73
+
+
+def _share_weights(dst, src):
+    for name in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"):
+        if getattr(src, name) is not None:
+            setattr(dst, name, getattr(src, name))
+    dst._prepared = None
+
+
+def _bytes(ids, rank, payload_row_bytes, mode):
+    """Bytes this rank sends: dispatch (payload rows + metadata) and, for the combine, the BF16
+    rows that come back; split into remote (other ranks) and local (this rank)."""
+    e_loc = E // WORLD
+    dest = ids // e_loc  # [T, K]
+    if mode == "normal":  # one row per (token, destination rank), top-k ids + weights with it
+        on = torch.zeros(ids.shape[0], WORLD, dtype=torch.bool, device=ids.device)
+        on.scatter_(1, dest, True)
+        per_rank = on.sum(0).tolist()
+        meta = K * (8 + 4)
+    else:  # low-latency: one message per (token, selected expert), 16-byte header
+        per_rank = torch.bincount(dest.reshape(-1), minlength=WORLD).tolist()
+        meta = 16
+    row = payload_row_bytes + meta
+    remote = sum(c for r, c in enumerate(per_rank) if r != rank)
+    local = per_rank[rank]
+    return dict(
+        dispatch_remote=remote * row, dispatch_local=local * row,
+        combine_remote=remote * H * 2, combine_local=local * H * 2,
+        rows_remote=remote, rows_local=local,
+    )  # fmt: skip
+
+
+def _payload_row_bytes(payload):
+    return {"float": H * 2, "int8_token": H + 4, "int8_group": H + H // 128 * 4,
+            "fp8_group": H + H // 128 * 4}[payload]  # fmt: skip
+
+
+# ------------------------------------------------------------------------ split of the experts
+class _Split:
+    """GEMM1 / activation / GEMM2 with the Triton kernels, as the Triton backend runs them."""
+
+    def __init__(self, layer):
+        from epmoe.kernels import activation, grouped_gemm, quantize
+
+        self.act, self.gg, self.qz = activation, grouped_gemm, quantize
+        self.layer = layer
+        self.scheme = layer.scheme
+        self.acc = layer.backend.accumulator
+        self.w = layer._weights()
+
+    def gemm1_input(self, x, x_scale, masked_m):
+        from epmoe.quant.reference import dequantize_rows
+
+        s = self.scheme
+        if not s.quantized:
+            xf = x if x_scale is None else dequantize_rows(x, x_scale)
+            return xf.to(self.w.w13.dtype), None
+        native = x_scale is not None and x.dtype == s.qdtype and x_scale.shape[-1] == s.act_scale_cols(x.shape[-1])
+        if native:
+            return x, x_scale.float()
+        if s.act_granularity == "token":
+            return self.qz.per_token_quant_int8(x, x_scale, masked_m=masked_m)
+        return self.qz.per_group_quant(x, 128, torch.int8, x_scale, masked_m=masked_m)
+
+    def activation(self, gate_up, masked_m):
+        if not self.scheme.quantized:
+            return self.act.silu_and_mul(gate_up, self.w.w2.dtype, masked_m=masked_m), None
+        gran = "token" if self.scheme.act_granularity == "token" else "group"
+        return self.act.silu_and_mul_quant(gate_up, gran, 128, torch.int8, masked_m=masked_m)
+
+    def gemm(self, a, a_scale, which, layout, seg, expected_m=None, out_dtype=torch.bfloat16):
+        w = self.w.w13 if which == 1 else self.w.w2
+        ws = self.w.w13_scale if which == 1 else self.w.w2_scale
+        if which == 1 and out_dtype not in (torch.bfloat16, torch.float16):
+            out_dtype = torch.float32  # GEMM1's output is kept 16-bit only for 16-bit outputs
+        kw = dict(mode=self.scheme.name, a_scale=a_scale, b_scale=ws, accumulator=self.acc, out_dtype=out_dtype)
+        if layout == "contiguous":
+            return self.gg.grouped_gemm_contiguous(a, w, seg, **kw)
+        return self.gg.grouped_gemm_masked(a, w, seg, expected_m=expected_m, **kw)
+
+
+def _phases_once(layer, split, x_in, ids, w, tm):
+    """One forward, piece by piece, with a timer mark after each phase; returns the output."""
+    from epmoe.layouts import gather_weighted, to_contiguous
+    from epmoe.quant.payload import quantize_payload
+
+    x, xs = quantize_payload(x_in, layer.dispatcher.cfg.payload)
+    tm.mark("quantize")
+    d = layer.dispatcher.send(x, xs, ids, w)
+    tm.mark("dispatch")
+    if d.layout == "masked":
+        if split is None:
+            from epmoe.layouts import MaskedBatch
+
+            out = layer.backend.run_masked(MaskedBatch(d.x, d.x_scale, d.masked_m, d.expected_m), layer._weights(), x_in.dtype)
+            tm.mark("experts")
+        else:
+            mm = d.masked_m
+            a, a_s = split.gemm1_input(d.x, d.x_scale, mm)
+            tm.mark("quantize_post")
+            gu = split.gemm(a, a_s, 1, "masked", mm, d.expected_m, x_in.dtype)
+            tm.mark("gemm1")
+            h, hs = split.activation(gu, mm)
+            tm.mark("activation")
+            out = split.gemm(h, hs, 2, "masked", mm, d.expected_m, x_in.dtype)
+            tm.mark("gemm2")
+        y = layer.dispatcher.combine(out, d)
+        tm.mark("combine")
+        return y.to(x_in.dtype)
+    batch = to_contiguous(d.x, d.x_scale, d.topk_ids, layer.num_local_experts, layer.backend.alignment)
+    tm.mark("scatter")
+    if split is None:
+        out = layer.backend.run_contiguous(batch, layer._weights(), x_in.dtype)
+        tm.mark("experts")
+    else:
+        a, a_s = split.gemm1_input(batch.x, batch.x_scale, None)
+        tm.mark("quantize_post")
+        gu = split.gemm(a, a_s, 1, "contiguous", batch.expert_offsets, None, x_in.dtype)
+        tm.mark("gemm1")
+        h, hs = split.activation(gu, None)
+        tm.mark("activation")
+        out = split.gemm(h, hs, 2, "contiguous", batch.expert_offsets, None, x_in.dtype)
+        tm.mark("gemm2")
+    g = gather_weighted(out, batch.slot_pos, d.topk_weights).to(x_in.dtype)
+    tm.mark("gather")
+    y = layer.dispatcher.combine(g, d)
+    tm.mark("combine")
+    return y.to(x_in.dtype)
+
+
+def _deepep_raw(owner, layer, x_in, ids, w, mode, iters, warmup, device):
+    """DeepEP's own dispatch and combine time for the same payload (deep_ep.Buffer directly)."""
+    from epmoe.dispatch.deepep import normal_payload
+    from epmoe.quant.payload import quantize_payload
+
+    buf = owner.get()
+    x, xs = quantize_payload(x_in, layer.dispatcher.cfg.payload)
+    disp, comb = _Timer(), _Timer()
+    if mode == "normal":
+        payload = normal_payload(x, xs)
+        for i in range(warmup + iters):
+            _barrier(device)
+            tm = disp if i >= warmup else _Timer()
+            tm.start()
+            a, b, c, dd_, _ = buf.get_dispatch_layout(ids, E)
+            recv, rids, rw, _, handle, _ = buf.dispatch(
+                payload, topk_idx=ids, topk_weights=w, num_tokens_per_rank=a, num_tokens_per_rdma_rank=b,
+                is_token_in_rank=dd_, num_tokens_per_expert=c, expert_alignment=max(1, layer.backend.alignment),
+                config=owner.dispatch_config,
+            )  # fmt: skip
+            tm.mark("dispatch")
+            rx = recv[0] if isinstance(recv, tuple) else recv
+            y = torch.zeros(rx.shape[0], H, dtype=torch.bfloat16, device=device)
+            tm2 = comb if i >= warmup else _Timer()
+            tm2.start()
+            buf.combine(y, handle, config=owner.combine_config)
+            tm2.mark("combine")
+        owner.mark_normal_used()
+    else:
+        if owner.clean_low_latency():
+            _barrier(device)
+        xb = x_in.to(torch.bfloat16).contiguous()
+        use_fp8 = layer.dispatcher.cfg.low_latency_payload == "fp8_group"
+        plan = owner.plan
+        y = None
+        for i in range(warmup + iters):
+            _barrier(device)
+            tm = disp if i >= warmup else _Timer()
+            tm.start()
+            recv, count, handle, _, _ = buf.low_latency_dispatch(xb, ids, plan.ll_max_tokens, E, use_fp8=use_fp8)
+            tm.mark("dispatch")
+            if y is None:
+                y = torch.zeros(E // WORLD, plan.ll_max_tokens * WORLD, H, dtype=torch.bfloat16, device=device)
+            tm2 = comb if i >= warmup else _Timer()
+            tm2.start()
+            buf.low_latency_combine(y, ids, w, handle)
+            tm2.mark("combine")
+    return dict(dispatch_ms=disp.result_ms()["dispatch"], combine_ms=comb.result_ms()["combine"])
+
+
+def _ll_int8_study(owner, x, ids, device, iters, warmup):
+    """Low-latency INT8 payloads: BF16 dispatch + INT8 quantize vs FP8 dispatch + requantize."""
+    from epmoe.kernels import quantize as qz
+
+    if owner.clean_low_latency():
+        _barrier(device)
+    buf, plan = owner.get(), owner.plan
+    out = {}
+    recv = {}
+    for wire in ("bf16", "fp8"):
+        use_fp8 = wire == "fp8"
+        for gran in ("token", "group"):
+            d_t, q_t = _Timer(), _Timer()
+            for i in range(warmup + iters):
+                _barrier(device)
+                tm = d_t if i >= warmup else _Timer()
+                tm.start()
+                r, count, handle, _, _ = buf.low_latency_dispatch(x, ids, plan.ll_max_tokens, E, use_fp8=use_fp8)
+                tm.mark("dispatch")
+                rx, rs = r if use_fp8 else (r, None)
+                tq = q_t if i >= warmup else _Timer()
+                tq.start()
+                if gran == "token":
+                    q, s = qz.per_token_quant_int8(rx, rs, masked_m=count)
+                else:
+                    q, s = qz.per_group_quant(rx, 128, torch.int8, rs, masked_m=count)
+                tq.mark("quant")
+            recv[(wire, gran)] = (rx, rs, count, handle, q, s)
+            out[f"{wire}_{gran}"] = dict(dispatch_ms=d_t.result_ms()["dispatch"], quant_ms=q_t.result_ms()["quant"])
+    # Accuracy: match rows of both dispatches by (source rank, source token) on a few experts;
+    # the BF16 dispatch is byte-exact, so its rows are the exact activations.
+    for gran in ("token", "group"):
+        errs = {"bf16": [0.0, 0.0], "fp8": [0.0, 0.0], "fp8_stage": [0.0, 0.0]}
+        for e in range(8):
+            rows = {}
+            for wire in ("bf16", "fp8"):
+                rx, rs, count, handle, q, s = recv[(wire, gran)]
+                c = int(count[e])
+                src = handle[0][e, :c].long()
+                rng = handle[1][e]
+                src_rank = torch.empty(c, dtype=torch.long, device=device)
+                for j in range(WORLD):
+                    begin, n = int(rng[j]) >> 32, int(rng[j]) & 0xFFFFFFFF
+                    src_rank[begin : begin + n] = j
+                order = torch.argsort(src_rank * 1_000_000 + src)
+                qd = q[e, :c].double() * (s[e, :c].double() if gran == "token" else s[e, :c].double().repeat_interleave(128, dim=-1))
+                x_in = rx[e, :c].double() if rs is None else rx[e, :c].double() * rs[e, :c].double().repeat_interleave(128, dim=-1)
+                rows[wire] = (qd[order], x_in[order])
+            ref = rows["bf16"][1]
+            for key, val in (("bf16", rows["bf16"][0]), ("fp8", rows["fp8"][0]), ("fp8_stage", rows["fp8"][1])):
+                errs[key][0] += float((val - ref).pow(2).sum())
+                errs[key][1] += float(ref.pow(2).sum())
+        for key, (num, den) in errs.items():
+            out.setdefault("rel_err_vs_exact", {})[f"{key}_{gran}"] = (num / max(den, 1e-30)) ** 0.5
+    return out
+
+
+# ---------------------------------------------------------------------------------- the rank
+def _rank_main(rank, args, port, out_path):
+    import logging
+
+    import torch.distributed as dist
+
+    logging.basicConfig(level=logging.WARNING)
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+        timeout=datetime.timedelta(seconds=300), device_id=device,
+    )  # fmt: skip
+    from epmoe.dispatch.deepep import BufferNeeds, DeepEPBuffer
+    from epmoe.layer import DeepEPMoELayer
+
+    t0 = time.time()
+    res: dict = dict(rank=rank, schemes={}, errors=[])
+    owner = DeepEPBuffer()
+    owner.register(BufferNeeds(H, E, K, args.decode_tokens, frozenset({"normal", "low_latency"})), WORLD)
+    xp, idp, wp = _routing(args.prefill_tokens, 1, rank, device)
+    xd, idd, wd = _routing(args.decode_tokens, 2, rank, device)
+    try:
+        for scheme in args.schemes.split(","):
+            common = dict(quant=scheme, backend=args.backend, device=device, params_dtype=torch.bfloat16,
+                          deepep_buffer=owner, validate=False, max_tokens_per_rank=args.decode_tokens)  # fmt: skip
+            ln = DeepEPMoELayer(E, K, H, I, dispatch="deepep_normal", **common)
+            _fill_weights(ln, scheme)
+            ll = DeepEPMoELayer(E, K, H, I, dispatch="deepep_low_latency", **common)
+            _share_weights(ll, ln)
+            torch.cuda.empty_cache()
+            entry = {}
+            for phase, layer, (x, ids, w) in (("prefill", ln, (xp, idp, wp)), ("decode", ll, (xd, idd, wd))):
+                mode = "normal" if phase == "prefill" else "low_latency"
+                row = dict(backend=layer.backend.name, dispatcher=layer.dispatcher.name, payload=layer.payload,
+                           tokens=x.shape[0])  # fmt: skip
+                try:
+                    split = _Split(layer) if layer.backend.name == "triton" else None
+                except Exception as exc:  # noqa: BLE001 - kernels missing: experts as one phase
+                    split, row["split_unavailable"] = None, repr(exc)
+                ref = layer(x, topk_ids=ids, topk_weights=w)
+                row["layer_ms"] = _time_loop(lambda: layer(x, topk_ids=ids, topk_weights=w), args.iters, args.warmup, device)
+                row["tokens_per_s"] = x.shape[0] / row["layer_ms"] * 1e3
+                tm = _Timer()
+                for i in range(args.warmup + args.iters):
+                    _barrier(device)
+                    cur = tm if i >= args.warmup else _Timer()
+                    cur.start()
+                    out = _phases_once(layer, split, x, ids, w, cur)
+                row["phases_ms"] = tm.result_ms()
+                row["phases_sum_ms"] = sum(row["phases_ms"].values())
+                row["split_vs_layer_rel_err"] = float((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30))
+                row["bytes"] = _bytes(ids, rank, _payload_row_bytes(layer.payload if mode == "normal" else
+                                      ("fp8_group" if layer.payload == "fp8_group" else "float")), mode)  # fmt: skip
+                raw = _deepep_raw(owner, layer, x, ids, w, mode, args.iters, args.warmup, device)
+                row["deepep_ms"] = raw
+                for p in ("dispatch", "combine"):
+                    ours = row["phases_ms"].get(p)
+                    row[f"{p}_overhead_pct"] = None if ours is None else 100.0 * (ours - raw[f"{p}_ms"]) / raw[f"{p}_ms"]
+                entry[phase] = row
+            res["schemes"][scheme] = entry
+            del ln, ll
+            torch.cuda.empty_cache()
+        res["ll_int8_payload"] = _ll_int8_study(owner, xd, idd, device, args.iters, args.warmup)
+    except Exception:  # noqa: BLE001 - reported in the JSON; the peer is killed by the parent
+        res["errors"].append(traceback.format_exc())
+        with open(f"{out_path}.{rank}", "w") as f:
+            json.dump(res, f)
+        os._exit(1)
+    res["rank_seconds"] = time.time() - t0
+    with open(f"{out_path}.{rank}", "w") as f:
+        json.dump(res, f)
+    _barrier(device)
+    owner.close()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------- report
+def _summary(ranks, args):
+    r0 = ranks[0]
+    out = dict(
+        config=dict(num_experts=E, top_k=K, hidden=H, intermediate=I, world_size=WORLD,
+                    prefill_tokens=args.prefill_tokens, decode_tokens=args.decode_tokens,
+                    iters=args.iters, warmup=args.warmup, backend_requested=args.backend,
+                    device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                    torch=torch.__version__),
+        ranks=ranks,
+        ratios={},
+    )  # fmt: skip
+    base = r0["schemes"].get("bf16", {})
+    for scheme, entry in r0["schemes"].items():
+        for phase, row in entry.items():
+            if phase in base:
+                # Throughput of the slower rank, against BF16's.
+                slow = max(r["schemes"][scheme][phase]["layer_ms"] for r in ranks)
+                slow_b = max(r["schemes"]["bf16"][phase]["layer_ms"] for r in ranks)
+                out["ratios"][f"{scheme}/{phase}"] = slow_b / slow
+    return out
+
+
+def _table(summary) -> str:
+    lines = []
+    hdr = f"{'scheme':<13}{'phase':<8}{'backend':<8}{'layer ms':>9}{'x bf16':>7}  " + " ".join(
+        f"{p[:8]:>8}" for p in PHASES
+    ) + f"{'DeepEP d/c ms':>15}{'ovh d/c %':>12}"
+    lines.append(hdr)
+    for r in summary["ranks"]:
+        for scheme, entry in r["schemes"].items():
+            for phase, row in entry.items():
+                ph = row["phases_ms"]
+                dp = row["deepep_ms"]
+                ov = (row.get("dispatch_overhead_pct"), row.get("combine_overhead_pct"))
+                ratio = summary["ratios"].get(f"{scheme}/{phase}", float("nan"))
+                lines.append(
+                    f"{scheme:<13}{phase:<8}{row['backend']:<8}{row['layer_ms']:>9.3f}{ratio:>7.2f}  "
+                    + " ".join(f"{ph[p]:>8.3f}" if p in ph else f"{'-':>8}" for p in PHASES)
+                    + f"{dp['dispatch_ms']:>8.3f}/{dp['combine_ms']:<6.3f}"
+                    + f"{ov[0] or 0:>6.1f}/{ov[1] or 0:<5.1f}  rank {r['rank']}"
+                )
+    ll = summary["ranks"][0].get("ll_int8_payload")
+    if ll:
+        lines.append("low-latency INT8 payloads (rank 0): dispatch + quantize ms, rel. error vs exact")
+        for key in ("bf16_token", "fp8_token", "bf16_group", "fp8_group"):
+            v = ll[key]
+            err = ll["rel_err_vs_exact"][key]
+            lines.append(f"  {key:<11} {v['dispatch_ms']:.4f} + {v['quant_ms']:.4f} ms  err {err:.4%}")
+    return "\n".join(lines)
+
+
+def _plot(summary, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    r0 = summary["ranks"][0]
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5))
+    for ax, phase in zip(axes, ("prefill", "decode")):
+        names = [s for s in r0["schemes"] if phase in r0["schemes"][s]]
+        bottom = [0.0] * len(names)
+        for p in PHASES:
+            vals = [r0["schemes"][s][phase]["phases_ms"].get(p, 0.0) for s in names]
+            if any(vals):
+                ax.bar(names, vals, bottom=bottom, label=p)
+                bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.plot(names, [r0["schemes"][s][phase]["layer_ms"] for s in names], "k_", markersize=40,
+                label="whole layer")  # fmt: skip
+        ax.set_title(f"{phase} ({r0['schemes'][names[0]][phase]['tokens']} tokens/rank), rank 0")
+        ax.set_ylabel("ms")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(list(sys.argv[1:] if argv is None else argv))
+    if not torch.cuda.is_available() or torch.cuda.device_count() < WORLD:
+        print(f"epmoe bench layer needs {WORLD} CUDA GPUs", file=sys.stderr)
+        return 2
+    import socket
+
+    import torch.multiprocessing as mp
+
+    port = args.port
+    if not port:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    tmp = tempfile.mkdtemp(prefix="epmoe_bench_layer_")
+    out_path = os.path.join(tmp, "rank")
+    failed = None
+    try:
+        mp.start_processes(_rank_main, args=(args, port, out_path), nprocs=WORLD, start_method="spawn")
+    except Exception as exc:  # noqa: BLE001 - report what the ranks wrote
+        failed = repr(exc)
+    ranks = []
+    for r in range(WORLD):
+        if os.path.exists(f"{out_path}.{r}"):
+            with open(f"{out_path}.{r}") as f:
+                ranks.append(json.load(f))
+    errors = [e for r in ranks for e in r.get("errors", [])]
+    if failed or errors or len(ranks) < WORLD:
+        print("bench failed:", failed, *errors, sep="\n", file=sys.stderr)
+        if args.json and ranks:
+            with open(args.json, "w") as f:
+                json.dump(dict(failed=failed, ranks=ranks), f, indent=1)
+        return 1
+    summary = _summary(ranks, args)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    if args.plot:
+        os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
+        try:
+            _plot(summary, args.plot)
+        except Exception as exc:  # noqa: BLE001 - the numbers matter more than the picture
+            print(f"plot failed: {exc!r}", file=sys.stderr)
+    print(_table(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""``epmoe tune``: sweep grouped-GEMM tile configs on this GPU and write the config file.
+
+For each mode (``int8_channel``, ``int8_block``, ``bf16``), each expert GEMM shape
+(GEMM1: N = 2I, K = H; GEMM2: N = H, K = I) and each rows-per-expert bucket, a compact candidate
+list (8-14 configs, chosen per bucket: weight-streaming tiles for small m, large MMA tiles for
+big m) is timed on the contiguous layout with uniform routing; the fastest is written to
+``epmoe/configs/<device>.json`` (merged with what is there) or ``--out``.
+
+The candidates do not depend on N and K, and the kernel is specialised only on divisibility, so
+each candidate compiles once per mode: compile time, not timing, bounds the sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..kernels.configs import (
+    PACKAGE_DIR,
+    GemmConfig,
+    config_filename,
+    device_name,
+    heuristic_config,
+    load_table,
+    shape_key,
+)
+
+MODES = ("int8_channel", "int8_block", "bf16")
+SMEM_BYTES = 227 * 1024
+
+
+def candidates(mode: str, m: int) -> list[GemmConfig]:
+    """The sweep space of one (mode, rows-per-expert) point, heuristic first."""
+    c = GemmConfig
+    if m <= 16:
+        raw = [
+            c(16, 128, 256, 1, False, 4, 4), c(16, 64, 256, 1, False, 4, 4), c(16, 128, 128, 1, False, 4, 6),
+            c(16, 64, 512, 1, False, 4, 3), c(16, 128, 256, 1, False, 4, 3), c(16, 256, 128, 1, False, 8, 4),
+            c(16, 128, 256, 1, True, 4, 4), c(16, 64, 256, 1, True, 4, 4), c(16, 128, 128, 1, True, 4, 6),
+            c(16, 64, 512, 1, True, 4, 3), c(16, 128, 256, 1, False, 8, 4),
+        ]
+    elif m <= 32:
+        raw = [
+            c(32, 128, 256, 1, False, 4, 4), c(32, 64, 256, 1, False, 4, 4), c(32, 128, 128, 1, False, 4, 5),
+            c(32, 64, 512, 1, False, 4, 3), c(32, 128, 256, 1, False, 8, 3), c(16, 128, 256, 1, False, 4, 4),
+            c(32, 128, 256, 1, True, 4, 4), c(32, 64, 256, 1, True, 4, 4), c(32, 128, 128, 1, True, 4, 5),
+            c(32, 256, 128, 1, True, 8, 4),
+        ]
+    elif m <= 256:
+        raw = [
+            c(64, 128, 128, 8, False, 4, 4), c(64, 128, 256, 8, False, 4, 3), c(64, 256, 128, 8, False, 8, 4),
+            c(128, 128, 128, 8, False, 8, 4), c(128, 128, 128, 8, False, 4, 4), c(128, 256, 128, 8, False, 8, 3),
+            c(64, 128, 128, 8, False, 4, 5), c(128, 128, 256, 8, False, 8, 3), c(64, 64, 256, 8, False, 4, 4),
+            c(128, 64, 128, 8, False, 4, 4),
+        ]
+    else:
+        raw = [
+            c(128, 256, 128, 8, False, 8, 3), c(128, 256, 128, 16, False, 8, 3), c(128, 128, 128, 8, False, 8, 4),
+            c(128, 128, 128, 8, False, 4, 4), c(256, 128, 128, 8, False, 8, 3), c(128, 256, 64, 8, False, 8, 4),
+            c(128, 128, 256, 8, False, 8, 3), c(64, 256, 128, 8, False, 8, 4), c(128, 256, 128, 4, False, 8, 4),
+            c(256, 128, 64, 8, False, 8, 4),
+        ]
+    out: list[GemmConfig] = [heuristic_config(mode, m)]
+    for cfg in raw:
+        cfg = _adapt(cfg, mode)
+        if cfg not in out and cfg.smem_bytes(2 if mode == "bf16" else 1) <= SMEM_BYTES:
+            out.append(cfg)
+    return out
+
+
+def _adapt(cfg: GemmConfig, mode: str) -> GemmConfig:
+    """bf16 tiles have twice the bytes per element (halve BLOCK_K); block mode needs BLOCK_K <= 128."""
+    d = cfg.to_dict()
+    if mode == "bf16":
+        d["BLOCK_K"] = max(32, cfg.block_k // 2)
+    if mode == "int8_block" and cfg.block_k > 128:
+        d["BLOCK_K"] = 128
+        d["num_stages"] = min(cfg.num_stages * cfg.block_k // 128, 8)
+    return GemmConfig.from_dict(d)
+
+
+def make_operands(mode: str, e: int, n: int, k: int, rows: int, device) -> dict:
+    """Random operands of one GEMM: A [rows, K], B [E, N, K] and the scales of ``mode``."""
+    if mode == "bf16":
+        a = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+        b = torch.randn(e, n, k, device=device, dtype=torch.bfloat16)
+        return {"a": a, "b": b, "a_scale": None, "b_scale": None}
+    a = torch.randint(-127, 128, (rows, k), device=device, dtype=torch.int8)
+    b = torch.randint(-127, 128, (e, n, k), device=device, dtype=torch.int8)
+    if mode == "int8_channel":
+        return {"a": a, "b": b, "a_scale": torch.rand(rows, 1, device=device), "b_scale": torch.rand(e, n, 1, device=device)}
+    return {
+        "a": a, "b": b, "a_scale": torch.rand(rows, k // 128, device=device),
+        "b_scale": torch.rand(e, -(-n // 128), k // 128, device=device),
+    }
+
+
+def time_config(mode: str, ops: dict, offsets: torch.Tensor, cfg: GemmConfig, m: int, rep_ms: float) -> float:
+    import triton.testing as tt
+
+    from ..kernels.grouped_gemm import grouped_gemm_contiguous
+
+    out = torch.empty(ops["a"].shape[0], ops["b"].shape[1], device=ops["a"].device, dtype=torch.bfloat16)
+
+    def fn():
+        grouped_gemm_contiguous(
+            ops["a"], ops["b"], offsets, mode=mode, a_scale=ops["a_scale"], b_scale=ops["b_scale"],
+            out_dtype=torch.bfloat16, config=cfg, out=out,
+        )
+
+    fn()
+    torch.cuda.synchronize()
+    if m <= 32:
+        # do_bench_cudagraph replays its graph ten times: a third of the budget is plenty.
+        return float(tt.do_bench_cudagraph(fn, rep=max(5.0, rep_ms / 3), return_mode="median"))
+    return float(tt.do_bench(fn, warmup=5, rep=rep_ms, return_mode="median"))
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="epmoe tune", description=__doc__.split("\n\n")[0])
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--intermediate", type=int, default=2048)
+    p.add_argument("--m", default="8,32,128,512,2048", help="rows-per-expert buckets")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--rep-ms", type=float, default=30.0)
+    p.add_argument("--out", default=None, help="config file or directory to write (default: the package's file for this GPU)")
+    p.add_argument("--max-candidates", type=int, default=16)
+    args = p.parse_args(argv)
+    args.m = [int(v) for v in args.m.split(",") if v]
+    args.modes = [v for v in args.modes.split(",") if v]
+    bad = set(args.modes) - set(MODES)
+    if bad:
+        p.error(f"unknown --modes {sorted(bad)}; allowed: {list(MODES)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("epmoe tune needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    name = device_name(device)
+    path = PACKAGE_DIR / config_filename(name)
+    if args.out:
+        # A directory (existing, or written with a trailing slash) gets the device's file name,
+        # so EPMOE_CONFIG_DIR=<that directory> finds it.
+        out = Path(args.out)
+        path = out / config_filename(name) if out.is_dir() or args.out.endswith("/") else out
+    table = json.loads(path.read_text())["configs"] if path.is_file() else {}
+    shapes = [(2 * args.intermediate, args.hidden), (args.hidden, args.intermediate)]
+    e = args.experts
+    t0 = time.time()
+    log = []
+    for mode in args.modes:
+        for n, k in shapes:
+            for m in args.m:
+                rows = m * e
+                ops = make_operands(mode, e, n, k, rows, device)
+                offsets = (torch.arange(e + 1, device=device) * m).to(torch.int32)
+                best = None
+                for cfg in candidates(mode, m)[: args.max_candidates]:
+                    try:
+                        ms = time_config(mode, ops, offsets, cfg, m, args.rep_ms)
+                    except Exception as exc:  # out of resources, compile failures: skip
+                        print(f"  skip {cfg.to_dict()}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
+                        continue
+                    if best is None or ms < best[0]:
+                        best = (ms, cfg)
+                if best is None:
+                    print(f"{mode} N={n} K={k} m={m}: no candidate ran", file=sys.stderr)
+                    continue
+                ms, cfg = best
+                flops = 2.0 * rows * n * k
+                wbytes = e * n * k * (2 if mode == "bf16" else 1)
+                print(
+                    f"[{time.time() - t0:6.1f}s] {mode:<12} N={n:<5} K={k:<5} m={m:<5} best {ms:8.3f} ms "
+                    f"{flops / ms / 1e9:7.0f} TOPS {wbytes / ms / 1e6:6.0f} GB/s  {cfg.to_dict()}",
+                    flush=True,
+                )
+                table.setdefault(mode, {}).setdefault(shape_key(n, k), {})[str(m)] = cfg.to_dict()
+                log.append({"mode": mode, "N": n, "K": k, "m": m, "ms": ms, "config": cfg.to_dict()})
+                del ops
+            torch.cuda.empty_cache()
+    import triton
+
+    data = {
+        "device": name,
+        "triton": triton.__version__,
+        "torch": torch.__version__,
+        "source": f"epmoe tune, {time.strftime('%Y-%m-%d')}, E={e} H={args.hidden} I={args.intermediate}",
+        "configs": table,
+        "measurements": log,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    load_table.cache_clear()
+    print(f"wrote {path} in {time.time() - t0:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,392 @@
+"""The cutlass experts backend: an FP8 block-scaled grouped GEMM over the contiguous layout.
+
+Considered only with ``SGLANG_CUTLASS_MOE=1`` on compute capability 9.x with CUDA >= 12.3 (the
+rule is :func:`epmoe.experts.fp8_selection.cutlass_decision`). One forward is
+
+    quantize x (1x128 e4m3, unless it arrived so) -> grouped GEMM1 (w13)
+    -> silu(gate) * up requantized to 1x128 e4m3 -> grouped GEMM2 (w2)
+
+The GEMMs come from sgl-kernel's ``fp8_blockwise_scaled_grouped_mm`` when sgl-kernel imports,
+matches the running torch and has that op with the 18-argument signature; otherwise from the
+project's own CUTLASS kernel (``epmoe/csrc/fp8_blockwise_grouped_gemm*``), compiled on first use
+with :func:`torch.utils.cpp_extension.load` against the CUTLASS headers of the ``nvidia-cutlass``
+PyPI package (or ``EPMOE_CUTLASS_DIR``) and cached under ``EPMOE_CACHE_DIR`` (default
+``~/.cache/epmoe``).
+
+The kernel takes each expert's rows straight from ``expert_offsets`` (built into per-group problem
+sizes, pointers, strides and scale layouts on the GPU; no host sync), so segments need no padding:
+:attr:`CutlassBackend.alignment` is 1. An expert without rows is a group with M = 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from ..layouts import ContiguousBatch, MaskedBatch
+from ..quant.schemes import BLOCK, QuantScheme
+from .base import ExpertsBackend, ExpertWeights
+from .fp8_selection import (
+    cutlass_decision,
+    cutlass_warning,
+    env_enabled,
+    machine_facts,
+)
+
+log = logging.getLogger("epmoe")
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SOURCES = (
+    "fp8_blockwise_grouped_gemm_binding.cpp",
+    "fp8_blockwise_grouped_gemm.cu",
+    "fp8_blockwise_grouped_gemm_pingpong.cu",
+)
+HEADERS = ("fp8_blockwise_grouped_gemm.cuh",)
+CONFIG_COOP, CONFIG_PINGPONG = 0, 1
+PINGPONG_MAX_ROWS = 64
+"""Average rows per expert at or below which the 64-row ping-pong tile is used (env
+``EPMOE_CUTLASS_CONFIG=coop|pingpong`` forces one)."""
+
+NVCC_FLAGS = (
+    "-gencode=arch=compute_90a,code=sm_90a",
+    "-O3",
+    "-std=c++17",
+    "--expt-relaxed-constexpr",
+    "--expt-extended-lambda",
+    "-DNDEBUG",
+    "-U__CUDA_NO_HALF_OPERATORS__",
+    "-U__CUDA_NO_HALF_CONVERSIONS__",
+    "-U__CUDA_NO_BFLOAT16_OPERATORS__",
+    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    "-U__CUDA_NO_HALF2_OPERATORS__",
+)
+
+
+class CutlassUnavailableError(RuntimeError):
+    """The CUTLASS extension cannot be found or built."""
+
+
+# ----------------------------------------------------------------------------- headers and build
+def find_cutlass_include() -> Path | None:
+    """The directory holding ``cutlass/cutlass.h`` and ``cute/``: ``EPMOE_CUTLASS_DIR`` (a CUTLASS
+    checkout or its ``include/``), else the installed ``cutlass_library`` package
+    (``pip install nvidia-cutlass``), else ``None``."""
+    candidates = []
+    env = os.environ.get("EPMOE_CUTLASS_DIR")
+    if env:
+        root = Path(env).expanduser()
+        candidates += [root, root / "include", root / "source" / "include"]
+    else:
+        try:
+            spec = importlib.util.find_spec("cutlass_library")
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None and spec.submodule_search_locations:
+            for loc in spec.submodule_search_locations:
+                candidates.append(Path(loc) / "source" / "include")
+    for c in candidates:
+        if (c / "cutlass" / "cutlass.h").is_file() and (c / "cute").is_dir():
+            return c
+    return None
+
+
+def _headers_error() -> str:
+    env = os.environ.get("EPMOE_CUTLASS_DIR")
+    where = (
+        f"EPMOE_CUTLASS_DIR={env!r} holds no cutlass/cutlass.h (neither in it nor in its include/)"
+        if env
+        else "EPMOE_CUTLASS_DIR is not set and the cutlass_library package is not installed"
+    )
+    return (
+        f"CUTLASS headers not found: {where}. Install them with `pip install nvidia-cutlass` "
+        "(headers under cutlass_library/source/include) or set EPMOE_CUTLASS_DIR to a CUTLASS "
+        "checkout or its include/ directory."
+    )
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("EPMOE_CACHE_DIR", Path.home() / ".cache" / "epmoe")).expanduser()
+
+
+def _build_key(include: Path) -> str:
+    """Hash of what the binary depends on: sources, flags, the CUTLASS version header and the
+    torch/CUDA versions (not paths, so a cache built elsewhere for the same inputs is reused).
+    The library holds torch ops only (no Python module), so the Python version does not matter."""
+    h = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        h.update((CSRC / name).read_bytes())
+    version_h = include / "cutlass" / "version.h"
+    h.update(version_h.read_bytes() if version_h.is_file() else str(include.resolve()).encode())
+    h.update(" ".join(NVCC_FLAGS).encode())
+    h.update(f"{torch.__version__}|{torch.version.cuda}".encode())
+    return h.hexdigest()[:12]
+
+
+@functools.lru_cache(maxsize=1)
+def load_extension(verbose: bool = False):
+    """Build (first use) and load the CUTLASS extension; returns its op namespace
+    (``torch.ops.epmoe_cutlass_fp8_<hash>``) with ``fp8_grouped_gemm`` and ``workspace_size``.
+
+    A library already in the cache directory is loaded without invoking the compiler.
+
+    Raises:
+        CutlassUnavailableError: headers or nvcc missing, or the build failed (message names why).
+    """
+    include = find_cutlass_include()
+    if include is None:
+        raise CutlassUnavailableError(_headers_error())
+    key = _build_key(include)
+    name = f"epmoe_cutlass_fp8_{key}"
+    build = cache_dir() / "cutlass" / name
+    library = build / f"{name}.so"
+    if library.is_file():
+        torch.ops.load_library(str(library))
+        log.info("loaded epmoe's CUTLASS FP8 grouped GEMM from %s", library)
+        return getattr(torch.ops, name)
+    from torch.utils import cpp_extension
+
+    if cpp_extension.CUDA_HOME is None:
+        raise CutlassUnavailableError(
+            "cannot build the CUTLASS extension: CUDA_HOME is not set and nvcc is not on PATH"
+        )
+    includes = [str(include), str(CSRC)]
+    cccl = Path(cpp_extension.CUDA_HOME) / "include" / "cccl"
+    if cccl.is_dir():  # CUDA 13 keeps libcu++ (cuda/std/...) there
+        includes.append(str(cccl))
+    build.mkdir(parents=True, exist_ok=True)
+    log.warning(
+        "compiling epmoe's CUTLASS FP8 grouped GEMM (first use; a few minutes) in %s "
+        "against CUTLASS headers at %s", build, include,
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    try:
+        cpp_extension.load(
+            name=name,
+            sources=[str(CSRC / s) for s in SOURCES],
+            extra_include_paths=includes,
+            extra_cflags=["-O3", "-std=c++17"],
+            extra_cuda_cflags=list(NVCC_FLAGS),
+            build_directory=str(build),
+            is_python_module=False,
+            verbose=verbose,
+        )
+    except Exception as exc:  # compiler errors arrive as RuntimeError / subprocess errors
+        raise CutlassUnavailableError(f"building the CUTLASS extension in {build} failed: {exc}") from exc
+    log.warning(
+        "built epmoe's CUTLASS FP8 grouped GEMM in %.1f s (cached in %s)", time.perf_counter() - t0, build
+    )
+    return getattr(torch.ops, name)
+
+
+# ----------------------------------------------------------------------------------- sgl-kernel
+@functools.lru_cache(maxsize=1)
+def sgl_kernel_op():
+    """sgl-kernel's ``fp8_blockwise_scaled_grouped_mm`` when it imports against this torch and has
+    the 18-argument signature (ptr arrays + workspace), else ``None``."""
+    if importlib.util.find_spec("sgl_kernel") is None:
+        return None
+    try:
+        import sgl_kernel  # noqa: F401  (loads the op library; fails on a torch/CUDA mismatch)
+
+        op = torch.ops.sgl_kernel.fp8_blockwise_scaled_grouped_mm.default
+        if len(op._schema.arguments) != 18:
+            log.info("sgl-kernel's fp8_blockwise_scaled_grouped_mm has an unknown signature; not used")
+            return None
+        return op
+    except Exception as exc:  # ImportError, OSError (undefined symbol), AttributeError, RuntimeError
+        log.info("sgl-kernel is installed but not usable with torch %s: %s", torch.__version__, exc)
+        return None
+
+
+def installed_facts() -> dict[str, bool]:
+    """The ``installed`` argument of :func:`cutlass_decision` for this process."""
+    return {"sgl_kernel": sgl_kernel_op() is not None, "cutlass_headers": find_cutlass_include() is not None}
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(text: str) -> None:
+    if text not in _WARNED:
+        _WARNED.add(text)
+        log.warning("%s", text)
+
+
+# ---------------------------------------------------------------------------------------- GEMMs
+def _use_sgl() -> bool:
+    return os.environ.get("EPMOE_CUTLASS_IMPL", "auto") != "epmoe" and sgl_kernel_op() is not None
+
+
+def _config_for(rows: int, groups: int) -> int:
+    forced = os.environ.get("EPMOE_CUTLASS_CONFIG")
+    if forced:
+        if forced not in ("coop", "pingpong"):
+            raise ValueError(f"EPMOE_CUTLASS_CONFIG={forced!r}; allowed: 'coop', 'pingpong'")
+        return CONFIG_COOP if forced == "coop" else CONFIG_PINGPONG
+    return CONFIG_PINGPONG if rows <= PINGPONG_MAX_ROWS * max(groups, 1) else CONFIG_COOP
+
+
+def grouped_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    out: torch.Tensor | None = None,
+    config: int | None = None,
+) -> torch.Tensor:
+    """``out[offsets[e]:offsets[e+1]] = (a * a_scale)[rows] @ (b[e] * b_scale[e])^T`` in bf16.
+
+    Args:
+        a: ``[M, K]`` e4m3, contiguous.
+        a_scale: ``[M, K/128]`` fp32 (made contiguous row-major here).
+        b: ``[E, N, K]`` e4m3 contiguous; ``b_scale`` ``[E, N/128, K/128]`` fp32.
+        expert_offsets: ``[E+1]`` int32 row offsets (any segment lengths, zero allowed).
+        out: optional ``[M, N]`` bf16 output; rows outside every segment are left unwritten.
+        config: kernel configuration (0 coop, 1 ping-pong), default by rows per expert.
+    """
+    m, _ = a.shape
+    e, n, _ = b.shape
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
+    if m == 0 or e == 0:
+        return out
+    a_scale = a_scale.float().contiguous()
+    offsets = expert_offsets.to(torch.int32).contiguous()
+    if _use_sgl():
+        _sgl_grouped_gemm(out, a, a_scale, b, b_scale, offsets)
+        return out
+    ext = load_extension()
+    cfg = _config_for(m, e) if config is None else config
+    ext.fp8_grouped_gemm(out, a.contiguous(), a_scale, b, b_scale, offsets, cfg, 0, 1)
+    return out
+
+
+def _sgl_grouped_gemm(out, a, a_scale, b, b_scale, offsets) -> None:
+    """sgl-kernel's op: it takes weights as ``[E, K, N]`` views (K-major underneath) and fills the
+    per-group arrays itself from ``problem_sizes`` and ``expert_offsets``."""
+    e, n, k = b.shape
+    dev = a.device
+    counts = (offsets[1:] - offsets[:-1]).to(torch.int32)
+    problem_sizes = torch.stack(
+        [counts, torch.full_like(counts, n), torch.full_like(counts, k)], dim=1
+    ).contiguous()
+    i64 = dict(dtype=torch.int64, device=dev)
+    ptrs = [torch.empty(e, **i64) for _ in range(5)]
+    strides = [torch.full((e,), k, **i64), torch.full((e,), k, **i64), torch.full((e,), n, **i64)]
+    layouts = [torch.empty((e, 5), dtype=torch.int32, device=dev) for _ in range(2)]
+    # sgl-kernel sizes nothing itself; 1 MiB covers its tensormaps (sm_count x 4 x 128 B) with room.
+    sm = torch.cuda.get_device_properties(dev).multi_processor_count
+    workspace = torch.empty(max(1 << 20, sm * 4 * 128 * 4), dtype=torch.uint8, device=dev)
+    sgl_kernel_op()(
+        out, *ptrs, a, b.transpose(1, 2), a_scale, b_scale.transpose(1, 2), *strides, *layouts,
+        problem_sizes, offsets[:-1].contiguous(), workspace,
+    )  # fmt: skip
+
+
+# -------------------------------------------------------------------------------------- backend
+class CutlassBackend(ExpertsBackend):
+    name = "cutlass"
+    schemes = frozenset({"fp8_block"})
+    layouts = frozenset({"contiguous"})
+
+    @property
+    def alignment(self) -> int:
+        # Per-group problem sizes come from the offsets; TMA handles any row count.
+        return 1
+
+    @classmethod
+    def available(cls, device: torch.device) -> tuple[bool, str]:
+        device = torch.device(device)
+        env = os.environ
+        installed = installed_facts() if env_enabled(env) else {}
+        capability, cuda = machine_facts(device)
+        decision = cutlass_decision(capability, cuda, env, installed)
+        if decision.warn:
+            _warn_once(cutlass_warning(decision))
+        return decision.ok, decision.reason
+
+    @classmethod
+    def supports(
+        cls, scheme: QuantScheme, layout: str, device: torch.device, hidden: int, intermediate: int
+    ) -> tuple[bool, str]:
+        ok, reason = super().supports(scheme, layout, device, hidden, intermediate)
+        if ok and (hidden % BLOCK or intermediate % BLOCK):
+            return False, f"hidden={hidden} and intermediate={intermediate} must be multiples of {BLOCK}"
+        return ok, reason
+
+    def prepare_weights(self, weights: ExpertWeights) -> ExpertWeights:
+        _check_fp8_weights(weights)
+        return ExpertWeights(
+            weights.scheme, weights.w13.contiguous(), weights.w2.contiguous(),
+            weights.w13_scale.float().contiguous(), weights.w2_scale.float().contiguous(),
+        )  # fmt: skip
+
+    def warmup(self, weights: ExpertWeights, max_m: int = 0) -> None:
+        """Build the extension (first use) so no compile happens inside a timed or captured region."""
+        if not _use_sgl():
+            load_extension()
+
+    def run_contiguous(
+        self, batch: ContiguousBatch, weights: ExpertWeights, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        from ..kernels import activation
+
+        m = batch.x.shape[0]
+        hidden = weights.hidden_size
+        if m == 0:
+            return torch.empty((0, hidden), dtype=out_dtype, device=batch.x.device)
+        a, a_scale = fp8_gemm_input(batch.x, batch.x_scale, hidden)
+        gate_up = grouped_gemm(a, a_scale, weights.w13, weights.w13_scale, batch.expert_offsets)
+        h, h_scale = activation.silu_and_mul_quant(gate_up, "group", BLOCK, torch.float8_e4m3fn)
+        out = grouped_gemm(h, h_scale, weights.w2, weights.w2_scale, batch.expert_offsets)
+        return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
+
+    def run_masked(
+        self, batch: MaskedBatch, weights: ExpertWeights, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        raise NotImplementedError(
+            "the cutlass backend runs the contiguous layout only; use backend='deepgemm' for masked"
+        )
+
+
+def fp8_gemm_input(
+    x: torch.Tensor, x_scale: torch.Tensor | None, hidden: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GEMM1's operand as e4m3 with ``[.., K/128]`` fp32 scales: used as it is when it arrived so,
+    else quantized (float input) or requantized (another quantized format) with the Triton
+    quantizer of :mod:`epmoe.kernels.quantize`."""
+    from ..kernels import quantize
+
+    if x.shape[-1] != hidden:
+        raise ValueError(f"x has hidden size {x.shape[-1]}; the weights expect {hidden}")
+    if x_scale is None:
+        if not x.is_floating_point():
+            raise TypeError(f"x of dtype {x.dtype} arrived without x_scale")
+        return quantize.per_group_quant(x, BLOCK, torch.float8_e4m3fn)
+    if x.dtype == torch.float8_e4m3fn and x_scale.shape[-1] == hidden // BLOCK:
+        return x, x_scale.float()
+    return quantize.per_group_quant(x, BLOCK, torch.float8_e4m3fn, x_scale)
+
+
+def _check_fp8_weights(weights: ExpertWeights) -> None:
+    if weights.scheme.name != "fp8_block":
+        raise ValueError(f"weights are quant={weights.scheme.name!r}; this backend runs 'fp8_block'")
+    w13, w2 = weights.w13, weights.w2
+    if w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"fp8_block needs float8_e4m3fn weights; got {w13.dtype} and {w2.dtype}")
+    e, two_i, h = w13.shape
+    if tuple(w2.shape) != (e, h, two_i // 2):
+        raise ValueError(f"w2 shape {tuple(w2.shape)} does not match w13 {tuple(w13.shape)}")
+    for name, w, s in (("w13", w13, weights.w13_scale), ("w2", w2, weights.w2_scale)):
+        want = weights.scheme.weight_scale_shape(*w.shape)
+        if s is None or tuple(s.shape) != want:
+            got = None if s is None else tuple(s.shape)
+            raise ValueError(f"{name}_scale has shape {got}; expected {list(want)}")

@@ -1,0 +1,183 @@
+"""The Triton experts backend: INT8 channel-wise, INT8 block-wise and BF16 grouped GEMMs.
+
+One forward is four launches (five with input quantization):
+
+    quantize x -> GEMM1 (w13) -> silu(gate) * up (+ requantize) -> GEMM2 (w2)
+
+on either layout, with no host synchronisation, so it can be captured in a CUDA graph.
+GEMM1's output (the only intermediate in memory) is kept in ``out_dtype`` when that is 16-bit,
+else fp32; the requantization reads it and quantizes the fp32 product directly.
+
+Input activations may arrive floating (quantized here), already in the scheme's format (used as
+they are), or quantized in another format such as FP8 e4m3 with 1x128 scales from low-latency
+dispatch (dequantized inside the quantize kernel and requantized in one pass).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..layouts import ContiguousBatch, MaskedBatch
+from ..quant.reference import dequantize_rows
+from ..quant.schemes import BLOCK, QuantScheme
+from .base import ExpertsBackend, ExpertWeights
+
+
+def _kernels():
+    """Import the Triton kernels lazily: importing this module must not need Triton."""
+    from ..kernels import activation, grouped_gemm, quantize
+
+    return activation, grouped_gemm, quantize
+
+
+class TritonBackend(ExpertsBackend):
+    name = "triton"
+    schemes = frozenset({"bf16", "int8_channel", "int8_block"})
+    layouts = frozenset({"contiguous", "masked"})
+
+    @property
+    def alignment(self) -> int:
+        # The kernels tile each expert's segment on their own, so segments need no padding.
+        return 1
+
+    @classmethod
+    def available(cls, device: torch.device) -> tuple[bool, str]:
+        device = torch.device(device)
+        try:
+            import triton  # noqa: F401
+        except ImportError as exc:
+            return False, f"triton is not importable ({exc})"
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                return False, "CUDA is not available"
+            return True, "triton on CUDA"
+        if device.type == "cpu":
+            if os.environ.get("TRITON_INTERPRET") == "1":
+                return True, "triton interpreter (TRITON_INTERPRET=1) on CPU"
+            return False, "on CPU the triton backend needs TRITON_INTERPRET=1 (interpreter, slow)"
+        return False, f"triton kernels do not run on device type {device.type!r}"
+
+    @classmethod
+    def supports(
+        cls, scheme: QuantScheme, layout: str, device: torch.device, hidden: int, intermediate: int
+    ) -> tuple[bool, str]:
+        ok, reason = super().supports(scheme, layout, device, hidden, intermediate)
+        if ok and scheme.needs_block_alignment and (hidden % BLOCK or intermediate % BLOCK):
+            return False, (
+                f"quant={scheme.name!r} needs hidden and intermediate sizes that are multiples of "
+                f"{BLOCK}; got hidden={hidden}, intermediate={intermediate}"
+            )
+        return ok, reason
+
+    def prepare_weights(self, weights: ExpertWeights) -> ExpertWeights:
+        _check_weights(weights, self.scheme)
+        contiguous = lambda t: None if t is None else t.contiguous()  # noqa: E731
+        scale = lambda t: None if t is None else t.float().contiguous()  # noqa: E731
+        return ExpertWeights(
+            weights.scheme, contiguous(weights.w13), contiguous(weights.w2),
+            scale(weights.w13_scale), scale(weights.w2_scale),
+        )
+
+    def run_contiguous(
+        self, batch: ContiguousBatch, weights: ExpertWeights, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        _, gg, _ = _kernels()
+        _check_weights(weights, self.scheme)
+        mode = self.scheme.name
+        a, a_scale = self._gemm1_input(batch.x, batch.x_scale, weights, None)
+        gate_up = gg.grouped_gemm_contiguous(
+            a, weights.w13, batch.expert_offsets, mode=mode, a_scale=a_scale,
+            b_scale=weights.w13_scale, accumulator=self.accumulator,
+            out_dtype=self._mid_dtype(weights, out_dtype),
+        )
+        h, h_scale = self._activation(gate_up, weights, None)
+        return gg.grouped_gemm_contiguous(
+            h, weights.w2, batch.expert_offsets, mode=mode, a_scale=h_scale,
+            b_scale=weights.w2_scale, accumulator=self.accumulator, out_dtype=out_dtype,
+        )
+
+    def run_masked(
+        self, batch: MaskedBatch, weights: ExpertWeights, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        _, gg, _ = _kernels()
+        _check_weights(weights, self.scheme)
+        mode = self.scheme.name
+        masked_m = batch.masked_m.to(device=batch.x.device, dtype=torch.int32)
+        a, a_scale = self._gemm1_input(batch.x, batch.x_scale, weights, masked_m)
+        common = dict(mode=mode, accumulator=self.accumulator, expected_m=batch.expected_m)
+        gate_up = gg.grouped_gemm_masked(
+            a, weights.w13, masked_m, a_scale=a_scale, b_scale=weights.w13_scale,
+            out_dtype=self._mid_dtype(weights, out_dtype), **common,
+        )
+        h, h_scale = self._activation(gate_up, weights, masked_m)
+        return gg.grouped_gemm_masked(
+            h, weights.w2, masked_m, a_scale=h_scale, b_scale=weights.w2_scale,
+            out_dtype=out_dtype, **common,
+        )
+
+    def _gemm1_input(
+        self,
+        x: torch.Tensor,
+        x_scale: torch.Tensor | None,
+        weights: ExpertWeights,
+        masked_m: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """GEMM1's operand in the scheme's format (quantize, pass through, or requantize)."""
+        _, _, qz = _kernels()
+        scheme = self.scheme
+        hidden = x.shape[-1]
+        if hidden != weights.hidden_size:
+            raise ValueError(f"x has hidden size {hidden} but w13 {tuple(weights.w13.shape)} expects {weights.hidden_size}")
+        if not scheme.quantized:
+            xf = x if x_scale is None else dequantize_rows(x, x_scale)
+            return xf.to(weights.w13.dtype), None
+        if x_scale is None and not x.is_floating_point():
+            raise TypeError(f"x of dtype {x.dtype} arrived without x_scale; quantized inputs need their scales")
+        native = (
+            x_scale is not None
+            and x.dtype == scheme.qdtype
+            and x_scale.shape[-1] == scheme.act_scale_cols(hidden)
+        )
+        if native:
+            return x, x_scale.float()
+        if scheme.act_granularity == "token":
+            return qz.per_token_quant_int8(x, x_scale, masked_m=masked_m)
+        return qz.per_group_quant(x, BLOCK, torch.int8, x_scale, masked_m=masked_m)
+
+    def _activation(
+        self, gate_up: torch.Tensor, weights: ExpertWeights, masked_m: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        act, _, _ = _kernels()
+        if not self.scheme.quantized:
+            return act.silu_and_mul(gate_up, weights.w2.dtype, masked_m=masked_m), None
+        granularity = "token" if self.scheme.act_granularity == "token" else "group"
+        return act.silu_and_mul_quant(gate_up, granularity, BLOCK, torch.int8, masked_m=masked_m)
+
+    def _mid_dtype(self, weights: ExpertWeights, out_dtype: torch.dtype) -> torch.dtype:
+        if not self.scheme.quantized and weights.w13.dtype == torch.float32:
+            return torch.float32
+        return out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def _check_weights(weights: ExpertWeights, scheme: QuantScheme) -> None:
+    """Shapes and dtypes the kernels rely on, with messages naming what is wrong."""
+    w13, w2 = weights.w13, weights.w2
+    if weights.scheme.name != scheme.name:
+        raise ValueError(f"weights are quant={weights.scheme.name!r} but the backend runs quant={scheme.name!r}")
+    if w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"w13 must be [E, 2I, H] and w2 [E, H, I]; got {tuple(w13.shape)} and {tuple(w2.shape)}")
+    e, two_i, hidden = w13.shape
+    if tuple(w2.shape) != (e, hidden, two_i // 2) or two_i % 2:
+        raise ValueError(f"w2 shape {tuple(w2.shape)} does not match w13 {tuple(w13.shape)}: expected [{e}, {hidden}, {two_i // 2}]")
+    if scheme.quantized:
+        if w13.dtype != scheme.qdtype or w2.dtype != scheme.qdtype:
+            raise TypeError(f"quant={scheme.name!r} needs {scheme.qdtype} weights; got {w13.dtype} and {w2.dtype}")
+        for name, w, s in (("w13", w13, weights.w13_scale), ("w2", w2, weights.w2_scale)):
+            want = scheme.weight_scale_shape(*w.shape)
+            if s is None or tuple(s.shape) != want:
+                got = None if s is None else tuple(s.shape)
+                raise ValueError(f"{name}_scale shape {got}; quant={scheme.name!r} with {name} {tuple(w.shape)} needs {list(want)}")
+    elif w13.dtype not in (torch.bfloat16, torch.float16, torch.float32) or w2.dtype != w13.dtype:
+        raise TypeError(f"quant='bf16' needs w13 and w2 of one dtype in bf16/fp16/fp32; got {w13.dtype} and {w2.dtype}")

@@ -1,0 +1,136 @@
+"""DeepEP dispatch on two GPUs: every (dispatch x scheme x backend) against a float64 reference,
+CUDA-graph capture and replay in low-latency mode, and auto mode over the capacity.
+
+Skipped unless ``deep_ep`` imports and two CUDA GPUs are present. All checks share one launch of
+two ranks (tests/gpu/deepep_worker.py) because a DeepEP buffer and NVSHMEM are set up once per
+process; each test below reads its part of the results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+def _deep_ep_reason() -> str:
+    try:
+        import deep_ep  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means skip
+        return f"deep_ep is not importable ({exc})"
+    return ""
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.multigpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"
+    ),
+    pytest.mark.skipif(bool(_deep_ep_reason()), reason=_deep_ep_reason() or "deep_ep present"),
+]
+
+DISPATCHES = ("deepep_normal", "deepep_low_latency", "deepep_auto")
+SCHEMES = ("bf16", "int8_channel", "int8_block", "fp8_block")
+BACKENDS = ("auto", "torch")
+DEADLINE_S = 170.0
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    import deepep_worker
+    from helpers import free_port
+
+    out = str(tmp_path_factory.mktemp("deepep") / "res")
+    ctx = mp.start_processes(
+        deepep_worker.run_all,
+        args=(2, free_port(), DISPATCHES, SCHEMES, BACKENDS, out),
+        nprocs=2, start_method="spawn", join=False,
+    )  # fmt: skip
+    deadline = time.monotonic() + DEADLINE_S
+    failure = None
+    try:
+        while not ctx.join(timeout=2):
+            if time.monotonic() > deadline:
+                failure = f"the DeepEP workers did not finish within {DEADLINE_S:.0f} s"
+                break
+    except Exception as exc:  # noqa: BLE001 - a rank exited with an error; rows tell which
+        failure = f"a DeepEP worker failed: {exc}"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    rows = []
+    for r in range(2):
+        if os.path.exists(f"{out}.{r}"):
+            with open(f"{out}.{r}") as f:
+                rows += [json.loads(line) for line in f]
+    errors = [r["error"] for r in rows if r.get("kind") == "error"]
+    return dict(rows=rows, failure=failure, errors=errors)
+
+
+def _no_errors(res):
+    assert not res["errors"], "\n".join(res["errors"])
+    assert res["failure"] is None, res["failure"]
+
+
+def test_every_combination_matches_reference(results):
+    _no_errors(results)
+    rows = [r for r in results["rows"] if r.get("kind") == "case"]
+    ran = [r for r in rows if "skipped" not in r]
+    skipped = {(r["dispatch"], r["scheme"], r["backend_req"]): r["skipped"] for r in rows if "skipped" in r}
+    for key, reason in sorted(skipped.items()):
+        print("skipped", key, reason)
+    assert ran, "no combination ran"
+    for r in ran:
+        assert r["shape_ok"] and r["finite"], r
+        assert r["dispatcher"] == r["dispatch"], r
+        if r["tokens"]:
+            assert r["err_emulated"] < r["tol_emulated"], r
+            assert r["err_exact"] < r["bound"], r
+    # Both ranks ran every combination that was not skipped, including the zero-token case.
+    for dispatch in DISPATCHES:
+        assert any(r["dispatch"] == dispatch for r in ran), f"{dispatch} never ran: {skipped}"
+        assert any(
+            r["dispatch"] == dispatch and r["case"] == "no_tokens" and r["tokens"] == 0 for r in ran
+        )
+    assert {r["rank"] for r in ran} == {0, 1}
+    print(sorted({(r["dispatch"], r["scheme"], r["backend"], r["payload"]) for r in ran}))
+
+
+def test_low_latency_cuda_graph_replay(results):
+    _no_errors(results)
+    rows = [r for r in results["rows"] if r.get("kind") == "graph"]
+    assert {r["rank"] for r in rows} == {0, 1}, rows
+    for r in rows:
+        assert len(r["replays"]) == 2
+        for rep in r["replays"]:
+            assert rep["replay_vs_eager"] < 1e-3, r
+            assert rep["err_emulated"] < rep["tol_emulated"], r
+            assert rep["err_exact"] < rep["bound"], r
+
+
+def test_auto_over_capacity_runs_normal_and_logs_once(results):
+    _no_errors(results)
+    rows = [r for r in results["rows"] if r.get("kind") == "auto_over_capacity"]
+    assert {r["rank"] for r in rows} == {0, 1}, rows
+    for r in rows:
+        modes = [b["mode"] for b in r["batches"]]
+        # Rank 0 was over the capacity in the first two batches: every rank ran normal mode.
+        assert modes == ["normal", "normal", "low_latency", "low_latency"], r
+        assert r["over_capacity_logs"] == 1, r
+        for b in r["batches"]:
+            assert b["shape_ok"], r
+            if b["tokens"]:
+                assert b["err_emulated"] < b["tol_emulated"], r
+                assert b["err_exact"] < b["bound"], r

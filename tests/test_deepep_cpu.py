@@ -1,0 +1,256 @@
+"""What of the DeepEP dispatchers runs without DeepEP: the capacity decision, buffer sizing and
+registration rules, refusals with reasons, payload conversion. A fake ``deep_ep`` module stands in
+for the real one where the buffer owner is exercised."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+import epmoe.dispatch.deepep as dd
+from epmoe.dispatch.base import DispatchConfig
+from epmoe.dispatch.deepep import (
+    BufferNeeds,
+    DeepEPBuffer,
+    DeepEPBufferError,
+    choose_mode,
+    low_latency_shape_problems,
+    low_latency_tokens,
+    normal_payload,
+    pad_empty_batch,
+    plan_buffer,
+)
+from epmoe.quant.reference import dequantize_rows, quantize_rows
+
+NVL = lambda hidden_bytes: 1000 * hidden_bytes  # noqa: E731 - fake size hints
+LL = lambda t, h, r, e: t * h * r * e  # noqa: E731
+BOTH = frozenset({"normal", "low_latency"})
+
+
+def needs(h=7168, e=256, k=8, t=128, modes=BOTH):
+    return BufferNeeds(h, e, k, t, frozenset(modes))
+
+
+# ------------------------------------------------------------------------------ capacity rule
+@pytest.mark.parametrize(
+    "global_max, cap, mode",
+    [(0, 128, "low_latency"), (128, 128, "low_latency"), (129, 128, "normal"), (4096, 128, "normal")],
+)
+def test_capacity_decision(global_max, cap, mode):
+    assert choose_mode(global_max, cap) == mode
+
+
+def test_low_latency_tokens_keep_tma_alignment():
+    assert low_latency_tokens(128, 2) == 128
+    assert low_latency_tokens(43, 2) == 44  # 2 * 43 is not a multiple of 4
+    assert low_latency_tokens(5, 4) == 5
+    assert low_latency_tokens(7, 1) == 8
+    assert low_latency_tokens(0, 2) == 2
+
+
+# ------------------------------------------------------------------------------ sizing
+def test_plan_sizes_from_the_largest_registration():
+    plan = plan_buffer(
+        [needs(h=4096, modes={"normal"}), needs(h=7168, t=64), needs(h=7168, t=128, modes={"low_latency"})],
+        2, NVL, LL,
+    )  # fmt: skip
+    assert plan.num_nvl_bytes == 1000 * 7168 * 2  # bf16 rows of the largest hidden size
+    assert plan.num_rdma_bytes == 128 * 7168 * 2 * 256
+    assert plan.low_latency_mode and plan.num_qps_per_rank == 128
+    assert (plan.ll_max_tokens, plan.ll_hidden_size, plan.ll_num_experts) == (128, 7168, 256)
+
+
+def test_plan_normal_only_has_no_rdma():
+    plan = plan_buffer([needs(modes={"normal"})], 2, NVL, LL)
+    assert plan.num_rdma_bytes == 0 and not plan.low_latency_mode and plan.num_qps_per_rank == 1
+
+
+def test_plan_refuses_mixed_low_latency_shapes():
+    with pytest.raises(DeepEPBufferError, match="same \\(hidden_size, num_experts\\)"):
+        plan_buffer([needs(h=7168), needs(h=4096)], 2, NVL, LL)
+    with pytest.raises(ValueError, match="no layer registered"):
+        plan_buffer([], 2, NVL, LL)
+
+
+def test_bad_modes_refused():
+    with pytest.raises(ValueError, match="modes"):
+        needs(modes={"fast"})
+
+
+# ------------------------------------------------------------------------------ refusals
+def test_low_latency_hidden_refused_with_reason():
+    problems = low_latency_shape_problems(7000, 8, 256, 2, 128)
+    assert len(problems) == 1 and "hidden_size=7000" in problems[0] and "7168" in problems[0]
+    assert any("top_k=12" in p for p in low_latency_shape_problems(7168, 12, 256, 2, 128))
+    assert low_latency_shape_problems(7168, 8, 256, 2, 128) == []
+    buf = DeepEPBuffer()
+    with pytest.raises(DeepEPBufferError, match="hidden_size=7000 is not one DeepEP low-latency"):
+        buf.register(needs(h=7000), world_size=2)
+    buf.register(needs(h=7040, modes={"normal"}), world_size=2)  # normal mode takes it
+    with pytest.raises(DeepEPBufferError, match="support \\[2, 4, 8\\] ranks; the group has 3"):
+        buf.register(needs(modes={"normal"}), world_size=3)
+
+
+def test_dispatcher_availability_names_the_conditions():
+    cfg = DispatchConfig(num_experts=256, hidden_size=7040, top_k=8, world_size=2)
+    ok, reason = dd.DeepEPLowLatencyDispatcher.available(cfg)
+    assert not ok
+    assert "hidden_size=7040" in reason and "CUDA device" in reason
+    ok, reason = dd.DeepEPNormalDispatcher.available(cfg)
+    assert not ok and "hidden_size" not in reason and "CUDA device" in reason
+    cfg = DispatchConfig(num_experts=256, hidden_size=7168, top_k=8, world_size=1)
+    ok, reason = dd.DeepEPAutoDispatcher.available(cfg)
+    assert not ok and "at least 2 ranks" in reason
+
+
+@pytest.mark.skipif(dd.import_deep_ep()[0] is not None, reason="deep_ep is installed here")
+def test_missing_deep_ep_is_a_reason_and_the_layer_refuses():
+    from epmoe.dispatch.select import DispatcherUnavailableError
+    from epmoe.layer import DeepEPMoELayer
+
+    cfg = DispatchConfig(num_experts=16, hidden_size=2048, top_k=4, world_size=2)
+    for cls in (dd.DeepEPNormalDispatcher, dd.DeepEPLowLatencyDispatcher, dd.DeepEPAutoDispatcher):
+        ok, reason = cls.available(cfg)
+        assert not ok and "deep_ep is not importable" in reason
+    for dispatch in ("deepep_normal", "deepep_low_latency", "deepep_auto"):
+        with pytest.raises(DispatcherUnavailableError, match="deep_ep is not importable") as info:
+            DeepEPMoELayer(16, 4, 2048, 256, dispatch=dispatch, backend="torch", device="cpu")
+        assert dispatch in str(info.value) and "CUDA device" in str(info.value)
+    # dispatch="auto" on one process still picks the local dispatcher.
+    layer = DeepEPMoELayer(16, 4, 2048, 256, backend="torch", device="cpu", params_dtype=torch.float32)
+    assert layer.dispatcher.name == "local"
+
+
+# ------------------------------------------------------------------------------ buffer owner
+class _FakeConfig:
+    def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
+        return NVL(hidden_bytes)
+
+
+class _FakeBuffer:
+    made: list = []
+
+    def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, **kwargs):
+        self.args = dict(nvl=num_nvl_bytes, rdma=num_rdma_bytes, **kwargs)
+        self.cleaned, self.destroyed = [], False
+        _FakeBuffer.made.append(self)
+
+    get_dispatch_config = staticmethod(lambda n: _FakeConfig())
+    get_combine_config = staticmethod(lambda n: _FakeConfig())
+    get_low_latency_rdma_size_hint = staticmethod(LL)
+
+    def clean_low_latency_buffer(self, *args):
+        self.cleaned.append(args)
+
+    def destroy(self):
+        self.destroyed = True
+
+
+@pytest.fixture
+def fake_deep_ep(monkeypatch):
+    mod = types.ModuleType("deep_ep")
+    mod.Buffer = _FakeBuffer
+    _FakeBuffer.made = []
+    monkeypatch.setitem(sys.modules, "deep_ep", mod)
+    monkeypatch.setattr(DeepEPBuffer, "world_size", property(lambda self: 2))
+    monkeypatch.setattr(dd, "_LIVE_LOW_LATENCY", [0])
+    return mod
+
+
+def test_buffer_lazy_shared_and_sized_from_largest(fake_deep_ep):
+    buf = DeepEPBuffer()
+    buf.register(needs(t=64))
+    buf.register(needs(t=128, modes={"low_latency"}))
+    buf.register(needs(h=4096, modes={"normal"}))
+    assert not buf.allocated and not _FakeBuffer.made  # nothing allocated at registration
+    b = buf.get()
+    assert buf.get() is b and len(_FakeBuffer.made) == 1  # one deep_ep.Buffer, shared
+    assert b.args["nvl"] == NVL(7168 * 2) and b.args["rdma"] == LL(128, 7168, 2, 256)
+    assert b.args["low_latency_mode"] and b.args["num_qps_per_rank"] == 128
+    assert b.args["explicitly_destroy"]
+    # A registration that fits is accepted after allocation; one that needs more is refused.
+    buf.register(needs(t=100))
+    with pytest.raises(DeepEPBufferError, match="already allocated and max_tokens_per_rank=256 exceeds"):
+        buf.register(needs(t=256))
+    with pytest.raises(DeepEPBufferError, match="already allocated and hidden_size=8192 exceeds"):
+        buf.register(needs(h=8192, modes={"normal"}))
+    buf.close()
+    assert b.destroyed and not buf.allocated
+    with pytest.raises(DeepEPBufferError, match="closed"):
+        buf.get()
+    buf.close()  # idempotent
+
+
+def test_normal_only_buffer_refuses_low_latency_later(fake_deep_ep):
+    buf = DeepEPBuffer()
+    buf.register(needs(modes={"normal"}))
+    b = buf.get()
+    assert not b.args["low_latency_mode"] and b.args["rdma"] == 0
+    with pytest.raises(DeepEPBufferError, match="allocated without low-latency mode"):
+        buf.register(needs(modes={"low_latency"}))
+
+
+def test_clean_only_after_normal_use(fake_deep_ep):
+    buf = DeepEPBuffer()
+    buf.register(needs(t=43))
+    b = buf.get()
+    assert not buf.clean_low_latency() and b.cleaned == []
+    buf.mark_normal_used()
+    assert buf.low_latency_dirty
+    assert buf.clean_low_latency()
+    assert b.cleaned == [(44, 7168, 256)]  # DeepEP's capacity, rounded for 2 ranks
+    assert not buf.clean_low_latency() and len(b.cleaned) == 1
+
+
+def test_second_low_latency_buffer_in_a_process_refused(fake_deep_ep):
+    first = DeepEPBuffer()
+    first.register(needs())
+    first.get()
+    second = DeepEPBuffer()
+    second.register(needs())
+    with pytest.raises(DeepEPBufferError, match="share one DeepEPBuffer"):
+        second.get()
+    first.close()
+    second.get()  # allowed once the first one is gone
+
+
+def test_allocation_needs_registrations(fake_deep_ep):
+    with pytest.raises(ValueError, match="no layer registered"):
+        DeepEPBuffer().get()
+
+
+# ------------------------------------------------------------------------------ payloads
+def test_normal_payload_packing():
+    x = torch.randn(5, 256)
+    xb = normal_payload(x, None)
+    assert xb.dtype == torch.bfloat16 and xb.shape == (5, 256)
+    q, s = quantize_rows(x, torch.int8, 127.0, None)
+    packed = normal_payload(q, s)
+    assert isinstance(packed, tuple) and packed[0].dtype == torch.int8 and packed[1].shape == (5, 1)
+    q, s = quantize_rows(x, torch.float8_e4m3fn, 448.0, 128)
+    packed = normal_payload(q, s)
+    assert packed[0].dtype == torch.float8_e4m3fn and packed[1].shape == (5, 2)
+    with pytest.raises(TypeError, match="needs its scales"):
+        normal_payload(q, None)
+    with pytest.raises(TypeError, match="1-byte"):
+        normal_payload(x, s)
+    with pytest.raises(ValueError, match="\\[T, S\\]"):
+        normal_payload(q, s[:3])
+
+
+def test_pad_empty_batch():
+    x = torch.zeros(0, 256, dtype=torch.bfloat16)
+    ids, w = torch.zeros(0, 4, dtype=torch.int64), torch.zeros(0, 4)
+    px, pids, pw = pad_empty_batch(x, ids, w)
+    assert px.shape == (1, 256) and px.dtype == torch.bfloat16
+    assert (pids == -1).all() and pids.shape == (1, 4) and (pw == 0).all()
+    x1 = torch.ones(3, 256)
+    assert pad_empty_batch(x1, ids, w)[0] is x1
+
+
+def test_expected_rows_hint():
+    assert dd.expected_rows_per_expert(128, 2, 8, 256) == 8
+    assert dd.expected_rows_per_expert(1, 2, 4, 256) == 1

@@ -1,0 +1,251 @@
+"""The FP8 block backends' selection rule, as a pure function and through the layer (CPU)."""
+
+import itertools
+import logging
+
+import pytest
+import torch
+
+from epmoe.experts import fp8_selection as fs
+from epmoe.experts.fp8_selection import (
+    cutlass_decision,
+    deepgemm_decision,
+    fp8_block_auto_choice,
+    parse_version,
+)
+
+ON = {"SGLANG_CUTLASS_MOE": "1"}
+OFF = {}
+ZERO = {"SGLANG_CUTLASS_MOE": "0"}
+HEADERS = {"cutlass_headers": True, "sgl_kernel": False, "deep_gemm": False}
+CAPS = [(8, 0), (9, 0), (10, 0), None]
+CUDAS = ["12.2", "12.3", "12.10", "13.0", None]
+ENVS = [OFF, ZERO, ON]
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("12.3", (12, 3)), ("12.10", (12, 10)), ("13.0", (13, 0)), ("12.4.1", (12, 4, 1)),
+     ("12.8a", (12, 8)), (None, None), ("", None), ("cpu", None)],
+)  # fmt: skip
+def test_parse_version(text, expected):
+    assert parse_version(text) == expected
+
+
+def test_versions_compare_as_tuples_not_strings():
+    assert "12.10" < "12.3"  # the trap
+    assert parse_version("12.10") > parse_version("12.3")
+    d = cutlass_decision((9, 0), "12.10", ON, HEADERS)
+    assert d.ok, d.reason
+
+
+@pytest.mark.parametrize("cap, cuda, env", list(itertools.product(CAPS, CUDAS, ENVS)))
+@pytest.mark.parametrize("deep_gemm", [False, True])
+def test_cutlass_rule_all_branches(cap, cuda, env, deep_gemm):
+    installed = dict(HEADERS, deep_gemm=deep_gemm)
+    d = cutlass_decision(cap, cuda, env, installed)
+    enabled = env.get("SGLANG_CUTLASS_MOE") == "1"
+    cuda_ok = cuda is not None and parse_version(cuda) >= (12, 3)
+    expect_ok = enabled and cap is not None and cap[0] == 9 and cuda_ok
+    assert d.ok == expect_ok, d
+    assert d.considered == enabled
+    assert d.warn == (enabled and not expect_ok)
+    assert "SGLANG_CUTLASS_MOE" in d.reason
+    if not enabled:
+        assert "SGLANG_CUTLASS_MOE=1 is required" in d.reason
+    elif cap is None:
+        assert "no CUDA GPU" in d.reason
+    elif cap[0] != 9:
+        assert f"compute capability {cap[0]}.{cap[1]}, not 9.x" in d.reason
+    elif cuda is None:
+        assert "CUDA version is unknown" in d.reason
+    elif not cuda_ok:
+        assert f"CUDA {cuda} is older than 12.3" in d.reason
+    # DeepGEMM's presence never changes the cutlass decision.
+    assert d == cutlass_decision(cap, cuda, env, dict(installed, deep_gemm=not deep_gemm))
+    # Auto: cutlass when it can run, else DeepGEMM when installed on 9.x/10.x, else torch.
+    choice = fp8_block_auto_choice(cap, cuda, env, installed)
+    dg_ok = deep_gemm and cap is not None and cap[0] in (9, 10)
+    expected = "cutlass" if expect_ok else ("deepgemm" if dg_ok else "torch")
+    assert choice.backend == expected
+    assert len(choice.warnings) == (1 if d.warn else 0)
+
+
+def test_cutlass_needs_a_kernel():
+    d = cutlass_decision((9, 0), "12.4", ON, {"sgl_kernel": False, "cutlass_headers": False})
+    assert not d.ok and d.warn
+    assert "pip install nvidia-cutlass" in d.reason and "EPMOE_CUTLASS_DIR" in d.reason
+    d = cutlass_decision((9, 0), "12.4", ON, {"sgl_kernel": True, "cutlass_headers": False})
+    assert d.ok and "sgl-kernel" in d.reason
+    d = cutlass_decision((9, 0), "12.4", ON, {"sgl_kernel": False, "cutlass_headers": True})
+    assert d.ok and "epmoe's CUTLASS kernel" in d.reason
+
+
+@pytest.mark.parametrize("value, enabled", [("1", True), ("true", True), ("0", False), ("", False), ("no", False)])
+def test_env_values(value, enabled):
+    d = cutlass_decision((9, 0), "12.8", {"SGLANG_CUTLASS_MOE": value}, HEADERS)
+    assert d.considered == enabled and d.ok == enabled
+    if not enabled:
+        assert repr(value) in d.reason
+
+
+@pytest.mark.parametrize("cap", CAPS)
+@pytest.mark.parametrize("installed", [False, True])
+def test_deepgemm_rule(cap, installed):
+    d = deepgemm_decision(cap, {"deep_gemm": installed})
+    assert d.ok == (installed and cap is not None and cap[0] in (9, 10))
+    if cap is not None and cap[0] == 8:
+        assert "compute capability 8.0" in d.reason
+    if cap is not None and cap[0] == 9 and not installed:
+        assert "deep_gemm is not importable" in d.reason
+
+
+def test_auto_without_variable_prefers_deepgemm():
+    choice = fp8_block_auto_choice((9, 0), "13.0", OFF, {"deep_gemm": True, "cutlass_headers": True, "sgl_kernel": True})
+    assert choice.backend == "deepgemm" and choice.warnings == ()
+    assert any("SGLANG_CUTLASS_MOE=1 is required" in r for r in choice.refusals)
+
+
+def test_auto_warning_and_forced_error_texts():
+    d = cutlass_decision((8, 0), "12.4", ON, HEADERS)
+    assert fs.cutlass_warning(d) == (
+        "cutlass FP8 MoE backend not used: SGLANG_CUTLASS_MOE=1 but the GPU has compute "
+        "capability 8.0, not 9.x (the kernel is Hopper sm_90a)"
+    )
+    assert fs.forced_cutlass_error(d).startswith("backend='cutlass' cannot run: SGLANG_CUTLASS_MOE=1 but")
+    d = cutlass_decision((9, 0), "12.2", ON, HEADERS)
+    assert "CUDA 12.2 is older than 12.3" in fs.cutlass_warning(d)
+
+
+# ------------------------------------------------------------------- through the real classes
+def _layer(backend):
+    from epmoe.layer import DeepEPMoELayer
+
+    return DeepEPMoELayer(8, 2, 128, 128, quant="fp8_block", backend=backend, dispatch="local", device="cpu")
+
+
+def test_backend_available_uses_machine_facts_on_cpu(monkeypatch):
+    from epmoe.experts.cutlass_backend import CutlassBackend
+
+    monkeypatch.delenv("SGLANG_CUTLASS_MOE", raising=False)
+    ok, reason = CutlassBackend.available(torch.device("cpu"))
+    assert not ok and "SGLANG_CUTLASS_MOE=1 is required" in reason
+    monkeypatch.setenv("SGLANG_CUTLASS_MOE", "1")
+    ok, reason = CutlassBackend.available(torch.device("cpu"))
+    assert not ok and "no CUDA GPU" in reason
+
+
+def test_auto_on_cpu_warns_and_picks_torch(monkeypatch, caplog):
+    from epmoe.experts import cutlass_backend
+
+    monkeypatch.setenv("SGLANG_CUTLASS_MOE", "1")
+    monkeypatch.delenv("EPMOE_BACKEND", raising=False)
+    cutlass_backend._WARNED.clear()
+    with caplog.at_level(logging.INFO, logger="epmoe"):
+        layer = _layer("auto")
+    assert layer.backend.name == "torch"
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(
+        "cutlass FP8 MoE backend not used: SGLANG_CUTLASS_MOE=1 but there is no CUDA GPU" in r.getMessage()
+        for r in warnings
+    ), [r.getMessage() for r in caplog.records]
+    infos = [r.getMessage() for r in caplog.records]
+    assert any("'deepgemm' refused" in m for m in infos)
+
+
+def test_auto_without_variable_does_not_warn(monkeypatch, caplog):
+    from epmoe.experts import cutlass_backend
+
+    monkeypatch.delenv("SGLANG_CUTLASS_MOE", raising=False)
+    monkeypatch.delenv("EPMOE_BACKEND", raising=False)
+    cutlass_backend._WARNED.clear()
+    with caplog.at_level(logging.INFO, logger="epmoe"):
+        layer = _layer("auto")
+    assert layer.backend.name == "torch"
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize("env, text", [
+    (None, "SGLANG_CUTLASS_MOE=1 is required to consider cutlass (SGLANG_CUTLASS_MOE is not set)"),
+    ("1", "SGLANG_CUTLASS_MOE=1 but there is no CUDA GPU"),
+])  # fmt: skip
+def test_forced_cutlass_raises_through_layer(monkeypatch, env, text):
+    from epmoe.experts.select import BackendUnavailableError
+
+    if env is None:
+        monkeypatch.delenv("SGLANG_CUTLASS_MOE", raising=False)
+    else:
+        monkeypatch.setenv("SGLANG_CUTLASS_MOE", env)
+    with pytest.raises(BackendUnavailableError, match="backend='cutlass' cannot run") as info:
+        _layer("cutlass")
+    assert text in str(info.value)
+
+
+def test_forced_deepgemm_raises_on_cpu():
+    from epmoe.experts.select import BackendUnavailableError
+
+    with pytest.raises(BackendUnavailableError, match="no CUDA GPU"):
+        _layer("deepgemm")
+
+
+def test_deepgemm_api_shim_resolves_renamed_functions():
+    from types import SimpleNamespace
+
+    from epmoe.experts.deepgemm_backend import resolve_api
+
+    calls = []
+    fn = lambda *a: calls.append(a)  # noqa: E731
+    new = SimpleNamespace(
+        m_grouped_fp8_gemm_nt_contiguous=fn, m_grouped_fp8_gemm_nt_masked=fn,
+        get_mn_major_tma_aligned_tensor=fn, get_mk_alignment_for_contiguous_layout=lambda: 128,
+    )  # fmt: skip
+    api = resolve_api(new)
+    assert api.names["contiguous"] == "m_grouped_fp8_gemm_nt_contiguous"
+    assert api.alignment == 128 and not api.needs_tma_scales
+    fp4 = SimpleNamespace(m_grouped_fp8_fp4_gemm_nt_contiguous=fn, m_grouped_fp8_fp4_gemm_nt_masked=fn)
+    api = resolve_api(fp4)
+    assert api.names["masked"] == "m_grouped_fp8_fp4_gemm_nt_masked" and api.alignment == 128
+    legacy = SimpleNamespace(
+        m_grouped_gemm_fp8_fp8_bf16_nt_contiguous=fn, m_grouped_gemm_fp8_fp8_bf16_nt_masked=fn,
+        get_col_major_tma_aligned_tensor=fn, get_m_alignment_for_contiguous_layout=lambda: 64,
+    )  # fmt: skip
+    api = resolve_api(legacy)
+    assert api.needs_tma_scales and api.alignment == 64
+    assert api.names["tma_aligned"] == "get_col_major_tma_aligned_tensor"
+    assert resolve_api(SimpleNamespace()).contiguous is None
+
+
+def test_cutlass_headers_lookup_and_error(monkeypatch, tmp_path):
+    from epmoe.experts import cutlass_backend as cb
+
+    monkeypatch.setenv("EPMOE_CUTLASS_DIR", str(tmp_path))
+    assert cb.find_cutlass_include() is None
+    with pytest.raises(cb.CutlassUnavailableError) as info:
+        cb.load_extension()
+    text = str(info.value)
+    assert "CUTLASS headers not found" in text and "pip install nvidia-cutlass" in text
+    assert "EPMOE_CUTLASS_DIR" in text
+    # A checkout (include/ below it) and an include directory itself are both accepted.
+    inc = tmp_path / "include"
+    (inc / "cutlass").mkdir(parents=True)
+    (inc / "cute").mkdir()
+    (inc / "cutlass" / "cutlass.h").write_text("")
+    assert cb.find_cutlass_include() == inc
+    monkeypatch.setenv("EPMOE_CUTLASS_DIR", str(inc))
+    assert cb.find_cutlass_include() == inc
+    monkeypatch.delenv("EPMOE_CUTLASS_DIR")
+    import importlib.util
+
+    if importlib.util.find_spec("cutlass_library") is None:
+        assert cb.find_cutlass_include() is None
+        assert "cutlass_library package is not installed" in cb._headers_error()
+
+
+def test_cutlass_backend_refuses_masked_layout():
+    from epmoe.experts.cutlass_backend import CutlassBackend
+    from epmoe.quant import get_scheme
+
+    ok, reason = CutlassBackend.supports(get_scheme("fp8_block"), "masked", torch.device("cpu"), 256, 128)
+    assert not ok and "masked" in reason
+    ok, reason = CutlassBackend.supports(get_scheme("int8_block"), "contiguous", torch.device("cpu"), 256, 128)
+    assert not ok and "int8_block" in reason

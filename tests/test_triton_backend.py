@@ -1,0 +1,153 @@
+"""The triton experts backend against the torch reference backend, both layouts, all schemes.
+
+Runs under Triton's interpreter on CPU (fp16 / fp32 activations: the interpreter truncates bf16)
+and compiled on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from epmoe.experts.base import ExpertWeights  # noqa: E402
+from epmoe.experts.torch_backend import TorchBackend  # noqa: E402
+from epmoe.experts.triton_backend import TritonBackend  # noqa: E402
+from epmoe.layouts import to_contiguous, to_masked  # noqa: E402
+from epmoe.quant.reference import quantize_rows, quantize_weight  # noqa: E402
+from epmoe.quant.schemes import get_scheme  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+E, H, I = 4, 256, 128
+
+SCHEME_ACC = [("int8_channel", "fp32"), ("int8_channel", "int32"), ("int8_block", "fp32"), ("bf16", "fp32")]
+
+
+def _weights(name: str) -> ExpertWeights:
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randn(E, 2 * I, H, generator=g) / H**0.5
+    w2 = torch.randn(E, H, I, generator=g) / I**0.5
+    scheme = get_scheme(name)
+    if not scheme.quantized:
+        return ExpertWeights(scheme, w13.half().to(DEVICE), w2.half().to(DEVICE))
+    q13, s13 = quantize_weight(w13, scheme)
+    q2, s2 = quantize_weight(w2, scheme)
+    return ExpertWeights(scheme, q13.to(DEVICE), q2.to(DEVICE), s13.to(DEVICE), s2.to(DEVICE))
+
+
+def _routings():
+    g = torch.Generator().manual_seed(1)
+    uneven = torch.randint(0, E, (13, 2), generator=g)
+    uneven[:, 0] = 2  # one expert gets every token
+    uneven[3, 1] = -1  # a slot owned by another rank
+    uneven[uneven == 1] = 3  # expert 1 gets nothing
+    one_expert = torch.full((7, 2), -1)
+    one_expert[:, 0] = 0
+    return {"uneven": uneven, "one_expert": one_expert, "no_tokens": torch.full((5, 2), -1)}
+
+
+ROUTINGS = _routings()
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if ref.numel() == 0:
+        return 0.0
+    return float((out.double() - ref.double()).abs().mean() / ref.double().abs().mean().clamp(min=1e-12))
+
+
+def _x(r: int) -> torch.Tensor:
+    return torch.randn(r, H, generator=torch.Generator().manual_seed(r)).half()
+
+
+@pytest.mark.parametrize("scheme,acc", SCHEME_ACC)
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+@pytest.mark.parametrize("align", [1, 8])
+def test_contiguous_matches_torch_backend(scheme, acc, routing, align):
+    ids = ROUTINGS[routing]
+    x = _x(ids.shape[0])
+    batch = to_contiguous(x.to(DEVICE), None, ids.to(DEVICE), E, alignment=align)
+    weights = _weights(scheme)
+    backend = TritonBackend(get_scheme(scheme), accumulator=acc)
+    out = backend.run_contiguous(batch, backend.prepare_weights(weights), torch.float32)
+    ref = TorchBackend(get_scheme(scheme)).run_contiguous(batch, weights, torch.float32)
+    valid = (batch.m_indices >= 0).cpu()
+    assert out.shape == (batch.x.shape[0], H) and out.dtype == torch.float32
+    got, want = out.cpu()[valid], ref.cpu()[valid]
+    assert torch.isfinite(got).all()
+    # fp32 intermediates: only fp32 summation order differs, plus rare requantization flips.
+    assert _rel_err(got, want) < 2e-3
+
+
+@pytest.mark.parametrize("scheme,acc", SCHEME_ACC)
+@pytest.mark.parametrize("routing", ["uneven", "one_expert"])
+def test_masked_matches_torch_backend(scheme, acc, routing):
+    ids = ROUTINGS[routing]
+    x = _x(ids.shape[0])
+    batch, _ = to_masked(x.to(DEVICE), None, ids.to(DEVICE), E, capacity=24)
+    weights = _weights(scheme)
+    backend = TritonBackend(get_scheme(scheme), accumulator=acc)
+    out = backend.run_masked(batch, backend.prepare_weights(weights), torch.float16)
+    ref = TorchBackend(get_scheme(scheme)).run_masked(batch, weights, torch.float32)
+    assert out.shape == (E, 24, H) and out.dtype == torch.float16
+    for e, n in enumerate(batch.masked_m.tolist()):
+        got = out[e, :n].cpu()
+        assert torch.isfinite(got).all()
+        # fp16 intermediate and output: rounding of GEMM1's output moves a few codes.
+        assert _rel_err(got, ref[e, :n].cpu()) < 1e-2
+
+
+@pytest.mark.parametrize("scheme", ["int8_channel", "int8_block", "bf16"])
+@pytest.mark.parametrize("fmt", ["native", "fp8_groups", "int8_token"])
+def test_quantized_inputs(scheme, fmt):
+    """Inputs already in the scheme's format pass through; other formats are requantized."""
+    ids = ROUTINGS["uneven"]
+    x = _x(ids.shape[0]).float()
+    sch = get_scheme(scheme)
+    if fmt == "native":
+        if not sch.quantized:
+            pytest.skip("bf16 has no quantized native format")
+        group = None if sch.act_granularity == "token" else 128
+        xq, xs = quantize_rows(x, torch.int8, 127.0, group)
+    elif fmt == "fp8_groups":
+        xq, xs = quantize_rows(x, torch.float8_e4m3fn, 448.0, 128)
+    else:
+        xq, xs = quantize_rows(x, torch.int8, 127.0)
+    batch = to_contiguous(xq.to(DEVICE), xs.to(DEVICE), ids.to(DEVICE), E)
+    weights = _weights(scheme)
+    backend = TritonBackend(sch)
+    out = backend.run_contiguous(batch, backend.prepare_weights(weights), torch.float32).cpu()
+    ref = TorchBackend(sch).run_contiguous(batch, weights, torch.float32).cpu()
+    assert _rel_err(out, ref) < 2e-3
+
+
+def test_available_and_supports(monkeypatch):
+    ok, reason = TritonBackend.available(DEVICE)
+    assert ok, reason
+    if DEVICE.type == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        ok, reason = TritonBackend.available(torch.device("cpu"))
+        assert not ok and "TRITON_INTERPRET=1" in reason
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ok, reason = TritonBackend.supports(get_scheme("int8_block"), "masked", DEVICE, 200, 128)
+    assert not ok and "multiples of 128" in reason
+    ok, reason = TritonBackend.supports(get_scheme("fp8_block"), "contiguous", DEVICE, 256, 128)
+    assert not ok and "fp8_block" in reason
+    assert TritonBackend.supports(get_scheme("int8_channel"), "masked", DEVICE, 200, 72)[0]
+    assert TritonBackend(get_scheme("int8_block")).alignment == 1
+
+
+def test_weight_errors():
+    backend = TritonBackend(get_scheme("int8_channel"))
+    w = _weights("int8_block")
+    with pytest.raises(ValueError, match="quant="):
+        backend.prepare_weights(w)
+    bad = ExpertWeights(get_scheme("int8_channel"), w.w13, w.w2, None, None)
+    with pytest.raises(ValueError, match="w13_scale"):
+        backend.prepare_weights(bad)
+    with pytest.raises(ValueError, match="accumulator"):
+        TritonBackend(get_scheme("int8_block"), accumulator="int32")
