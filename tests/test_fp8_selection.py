@@ -2,9 +2,13 @@
 
 import itertools
 import logging
+import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the plumbing tests run the Triton kernels on CPU
 
 from epmoe.experts import fp8_selection as fs
 from epmoe.experts.fp8_selection import (
@@ -249,3 +253,122 @@ def test_cutlass_backend_refuses_masked_layout():
     assert not ok and "masked" in reason
     ok, reason = CutlassBackend.supports(get_scheme("int8_block"), "contiguous", torch.device("cpu"), 256, 128)
     assert not ok and "int8_block" in reason
+
+
+# ------------------------------------------------- backend plumbing with stand-in GEMMs (CPU)
+def _dequant(q, s):
+    from epmoe.quant.reference import dequantize_rows
+
+    return dequantize_rows(q, s)
+
+
+def _fake_deep_gemm():
+    """DeepGEMM's contiguous/masked contract in plain torch (fp32 math, bf16 output)."""
+    from types import SimpleNamespace
+
+    from epmoe.quant.reference import dequantize_weight
+
+    def contiguous(a, b, d, m_indices):
+        x = _dequant(*a)
+        w = dequantize_weight(*b)
+        for g in torch.unique(m_indices[m_indices >= 0]).tolist():
+            rows = m_indices == g
+            d[rows] = (x[rows] @ w[g].t()).to(d.dtype)
+
+    def masked(a, b, d, masked_m, expected_m):
+        assert expected_m >= 1
+        x = _dequant(*a)
+        w = dequantize_weight(*b)
+        for g, m in enumerate(masked_m.tolist()):
+            d[g, :m] = (x[g, :m] @ w[g].t()).to(d.dtype)
+
+    return SimpleNamespace(
+        m_grouped_fp8_gemm_nt_contiguous=contiguous, m_grouped_fp8_gemm_nt_masked=masked,
+        get_mk_alignment_for_contiguous_layout=lambda: 128,
+    )  # fmt: skip
+
+
+def _fake_grouped_gemm(a, a_scale, b, b_scale, expert_offsets, out=None, config=None):
+    from epmoe.quant.reference import dequantize_weight
+
+    x = _dequant(a, a_scale)
+    w = dequantize_weight(b, b_scale)
+    out = torch.empty(a.shape[0], b.shape[1], dtype=torch.bfloat16) if out is None else out
+    offs = expert_offsets.tolist()
+    for e in range(b.shape[0]):
+        if offs[e + 1] > offs[e]:
+            out[offs[e] : offs[e + 1]] = (x[offs[e] : offs[e + 1]] @ w[e].t()).to(out.dtype)
+    return out
+
+
+PE, PK, PH, PI = 4, 2, 256, 128
+
+
+def _plumbing_case():
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from cases import make_case
+    from helpers import make_weights
+
+    from epmoe.experts.base import ExpertWeights
+    from epmoe.quant import get_scheme
+
+    stored, (w13, w2) = make_weights(PE, PH, PI, "fp8_block")
+    x, ids, w = make_case("empty_experts", 0, PE, PK, PH)
+    return ExpertWeights(get_scheme("fp8_block"), *stored), (w13, w2), x, ids, w
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter on CPU")
+@pytest.mark.parametrize("name", ["deepgemm", "cutlass"])
+def test_backend_plumbing_contiguous(monkeypatch, name):
+    from reference import moe_reference, rel_err
+
+    from epmoe.experts import cutlass_backend as cb
+    from epmoe.experts import deepgemm_backend as dgb
+    from epmoe.layouts import gather_weighted, to_contiguous
+
+    api = dgb.resolve_api(_fake_deep_gemm())
+    monkeypatch.setattr(dgb, "deep_gemm_api", lambda: api)
+    monkeypatch.setattr(cb, "grouped_gemm", _fake_grouped_gemm)
+    weights, (w13, w2), x, ids, w = _plumbing_case()
+    backend = (dgb.DeepGemmBackend if name == "deepgemm" else cb.CutlassBackend)(weights.scheme)
+    assert backend.alignment == (128 if name == "deepgemm" else 1)
+    weights = backend.prepare_weights(weights)
+    ref = moe_reference(x, ids, w, w13, w2, "fp8_block")
+    for payload in ("float", "fp8"):
+        xs = None
+        xin = x
+        if payload == "fp8":
+            from epmoe.quant.reference import quantize_rows
+
+            xin, xs = quantize_rows(x, torch.float8_e4m3fn, 448.0, 128)
+        batch = to_contiguous(xin, xs, ids, PE, backend.alignment)
+        out = backend.run_contiguous(batch, weights, torch.float32)
+        assert out.dtype == torch.float32 and out.shape == (batch.x.shape[0], PH)
+        got = gather_weighted(out, batch.slot_pos, w)
+        assert rel_err(got, ref) < 2e-2, (payload, rel_err(got, ref))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter on CPU")
+def test_deepgemm_plumbing_masked(monkeypatch):
+    from reference import moe_reference, rel_err
+
+    from epmoe.experts import deepgemm_backend as dgb
+    from epmoe.layouts import gather_weighted, to_masked
+    from epmoe.quant.reference import quantize_rows
+
+    api = dgb.resolve_api(_fake_deep_gemm())
+    monkeypatch.setattr(dgb, "deep_gemm_api", lambda: api)
+    weights, (w13, w2), x, ids, w = _plumbing_case()
+    backend = dgb.DeepGemmBackend(weights.scheme)
+    weights = backend.prepare_weights(weights)
+    ref = moe_reference(x, ids, w, w13, w2, "fp8_block")
+    xq, xs = quantize_rows(x, torch.float8_e4m3fn, 448.0, 128)
+    for xin, scale in ((x, None), (xq, xs)):
+        masked, slot_pos = to_masked(xin, scale, ids, PE, capacity=x.shape[0])
+        if scale is not None:  # DeepEP low-latency's MN-major strided scales
+            masked.x_scale = masked.x_scale.transpose(1, 2).contiguous().transpose(1, 2)
+        y = backend.run_masked(masked, weights, torch.bfloat16)
+        got = gather_weighted(y.reshape(-1, PH), slot_pos, w)
+        assert rel_err(got, ref) < 2e-2

@@ -122,7 +122,9 @@ def test_quantized_inputs(scheme, fmt):
     backend = TritonBackend(sch)
     out = backend.run_contiguous(batch, backend.prepare_weights(weights), torch.float32).cpu()
     ref = TorchBackend(sch).run_contiguous(batch, weights, torch.float32).cpu()
-    assert _rel_err(out, ref) < 2e-3
+    # Requantization flips a code where exp() or the dequantized FP8 value differs from torch's
+    # by an ulp at a rounding boundary; each flip moves one element by amax/127: a few in 1e-3.
+    assert _rel_err(out, ref) < 5e-3
 
 
 def test_available_and_supports(monkeypatch):

@@ -193,6 +193,13 @@ def main(argv: list[str] | None = None) -> int:
                 ("experts", lambda: cut_backend.run_contiguous(batch, weights, torch.bfloat16), 3 * inter, h),
             ):
                 record(m, gemm, "cutlass", _time(fn, args.iters, args.repeats), n, k)
+            if not cut._use_sgl():  # both tile configurations, to tune cutlass_backend.PINGPONG_MAX_ROWS
+                for cfg, label in ((cut.CONFIG_COOP, "cutlass-coop"), (cut.CONFIG_PINGPONG, "cutlass-pingpong")):
+                    for gemm, fn, n, k in (
+                        ("gemm1", lambda c=cfg: cut.grouped_gemm(ca, csa, w13, s13, offsets, o1, c), 2 * inter, h),
+                        ("gemm2", lambda c=cfg: cut.grouped_gemm(ch, csh, w2, s2, offsets, o2, c), h, inter),
+                    ):
+                        record(m, gemm, label, _time(fn, args.iters, args.repeats), n, k)
             del x, o1, o2, ca, ch
         del x_pad, a, hq
         # ---- masked (decode sizes) ----
@@ -233,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
             base = by.get((m, gemm, "direct"))
             if not base:
                 continue
-            parts = [f"{impl}={by[(m, gemm, impl)] / base:.3f}" for impl in ("deepgemm", "cutlass") if (m, gemm, impl) in by]
+            impls_ = ("deepgemm", "cutlass", "cutlass-coop", "cutlass-pingpong")
+            parts = [f"{impl}={by[(m, gemm, impl)] / base:.3f}" for impl in impls_ if (m, gemm, impl) in by]
             print(f"m={m:5d} {gemm:8s} " + " ".join(parts))
     meta = dict(device=torch.cuda.get_device_name(dev), torch=torch.__version__, cuda=torch.version.cuda,
                 experts=e, hidden=h, inter=inter, iters=args.iters, repeats=args.repeats,

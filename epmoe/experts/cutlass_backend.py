@@ -147,9 +147,12 @@ def load_extension(verbose: bool = False):
     build = cache_dir() / "cutlass" / name
     library = build / f"{name}.so"
     if library.is_file():
-        torch.ops.load_library(str(library))
-        log.info("loaded epmoe's CUTLASS FP8 grouped GEMM from %s", library)
-        return getattr(torch.ops, name)
+        try:
+            torch.ops.load_library(str(library))
+            log.info("loaded epmoe's CUTLASS FP8 grouped GEMM from %s", library)
+            return getattr(torch.ops, name)
+        except OSError as exc:  # e.g. a cache copied from a machine with other libraries
+            log.warning("cannot load the cached %s (%s); rebuilding", library, exc)
     from torch.utils import cpp_extension
 
     if cpp_extension.CUDA_HOME is None:
@@ -282,9 +285,11 @@ def _sgl_grouped_gemm(out, a, a_scale, b, b_scale, offsets) -> None:
     ptrs = [torch.empty(e, **i64) for _ in range(5)]
     strides = [torch.full((e,), k, **i64), torch.full((e,), k, **i64), torch.full((e,), n, **i64)]
     layouts = [torch.empty((e, 5), dtype=torch.int32, device=dev) for _ in range(2)]
-    # sgl-kernel sizes nothing itself; 1 MiB covers its tensormaps (sm_count x 4 x 128 B) with room.
+    # sgl-kernel takes the workspace from the caller and exposes no size query. A CUTLASS SM90
+    # ptr-array grouped GEMM needs one 128-byte TMA descriptor per operand (A, B, C, D) per SM (what
+    # GemmKernel::get_workspace_size returns for epmoe's own kernel: sm_count * 4 * 128); twice that.
     sm = torch.cuda.get_device_properties(dev).multi_processor_count
-    workspace = torch.empty(max(1 << 20, sm * 4 * 128 * 4), dtype=torch.uint8, device=dev)
+    workspace = torch.empty(sm * 8 * 128, dtype=torch.uint8, device=dev)
     sgl_kernel_op()(
         out, *ptrs, a, b.transpose(1, 2), a_scale, b_scale.transpose(1, 2), *strides, *layouts,
         problem_sizes, offsets[:-1].contiguous(), workspace,

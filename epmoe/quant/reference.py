@@ -54,7 +54,9 @@ def quantize_rows(
         raise ValueError(f"group_size={group_size} must divide the last dimension {k} of x")
     xf = x.float().reshape(*x.shape[:-1], k // g if k else 0, g)
     amax = xf.abs().amax(dim=-1, keepdim=True) if xf.numel() else xf.new_zeros(*xf.shape[:-1], 1)
-    scale = torch.where(torch.isnan(amax), amax, amax.clamp(min=AMAX_FLOOR)) / qmax
+    # Divide by a tensor, not a Python float: CUDA turns division by a host scalar into a
+    # multiplication by its reciprocal, which is not the correctly rounded quotient.
+    scale = torch.where(torch.isnan(amax), amax, amax.clamp(min=AMAX_FLOOR)) / amax.new_tensor(qmax)
     q = _round_clamp(xf / scale, qdtype, qmax)
     return q.reshape(x.shape), scale.squeeze(-1)
 
