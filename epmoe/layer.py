@@ -377,6 +377,17 @@ class DeepEPMoELayer(nn.Module):
             if lo < 0 or hi >= self.num_experts:
                 bad = lo if lo < 0 else hi
                 raise ValueError(f"topk_ids contains expert id {bad}, outside [0, {self.num_experts})")
+            if "masked" in self.dispatcher.layouts and topk_ids.shape[1] > 1:
+                # Fixed-capacity dispatch sizes each expert's slab for one row per token and rank:
+                # a token naming an expert twice would overflow it.
+                s = topk_ids.sort(dim=1).values
+                dup = (s[:, 1:] == s[:, :-1]).any(dim=1).nonzero()
+                if dup.numel():
+                    t = int(dup[0])
+                    raise ValueError(
+                        f"topk_ids row {t} names an expert more than once ({topk_ids[t].tolist()}); "
+                        f"dispatch={self.dispatcher.name!r} needs distinct experts per token"
+                    )
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[T, E]`` logits -> ``(topk_ids [T, k] int64, topk_weights [T, k] fp32)``."""

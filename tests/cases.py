@@ -23,7 +23,11 @@ def make_case(name: str, rank: int, num_experts: int, top_k: int, hidden: int, s
     logits = torch.randn(t, num_experts, generator=g) * 2
     ids, w = select_experts(logits, top_k, renormalize=True)
     if name == "one_expert":
-        ids = torch.full_like(ids, num_experts - 1)  # every slot of every token: one expert
+        # Every token picks the last expert (the hot expert); its other slots stay distinct, as a
+        # real router's are (DeepEP low-latency dispatch relies on distinct experts per token).
+        hot = num_experts - 1
+        others = torch.stack([torch.randperm(hot, generator=g)[: top_k - 1] for _ in range(t)])
+        ids = torch.cat([torch.full((t, 1), hot, dtype=ids.dtype), others.to(ids.dtype)], dim=1)
     elif name == "empty_experts":
         half = num_experts // 2  # only the first half of the experts get tokens
         ids = torch.stack([torch.randperm(half, generator=g)[:top_k] for _ in range(t)]) if t else ids

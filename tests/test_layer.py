@@ -222,3 +222,13 @@ def test_bad_weights():
         layer.load_weights([("experts.1.gate_proj.weight_scale", s13[1, :3])])
     with pytest.raises(TypeError, match="has dtype torch.float8_e4m3fn; quant='int8_channel' stores torch.int8"):
         layer.load_weights([("experts.1.gate_proj.weight", q13[1, :I].float().to(torch.float8_e4m3fn))])
+
+
+def test_duplicate_experts_refused_for_fixed_capacity_dispatch():
+    layer, _ = build("bf16", dispatch="local", backend="torch")
+    x, ids, w = make_case("random", 0, E, K, H)
+    ids[4] = torch.tensor([2, 5, 2])
+    layer(x, topk_ids=ids, topk_weights=w)  # contiguous dispatch handles repeats
+    layer.dispatcher.layouts = frozenset({"masked"})  # what a low-latency dispatcher declares
+    with pytest.raises(ValueError, match=r"topk_ids row 4 names an expert more than once \(\[2, 5, 2\]\)"):
+        layer(x, topk_ids=ids, topk_weights=w)

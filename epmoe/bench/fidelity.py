@@ -46,6 +46,7 @@ from ..quant.convert import (
     SafetensorsFile,
     checkpoint_scheme,
     convert_tensor,
+    iter_expert_weights,
     write_safetensors,
 )
 from ..quant.reference import dequantize_weight, quantize_rows, quantize_weight
@@ -319,8 +320,6 @@ def synthetic_source(experts: int, hidden: int, intermediate: int, seed: int) ->
 
 def checkpoint_source(path: str | Path, layer: int, experts: int | None) -> WeightSource:
     """Routed experts ``0..experts-1`` (all by default) of decoder layer ``layer``."""
-    from ..quant.convert import iter_expert_weights
-
     root = Path(path)
     scheme = checkpoint_scheme(root)
     index = json.loads((root / INDEX_NAME).read_text())
