@@ -42,6 +42,9 @@ from epmoe.routing import select_experts  # noqa: E402
 E, K, H, I = 16, 4, 2048, 256
 CAP = 64  # low-latency capacity: covers the largest case (43 tokens on rank 1)
 TOL_EMULATED = 1.5e-2  # bf16 outputs and bf16 round trips (as tests/ep_worker.py)
+# FP8 backends keep GEMM1's output in bf16 before the e4m3 requantization: a 2^-9 nudge flips
+# ~3% of the e4m3 codes (one 2^-4 step each), about 2% on the output.
+TOL_EMULATED_FP8 = 3e-2
 
 
 class _Counter(logging.Handler):
@@ -82,7 +85,7 @@ def _compare(out, x, ids, w, scheme, weights, exact):
         err_emulated=rel_err(out.float().cpu(), moe_reference(xr, ids.cpu(), w.cpu(), w13, w2, scheme)),
         err_exact=rel_err(out.float().cpu(), moe_reference(xr, ids.cpu(), w.cpu(), f13, f2)),
         bound=get_scheme(scheme).rel_error_bound,
-        tol_emulated=TOL_EMULATED,
+        tol_emulated=TOL_EMULATED_FP8 if scheme == "fp8_block" else TOL_EMULATED,
     )
 
 
