@@ -1,7 +1,14 @@
 import os
 import sys
 
+import torch
+
 sys.path.insert(0, os.path.dirname(__file__))
+
+# Without a GPU, Triton kernels run in its interpreter; set before anything imports triton so
+# every test module sees the same mode whatever the collection order.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config):

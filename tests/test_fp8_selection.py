@@ -277,6 +277,9 @@ def _fake_deep_gemm():
 
     def masked(a, b, d, masked_m, expected_m):
         assert expected_m >= 1
+        # The real SM90 kernels return wrong groups for a capacity off the 128-row block (seen on
+        # an H200): the backend must pad before calling.
+        assert d.shape[1] % 128 == 0 and a[0].shape[1] % 128 == 0, d.shape
         x = _dequant(*a)
         w = dequantize_weight(*b)
         for g, m in enumerate(masked_m.tolist()):
@@ -372,3 +375,24 @@ def test_deepgemm_plumbing_masked(monkeypatch):
         y = backend.run_masked(masked, weights, torch.bfloat16)
         got = gather_weighted(y.reshape(-1, PH), slot_pos, w)
         assert rel_err(got, ref) < 2e-2
+
+
+def test_gemm_masked_pads_capacity_to_the_block(monkeypatch):
+    from epmoe.experts import deepgemm_backend as dgb
+    from epmoe.quant.reference import dequantize_weight, quantize_rows, quantize_weight
+    from epmoe.quant import get_scheme
+
+    api = dgb.resolve_api(_fake_deep_gemm())
+    monkeypatch.setattr(dgb, "deep_gemm_api", lambda: api)
+    torch.manual_seed(0)
+    e, cap, n, k = 3, 96, 256, 256
+    xq, xs = quantize_rows(torch.randn(e * cap, k), torch.float8_e4m3fn, 448.0, 128)
+    wq, ws = quantize_weight(torch.randn(e, n, k) * 0.05, get_scheme("fp8_block"))
+    masked_m = torch.tensor([0, 95, 17], dtype=torch.int32)
+    out = torch.full((e, cap, n), float("nan"), dtype=torch.bfloat16)
+    got = dgb.gemm_masked(xq.view(e, cap, k), xs.view(e, cap, -1), wq, ws, masked_m, 40, out=out)
+    assert got is out and got.shape == (e, cap, n)
+    x = _dequant(xq, xs).view(e, cap, k)
+    w = dequantize_weight(wq, ws)
+    for g, m in enumerate(masked_m.tolist()):
+        torch.testing.assert_close(got[g, :m].float(), (x[g, :m] @ w[g].t()).bfloat16().float())

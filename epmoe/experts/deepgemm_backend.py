@@ -24,7 +24,6 @@ import functools
 import importlib
 import importlib.util
 import logging
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -160,6 +159,21 @@ def gemm_contiguous(
     return out
 
 
+MASKED_CAP_ALIGN = 128
+"""DeepGEMM's SM90 masked kernels walk each group's rows in blocks of up to 128 and get wrong
+groups when the capacity is not a multiple of the block (seen on an H200, 2026-11-30: capacity 96
+wrong, 128 right, docs/fp8.md). Capacities are padded to this."""
+
+
+def pad_capacity(t: torch.Tensor | None, cap: int) -> torch.Tensor | None:
+    """``[E, c, ...]`` -> ``[E, cap, ...]`` with zero rows appended (``t`` itself when ``c == cap``)."""
+    if t is None or t.shape[1] == cap:
+        return t
+    out = t.new_zeros((t.shape[0], cap, *t.shape[2:]))
+    out[:, : t.shape[1]] = t
+    return out
+
+
 def gemm_masked(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -170,12 +184,20 @@ def gemm_masked(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[g, :masked_m[g]] = (a[g] * a_scale[g]) @ (b[g] * b_scale[g])^T`` (bf16; rows past
-    ``masked_m[g]`` are unspecified)."""
+    ``masked_m[g]`` are unspecified). A capacity that is not a multiple of
+    :data:`MASKED_CAP_ALIGN` is padded (one copy of ``a``); DeepEP's capacities need none."""
     api = _require_api("masked")
     e, cap, _ = a.shape
     if out is None:
         out = torch.empty((e, cap, b.shape[1]), dtype=torch.bfloat16, device=a.device)
     if cap == 0 or e == 0:
+        return out
+    padded = -(-cap // MASKED_CAP_ALIGN) * MASKED_CAP_ALIGN
+    if padded != cap:
+        full = gemm_masked(
+            pad_capacity(a, padded), pad_capacity(a_scale, padded), b, b_scale, masked_m, expected_m
+        )
+        out.copy_(full[:, :cap])
         return out
     api.masked((a, _scales_for(api, a_scale)), (b, b_scale), out, masked_m, max(1, int(expected_m)))
     return out
@@ -211,13 +233,6 @@ class DeepGemmBackend(ExpertsBackend):
             return ok, reason
         if hidden % BLOCK or intermediate % BLOCK:
             return False, f"hidden={hidden} and intermediate={intermediate} must be multiples of {BLOCK}"
-        if layout == "masked" and os.environ.get("EPMOE_DEEPGEMM_MASKED") != "1":
-            # The masked path gave wrong rows on an H200 (2026-11-30, docs/fp8.md): it stays off
-            # until a GPU run shows it right; EPMOE_DEEPGEMM_MASKED=1 turns it on to verify it.
-            return False, (
-                "the masked (low-latency) DeepGEMM path is not verified on this GPU yet "
-                "(set EPMOE_DEEPGEMM_MASKED=1 to run it anyway)"
-            )
         api = deep_gemm_api()
         fn = api.contiguous if layout == "contiguous" else api.masked
         if fn is None:
@@ -260,7 +275,9 @@ class DeepGemmBackend(ExpertsBackend):
         if hidden != weights.hidden_size:
             raise ValueError(f"x has hidden size {hidden}; the weights expect {weights.hidden_size}")
         masked_m = batch.masked_m.to(device=batch.x.device, dtype=torch.int32).contiguous()
-        x, xs = batch.x, batch.x_scale
+        # Pad once here (not in each GEMM) when the capacity is off DeepGEMM's block multiple.
+        padded = -(-cap // MASKED_CAP_ALIGN) * MASKED_CAP_ALIGN
+        x, xs = pad_capacity(batch.x, padded), pad_capacity(batch.x_scale, padded)
         if xs is None:
             if not x.is_floating_point():
                 raise TypeError(f"x of dtype {x.dtype} arrived without x_scale")
@@ -274,7 +291,7 @@ class DeepGemmBackend(ExpertsBackend):
         h, h_scale = activation.silu_and_mul_quant(
             gate_up, "group", BLOCK, torch.float8_e4m3fn, masked_m=masked_m
         )
-        out = gemm_masked(h, h_scale, weights.w2, weights.w2_scale, masked_m, expected_m)
+        out = gemm_masked(h, h_scale, weights.w2, weights.w2_scale, masked_m, expected_m)[:, :cap]
         return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
 
     # -------------------------------------------------------------------------------- warmup
