@@ -3,8 +3,7 @@ backends, so a missing DeepEP is a refusal with a reason)."""
 
 from __future__ import annotations
 
-import importlib
-
+from ..lazy import import_attr
 from .base import DispatchConfig, Dispatcher
 
 DISPATCHERS: dict[str, str] = {
@@ -29,11 +28,7 @@ def load_dispatcher(name: str) -> tuple[type[Dispatcher] | None, str]:
     """Import dispatcher ``name``; returns ``(class, "")`` or ``(None, reason)``."""
     if name not in DISPATCHERS:
         raise ValueError(f"dispatch={name!r} is not known; allowed: {['auto', *DISPATCHERS]}")
-    module, _, attr = DISPATCHERS[name].partition(":")
-    try:
-        return getattr(importlib.import_module(module), attr), ""
-    except ImportError as exc:
-        return None, f"cannot be imported ({exc})"
+    return import_attr(DISPATCHERS[name])
 
 
 def dispatcher_decisions(

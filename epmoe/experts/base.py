@@ -19,7 +19,7 @@ from typing import ClassVar
 import torch
 
 from ..layouts import ContiguousBatch, MaskedBatch
-from ..quant.schemes import QuantScheme
+from ..quant.schemes import BLOCK, QuantScheme
 
 ACCUMULATORS = ("fp32", "int32")
 
@@ -41,6 +41,16 @@ class ExpertWeights:
     w2: torch.Tensor
     w13_scale: torch.Tensor | None = None
     w2_scale: torch.Tensor | None = None
+
+    def contiguous(self) -> ExpertWeights:
+        """The same weights with contiguous tensors and fp32 scales (what every kernel reads)."""
+
+        def scale(t):
+            return None if t is None else t.float().contiguous()
+
+        return ExpertWeights(
+            self.scheme, self.w13.contiguous(), self.w2.contiguous(), scale(self.w13_scale), scale(self.w2_scale)
+        )
 
     @property
     def num_experts(self) -> int:
@@ -99,6 +109,11 @@ class ExpertsBackend(ABC):
             return False, f"does not implement quant={scheme.name!r} (has {sorted(cls.schemes)})"
         if layout not in cls.layouts:
             return False, f"does not implement the {layout} layout (has {sorted(cls.layouts)})"
+        if scheme.needs_block_alignment and (hidden % BLOCK or intermediate % BLOCK):
+            return False, (
+                f"quant={scheme.name!r} needs hidden and intermediate sizes that are multiples of "
+                f"{BLOCK}; got hidden={hidden}, intermediate={intermediate}"
+            )
         return cls.available(device)
 
     def prepare_weights(self, weights: ExpertWeights) -> ExpertWeights:

@@ -318,21 +318,9 @@ class CutlassBackend(ExpertsBackend):
             _warn_once(cutlass_warning(decision))
         return decision.ok, decision.reason
 
-    @classmethod
-    def supports(
-        cls, scheme: QuantScheme, layout: str, device: torch.device, hidden: int, intermediate: int
-    ) -> tuple[bool, str]:
-        ok, reason = super().supports(scheme, layout, device, hidden, intermediate)
-        if ok and (hidden % BLOCK or intermediate % BLOCK):
-            return False, f"hidden={hidden} and intermediate={intermediate} must be multiples of {BLOCK}"
-        return ok, reason
-
     def prepare_weights(self, weights: ExpertWeights) -> ExpertWeights:
         _check_fp8_weights(weights)
-        return ExpertWeights(
-            weights.scheme, weights.w13.contiguous(), weights.w2.contiguous(),
-            weights.w13_scale.float().contiguous(), weights.w2_scale.float().contiguous(),
-        )  # fmt: skip
+        return weights.contiguous()
 
     def warmup(self, weights: ExpertWeights, max_m: int = 0) -> None:
         """Build the extension (first use) so no compile happens inside a timed or captured region."""

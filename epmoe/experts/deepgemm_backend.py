@@ -231,8 +231,6 @@ class DeepGemmBackend(ExpertsBackend):
         ok, reason = super().supports(scheme, layout, device, hidden, intermediate)
         if not ok:
             return ok, reason
-        if hidden % BLOCK or intermediate % BLOCK:
-            return False, f"hidden={hidden} and intermediate={intermediate} must be multiples of {BLOCK}"
         api = deep_gemm_api()
         fn = api.contiguous if layout == "contiguous" else api.masked
         if fn is None:
@@ -244,10 +242,7 @@ class DeepGemmBackend(ExpertsBackend):
 
         _check_fp8_weights(weights)
         # DeepGEMM on SM90 wants K-major e4m3 weights and contiguous fp32 128x128 scales (SFB).
-        return ExpertWeights(
-            weights.scheme, weights.w13.contiguous(), weights.w2.contiguous(),
-            weights.w13_scale.float().contiguous(), weights.w2_scale.float().contiguous(),
-        )  # fmt: skip
+        return weights.contiguous()
 
     # ------------------------------------------------------------------------------- forward
     def run_contiguous(

@@ -6,11 +6,11 @@ turns into a refusal with a reason instead of an import error at ``import epmoe`
 
 from __future__ import annotations
 
-import importlib
 import logging
 
 import torch
 
+from ..lazy import import_attr
 from ..quant.schemes import QuantScheme
 from .base import ExpertsBackend
 
@@ -40,11 +40,7 @@ def load_backend(name: str) -> tuple[type[ExpertsBackend] | None, str]:
     """Import backend ``name``; returns ``(class, "")`` or ``(None, reason)``."""
     if name not in BACKENDS:
         raise ValueError(f"backend={name!r} is not known; allowed: {['auto', *BACKENDS]}")
-    module, _, attr = BACKENDS[name].partition(":")
-    try:
-        return getattr(importlib.import_module(module), attr), ""
-    except ImportError as exc:  # an optional dependency of that backend is missing
-        return None, f"cannot be imported ({exc})"
+    return import_attr(BACKENDS[name])
 
 
 def backend_decisions(

@@ -59,26 +59,9 @@ class TritonBackend(ExpertsBackend):
             return False, "on CPU the triton backend needs TRITON_INTERPRET=1 (interpreter, slow)"
         return False, f"triton kernels do not run on device type {device.type!r}"
 
-    @classmethod
-    def supports(
-        cls, scheme: QuantScheme, layout: str, device: torch.device, hidden: int, intermediate: int
-    ) -> tuple[bool, str]:
-        ok, reason = super().supports(scheme, layout, device, hidden, intermediate)
-        if ok and scheme.needs_block_alignment and (hidden % BLOCK or intermediate % BLOCK):
-            return False, (
-                f"quant={scheme.name!r} needs hidden and intermediate sizes that are multiples of "
-                f"{BLOCK}; got hidden={hidden}, intermediate={intermediate}"
-            )
-        return ok, reason
-
     def prepare_weights(self, weights: ExpertWeights) -> ExpertWeights:
         _check_weights(weights, self.scheme)
-        contiguous = lambda t: None if t is None else t.contiguous()  # noqa: E731
-        scale = lambda t: None if t is None else t.float().contiguous()  # noqa: E731
-        return ExpertWeights(
-            weights.scheme, contiguous(weights.w13), contiguous(weights.w2),
-            scale(weights.w13_scale), scale(weights.w2_scale),
-        )
+        return weights.contiguous()
 
     def run_contiguous(
         self, batch: ContiguousBatch, weights: ExpertWeights, out_dtype: torch.dtype
