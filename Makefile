@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -c "import site, sysconfig; print('\n'.join(dict.fromkeys([sysconfig.get_paths()['purelib'], sysconfig.get_paths()['platlib'], *site.getsitepackages()])))" \
 		> "$$($(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/_epmoe_parent_site.pth"
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "torch==2.13.0"
-	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/python -m pip install -q "triton==3.6.0"
+	$(BIN)/python -c "import sys, triton" 2>/dev/null || [ "$$(uname -s)" != Linux ] \
+		|| $(BIN)/python -m pip install -q "triton==3.6.0"
 	$(BIN)/python -m pip install -q --no-build-isolation -e ".[test]" 2>/dev/null \
 		|| $(BIN)/python -m pip install -q -e ".[test]"
 	touch $(STAMP)

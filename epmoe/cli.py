@@ -42,12 +42,16 @@ def capability_rows(device: torch.device) -> list[tuple[str, str, str]]:
 
 
 def info_main(argv: list[str] | None = None) -> int:
-    import triton  # noqa: F401 - reported below when present
-
     from . import __version__
 
+    try:
+        import triton
+
+        triton_text = f"triton {triton.__version__}"
+    except ImportError as exc:
+        triton_text = f"no triton ({exc})"
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    print(f"epmoe {__version__}; torch {torch.__version__}; device {device}", end="")
+    print(f"epmoe {__version__}; torch {torch.__version__}; {triton_text}; device {device}", end="")
     if device.type == "cuda":
         cap = torch.cuda.get_device_capability()
         print(f" ({torch.cuda.get_device_name()}, sm_{cap[0]}{cap[1]}, CUDA {torch.version.cuda})", end="")

@@ -67,7 +67,7 @@ def _rank_main(rank: int, args, port: int, out_dir: str) -> None:
                 num_expert_group=args.groups, topk_group=args.topk_groups,
                 routed_scaling_factor=2.5, use_correction_bias=True,
             )  # fmt: skip
-        except RuntimeError as exc:  # this machine cannot run the scheme: say why, go on
+        except (RuntimeError, ValueError) as exc:  # this machine or these sizes cannot run it
             rows.append(dict(scheme=name, skipped=str(exc)))
             continue
         q13, s13 = quantize_weight(w13, scheme)
@@ -139,7 +139,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     for s in args.schemes:
-        get_scheme(s)
+        try:
+            get_scheme(s)
+        except ValueError as exc:
+            p.error(str(exc))
+    for name in ("ranks", "experts", "top_k", "hidden", "intermediate", "tokens", "iters"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.experts % args.ranks:
+        p.error(f"--experts={args.experts} must be divisible by --ranks={args.ranks}")
     if args.device == "auto":
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         args.device = "cuda" if gpus >= args.ranks else "cpu"

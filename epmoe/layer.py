@@ -8,6 +8,7 @@ between them once, and composes them per batch:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 from collections.abc import Iterable
@@ -34,6 +35,7 @@ _EXPERT_NAME = re.compile(
     r"(?:^|\.)experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale|weight_scale_inv)$"
 )
 _BIAS_NAME = re.compile(r"(?:^|\.)e_score_correction_bias$")
+_VALUE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def _resolve_group(group) -> tuple[object, int, int]:
@@ -44,11 +46,13 @@ def _resolve_group(group) -> tuple[object, int, int]:
 
 
 def _default_device(device) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """The layer's device with its index filled in (``"cuda"`` means the current CUDA device)."""
+    device = torch.device(device) if device is not None else None
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 class DeepEPMoELayer(nn.Module):
@@ -125,6 +129,10 @@ class DeepEPMoELayer(nn.Module):
                 )
         if params_dtype not in INPUT_DTYPES:
             raise ValueError(f"params_dtype={params_dtype}; allowed: {list(INPUT_DTYPES)}")
+        if not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) or timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s!r} must be a finite number of seconds > 0")
+        if not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 1:
+            raise ValueError(f"max_tokens_per_rank={max_tokens_per_rank!r} must be a positive integer")
         if low_latency_int8_payload not in LOW_LATENCY_INT8_PAYLOADS:
             raise ValueError(
                 f"low_latency_int8_payload={low_latency_int8_payload!r}; allowed: "
@@ -179,7 +187,9 @@ class DeepEPMoELayer(nn.Module):
             self.scheme, dispatcher_cls.payloads, self.low_latency_int8_payload
         )
         self.dispatcher = dispatcher_cls(cfg)
-        self._prepared: ExpertWeights | None = None
+        # The backend's view of the weights, rebuilt whenever a weight tensor is replaced or
+        # written (keyed on storage and version counter), not per batch.
+        self._prepared: tuple[tuple, ExpertWeights] | None = None
         for line in dlines + blines:
             log.info("rank %d: %s", self.rank, line)
         log.info(
@@ -239,13 +249,13 @@ class DeepEPMoELayer(nn.Module):
                 ("w13_scale", w13_scale, self.w13_weight_scale),
                 ("w2_scale", w2_scale, self.w2_weight_scale),
             ]
-        for name, src, dst in items:
+        for name, src, dst in items:  # check everything before copying anything
             expected = (self.num_experts, *dst.shape[1:])
             if tuple(src.shape) != expected:
                 raise ValueError(f"{name} has shape {tuple(src.shape)}; expected {list(expected)}")
             self._check_dtype(name, src, dst)
+        for _, src, dst in items:
             dst.copy_(src[sl])
-        self._prepared = None
 
     def _check_dtype(self, name: str, src: torch.Tensor, dst: torch.Tensor) -> None:
         if dst.dtype in (torch.int8, torch.float8_e4m3fn) and src.dtype != dst.dtype:
@@ -253,8 +263,13 @@ class DeepEPMoELayer(nn.Module):
                 f"{name} has dtype {src.dtype}; quant={self.scheme.name!r} stores {dst.dtype} "
                 "(convert the checkpoint with `epmoe convert`)"
             )
-        if not src.is_floating_point() and dst.is_floating_point():
-            raise TypeError(f"{name} has dtype {src.dtype}; expected a floating-point tensor")
+        # A plain float parameter takes plain float values only: e4m3 codes copied without their
+        # scales would load silently wrong.
+        if dst.dtype not in (torch.int8, torch.float8_e4m3fn) and src.dtype not in _VALUE_DTYPES:
+            raise TypeError(
+                f"{name} has dtype {src.dtype}; quant={self.scheme.name!r} takes "
+                f"{[str(d) for d in _VALUE_DTYPES]} here (quantized checkpoints need the matching quant=)"
+            )
 
     @torch.no_grad()
     def load_weights(
@@ -266,7 +281,10 @@ class DeepEPMoELayer(nn.Module):
         weight_scale_inv}`` with a global expert id ``e`` (any prefix), or in
         ``e_score_correction_bias``. Both scale names mean the multiplier that dequantizes
         (``w = q * scale``): ``[N, 1]`` per channel or ``[ceil(N/128), ceil(K/128)]`` per block.
-        Experts of other ranks are skipped.
+        Experts of other ranks are skipped. Pass one MoE layer's tensors per call (filter by the
+        ``model.layers.{L}.`` prefix): a slot filled twice in one call is an error, so a whole
+        checkpoint cannot silently overwrite one layer with another's experts. Every tensor is
+        checked before any is copied.
 
         Args:
             named_tensors: ``(name, tensor)`` pairs.
@@ -275,14 +293,20 @@ class DeepEPMoELayer(nn.Module):
         Returns:
             The names that were loaded into this rank's parameters.
         """
-        loaded = set()
+        copies: dict[tuple, tuple[str, torch.Tensor, torch.Tensor]] = {}
         i, h = self.intermediate_size, self.hidden_size
         for name, tensor in named_tensors:
-            if _BIAS_NAME.search(name) and self.e_score_correction_bias is not None:
+            if _BIAS_NAME.search(name):
+                if self.e_score_correction_bias is None:
+                    if strict:
+                        raise ValueError(
+                            f"{name}: this layer was built with use_correction_bias=False "
+                            "(pass use_correction_bias=True, or strict=False to skip it)"
+                        )
+                    continue
                 if tuple(tensor.shape) != (self.num_experts,):
                     raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected [{self.num_experts}]")
-                self.e_score_correction_bias.copy_(tensor.float())
-                loaded.add(name)
+                self._plan_copy(copies, ("bias",), name, self.e_score_correction_bias, tensor.float())
                 continue
             m = _EXPERT_NAME.search(name)
             if m is None:
@@ -314,10 +338,19 @@ class DeepEPMoELayer(nn.Module):
             if tuple(tensor.shape) != expected:
                 raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected {list(expected)}")
             self._check_dtype(name, tensor, dst)
-            dst.copy_(tensor)
-            loaded.add(name)
-        self._prepared = None
-        return loaded
+            self._plan_copy(copies, (expert, proj, kind.startswith("weight_scale")), name, dst, tensor)
+        for _, dst, src in copies.values():
+            dst.copy_(src)
+        return {name for name, _, _ in copies.values()}
+
+    @staticmethod
+    def _plan_copy(copies: dict, slot: tuple, name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if slot in copies:
+            raise ValueError(
+                f"{name} fills the same slot as {copies[slot][0]}: pass one MoE layer's tensors per "
+                "load_weights call"
+            )
+        copies[slot] = (name, dst, src)
 
     def _scale_slot(self, scale: torch.Tensor, proj: str, n: int, k: int):
         """The view of one expert's scale tensor that ``proj`` fills, and its expected shape."""
@@ -344,8 +377,11 @@ class DeepEPMoELayer(nn.Module):
             raise ValueError(f"hidden_states has hidden size {h}; the layer has hidden_size={self.hidden_size}")
         if hidden_states.dtype not in INPUT_DTYPES:
             raise TypeError(f"hidden_states has dtype {hidden_states.dtype}; allowed: {list(INPUT_DTYPES)}")
-        if hidden_states.device.type != self.device.type:
+        if hidden_states.device != self.device:
             raise ValueError(f"hidden_states is on {hidden_states.device}; the layer is on {self.device}")
+        for name, tensor in (("router_logits", router_logits), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if tensor is not None and tensor.device != self.device:
+                raise ValueError(f"{name} is on {tensor.device}; the layer is on {self.device}")
         if (router_logits is None) == (topk_ids is None and topk_weights is None):
             raise ValueError("pass either router_logits or both topk_ids and topk_weights")
         if router_logits is not None:
@@ -423,9 +459,12 @@ class DeepEPMoELayer(nn.Module):
         return self.dispatcher.combine(y, dispatched).to(hidden_states.dtype)
 
     def _weights(self) -> ExpertWeights:
-        if self._prepared is None:
-            self._prepared = self.backend.prepare_weights(self.expert_weights())
-        return self._prepared
+        weights = self.expert_weights()
+        tensors = (weights.w13, weights.w2, weights.w13_scale, weights.w2_scale)
+        key = tuple(None if t is None else (t.data_ptr(), t._version, t.dtype, t.shape) for t in tensors)
+        if self._prepared is None or self._prepared[0] != key:
+            self._prepared = (key, self.backend.prepare_weights(weights))
+        return self._prepared[1]
 
     def _run_experts(self, d: Dispatched, dtype: torch.dtype) -> torch.Tensor:
         """Experts on what arrived; returns what ``combine`` takes."""

@@ -78,6 +78,29 @@ def run_suite(rank, world, port, device_type, schemes, dispatch, backend, out_pa
     dist.destroy_process_group()
 
 
+def run_dead_peer(rank, world, port, out_path):
+    """Rank 1 dies right after joining: rank 0's collective fails with an error naming it."""
+    device = init(rank, world, port, "cpu")
+    layer = DeepEPMoELayer(E, K, H, I, dispatch="all_to_all", backend="torch", device=device,
+                           params_dtype=torch.float32, timeout_s=20.0)  # fmt: skip
+    dist.barrier()
+    if rank == 1:
+        os._exit(0)
+    time.sleep(0.5)
+    x, ids, w = make_case("random", rank, E, K, H)
+    try:
+        layer(x, topk_ids=ids, topk_weights=w)
+        result = dict(raised=None)
+    except Exception as exc:  # noqa: BLE001 - the test inspects what was raised
+        import epmoe
+
+        result = dict(raised=type(exc).__name__, message=str(exc),
+                      is_collective_error=isinstance(exc, epmoe.CollectiveError))  # fmt: skip
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    os._exit(0)
+
+
 def run_timeout(rank, world, port, out_path):
     """Rank 1 never calls the layer: rank 0 must raise a timeout naming the collective."""
     device = init(rank, world, port, "cpu")

@@ -55,5 +55,14 @@ def test_dead_peer_times_out_with_named_collective(tmp_path):
     with open(out) as f:
         result = json.load(f)
     assert result["raised"] == "CollectiveTimeoutError"
-    assert "collective 'dispatch counts' did not complete within timeout_s=2" in result["message"]
+    assert "collective 'dispatch counts' on rank 0 of 2 did not complete within timeout_s=2" in result["message"]
     assert result["seconds"] < 30
+
+
+def test_dead_peer_raises_a_collective_error(tmp_path):
+    out = str(tmp_path / "dead.json")
+    mp.start_processes(ep_worker.run_dead_peer, args=(2, free_port(), out), nprocs=2, start_method="spawn")
+    with open(out) as f:
+        result = json.load(f)
+    assert result["is_collective_error"], result
+    assert "all_to_all dispatcher: collective 'dispatch counts' on rank 0 of 2" in result["message"]

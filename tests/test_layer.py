@@ -232,3 +232,61 @@ def test_duplicate_experts_refused_for_fixed_capacity_dispatch():
     layer.dispatcher.layouts = frozenset({"masked"})  # what a low-latency dispatcher declares
     with pytest.raises(ValueError, match=r"topk_ids row 4 names an expert more than once \(\[2, 5, 2\]\)"):
         layer(x, topk_ids=ids, topk_weights=w)
+
+
+def test_load_weights_refuses_a_second_layer_in_one_call():
+    stored, _ = make_weights(E, H, I, "bf16")
+    layer = DeepEPMoELayer(E, K, H, I, quant="bf16", device="cpu", params_dtype=torch.float32)
+    a = ("model.layers.3.mlp.experts.0.gate_proj.weight", stored[0][0, :I])
+    b = ("model.layers.4.mlp.experts.0.gate_proj.weight", stored[0][0, :I] + 1)
+    with pytest.raises(ValueError, match="layers.4.mlp.experts.0.gate_proj.weight fills the same slot as model.layers.3"):
+        layer.load_weights([a, b])
+    assert (layer.w13_weight == 0).all()  # nothing was copied: every tensor is checked first
+
+
+def test_load_weights_refuses_fp8_codes_into_a_float_layer():
+    layer = DeepEPMoELayer(E, K, H, I, quant="bf16", device="cpu")
+    codes = torch.randn(I, H).to(torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="has dtype torch.float8_e4m3fn; quant='bf16' takes"):
+        layer.load_weights([("experts.0.gate_proj.weight", codes)])
+    with pytest.raises(TypeError, match="w13 has dtype torch.float8_e4m3fn"):
+        layer.load_experts(torch.zeros(E, 2 * I, H).to(torch.float8_e4m3fn), torch.zeros(E, H, I))
+
+
+def test_correction_bias_on_a_layer_without_one():
+    layer = DeepEPMoELayer(E, K, H, I, device="cpu")
+    with pytest.raises(ValueError, match="built with use_correction_bias=False"):
+        layer.load_weights([("model.layers.3.mlp.gate.e_score_correction_bias", torch.zeros(E))])
+    assert layer.load_weights([("mlp.gate.e_score_correction_bias", torch.zeros(E))], strict=False) == set()
+
+
+def test_replaced_parameters_are_used():
+    layer, _ = build("int8_channel", dispatch="local", backend="torch")
+    x, ids, w = make_case("random", 0, E, K, H)
+    before = layer(x, topk_ids=ids, topk_weights=w)
+    stored, _ = make_weights(E, H, I, "int8_channel", seed=5)
+    state = {"w13_weight": stored[0], "w2_weight": stored[1], "w13_weight_scale": stored[2], "w2_weight_scale": stored[3]}
+    layer.load_state_dict(state, assign=True)  # new tensors, as engines do after loading
+    after = layer(x, topk_ids=ids, topk_weights=w)
+    fresh, _ = build("int8_channel", dispatch="local", backend="torch")
+    fresh.load_experts(*stored)
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, fresh(x, topk_ids=ids, topk_weights=w))
+    with torch.no_grad():
+        layer.w2_weight_scale.mul_(2)  # in-place writes count too
+    torch.testing.assert_close(layer(x, topk_ids=ids, topk_weights=w), after * 2, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("value", [float("nan"), 0, -1.0, float("inf")])
+def test_timeout_must_be_finite_and_positive(value):
+    with pytest.raises(ValueError, match="timeout_s=.* must be a finite number of seconds > 0"):
+        DeepEPMoELayer(E, K, H, I, device="cpu", timeout_s=value)
+
+
+def test_inputs_on_another_device():
+    layer, _ = build("bf16", dispatch="local", backend="torch")
+    x = torch.randn(3, H)
+    with pytest.raises(ValueError, match="hidden_states is on meta; the layer is on cpu"):
+        layer(x.to("meta"), torch.randn(3, E))
+    with pytest.raises(ValueError, match="router_logits is on meta; the layer is on cpu"):
+        layer(x, torch.randn(3, E, device="meta"))

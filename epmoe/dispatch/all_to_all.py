@@ -21,7 +21,11 @@ import torch.distributed as dist
 from .base import PAYLOADS, DispatchConfig, Dispatched, Dispatcher
 
 
-class CollectiveTimeoutError(RuntimeError):
+class CollectiveError(RuntimeError):
+    """A collective of the all-to-all dispatcher failed (a peer rank died, or the group broke)."""
+
+
+class CollectiveTimeoutError(CollectiveError):
     """A collective did not complete in time (a peer rank died or never joined)."""
 
 
@@ -75,18 +79,25 @@ class AllToAllDispatcher(Dispatcher):
         return True, "available"
 
     def _wait(self, work, what: str) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        sleep = 1e-5
-        while not work.is_completed():
-            if time.monotonic() > deadline:
-                raise CollectiveTimeoutError(
-                    f"all_to_all dispatcher: collective '{what}' did not complete within "
-                    f"timeout_s={self.timeout_s:g} on rank {self._rank} of {self._world}; a peer "
-                    "rank died or did not call the layer for this batch"
-                )
-            time.sleep(sleep)
-            sleep = min(sleep * 2, 1e-2)
-        work.wait()
+        start = time.monotonic()
+        where = f"collective '{what}' on rank {self._rank} of {self._world}"
+        try:
+            while not work.is_completed():
+                waited = time.monotonic() - start
+                if waited > self.timeout_s:
+                    raise CollectiveTimeoutError(
+                        f"all_to_all dispatcher: {where} did not complete within "
+                        f"timeout_s={self.timeout_s:g}; a peer rank died or did not call the "
+                        "layer for this batch"
+                    )
+                # Spin for the first 2 ms (collectives usually finish by then), then yield the CPU.
+                if waited > 2e-3:
+                    time.sleep(1e-4)
+            work.wait()
+        except CollectiveError:
+            raise
+        except RuntimeError as exc:  # the backend's own failure, e.g. a peer's closed connection
+            raise CollectiveError(f"all_to_all dispatcher: {where} failed: {exc}") from exc
 
     def _exchange(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int], what):
         recv = send.new_empty((sum(recv_counts), send.shape[1]))
