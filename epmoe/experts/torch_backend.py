@@ -2,7 +2,9 @@
 
 It runs on any device and every scheme, one expert at a time, and is what every faster backend is
 tested against. It quantizes activations with :mod:`epmoe.quant.reference` and then computes in
-fp32, so its only differences from an exact integer/e4m3 kernel are fp32 summation order.
+fp32, so its only differences from an exact integer/e4m3 kernel are fp32 summation order. For the
+same reason ``accumulator="int32"`` changes nothing here: exact int32 sums and fp32 sums of the
+dequantized products agree up to that rounding (docs/fidelity.md measures both kernels' rules).
 """
 
 from __future__ import annotations
