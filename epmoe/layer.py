@@ -82,10 +82,10 @@ class DeepEPMoELayer(nn.Module):
         accumulator: ``"fp32"`` or ``"int32"`` cross-K accumulator (``int8_channel`` only).
         timeout_s: seconds a rank waits on a collective before raising.
         max_tokens_per_rank: capacity of low-latency dispatch (tokens per rank per batch).
-        deepep_buffer: a :class:`epmoe.dispatch.deepep.DeepEPBuffer` shared by the layers of one
+        deepep_buffer: a :class:`epmoe.dispatch.deepep_dispatch.DeepEPBuffer` shared by the layers of one
             group (created on demand when ``None`` and DeepEP is chosen).
         low_latency_int8_payload: for INT8 schemes over low-latency dispatch, ``"float"`` (send
-            BF16, quantize after) or ``"fp8_group"`` (send FP8, requantize); see docs/deepep.md.
+            BF16, quantize after) or ``"fp8_group"`` (send FP8, requantize); see docs/dispatch-deepep.md.
         validate: check inputs (shapes, dtypes, expert-id range, finite router logits); range and
             finiteness checks cost a host sync and are skipped during CUDA-graph capture.
     """

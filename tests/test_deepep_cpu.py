@@ -10,9 +10,9 @@ import types
 import pytest
 import torch
 
-import epmoe.dispatch.deepep as dd
+import epmoe.dispatch.deepep_dispatch as dd
 from epmoe.dispatch.base import DispatchConfig
-from epmoe.dispatch.deepep import (
+from epmoe.dispatch.deepep_dispatch import (
     BufferNeeds,
     DeepEPBuffer,
     DeepEPBufferError,

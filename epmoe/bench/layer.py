@@ -1,7 +1,7 @@
 """``epmoe bench layer``: the EP layer over DeepEP on 2 GPUs at DeepSeek-V3 shapes.
 
 Two ranks (torch.multiprocessing, NCCL), 256 experts, top-8, H = 7168, I = 2048 (128 experts per
-rank), one shared :class:`~epmoe.dispatch.deepep.DeepEPBuffer`:
+rank), one shared :class:`~epmoe.dispatch.deepep_dispatch.DeepEPBuffer`:
 
 * prefill: 4096 tokens per rank, ``deepep_normal``; decode: 128 tokens per rank,
   ``deepep_low_latency``; schemes bf16, int8_channel, int8_block (backend ``auto``);
@@ -251,7 +251,7 @@ def _phases_once(layer, split, x_in, ids, w, tm):
 
 def _deepep_raw(owner, layer, x_in, ids, w, mode, iters, warmup, device):
     """DeepEP's own dispatch and combine time for the same payload (deep_ep.Buffer directly)."""
-    from epmoe.dispatch.deepep import normal_payload
+    from epmoe.dispatch.deepep_dispatch import normal_payload
     from epmoe.quant.payload import quantize_payload
 
     buf = owner.get()
@@ -369,7 +369,7 @@ def _rank_main(rank, args, port, out_path):
         "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
         timeout=datetime.timedelta(seconds=300), device_id=device,
     )  # fmt: skip
-    from epmoe.dispatch.deepep import BufferNeeds, DeepEPBuffer
+    from epmoe.dispatch.deepep_dispatch import BufferNeeds, DeepEPBuffer
     from epmoe.layer import DeepEPMoELayer
 
     t0 = time.time()

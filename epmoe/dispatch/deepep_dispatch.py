@@ -467,7 +467,7 @@ def _common_problems(cfg: DispatchConfig) -> list[str]:
         out.append("this torch build has no torch.distributed")
     buf = cfg.deepep_buffer
     if buf is not None and not isinstance(buf, DeepEPBuffer):
-        out.append(f"deepep_buffer must be an epmoe.dispatch.deepep.DeepEPBuffer; got {type(buf).__name__}")
+        out.append(f"deepep_buffer must be an epmoe.dispatch.deepep_dispatch.DeepEPBuffer; got {type(buf).__name__}")
     return out
 
 
@@ -494,7 +494,7 @@ class _DeepEPBase(Dispatcher):
         if buf is None:
             log.warning(
                 "rank %d: no deepep_buffer given: this layer owns a private DeepEP buffer; pass one "
-                "epmoe.dispatch.deepep.DeepEPBuffer(group) to every layer of the group to share it",
+                "epmoe.dispatch.deepep_dispatch.DeepEPBuffer(group) to every layer of the group to share it",
                 cfg.rank,
             )
             buf = DeepEPBuffer(cfg.group)
