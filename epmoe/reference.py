@@ -6,6 +6,19 @@ import torch
 import torch.nn.functional as F
 
 
+def expert_mlp_float64(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One expert in float64: ``w2 . (silu(gate) * up)`` with ``[gate; up] = w13 . x``.
+
+    Args:
+        x: ``[m, H]``; w13: ``[2I, H]`` (gate rows, then up rows); w2: ``[H, I]``.
+
+    Returns:
+        ``[m, H]`` float64 on ``x``'s device.
+    """
+    gate, up = (x.double() @ w13.double().t()).chunk(2, dim=-1)
+    return (F.silu(gate) * up) @ w2.double().t()
+
+
 def moe_float64(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -26,7 +39,6 @@ def moe_float64(
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
     for e in torch.unique(ids).tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
-        gate, up = (x[tok] @ w13[e].double().t()).chunk(2, dim=-1)
-        y = (F.silu(gate) * up) @ w2[e].double().t()
+        y = expert_mlp_float64(x[tok], w13[e], w2[e])
         out.index_add_(0, tok, y * tw[tok, slot].unsqueeze(1))
     return out

@@ -278,16 +278,13 @@ def load_extra(spec: str):
 
 def reference_rows(problem: Problem, batch, experts: int, max_rows: int = 64) -> dict[int, tuple[slice, torch.Tensor]]:
     """float64 outputs of the first ``experts`` experts on unquantized weights."""
-    import torch.nn.functional as F
+    from epmoe.reference import expert_mlp_float64
 
     out = {}
     offs = batch.expert_offsets.tolist()
     for e in range(min(experts, problem.e)):
         rows = slice(offs[e], offs[e] + min(batch.num_rows[e], max_rows))
-        x = batch.x[rows].double()
-        gu = x @ problem.w13[e].double().t()
-        h = F.silu(gu[:, : problem.inter]) * gu[:, problem.inter :]
-        out[e] = (rows, h @ problem.w2[e].double().t())
+        out[e] = (rows, expert_mlp_float64(batch.x[rows], problem.w13[e], problem.w2[e]))
     return out
 
 

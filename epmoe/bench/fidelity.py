@@ -51,6 +51,7 @@ from ..quant.convert import (
 )
 from ..quant.reference import dequantize_weight, quantize_rows, quantize_weight
 from ..quant.schemes import BLOCK, SCHEMES
+from ..reference import expert_mlp_float64
 from ..routing import select_experts
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -382,9 +383,8 @@ def reference_output(
         tok, slot = (topk_ids == e).nonzero(as_tuple=True)
         if tok.numel() == 0:
             continue
-        xe = x[tok]
-        h = F.silu(xe @ source.reference(e, "gate_proj").t()) * (xe @ source.reference(e, "up_proj").t())
-        y = h @ source.reference(e, "down_proj").t()
+        w13 = torch.cat([source.reference(e, "gate_proj"), source.reference(e, "up_proj")])
+        y = expert_mlp_float64(x[tok], w13, source.reference(e, "down_proj"))
         out.index_add_(0, tok, y * topk_weights[tok, slot].double().unsqueeze(1))
     return out
 
