@@ -471,12 +471,14 @@ class DeepEPMoELayer(nn.Module):
         if d.layout == "masked":
             batch = MaskedBatch(d.x, d.x_scale, d.masked_m, d.expected_m)
             return self.backend.run_masked(batch, self._weights(), dtype)
-        batch = to_contiguous(d.x, d.x_scale, d.topk_ids, self.num_local_experts, self.backend.alignment)
+        batch = to_contiguous(
+            d.x, d.x_scale, d.topk_ids, self.num_local_experts, self.backend.alignment, d.padded_rows
+        )
         out = self.backend.run_contiguous(batch, self._weights(), dtype)
         weights = d.topk_weights
         if d.combine_applies_weights:
             weights = torch.ones_like(weights)
-        return gather_weighted(out, batch.slot_pos, weights).to(dtype)
+        return gather_weighted(out, batch.slot_pos, weights, dtype)
 
     @property
     def payload(self) -> str:

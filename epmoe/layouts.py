@@ -18,6 +18,7 @@ semantics, tested against these).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +43,9 @@ class ContiguousBatch:
         m_indices: ``[M]`` int32 expert of each row, ``-1`` on padding rows.
         slot_pos: ``[R, k]`` int64 row of each (received token, top-k slot), ``-1`` when the slot is
             not a local expert. This is the map back used by :func:`gather_weighted`.
-        num_rows: ``[E]`` host list of valid rows per expert (before padding).
+        num_rows: ``[E]`` valid rows per expert (before padding): a host list, or an int32
+            device tensor when the scatter ran without reading counts back (see
+            :meth:`rows_per_expert`).
     """
 
     x: torch.Tensor
@@ -50,11 +53,17 @@ class ContiguousBatch:
     expert_offsets: torch.Tensor
     m_indices: torch.Tensor
     slot_pos: torch.Tensor
-    num_rows: list[int]
+    num_rows: list[int] | torch.Tensor
 
     @property
     def num_experts(self) -> int:
         return self.expert_offsets.numel() - 1
+
+    def rows_per_expert(self) -> list[int]:
+        """:attr:`num_rows` as a host list (a device-to-host copy when it is a tensor)."""
+        if isinstance(self.num_rows, torch.Tensor):
+            return [int(c) for c in self.num_rows.tolist()]
+        return list(self.num_rows)
 
 
 @dataclass
@@ -93,8 +102,9 @@ def to_contiguous(
     topk_ids: torch.Tensor,
     num_experts: int,
     alignment: int = 1,
+    padded_rows: Sequence[int] | None = None,
 ) -> ContiguousBatch:
-    """Scatter received tokens into the contiguous layout (one host sync for the row count).
+    """Scatter received tokens into the contiguous layout.
 
     Args:
         x: ``[R, H]`` received activations.
@@ -102,10 +112,41 @@ def to_contiguous(
         topk_ids: ``[R, k]`` local expert ids, ``-1`` for other ranks' slots.
         num_experts: local experts ``E``.
         alignment: each expert's segment is padded to a multiple of this.
+        padded_rows: optional host list ``[E]`` of each expert's segment length (its slot count
+            rounded up to ``alignment``), when the dispatcher already knows it (DeepEP's
+            ``num_recv_tokens_per_expert_list``). Without it the counts are computed on the
+            device and read back: one host synchronisation.
 
     Returns:
         A :class:`ContiguousBatch` whose padding rows are zero (scale 1 when quantized scales exist).
     """
+    if padded_rows is not None and len(padded_rows) != num_experts:
+        raise ValueError(f"padded_rows has {len(padded_rows)} entries; expected num_experts={num_experts}")
+    if not x.is_cuda:
+        return _to_contiguous_torch(x, x_scale, topk_ids, num_experts, alignment)
+    device = x.device
+    num_rows: list[int] | torch.Tensor
+    if padded_rows is None:
+        flat = topk_ids.reshape(-1)
+        valid = (flat >= 0) & (flat < num_experts)
+        num_rows = torch.bincount(flat[valid], minlength=num_experts)[:num_experts].tolist()
+        padded_rows = [-(-c // alignment) * alignment for c in num_rows]
+    offsets_list = [0]
+    for p in padded_rows:
+        offsets_list.append(offsets_list[-1] + int(p))
+    m = offsets_list[-1]
+    offsets = torch.tensor(offsets_list, dtype=torch.int32).to(device, non_blocking=True)
+    permute = kernel_permute()
+    slot_pos, m_indices, counts = permute.slot_positions(topk_ids, offsets, m)
+    if not isinstance(num_rows, list):
+        num_rows = counts
+    # Without padding every row is written, so the output needs no memset.
+    out_x, out_scale = permute.scatter_rows(x, slot_pos, m, x_scale, fill_unused=alignment > 1)
+    return ContiguousBatch(out_x, out_scale, offsets, m_indices, slot_pos, num_rows)
+
+
+def _to_contiguous_torch(x, x_scale, topk_ids, num_experts, alignment) -> ContiguousBatch:
+    """The reference (and CPU) scatter: a stable sort by expert, one host sync for the counts."""
     r, k = topk_ids.shape
     device = x.device
     slots = _local_slots(topk_ids, num_experts)
@@ -129,33 +170,34 @@ def to_contiguous(
     slot_pos = torch.full((r * k,), -1, dtype=torch.int64, device=device)
     slot_pos[slots] = pos
     slot_pos = slot_pos.reshape(r, k)
-    if x.is_cuda:
-        out_x, out_scale = kernel_permute().scatter_rows(x, slot_pos, m, x_scale)
-    else:
-        out_x = x.new_zeros((m, x.shape[1]))
-        out_x[pos] = x[slots // k]
-        out_scale = None
-        if x_scale is not None:
-            out_scale = x_scale.new_ones((m, x_scale.shape[1]))
-            out_scale[pos] = x_scale[slots // k]
+    out_x = x.new_zeros((m, x.shape[1]))
+    out_x[pos] = x[slots // k]
+    out_scale = None
+    if x_scale is not None:
+        out_scale = x_scale.new_ones((m, x_scale.shape[1]))
+        out_scale[pos] = x_scale[slots // k]
     return ContiguousBatch(out_x, out_scale, offsets.to(torch.int32), m_indices, slot_pos, num_rows)
 
 
 def gather_weighted(
-    expert_out: torch.Tensor, slot_pos: torch.Tensor, topk_weights: torch.Tensor
+    expert_out: torch.Tensor,
+    slot_pos: torch.Tensor,
+    topk_weights: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Per received token, the top-k weighted sum of its local experts' rows, in fp32.
+    """Per received token, the top-k weighted sum of its local experts' rows, summed in fp32.
 
     Args:
         expert_out: ``[M, H]`` backend output on the contiguous layout.
         slot_pos: ``[R, k]`` int64 rows (``-1`` = not local), from :class:`ContiguousBatch`.
         topk_weights: ``[R, k]`` fp32.
+        out_dtype: dtype of the result (fp32, bf16 or fp16), rounded once from the fp32 sum.
 
     Returns:
-        ``[R, H]`` fp32. Tokens with no local slot get zeros.
+        ``[R, H]`` of ``out_dtype``. Tokens with no local slot get zeros.
     """
     if expert_out.is_cuda:
-        return kernel_permute().gather_weighted(expert_out, slot_pos, topk_weights.float())
+        return kernel_permute().gather_weighted(expert_out, slot_pos, topk_weights.float(), out_dtype)
     r, k = slot_pos.shape
     out = torch.zeros(r, expert_out.shape[1], dtype=torch.float32, device=expert_out.device)
     for j in range(k):
@@ -164,7 +206,7 @@ def gather_weighted(
         # Only valid rows are read: padding rows may hold garbage (even NaN) from the backend.
         rows = expert_out[pos[hit]].float()
         out.index_add_(0, hit, rows * topk_weights[hit, j].float().unsqueeze(1))
-    return out
+    return out.to(out_dtype)
 
 
 def to_masked(

@@ -396,3 +396,247 @@ def test_gemm_masked_pads_capacity_to_the_block(monkeypatch):
     w = dequantize_weight(wq, ws)
     for g, m in enumerate(masked_m.tolist()):
         torch.testing.assert_close(got[g, :m].float(), (x[g, :m] @ w[g].t()).bfloat16().float())
+
+
+# ------------------------------------------------------ CUTLASS kernel configurations (CPU)
+def test_cutlass_configs_match_the_sources():
+    """CONFIGS, the C++ list EPMOE_FP8_GEMM_CONFIGS and the translation units agree."""
+    import re
+
+    from epmoe.experts import cutlass_backend as cb
+
+    assert [c.id for c in cb.CONFIGS] == list(range(len(cb.CONFIGS)))
+    assert len({c.name for c in cb.CONFIGS}) == len(cb.CONFIGS)
+    header = (cb.CSRC / "fp8_blockwise_grouped_gemm_configs.h").read_text()
+    listed = re.findall(r"X\((\d+), (\w+)\)", header)
+    assert [(int(i), n) for i, n in listed] == [(c.id, c.name) for c in cb.CONFIGS]
+    units = sorted(p.name for p in cb.CSRC.glob("*.cu"))
+    assert units == sorted(c.source for c in cb.CONFIGS)  # every .cu is built, and only those
+    for c in cb.CONFIGS:
+        text = (cb.CSRC / c.source).read_text()
+        tm, tn = c.tile
+        cm, cn = c.cluster
+        assert f"Shape<_{tm}, _{tn}, _128>, Shape<_{cm}, _{cn}, _1>" in text, c.name
+        assert f"{'Coop' if c.schedule == 'coop' else 'Pingpong'}Schedule::Kernel" in text, c.name
+        assert ("GMMA::Major::MN" in text) == c.sfa_mn, c.name
+        assert f"EPMOE_DEFINE_FP8_GEMM_CONFIG({c.name}, " in text
+    assert set(cb.SOURCES) == {"fp8_blockwise_grouped_gemm_binding.cpp", *units}
+    assert "fp8_blockwise_grouped_gemm_configs.h" in cb.HEADERS
+    assert cb.CONFIG_COOP == 0 and cb.CONFIG_PINGPONG == 1
+
+
+def test_cutlass_build_key_ignores_the_include_path(tmp_path):
+    """The cache key hashes the CUTLASS version header's bytes, not where it lives, so a build
+    cached on one machine is found on another with the same sources, flags and torch."""
+    from epmoe.experts import cutlass_backend as cb
+
+    keys = []
+    for where in ("a", "b/deeper"):
+        inc = tmp_path / where
+        (inc / "cutlass").mkdir(parents=True)
+        (inc / "cutlass" / "version.h").write_text("#define CUTLASS_MAJOR 4\n")
+        keys.append(cb._build_key(inc))
+    assert keys[0] == keys[1]
+    (tmp_path / "a" / "cutlass" / "version.h").write_text("#define CUTLASS_MAJOR 5\n")
+    assert cb._build_key(tmp_path / "a") != keys[0]
+
+
+def test_cutlass_default_selection_table():
+    from epmoe.experts import cutlass_backend as cb
+
+    table = cb.SELECTION
+    assert table[-1].max_rows is None and table[-1].n is None and table[-1].k is None  # catch-all
+    for rule in table:
+        assert rule.config in cb.CONFIG_BY_NAME and rule.id == cb.CONFIG_BY_NAME[rule.config].id
+    bounds = [r.max_rows for r in table if r.max_rows is not None]
+    assert bounds == sorted(bounds)
+    # Every average rows-per-expert and DeepSeek-V3 GEMM shape gets a rule; small m the 64-row tile.
+    for rows in (0, 0.5, 1, 8, 64, 64.5, 100, 128, 512, 2048, 1e6):
+        for n, k in ((4096, 7168), (7168, 2048), (512, 512)):
+            rule = cb.select_config(rows, n, k)
+            assert rule.config in cb.CONFIG_BY_NAME
+    assert cb.select_config(cb.PINGPONG_MAX_ROWS, 4096, 7168).config == "pingpong_64x128_c1x1"
+
+
+def test_cutlass_selection_table_logic():
+    from epmoe.experts.cutlass_backend import SelectionRule, select_config
+
+    table = (
+        SelectionRule(64, "pingpong_64x128_c1x1"),
+        SelectionRule(512, "coop_128x128_c2x1", n=4096, k=7168, raster_along_n=True, max_swizzle=2),
+        SelectionRule(512, "coop_128x128_c1x2_sfamn", n=7168),
+        SelectionRule(None, "coop_256x128_c1x1", k=2048),
+        SelectionRule(None, "coop_128x128_c1x2"),
+    )
+    assert select_config(64, 4096, 7168, table).config == "pingpong_64x128_c1x1"
+    rule = select_config(65, 4096, 7168, table)
+    assert (rule.config, rule.raster_along_n, rule.max_swizzle) == ("coop_128x128_c2x1", True, 2)
+    assert select_config(512, 7168, 2048, table).config == "coop_128x128_c1x2_sfamn"
+    assert select_config(513, 7168, 2048, table).config == "coop_256x128_c1x1"  # k matches
+    assert select_config(513, 4096, 7168, table).config == "coop_128x128_c1x2"
+    assert select_config(100, 512, 512, table).config == "coop_128x128_c1x2"
+    with pytest.raises(ValueError, match="no CUTLASS selection rule"):
+        select_config(100, 512, 512, table[:2])
+
+
+def test_cutlass_config_for_uses_average_rows_per_expert(monkeypatch):
+    from epmoe.experts import cutlass_backend as cb
+
+    monkeypatch.delenv("EPMOE_CUTLASS_CONFIG", raising=False)
+    bound = cb.PINGPONG_MAX_ROWS
+    assert cb._config_for(bound * 8, 8, 4096, 7168).config == "pingpong_64x128_c1x1"
+    assert cb._config_for(bound * 8 + 1, 8, 4096, 7168).config == cb.select_config(bound + 1 / 8, 4096, 7168).config
+    assert cb._config_for(10, 0).config == cb.select_config(10, 0, 0).config  # no groups: no division by 0
+
+
+@pytest.mark.parametrize("value", ["coop", "pingpong", "coop_128x128_c2x1", "coop_128x128_c1x2_sfamn", " coop "])
+def test_cutlass_config_env_forces(value):
+    from epmoe.experts import cutlass_backend as cb
+
+    env = {"EPMOE_CUTLASS_CONFIG": value}
+    name = cb.CONFIG_ALIASES.get(value.strip(), value.strip())
+    for rows in (1, 8 * 4096):
+        rule = cb._config_for(rows, 8, 4096, 7168, env=env)
+        assert rule.config == name and not rule.raster_along_n and rule.max_swizzle == 1
+    assert cb.forced_config(env).name == name
+    assert cb.forced_config({}) is None and cb.forced_config({"EPMOE_CUTLASS_CONFIG": ""}) is None
+
+
+def test_cutlass_config_env_error_lists_allowed(monkeypatch):
+    from epmoe.experts import cutlass_backend as cb
+
+    with pytest.raises(ValueError) as info:
+        cb._config_for(100, 1, env={"EPMOE_CUTLASS_CONFIG": "cooperative"})
+    text = str(info.value)
+    assert text.startswith("EPMOE_CUTLASS_CONFIG='cooperative' is not a CUTLASS kernel configuration; allowed: ")
+    for name in cb.allowed_config_names():
+        assert repr(name) in text
+    assert "'coop'" in text and "'pingpong'" in text
+    monkeypatch.setenv("EPMOE_CUTLASS_CONFIG", "bogus")  # through os.environ too
+    with pytest.raises(ValueError, match="'bogus' is not a CUTLASS kernel configuration"):
+        cb._config_for(100, 1)
+
+
+def test_cutlass_config_ids_and_scale_operand():
+    from epmoe.experts import cutlass_backend as cb
+
+    assert cb._config_id("coop") == 0 and cb._config_id("pingpong") == 1
+    assert cb._config_id(cb.CONFIGS[-1].name) == len(cb.CONFIGS) - 1
+    with pytest.raises(ValueError, match="out of range"):
+        cb._config_id(len(cb.CONFIGS))
+    with pytest.raises(ValueError, match="unknown CUTLASS config"):
+        cb._config_id("nope")
+    s = torch.rand(40, 7)
+    for cfg in cb.CONFIGS:
+        got = cb.scale_operand(s, cfg.id)
+        assert torch.equal(got, s) and got.dtype == torch.float32
+        assert (got.t().is_contiguous() if cfg.sfa_mn else got.is_contiguous()), cfg.name
+    s_mn = s.t().contiguous().t()
+    mn = [c for c in cb.CONFIGS if c.sfa_mn]
+    if mn:
+        assert cb.scale_operand(s_mn, mn[0].id).data_ptr() == s_mn.data_ptr()  # already MN-major
+    assert cb.scale_operand(s_mn, 0).is_contiguous()
+
+
+def test_sweep_recommends_a_table():
+    """The bench's --sweep turns per-point winners into a SELECTION table (printed as Python)."""
+    from epmoe.bench.fp8 import format_table, recommend_table
+    from epmoe.experts import cutlass_backend as cb
+    from epmoe.experts.cutlass_backend import SelectionRule
+
+    shapes = {("shape", "gemm1"): (4096, 7168), ("shape", "gemm2"): (7168, 2048)}
+    same = dict(shapes)
+    for m, name, raster, swizzle in ((128, "coop_128x128_c1x2", False, 1), (512, "coop_128x128_c2x1", True, 2),
+                                     (2048, "coop_128x128_c2x1", True, 2)):  # fmt: skip
+        same[(m, "gemm1")] = (name, raster, swizzle, m / 100)
+        same[(m, "gemm2")] = (name, raster, swizzle, m / 200)
+    table = recommend_table(same, [128, 512, 2048], cb.SELECTION)
+    assert table == [
+        SelectionRule(64, "pingpong_64x128_c1x1"),
+        SelectionRule(128, "coop_128x128_c1x2"),
+        SelectionRule(None, "coop_128x128_c2x1", raster_along_n=True, max_swizzle=2),
+    ]
+    split = dict(same)
+    split[(2048, "gemm2")] = ("coop_256x128_c1x1", False, 1, 5.0)
+    table = recommend_table(split, [128, 512, 2048], cb.SELECTION)
+    assert table[-3:] == [
+        SelectionRule(None, "coop_128x128_c2x1", n=4096, k=7168, raster_along_n=True, max_swizzle=2),
+        SelectionRule(None, "coop_256x128_c1x1", n=7168, k=2048),
+        SelectionRule(None, "coop_256x128_c1x1"),
+    ]
+    text = format_table(table)
+    scope = {"SelectionRule": SelectionRule}
+    exec(text, scope)
+    assert list(scope["SELECTION"]) == table
+    for rows in (1, 100, 300, 5000):
+        for n, k in ((4096, 7168), (7168, 2048)):
+            cb.select_config(rows, n, k, tuple(table))  # complete: never raises
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter on CPU")
+def test_sweep_runs_on_cpu_with_stand_ins(tmp_path, capsys):
+    """``python -m epmoe.bench.fp8 --sweep`` end to end on the CPU with a stand-in extension (one
+    configuration wrong, one refusing) and a stand-in DeepGEMM: checks, failures, table, JSON."""
+    import json
+    from types import SimpleNamespace
+
+    from epmoe.bench import fp8 as bench
+    from epmoe.experts import cutlass_backend as cb
+    from epmoe.experts.deepgemm_backend import resolve_api
+    from epmoe.quant.reference import dequantize_weight
+
+    wrong, refusing = cb.CONFIGS[2].name, cb.CONFIGS[3].name
+    calls = []
+
+    def fp8_grouped_gemm(out, a, a_scale, b, b_scale, offsets, config, raster, swizzle):
+        cfg = cb.CONFIGS[config]
+        assert a_scale.t().is_contiguous() if cfg.sfa_mn else a_scale.is_contiguous(), cfg.name
+        calls.append((cfg.name, raster, swizzle))
+        if cfg.name == refusing:
+            raise RuntimeError("can_implement failed")
+        x = _dequant(a, a_scale)
+        w = dequantize_weight(b, b_scale)
+        offs = offsets.tolist()
+        for e in range(b.shape[0]):
+            out[offs[e] : offs[e + 1]] = (x[offs[e] : offs[e + 1]] @ w[e].t()).to(out.dtype)
+        if cfg.name == wrong:
+            out.neg_()
+
+    ext = SimpleNamespace(fp8_grouped_gemm=fp8_grouped_gemm)
+    api = resolve_api(_fake_deep_gemm())
+    path = tmp_path / "sweep.json"
+    argv = ["--sweep", "--experts", "4", "--hidden", "256", "--inter", "128", "--m", "8,16",
+            "--target-ms", "1", "--repeats", "1", "--json", str(path)]  # fmt: skip
+    p_args = None
+
+    def fake_sweep(args):
+        nonlocal p_args
+        p_args = args
+        return 0
+
+    orig = bench.sweep
+    bench.sweep = fake_sweep
+    try:
+        assert bench.main(argv) == 0
+    finally:
+        bench.sweep = orig
+    rc = bench.sweep(p_args, device="cpu", ext=ext, dg_api=api)
+    text = capsys.readouterr().out
+    assert rc == 1  # the wrong and the refusing configuration are failures
+    result = json.loads(path.read_text())
+    names = {r["impl"] for r in result["rows"]}
+    assert "direct" in names and all(c.name in names for c in cb.CONFIGS if c.name != refusing)
+    assert {f[2] for f in result["failures"]} == {wrong, refusing}
+    for r in result["rows"]:
+        if "diff" in r and r["impl"] != wrong:
+            assert r["diff"] < 1e-3, r
+    assert {(b["m"], b["gemm"]) for b in result["best"]} == {(8, "gemm1"), (8, "gemm2"), (16, "gemm1"), (16, "gemm2")}
+    assert all(b["config"] not in (wrong, refusing) for b in result["best"])
+    assert any(raster == 1 for _, raster, _ in calls) and any(s == 8 for _, _, s in calls)  # scheduler variants
+    assert "recommended epmoe/experts/cutlass_backend.py table:" in text and "SELECTION" in result["table"]
+    scope = {"SelectionRule": SelectionRule}
+    exec(result["table"], scope)
+    assert scope["SELECTION"][-1].max_rows is None
+
+
+from epmoe.experts.cutlass_backend import SelectionRule  # noqa: E402  (used by the sweep test)

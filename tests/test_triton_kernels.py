@@ -152,6 +152,214 @@ def test_quant_argument_errors():
         quantize.per_token_quant_int8(torch.zeros(2, 128, dtype=torch.int8, device=DEVICE))
 
 
+Launch = quantize.Launch
+NAN_ROW, INF_ROW = 5, 6
+
+
+def _special_rows(m: int, k: int, seed: int) -> torch.Tensor:
+    """Rows over five decades with a zero row, an exact-tie row and a NaN row beside an Inf row."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-3, 2, m).unsqueeze(1)
+    x[1] = 0.0
+    x[2] = 0.0
+    x[2, :6] = torch.tensor([127.0, 0.5, 1.5, -2.5, 3.5, -126.5])  # scale 1: exact ties
+    # A NaN whose low mantissa byte is not 0: an int8 code taken from a NaN's bits would show.
+    x[NAN_ROW, k // 2] = torch.tensor([0x7FC00055], dtype=torch.int32).view(torch.float32)[0]
+    x[INF_ROW, 3] = float("inf")
+    return x
+
+
+# Several rows a program (19 rows: the last program is partial), K=200 inside one block, two
+# passes over 64- or 128-column chunks (the last one partial), a block wider than K.
+TOKEN_LAUNCHES = [Launch(4, 256, 4), Launch(1, 64, 2), Launch(8, 128, 4), Launch(2, 512, 8)]
+
+
+@pytest.mark.parametrize("launch", TOKEN_LAUNCHES, ids=lambda l: f"m{l.block_m}k{l.block_k}w{l.num_warps}")
+def test_per_token_launches_match_float64(launch):
+    m, k = 19, 200
+    x = _special_rows(m, k, seed=11)
+    q, s = quantize._per_token(x.to(DEVICE), None, None, launch)
+    q, s = q.cpu(), s.cpu()
+    finite = [r for r in range(m) if r not in (NAN_ROW, INF_ROW)]
+    rq, rs = ref_quant(x[finite], None)
+    assert torch.equal(q[finite].double(), rq) and torch.equal(s[finite].double(), rs)
+    assert q[2, :6].tolist() == [127, 0, 2, -2, 4, -126] and torch.all(q[1] == 0)
+    # A NaN makes its row's scale NaN, an Inf makes it Inf; their codes are 0, other rows of the
+    # same program are untouched (checked above).
+    assert math.isnan(float(s[NAN_ROW])) and float(s[INF_ROW]) == float("inf")
+    assert torch.all(q[NAN_ROW] == 0) and torch.all(q[INF_ROW] == 0)
+
+
+GROUP_LAUNCHES = [Launch(4, 128, 4), Launch(2, 512, 4), Launch(8, 256, 8), Launch(16, 1024, 4)]
+
+
+@pytest.mark.parametrize("dtype,qmax", [(torch.int8, 127.0), (torch.float8_e4m3fn, 448.0)])
+@pytest.mark.parametrize("launch", GROUP_LAUNCHES, ids=lambda l: f"m{l.block_m}k{l.block_k}w{l.num_warps}")
+def test_per_group_launches_match_float64(launch, dtype, qmax):
+    m, k = 11, 384  # 3 groups: a 512/1024-column block masks a group; 11 rows leave partial programs
+    x = _special_rows(m, k, seed=12)
+    x[NAN_ROW, 150] = float("nan")  # a second group of the NaN row; its third stays finite
+    q, s = quantize._per_group(x.to(DEVICE), 128, dtype, None, None, launch)
+    q, s = q.cpu().double(), s.cpu()
+    bad = {(NAN_ROW, 1), (INF_ROW, 0)}
+    rq, rs = ref_quant(torch.nan_to_num(x, nan=0.0, posinf=0.0), 128, qmax, e4m3=dtype != torch.int8)
+    for r in range(m):
+        for gi in range(3):
+            cols = slice(128 * gi, 128 * (gi + 1))
+            if (r, gi) in bad:
+                assert not math.isfinite(float(s[r, gi])) and torch.all(q[r, cols] == 0)
+            else:
+                assert float(s[r, gi]) == float(rs[r, gi]) and torch.equal(q[r, cols], rq[r, cols]), (r, gi)
+    assert math.isnan(float(s[NAN_ROW, 1])) and float(s[INF_ROW, 0]) == float("inf")
+
+
+def _boundary_inputs(m: int, groups: int, e4m3: bool, seed: int):
+    """Groups of 128 whose elements sit on, or one ulp beside, a rounding boundary of their code.
+
+    Element 0 of a group is its amax (a random power-of-ten-ish magnitude, so the scale's
+    mantissa is arbitrary); the others are ``boundary * scale`` rounded to fp32 and nudged by
+    -1, 0 or +1 ulp. Only a correctly rounded ``x / scale`` gets every code right.
+    """
+    g = torch.Generator().manual_seed(seed)
+    qmax = 448.0 if e4m3 else 127.0
+    amax = torch.exp(torch.empty(m, groups, 1).uniform_(-18, 18, generator=g)).float()
+    scale = (amax.double() / qmax).float().double()
+    if e4m3:
+        grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).double()
+        grid = torch.unique(grid[torch.isfinite(grid) & (grid >= 0) & (grid <= 448)])
+        mids = (grid[1:] + grid[:-1]) / 2
+        pick = mids[torch.randint(0, len(mids), (m, groups, 127), generator=g)]
+    else:
+        pick = torch.randint(-127, 127, (m, groups, 127), generator=g).double() + 0.5
+    sign = torch.where(torch.rand(m, groups, 127, generator=g) < 0.5, -1.0, 1.0).double()
+    x = (pick * sign * scale).float()
+    nudge = torch.randint(-1, 2, x.shape, generator=g)
+    inf = torch.full_like(x, float("inf"))
+    x = torch.where(nudge > 0, torch.nextafter(x, inf), torch.where(nudge < 0, torch.nextafter(x, -inf), x))
+    return torch.cat([amax, x], -1).reshape(m, groups * 128)
+
+
+@pytest.mark.parametrize("kind", ["token", "group_int8", "group_e4m3"])
+def test_quant_division_is_correctly_rounded(kind):
+    e4m3 = kind == "group_e4m3"
+    x = _boundary_inputs(16, 2, e4m3, seed=len(kind))
+    if kind == "token":
+        x = x.reshape(32, 128)  # one 128-element group per row
+        q, s = quantize.per_token_quant_int8(x.to(DEVICE))
+        rq, rs = ref_quant(x, None)
+    else:
+        dtype = torch.float8_e4m3fn if e4m3 else torch.int8
+        q, s = quantize.per_group_quant(x.to(DEVICE), 128, dtype)
+        rq, rs = ref_quant(x, 128, 448.0 if e4m3 else 127.0, e4m3=e4m3)
+    assert torch.equal(s.cpu().double(), rs)
+    assert torch.equal(q.cpu().double(), rq)
+
+
+def test_e4m3_keeps_the_sign_of_zero():
+    """e4m3 zeros carry the sign of ``x / scale``: -0 for x = -0, and in an Inf group (scale Inf)
+    -0 for every finite x < 0 and +0 for the Inf itself (as the division-based kernel gave)."""
+    x = torch.zeros(3, 128)
+    x[:, 0] = 1.0
+    x[0, 5] = -0.0
+    x[2, 1:4] = torch.tensor([-2.0, 3.0, float("-inf")])
+    q, s = quantize.per_group_quant(x.to(DEVICE), 128, torch.float8_e4m3fn)
+    bits = q.cpu().view(torch.uint8)
+    assert int(bits[0, 5]) == 0x80 and int(bits[0, 6]) == 0 and int(bits[1, 5]) == 0
+    assert float(s[2, 0]) == float("inf")
+    assert bits[2, :4].tolist() == [0, 0x80, 0, 0] and torch.all(bits[2, 4:] == 0)
+
+
+# Input scales of 96 columns (gathered per element), 128 (one per 128-column chunk) and 384 (one
+# per row), each with the default and two explicit launches.
+@pytest.mark.parametrize("in_cols", [4, 3, 1])
+@pytest.mark.parametrize(
+    "token_launch,group_launch",
+    [(None, None), (Launch(2, 64, 4), Launch(2, 128, 4)), (Launch(4, 512, 4), Launch(4, 512, 8))],
+    ids=["default", "small", "wide"],
+)
+def test_requantize_scale_layouts(in_cols, token_launch, group_launch):
+    torch.manual_seed(in_cols)
+    x = torch.randn(9, 384) * 3
+    xq, xs = reference.quantize_rows(x, torch.float8_e4m3fn, 448.0, 384 // in_cols)
+    deq = (xq.double() * xs.double().repeat_interleave(384 // in_cols, 1)).float()
+    q, s = quantize._per_token(xq.to(DEVICE), xs.to(DEVICE), None, token_launch)
+    rq, rs = ref_quant(deq, None)
+    assert torch.equal(q.cpu().double(), rq) and torch.equal(s.cpu().double(), rs)
+    gq, gs = quantize._per_group(xq.to(DEVICE), 128, torch.int8, xs.to(DEVICE), None, group_launch)
+    rq, rs = ref_quant(deq, 128)
+    assert torch.equal(gq.cpu().double(), rq) and torch.equal(gs.cpu().double(), rs)
+
+
+class _PoisonedTorch:
+    """``torch`` for the kernel wrappers, whose ``empty`` outputs hold values no quantizer
+    writes (int8 -128, floats -1.0), so a test can tell which rows a kernel wrote."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*shape, dtype=None, device=None, **kw):
+        size = shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape
+        return torch.full(size, -128 if dtype == torch.int8 else -1.0, dtype=dtype, device=device)
+
+
+def _poisoned_empty(monkeypatch):
+    for module in (quantize, activation):
+        monkeypatch.setattr(module, "torch", _PoisonedTorch())
+
+
+@pytest.mark.parametrize("launch", [Launch(4, 128, 4), Launch(2, 64, 4)], ids=["4rows", "two_pass"])
+def test_quant_masked_rows_across_experts(launch, monkeypatch):
+    """Programs of several rows straddle experts; rows past masked_m are neither read nor written."""
+    x = torch.randn(3, 5, 128)
+    masked = torch.tensor([2, 0, 5], dtype=torch.int32)
+    x[0, 2:] = float("nan")
+    x[1] = float("inf")
+    xd, md = x.to(DEVICE), masked.to(DEVICE)
+    _poisoned_empty(monkeypatch)
+    q, s = quantize._per_token(xd, None, md, launch)
+    gq, gs = quantize._per_group(xd, 64, torch.int8, None, md, Launch(launch.block_m, 64, 4))
+    monkeypatch.undo()
+    for e, n in enumerate(masked.tolist()):
+        assert torch.all(q[e, n:] == -128) and torch.all(s[e, n:] == -1.0), "a row past masked_m was written"
+        assert torch.all(gq[e, n:] == -128) and torch.all(gs[e, n:] == -1.0), "a row past masked_m was written"
+        rq, rs = ref_quant(x[e, :n], None)
+        assert torch.equal(q[e, :n].cpu().double(), rq) and torch.equal(s[e, :n].cpu().double(), rs)
+        rq, rs = ref_quant(x[e, :n], 64)
+        assert torch.equal(gq[e, :n].cpu().double(), rq) and torch.equal(gs[e, :n].cpu().double(), rs)
+
+
+def test_launch_defaults_and_checks():
+    for m, k in [(1, 7168), (4096, 7168), (262144, 7168), (19, 200), (3, 40000)]:
+        launch = quantize.token_launch(m, k, "cuda")
+        quantize.check_launch(launch)
+        assert launch.block_k >= k or k > quantize.SINGLE_PASS_MAX
+    assert quantize.token_launch(262144, 7168, "cuda") == Launch(1, 8192, 16)
+    launch = quantize.group_launch(262144, 7168, 128, "cuda")
+    assert 56 % (launch.block_k // 128) == 0  # whole groups, no half-empty program
+    with pytest.raises(ValueError, match="power of two"):
+        quantize._per_token(torch.randn(4, 128, device=DEVICE), None, None, Launch(3, 128, 4))
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        quantize._per_group(torch.randn(4, 256, device=DEVICE), 128, torch.int8, None, None, Launch(1, 64, 4))
+
+
+def test_interpreter_fma_is_fused():
+    """The CPU path's fma rounds once, like the GPU's (the quantizers' division relies on it)."""
+    np = pytest.importorskip("numpy")
+    from epmoe.kernels.common import _exact_fma
+
+    # x*y + z lies just below the midpoint of 1 + 2**-23 and 1 + 2**-22: a float64 sum rounds
+    # onto the midpoint and then (ties to even) up; the fused result rounds down.
+    x = np.array([2.0**-24 * (1 + 2.0**-23)], np.float32)
+    y = np.array([1 - 2.0**-23], np.float32)
+    z = np.array([1 + 2.0**-23], np.float32)
+    assert float(_exact_fma(x, y, z)[0]) == 1 + 2.0**-23
+    # The residual of a rounded product is exact: x*y - RN(x*y).
+    a = np.array([1 + 2.0**-20], np.float32)
+    p = (a * a).astype(np.float32)
+    assert float(_exact_fma(a, a, -p)[0]) == (1 + 2.0**-20) ** 2 - float(p[0])
+
+
 # ---------------------------------------------------------------- grouped GEMM
 
 E, N, K = 4, 200, 256
@@ -278,6 +486,224 @@ def test_grouped_gemm_argument_errors():
         grouped_gemm.grouped_gemm_contiguous(a.half(), b.half(), off[:2], mode="bf16")
 
 
+# ---------------------------------------------------------------- grouped GEMM, TMA variant
+
+TMA_CONFIGS = [
+    configs.GemmConfig(16, 32, 64, 2, tma=True, num_stages=2),
+    configs.GemmConfig(16, 64, 64, 2, tma=True, persistent=True, num_stages=2),
+    # N tile spans two 128-wide weight blocks; warp specialization is a compile option only
+    configs.GemmConfig(32, 256, 64, 1, tma=True, persistent=True, warp_specialize=True, num_stages=2),
+    configs.GemmConfig(16, 128, 128, 4, tma=True, persistent=True, flatten=True, num_stages=2),
+]
+TMA_IDS = ["plain", "persistent", "persistent_ws", "persistent_flatten"]
+
+
+def _pointer_twin(cfg: configs.GemmConfig) -> configs.GemmConfig:
+    return configs.GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, False, cfg.num_warps, cfg.num_stages)
+
+
+def _contiguous_run(mode, acc, counts, cfg, n=N, k=K, align=8, out_dtype=torch.float32):
+    offsets_t, offsets = _segments(counts, align=align)
+    m = offsets[-1]
+    e = len(counts)
+    a, b, sa, sb, a64, b64 = _operands(mode, m, n=n, k=k, e=e)
+    to = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+
+    def run(config):
+        out = torch.full((m, n), float("nan"), dtype=out_dtype, device=DEVICE)
+        grouped_gemm.grouped_gemm_contiguous(
+            a.to(DEVICE), b.to(DEVICE), offsets_t.to(DEVICE), mode=mode, a_scale=to(sa), b_scale=to(sb),
+            accumulator=acc, out_dtype=out_dtype, config=config, out=out,
+        )
+        return out.cpu()
+
+    return run, offsets, a64, b64
+
+
+@pytest.mark.parametrize("mode,acc", MODE_ACC)
+@pytest.mark.parametrize("cfg", TMA_CONFIGS, ids=TMA_IDS)
+def test_grouped_gemm_tma_contiguous(mode, acc, cfg):
+    run, offsets, a64, b64 = _contiguous_run(mode, acc, COUNTS, cfg)
+    res = run(cfg)
+    assert torch.isfinite(res).all(), "a row inside an expert segment was not written"
+    res64 = res.double()
+    for e in range(E):
+        rows = slice(offsets[e], offsets[e + 1])
+        ref = a64[rows] @ b64[e].t()
+        assert torch.allclose(res64[rows], ref, rtol=1e-5, atol=1e-5 * max(1.0, float(ref.abs().max())) if ref.numel() else 1.0)
+    old = run(_pointer_twin(cfg))
+    if acc == "int32":
+        assert torch.equal(res, old), "int32 accumulation is exact: TMA and pointer kernels must agree bit for bit"
+    else:
+        assert torch.allclose(res, old, rtol=1e-5, atol=1e-5 * float(old.abs().max()))
+
+
+@pytest.mark.parametrize("mode,acc", MODE_ACC)
+@pytest.mark.parametrize("expected_m", [None, 1])
+@pytest.mark.parametrize("cfg", TMA_CONFIGS[:3], ids=TMA_IDS[:3])
+def test_grouped_gemm_tma_masked(mode, acc, expected_m, cfg):
+    cap = 40
+    masked = torch.tensor([5, 0, 40, 17], dtype=torch.int32)
+    a, b, sa, sb, a64, b64 = _operands(mode, E * cap)
+    a3 = a.reshape(E, cap, K)
+    sa3 = None if sa is None else sa.reshape(E, cap, -1)
+    out = torch.full((E, cap, N), float("nan"), dtype=torch.float16, device=DEVICE)
+    to = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    grouped_gemm.grouped_gemm_masked(
+        a3.to(DEVICE), b.to(DEVICE), masked.to(DEVICE), mode=mode, a_scale=to(sa3), b_scale=to(sb),
+        accumulator=acc, out_dtype=torch.float16, expected_m=expected_m, config=cfg, out=out,
+    )
+    res = out.cpu().double()
+    for e, n in enumerate(masked.tolist()):
+        ref = a64[e * cap : e * cap + n] @ b64[e].t()
+        assert torch.allclose(res[e, :n], ref, rtol=2e-3, atol=2e-3 * max(1.0, float(ref.abs().max())) if ref.numel() else 1.0)
+        assert torch.isnan(res[e, n:]).all(), "rows past masked_m must not be written"
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["plain", "persistent"])
+def test_grouped_gemm_tma_many_experts(persistent):
+    """20 experts (a 32-entry tile table): leading, inner and trailing empty experts, segments of
+    one row, and experts spanning several tiles; every tile must find its expert."""
+    counts = [0, 0, 1, 17, 0, 16, 33, 0, 0, 2, 5, 0, 31, 1, 0, 0, 9, 48, 0, 0]
+    cfg = configs.GemmConfig(16, 64, 64, 4, tma=True, persistent=persistent, num_stages=2)
+    run, offsets, a64, b64 = _contiguous_run("int8_channel", "int32", counts, cfg, n=64, k=128, align=1)
+    res = run(cfg)
+    assert torch.equal(res, run(_pointer_twin(cfg)))
+    for e in range(len(counts)):
+        rows = slice(offsets[e], offsets[e + 1])
+        assert torch.allclose(res[rows].double(), a64[rows] @ b64[e].t(), rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_gemm_tma_all_empty():
+    cfg = configs.GemmConfig(16, 64, 64, 1, tma=True, persistent=True, num_stages=2)
+    a = torch.randint(-127, 128, (8, 128), dtype=torch.int8)
+    b = torch.randint(-127, 128, (3, 64, 128), dtype=torch.int8)
+    out = torch.full((8, 64), float("nan"), device=DEVICE)
+    offsets = torch.zeros(4, dtype=torch.int32)  # every expert empty: rows belong to none
+    grouped_gemm.grouped_gemm_contiguous(
+        a.to(DEVICE), b.to(DEVICE), offsets.to(DEVICE), mode="int8_channel", a_scale=torch.ones(8, 1, device=DEVICE),
+        b_scale=torch.ones(3, 64, 1, device=DEVICE), accumulator="int32", out_dtype=torch.float32, config=cfg, out=out,
+    )
+    assert torch.isnan(out).all()
+
+
+def test_grouped_gemm_tma_ragged_k_fp32():
+    """K tail past the last BLOCK_K comes from TMA's zero fill; fp32 operands (16-byte rows)."""
+    counts = [3, 20]
+    offsets_t, offsets = _segments(counts)
+    a = torch.randn(offsets[-1], 96)
+    b = torch.randn(2, 50, 96)
+    cfg = configs.GemmConfig(16, 32, 64, 1, tma=True, persistent=True, num_stages=2)
+    assert grouped_gemm.tma_fallback_reason(a, b, cfg) is None
+    res = grouped_gemm.grouped_gemm_contiguous(
+        a.to(DEVICE), b.to(DEVICE), offsets_t.to(DEVICE), mode="bf16", out_dtype=torch.float32, config=cfg,
+    ).cpu().double()
+    for e in range(2):
+        rows = slice(offsets[e], offsets[e + 1])
+        assert torch.allclose(res[rows], a[rows].double() @ b[e].double().t(), rtol=1e-4, atol=1e-4)
+
+
+def test_tma_fallback_decisions():
+    cfg = configs.GemmConfig(16, 64, 64, 1, tma=True)
+    ok_a = torch.zeros(40, 128, dtype=torch.int8)
+    ok_b = torch.zeros(2, 64, 128, dtype=torch.int8)
+    assert grouped_gemm.tma_fallback_reason(ok_a, ok_b, cfg) is None
+    assert "TMA off" in grouped_gemm.tma_fallback_reason(ok_a, ok_b, _pointer_twin(cfg))
+    # int8 rows of 200 bytes are not 16-byte aligned; fp16 rows of 400 bytes are
+    assert "multiple of 16" in grouped_gemm.tma_fallback_reason(torch.zeros(4, 200, dtype=torch.int8), torch.zeros(2, 8, 200, dtype=torch.int8), cfg)
+    assert grouped_gemm.tma_fallback_reason(torch.zeros(4, 200).half(), torch.zeros(2, 8, 200).half(), cfg) is None
+    # a contiguous view whose base is 8 bytes past an aligned allocation
+    shifted = torch.zeros(8 + 9 * 32, dtype=torch.int8)[8:].view(9, 32)
+    assert shifted.is_contiguous()
+    assert "aligned" in grouped_gemm.tma_fallback_reason(shifted, torch.zeros(2, 8, 32, dtype=torch.int8), cfg)
+    assert "contiguous" in grouped_gemm.tma_fallback_reason(ok_a.t().contiguous().t()[:, :64], ok_b, cfg)
+
+
+@pytest.mark.parametrize("k,shift", [(200, 0), (48, 8)], ids=["k_unaligned", "base_unaligned"])
+def test_grouped_gemm_tma_falls_back(k, shift):
+    """A TMA config on operands TMA cannot read runs the pointer kernel, with the same result."""
+    counts = [3, 0, 21]
+    offsets_t, offsets = _segments(counts)
+    m = offsets[-1]
+    g = torch.Generator().manual_seed(k)
+    a_host = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
+    a = torch.zeros(shift + m * k, dtype=torch.int8, device=DEVICE)[shift:].view(m, k)
+    a.copy_(a_host.to(DEVICE))
+    b = torch.randint(-127, 128, (3, 40, k), generator=g, dtype=torch.int8)
+    sa = torch.rand(m, 1, generator=g) + 0.5
+    sb = torch.rand(3, 40, 1, generator=g) / 100
+    cfg = configs.GemmConfig(16, 32, 64, 1, tma=True, persistent=True, warp_specialize=True, num_stages=2)
+    assert grouped_gemm.tma_fallback_reason(a, b.to(DEVICE), cfg) is not None
+    res = grouped_gemm.grouped_gemm_contiguous(
+        a, b.to(DEVICE), offsets_t.to(DEVICE), mode="int8_channel", a_scale=sa.to(DEVICE), b_scale=sb.to(DEVICE),
+        accumulator="int32", out_dtype=torch.float32, config=cfg,
+    ).cpu().double()
+    a64 = a_host.double() * sa.double()
+    for e in range(3):
+        rows = slice(offsets[e], offsets[e + 1])
+        assert torch.allclose(res[rows], a64[rows] @ (b[e].double() * sb[e].double()).t(), rtol=1e-5, atol=1e-5)
+
+
+def test_gemm_config_tma_fields_round_trip():
+    old = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 256, "GROUP_M": 8, "SWAP_AB": False, "num_warps": 8, "num_stages": 3}
+    cfg = configs.GemmConfig.from_dict(old)
+    assert not (cfg.tma or cfg.persistent or cfg.warp_specialize or cfg.flatten)
+    assert cfg.to_dict() == old, "entries without the TMA keys must round-trip unchanged"
+    new = dict(old, TMA=True, PERSISTENT=True, WARP_SPECIALIZE=True, num_warps=4)
+    cfg = configs.GemmConfig.from_dict(new)
+    assert cfg.tma and cfg.persistent and cfg.warp_specialize and not cfg.flatten
+    assert cfg.to_dict() == new and configs.GemmConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="need TMA"):
+        configs.GemmConfig.from_dict(dict(old, PERSISTENT=True))
+    with pytest.raises(ValueError, match="need TMA"):
+        configs.GemmConfig.from_dict(dict(old, WARP_SPECIALIZE=True))
+    with pytest.raises(ValueError, match="SWAP_AB"):
+        configs.GemmConfig.from_dict(dict(old, TMA=True, SWAP_AB=True))
+    with pytest.raises(ValueError, match="unknown config keys"):
+        configs.GemmConfig.from_dict(dict(old, TMA_STORE=True))
+    with pytest.raises(ValueError, match="SWAP_AB"):
+        grouped_gemm.grouped_gemm_contiguous(
+            torch.zeros(4, 64, device=DEVICE).half(), torch.zeros(1, 32, 64, device=DEVICE).half(),
+            torch.tensor([0, 4], dtype=torch.int32, device=DEVICE), mode="bf16",
+            config=configs.GemmConfig(16, 32, 64, swap_ab=True, tma=True),
+        )
+
+
+def test_tune_candidates_with_tma():
+    from epmoe.bench import tune
+
+    for mode in (*tune.MODES, *tune.EXTRA_MODES):
+        kmode, _ = tune.kernel_mode(mode)
+        for m in (8, 32, 128, 512, 2048):
+            cands = tune.candidates(mode, m)
+            assert len(cands) == len(set(cands)) <= 24
+            assert not any(c.tma for c in tune.candidates(mode, m, tma=False))
+            assert any(c.tma and c.persistent and c.warp_specialize for c in cands) == (m > 64)
+            for c in cands:
+                configs.GemmConfig.from_dict(c.to_dict())  # validates
+                assert c.smem_bytes(2 if kmode == "bf16" else 1) <= tune.SMEM_BYTES
+                assert kmode != "int8_block" or 128 % c.block_k == 0
+                assert not (c.warp_specialize and c.num_warps != 4), "Hopper's warp specialization needs num_warps=4"
+
+
+def test_get_config_reads_tma_entries(tmp_path, monkeypatch):
+    name = configs.device_name(DEVICE)
+    entry = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3,
+             "TMA": True, "PERSISTENT": True, "WARP_SPECIALIZE": True}
+    data = {"device": name, "configs": {"int8_channel_int32": {"N=4096,K=7168": {"512": entry}}}}
+    (tmp_path / configs.config_filename(name)).write_text(json.dumps(data))
+    monkeypatch.setenv("EPMOE_CONFIG_DIR", str(tmp_path))
+    configs.load_table.cache_clear()
+    try:
+        cfg = configs.get_config("int8_channel", 4096, 7168, 300, device=DEVICE, accumulator="int32")
+        assert cfg.tma and cfg.persistent and cfg.warp_specialize and cfg.to_dict() == dict(entry, SWAP_AB=False)
+        # the fp32-accumulator lookup does not see the int32 entry
+        assert not configs.get_config("int8_channel", 4096, 7168, 300, device=DEVICE, accumulator="fp32").tma
+    finally:
+        monkeypatch.delenv("EPMOE_CONFIG_DIR")
+        configs.load_table.cache_clear()
+
+
 # ---------------------------------------------------------------- activation
 
 
@@ -322,6 +748,69 @@ def test_activation_masked_rows_only():
     fq, fs = activation.silu_and_mul_quant(x, "group")
     for e, n in enumerate(masked_m.tolist()):
         assert torch.equal(q[e, :n], fq[e, :n]) and torch.equal(s[e, :n], fs[e, :n])
+
+
+ACT_LAUNCHES = [None, Launch(4, 512, 4), Launch(1, 128, 4), Launch(8, 256, 8)]
+
+
+@pytest.mark.parametrize("launch", ACT_LAUNCHES, ids=["default", "4rows", "two_pass", "8rows"])
+@pytest.mark.parametrize("granularity,dtype", [("token", torch.int8), ("group", torch.int8), ("group", torch.float8_e4m3fn)])
+def test_silu_and_mul_quant_launches_exact(launch, granularity, dtype):
+    """Codes and scales are exactly the rule applied to the kernel's own fp32 product.
+
+    ``silu_and_mul(.., float32)`` returns that product (same expression, same device), so this
+    pins the quantization bit for bit whatever exp's last ulp does. I=384 with 128-column blocks
+    takes three passes per row for "token"; 33 rows leave partial programs.
+    """
+    torch.manual_seed(6)
+    x = (torch.randn(33, 2 * 384) * 2).half()
+    x[4, 10] = float("nan")  # gate of row 4
+    x[9, 384 + 200] = float("inf")  # up of row 9 (group 1)
+    x[9, 200] = 1.0  # silu(1) * inf = inf, not NaN
+    h = activation.silu_and_mul(x.to(DEVICE), torch.float32).cpu()
+    q, s = activation._silu_and_mul_quant(x.to(DEVICE), granularity, 128, dtype, None, launch)
+    q, s = q.cpu().double(), s.cpu()
+    group = None if granularity == "token" else 128
+    qmax = 127.0 if dtype == torch.int8 else 448.0
+    finite = [r for r in range(33) if r not in (4, 9)]
+    rq, rs = ref_quant(h[finite], group, qmax, e4m3=dtype != torch.int8)
+    assert torch.equal(q[finite], rq) and torch.equal(s[finite].double(), rs.reshape(len(finite), -1))
+    if granularity == "token":
+        assert math.isnan(float(s[4, 0])) and float(s[9, 0]) == float("inf")
+        assert torch.all(q[4] == 0) and torch.all(q[9] == 0)
+    else:
+        assert math.isnan(float(s[4, 0])) and torch.isfinite(s[4, 1:]).all()
+        assert float(s[9, 1]) == float("inf") and torch.isfinite(s[9, [0, 2]]).all()
+        rq9, rs9 = ref_quant(h[9:10, 256:], 128, qmax, e4m3=dtype != torch.int8)
+        assert torch.equal(q[9, 256:], rq9[0]) and torch.all(q[9, 128:256] == 0)
+
+
+@pytest.mark.parametrize("launch", [Launch(4, 128, 4), Launch(1, 512, 4), Launch(2, 64, 2)], ids=str)
+def test_silu_and_mul_launches(launch):
+    x = (torch.randn(7, 5, 2 * 160) * 3).half()
+    y = activation._silu_and_mul(x.to(DEVICE), torch.float32, None, launch)
+    assert y.shape == (7, 5, 160)
+    assert torch.allclose(y.cpu().double(), _silu_mul64(x), rtol=1e-5, atol=1e-5)
+    assert torch.equal(y, activation.silu_and_mul(x.to(DEVICE), torch.float32))
+
+
+@pytest.mark.parametrize("granularity", ["token", "group"])
+def test_activation_masked_rows_across_experts(granularity, monkeypatch):
+    x = torch.randn(3, 5, 256).half()
+    x[0, 2:] = float("nan")
+    masked = torch.tensor([2, 0, 5], dtype=torch.int32)
+    h = activation.silu_and_mul(x.to(DEVICE), torch.float32).cpu()
+    xd, md = x.to(DEVICE), masked.to(DEVICE)
+    _poisoned_empty(monkeypatch)
+    q, s = activation._silu_and_mul_quant(xd, granularity, 128, torch.int8, md, Launch(4, 128, 4))
+    y = activation._silu_and_mul(xd, torch.float32, md, Launch(4, 64, 4))
+    monkeypatch.undo()
+    group = None if granularity == "token" else 128
+    for e, n in enumerate(masked.tolist()):
+        assert torch.all(q[e, n:] == -128) and torch.all(s[e, n:] == -1.0), "a row past masked_m was written"
+        assert torch.all(y[e, n:] == -1.0) and torch.equal(y[e, :n].cpu(), h[e, :n])
+        rq, rs = ref_quant(h[e, :n], group)
+        assert torch.equal(q[e, :n].cpu().double(), rq) and torch.equal(s[e, :n].cpu().double(), rs.reshape(s[e, :n].shape))
 
 
 # ---------------------------------------------------------------- permute

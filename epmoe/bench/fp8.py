@@ -17,6 +17,14 @@ calls (median of repeats):
 TFLOP/s count only valid rows (``2 * E*m * N * K`` per GEMM). Targets (issue 5): ``deepgemm`` within
 5% of ``direct``; ``cutlass`` within 10% of ``direct`` for m >= 512. DeepGEMM compiles each shape
 on first use and the CUTLASS extension builds on first use; both are done (untimed) before timing.
+
+    python -m epmoe.bench.fp8 --sweep [--m 128,512,2048] [--configs all] [--json cutlass_sweep.json]
+
+``--sweep`` instead times GEMM1 and GEMM2 with every CUTLASS kernel configuration
+(``cutlass_backend.CONFIGS``) beside the direct DeepGEMM call (when ``deep_gemm`` imports), checks
+each output against a float32 reference on a few experts (``1 - 2*sum(x*y)/sum(x*x+y*y) < 1e-3``),
+tries the tile scheduler's raster order and swizzle on the fastest configuration of each point,
+and prints a recommended ``cutlass_backend.SELECTION`` table. About a minute on an H200.
 """
 
 from __future__ import annotations
@@ -64,13 +72,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--inter", type=int, default=2048)
-    p.add_argument("--m", default="8,32,128,512,2048", help="rows per expert, comma-separated")
+    p.add_argument("--m", default=None, help="rows per expert, comma-separated "
+                   "(default 8,32,128,512,2048; with --sweep 128,512,2048)")
     p.add_argument("--impls", default="deepgemm,direct,cutlass")
     p.add_argument("--masked-max-m", type=int, default=128, help="also time masked GEMMs up to this m")
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--json", default="fp8_bench.json")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats, median taken (default 5; --sweep 3)")
+    p.add_argument("--json", default=None, help="output file (default fp8_bench.json; with --sweep cutlass_sweep.json)")
+    p.add_argument("--sweep", action="store_true", help="time every CUTLASS configuration (see above)")
+    p.add_argument("--configs", default="all", help="--sweep: CUTLASS configuration names, comma-separated, or 'all'")
+    p.add_argument("--check-experts", type=int, default=4, help="--sweep: experts checked against float32")
+    p.add_argument("--no-sched", action="store_true", help="--sweep: skip the raster/swizzle variants")
+    p.add_argument("--target-ms", type=float, default=40.0, help="--sweep: milliseconds per timed repeat")
     args = p.parse_args(argv)
+    if args.sweep:
+        args.repeats = args.repeats or 3
+        args.m = args.m or "128,512,2048"
+        args.json = args.json or "cutlass_sweep.json"
+        return sweep(args)
+    args.repeats = args.repeats or 5
+    args.m = args.m or "8,32,128,512,2048"
+    args.json = args.json or "fp8_bench.json"
 
     from ..experts.base import ExpertWeights
     from ..kernels import activation, quantize
@@ -243,13 +265,312 @@ def main(argv: list[str] | None = None) -> int:
             impls_ = ("deepgemm", "cutlass", "cutlass-coop", "cutlass-pingpong")
             parts = [f"{impl}={by[(m, gemm, impl)] / base:.3f}" for impl in impls_ if (m, gemm, impl) in by]
             print(f"m={m:5d} {gemm:8s} " + " ".join(parts))
-    meta = dict(device=torch.cuda.get_device_name(dev), torch=torch.__version__, cuda=torch.version.cuda,
+    meta = dict(device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev),
+                torch=torch.__version__, cuda=torch.version.cuda,
                 experts=e, hidden=h, inter=inter, iters=args.iters, repeats=args.repeats,
                 wall_s=round(time.perf_counter() - t_start, 1))  # fmt: skip
     with open(args.json, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print(f"wrote {args.json} ({meta['wall_s']} s)")
     return 0
+
+
+# ------------------------------------------------------------------------------------ --sweep
+def _similarity_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """DeepGEMM's metric: ``1 - 2*sum(x*y) / sum(x*x + y*y)`` (0 for identical tensors)."""
+    x, y = x.double(), y.double()
+    denom = (x * x + y * y).sum()
+    return float(1 - 2 * (x * y).sum() / denom) if denom > 0 else 0.0
+
+
+def recommend_table(best: dict, ms: list[int], current) -> list:
+    """A selection table from the sweep's winners.
+
+    Args:
+        best: ``{(m, gemm): (config_name, raster_along_n, max_swizzle, ms)}`` with ``gemm`` in
+            ``{"gemm1", "gemm2"}`` and each GEMM's ``(n, k)`` under ``best["shape", gemm]``.
+        ms: the rows per expert measured.
+        current: the table in use (``cutlass_backend.SELECTION``); its rows below the smallest m
+            measured are kept.
+
+    Returns:
+        A list of ``SelectionRule``: for each measured m (rows up to that m; the last one catches
+        the rest) the winner of each GEMM, with ``n``/``k`` set when GEMM1 and GEMM2 differ;
+        consecutive equal rows merged.
+    """
+    from ..experts.cutlass_backend import SelectionRule
+
+    ms = sorted(ms)
+    rules = [r for r in current if r.max_rows is not None and r.max_rows < ms[0]]
+    gemms = [g for g in ("gemm1", "gemm2") if any((m, g) in best for m in ms)]
+    per_m = []
+    for i, m in enumerate(ms):
+        bound = None if i == len(ms) - 1 else m
+        picks = {g: best[(m, g)][:3] for g in gemms if (m, g) in best}
+        if not picks:
+            continue
+        if len(set(picks.values())) == 1:
+            name, raster, swz = next(iter(picks.values()))
+            per_m.append([SelectionRule(bound, name, raster_along_n=raster, max_swizzle=swz)])
+        else:
+            rows = []
+            for g, (name, raster, swz) in picks.items():
+                n, k = best[("shape", g)]
+                rows.append(SelectionRule(bound, name, n=n, k=k, raster_along_n=raster, max_swizzle=swz))
+            per_m.append(rows)
+    # Merge m points whose picks are the same: keep the larger bound.
+    merged: list[list] = []
+    for rows in per_m:
+        key = [(r.config, r.n, r.k, r.raster_along_n, r.max_swizzle) for r in rows]
+        if merged and [(r.config, r.n, r.k, r.raster_along_n, r.max_swizzle) for r in merged[-1]] == key:
+            merged[-1] = rows
+        else:
+            merged.append(rows)
+    for rows in merged:
+        rules += rows
+    if rules and (rules[-1].max_rows is not None or rules[-1].n is not None):
+        # Make the last m point a catch-all: rows with an (n, k) get a shape-free copy of gemm1's pick.
+        last = rules[-1]
+        rules.append(SelectionRule(None, last.config, raster_along_n=last.raster_along_n, max_swizzle=last.max_swizzle))
+    return rules
+
+
+def format_table(rules) -> str:
+    lines = ["SELECTION: tuple[SelectionRule, ...] = ("]
+    for r in rules:
+        extra = ""
+        if r.n is not None:
+            extra += f", n={r.n}"
+        if r.k is not None:
+            extra += f", k={r.k}"
+        if r.raster_along_n:
+            extra += ", raster_along_n=True"
+        if r.max_swizzle != 1:
+            extra += f", max_swizzle={r.max_swizzle}"
+        lines.append(f"    SelectionRule({r.max_rows!r}, {r.config!r}{extra}),")
+    lines.append(")")
+    return "\n".join(lines)
+
+
+def _time_on(dev, fn, iters: int, repeats: int) -> float:
+    """Median milliseconds per call: CUDA events on a GPU, the host clock elsewhere (CPU tests)."""
+    if dev.type == "cuda":
+        return _time(fn, iters, repeats)
+    fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        samples.append((time.perf_counter() - t0) * 1e3 / iters)
+    return statistics.median(samples)
+
+
+def _sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def sweep(args, device=None, ext=None, dg_api=None) -> int:
+    """``--sweep``: every CUTLASS configuration at each m for GEMM1 and GEMM2 (see the module doc).
+
+    ``device``, ``ext`` (the extension's op namespace) and ``dg_api`` (a resolved DeepGEMM API)
+    default to the GPU, :func:`load_extension` and ``deep_gemm_api()``; tests pass stand-ins."""
+    from ..kernels import quantize
+    from ..quant.reference import dequantize_rows, dequantize_weight
+
+    if device is None and not torch.cuda.is_available():
+        print("no CUDA GPU", file=sys.stderr)
+        return 2
+    t_start = time.perf_counter()
+    dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    e, h, inter = args.experts, args.hidden, args.inter
+    ms = [int(v) for v in args.m.split(",") if v]
+
+    os.environ.setdefault("SGLANG_CUTLASS_MOE", "1")
+    from ..experts import cutlass_backend as cb
+
+    t0 = time.perf_counter()
+    if ext is None:
+        try:
+            ext = cb.load_extension()
+        except Exception as exc:
+            print(f"cutlass unavailable: {exc}", file=sys.stderr)
+            return 2
+    print(f"cutlass extension ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    if args.configs == "all":
+        configs = list(cb.CONFIGS)
+    else:
+        configs = [cb.CONFIG_BY_NAME[cb.CONFIG_ALIASES.get(n, n)] for n in args.configs.split(",") if n]
+    api = dg_api
+    if api is None and ("direct" in args.impls or "deepgemm" in args.impls):
+        from ..experts import deepgemm_backend as dgb
+
+        api = dgb.deep_gemm_api()
+        if api is None:
+            print("deep_gemm not importable: timing the CUTLASS configurations only", file=sys.stderr)
+
+    w13, s13 = _weights(e, 2 * inter, h, dev, 0)
+    w2, s2 = _weights(e, h, inter, dev, 1)
+    shapes = {"gemm1": (w13, s13, 2 * inter, h), "gemm2": (w2, s2, h, inter)}
+    nchk = max(1, min(args.check_experts, e))
+    check_experts = sorted({round(i * (e - 1) / max(nchk - 1, 1)) for i in range(nchk)})
+    rows, best, failures = [], {}, []
+    best[("shape", "gemm1")], best[("shape", "gemm2")] = (2 * inter, h), (h, inter)
+
+    def timed(fn) -> float:
+        fn()
+        _sync(dev)
+        t = _time_on(dev, fn, 1, 1)
+        iters = max(1, min(200, round(args.target_ms / max(t, 1e-3))))
+        return _time_on(dev, fn, iters, args.repeats)
+
+    def record(m, gemm, impl, ms_, n, k, diff=None, note=""):
+        flops = 2.0 * e * m * n * k
+        row = dict(m=m, gemm=gemm, impl=impl, ms=round(ms_, 4), tflops=round(flops / ms_ / 1e9, 1))
+        if diff is not None:
+            row["diff"] = diff
+        rows.append(row)
+        base = next((r["ms"] for r in rows if (r["m"], r["gemm"], r["impl"]) == (m, gemm, "direct")), None)
+        ratio = f"{ms_ / base:6.3f}x" if base else "      -"
+        dtxt = f"diff={diff:.1e}" if diff is not None else ""
+        print(f"m={m:5d} {gemm:6s} {impl:34s} {ms_:9.3f} ms {row['tflops']:7.1f} TFLOP/s {ratio} {dtxt} {note}",
+              flush=True)  # fmt: skip
+
+    for m in ms:
+        g = torch.Generator(device=dev).manual_seed(m)
+        rows_total = e * m
+        offsets = torch.arange(0, rows_total + 1, m, dtype=torch.int32, device=dev)
+        acts = {}
+        x = torch.randn((rows_total, h), generator=g, device=dev, dtype=torch.bfloat16)
+        acts["gemm1"] = quantize.per_group_quant(x, BLOCK, torch.float8_e4m3fn)
+        del x
+        x = torch.randn((rows_total, inter), generator=g, device=dev, dtype=torch.bfloat16)
+        acts["gemm2"] = quantize.per_group_quant(x, BLOCK, torch.float8_e4m3fn)
+        del x
+        for gemm, (w, ws, n, k) in shapes.items():
+            a, sa = acts[gemm]
+            sa = sa.float().contiguous()
+            ref = {}
+            for ex in check_experts:
+                xr = dequantize_rows(a[ex * m : (ex + 1) * m], sa[ex * m : (ex + 1) * m])
+                ref[ex] = xr @ dequantize_weight(w[ex : ex + 1], ws[ex : ex + 1])[0].t()
+
+            def check(out, row_of=lambda ex: slice(ex * m, (ex + 1) * m)) -> float:
+                got = torch.cat([out[row_of(ex)].float() for ex in check_experts])
+                return _similarity_diff(got, torch.cat([ref[ex] for ex in check_experts]))
+
+            out = torch.empty((rows_total, n), dtype=torch.bfloat16, device=dev)
+            # ---- direct DeepGEMM (segments padded to its alignment when m is not a multiple) ----
+            if api is not None:
+                align = api.alignment
+                per = -(-m // align) * align
+                if per == m:
+                    ap, sap, outp = a, sa, out
+                else:
+                    ap = torch.zeros((e, per, k), dtype=a.dtype, device=dev)
+                    ap[:, :m] = a.view(e, m, k)
+                    sap = torch.ones((e, per, k // BLOCK), dtype=sa.dtype, device=dev)
+                    sap[:, :m] = sa.view(e, m, -1)
+                    ap, sap = ap.view(-1, k), sap.view(-1, k // BLOCK)
+                    outp = torch.empty((e * per, n), dtype=torch.bfloat16, device=dev)
+                m_indices = torch.full((e, per), -1, dtype=torch.int32, device=dev)
+                m_indices[:, :m] = torch.arange(e, dtype=torch.int32, device=dev)[:, None]
+                m_indices = m_indices.view(-1)
+
+                def direct(ap=ap, sap=sap, outp=outp, m_indices=m_indices, w=w, ws=ws):
+                    api.contiguous((ap, sap), (w, ws), outp, m_indices)
+
+                t_jit = time.perf_counter()
+                direct()  # DeepGEMM compiles this shape on first use: untimed, reported
+                _sync(dev)
+                t_jit = time.perf_counter() - t_jit
+                if t_jit > 1.0:
+                    print(f"m={m:5d} {gemm:6s} (DeepGEMM JIT compile, first call: {t_jit:.1f} s)", flush=True)
+                t = timed(direct)
+                d = check(outp, lambda ex, per=per: slice(ex * per, ex * per + m))
+                record(m, gemm, "direct", t, n, k, d)
+                del ap, sap, outp, m_indices
+            # ---- every CUTLASS configuration ----
+            sa_mn = sa.t().contiguous().t()
+            t_tr = timed(lambda: sa.t().contiguous())
+            print(f"m={m:5d} {gemm:6s} {'(sfa transpose to MN-major)':34s} {t_tr:9.3f} ms", flush=True)
+            results = []
+            for cfg in configs:
+                scales = sa_mn if cfg.sfa_mn else sa
+
+                def run(cfg=cfg, scales=scales, raster=0, swz=1, a=a, w=w, ws=ws, out=out):
+                    ext.fp8_grouped_gemm(out, a, scales, w, ws, offsets, cfg.id, raster, swz)
+
+                out.zero_()
+                try:
+                    run()
+                    _sync(dev)
+                except Exception as exc:  # a configuration CUTLASS refuses at run time (can_implement)
+                    print(f"m={m:5d} {gemm:6s} {cfg.name:34s} FAILED: {exc}", flush=True)
+                    failures.append((m, gemm, cfg.name, str(exc)[:200]))
+                    continue
+                d = check(out)
+                t = timed(run)
+                ok = d < 1e-3
+                if not ok:
+                    failures.append((m, gemm, cfg.name, f"diff {d:.3e}"))
+                note = "(kernel only; + the transpose above)" if cfg.sfa_mn else ""
+                record(m, gemm, cfg.name, t, n, k, d, note + ("" if ok else " WRONG"))
+                if ok:
+                    results.append((t + (t_tr if cfg.sfa_mn else 0.0), cfg, run))
+            if not results:
+                continue
+            results.sort(key=lambda r: r[0])
+            t_best, cfg_best, run_best = results[0]
+            pick = (cfg_best.name, False, 1, t_best)
+            if not args.no_sched:  # tile-scheduler settings on the fastest configuration
+                for raster in (0, 1):
+                    for swz in (1, 2, 4, 8):
+                        if (raster, swz) == (0, 1):
+                            continue
+                        fn = lambda r=raster, s_=swz: run_best(raster=r, swz=s_)  # noqa: E731
+                        t = timed(fn) + (t_tr if cfg_best.sfa_mn else 0.0)
+                        label = f"{cfg_best.name} r{'N' if raster else 'M'} s{swz}"
+                        record(m, gemm, label, t, n, k)
+                        if t < pick[3] * 0.99:  # keep the default settings unless 1% faster
+                            pick = (cfg_best.name, bool(raster), swz, t)
+            best[(m, gemm)] = pick
+            del out
+        del acts
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+    by = {(r["m"], r["gemm"], r["impl"]): r["ms"] for r in rows}
+    print("\nbest CUTLASS configuration per point (time incl. the scale transpose for *_sfamn)")
+    for m in ms:
+        for gemm in ("gemm1", "gemm2"):
+            if (m, gemm) not in best:
+                continue
+            name, raster, swz, t = best[(m, gemm)]
+            cur = cb.select_config(m, *best[("shape", gemm)])
+            t_cur = by.get((m, gemm, cur.config))
+            base = by.get((m, gemm, "direct"))
+            vs = f" vs DeepGEMM {t / base:.3f}x" if base else ""
+            cur_txt = f"; current table: {cur.config} {t_cur:.3f} ms" if t_cur else ""
+            print(f"m={m:5d} {gemm:6s} {name} raster={'N' if raster else 'M'} swizzle={swz}: "
+                  f"{t:.3f} ms{vs}{cur_txt}")  # fmt: skip
+    table = recommend_table(best, ms, cb.SELECTION)
+    print("\nrecommended epmoe/experts/cutlass_backend.py table:\n" + format_table(table))
+    if failures:
+        print("\nFAILURES:", *failures, sep="\n  ")
+    meta = dict(device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev),
+                torch=torch.__version__, cuda=torch.version.cuda,
+                experts=e, hidden=h, inter=inter, repeats=args.repeats, target_ms=args.target_ms,
+                check_experts=check_experts, configs=[c.name for c in configs],
+                deep_gemm=api is not None, wall_s=round(time.perf_counter() - t_start, 1))  # fmt: skip
+    out_best = [dict(m=m, gemm=gm, config=v[0], raster_along_n=v[1], max_swizzle=v[2], ms=round(v[3], 4))
+                for (m, gm), v in best.items() if m != "shape"]  # fmt: skip
+    with open(args.json, "w") as f:
+        json.dump(dict(meta=meta, rows=rows, best=out_best, failures=failures,
+                       table=format_table(table)), f, indent=1)  # fmt: skip
+    print(f"wrote {args.json} ({meta['wall_s']} s)")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -228,7 +229,9 @@ def _phases_once(layer, split, x_in, ids, w, tm):
         y = layer.dispatcher.combine(out, d)
         tm.mark("combine")
         return y.to(x_in.dtype)
-    batch = to_contiguous(d.x, d.x_scale, d.topk_ids, layer.num_local_experts, layer.backend.alignment)
+    batch = to_contiguous(
+        d.x, d.x_scale, d.topk_ids, layer.num_local_experts, layer.backend.alignment, d.padded_rows
+    )
     tm.mark("scatter")
     if split is None:
         out = layer.backend.run_contiguous(batch, layer._weights(), x_in.dtype)
@@ -242,7 +245,7 @@ def _phases_once(layer, split, x_in, ids, w, tm):
         tm.mark("activation")
         out = split.gemm(h, hs, 2, "contiguous", batch.expert_offsets, None, x_in.dtype)
         tm.mark("gemm2")
-    g = gather_weighted(out, batch.slot_pos, d.topk_weights).to(x_in.dtype)
+    g = gather_weighted(out, batch.slot_pos, d.topk_weights, x_in.dtype)
     tm.mark("gather")
     y = layer.dispatcher.combine(g, d)
     tm.mark("combine")
@@ -296,6 +299,30 @@ def _deepep_raw(owner, layer, x_in, ids, w, mode, iters, warmup, device):
             tm2.start()
             buf.low_latency_combine(y, ids, w, handle)
             tm2.mark("combine")
+    return dict(dispatch_ms=disp.result_ms()["dispatch"], combine_ms=comb.result_ms()["combine"])
+
+
+def _layer_dc(layer, x_in, ids, w, iters, warmup, device):
+    """The layer dispatcher's own dispatch (``send``) and ``combine``, timed in exactly the loop
+    of :func:`_deepep_raw` (barrier, then the call alone), so the two are comparable: inside a
+    whole forward a phase also absorbs waiting for the slower peer."""
+    from epmoe.quant.payload import quantize_payload
+
+    x, xs = quantize_payload(x_in, layer.dispatcher.cfg.payload)
+    disp, comb = _Timer(), _Timer()
+    y = None
+    for i in range(warmup + iters):
+        _barrier(device)
+        tm = disp if i >= warmup else _Timer()
+        tm.start()
+        d = layer.dispatcher.send(x, xs, ids, w)
+        tm.mark("dispatch")
+        if y is None or tuple(y.shape[:-1]) != tuple(d.x.shape[:-1]):
+            y = torch.zeros(*d.x.shape[:-1], H, dtype=torch.bfloat16, device=device)
+        tm2 = comb if i >= warmup else _Timer()
+        tm2.start()
+        layer.dispatcher.combine(y, d)
+        tm2.mark("combine")
     return dict(dispatch_ms=disp.result_ms()["dispatch"], combine_ms=comb.result_ms()["combine"])
 
 
@@ -410,11 +437,14 @@ def _rank_main(rank, args, port, out_path):
                 row["split_vs_layer_rel_err"] = float((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30))
                 row["bytes"] = _bytes(ids, rank, _payload_row_bytes(layer.payload if mode == "normal" else
                                       ("fp8_group" if layer.payload == "fp8_group" else "float")), mode)  # fmt: skip
-                raw = _deepep_raw(owner, layer, x, ids, w, mode, args.iters, args.warmup, device)
-                row["deepep_ms"] = raw
+                # Alternating rounds, medians: neither side always runs first on a warmer GPU.
+                rounds = [(_deepep_raw(owner, layer, x, ids, w, mode, args.iters, args.warmup, device),
+                           _layer_dc(layer, x, ids, w, args.iters, args.warmup, device)) for _ in range(3)]  # fmt: skip
+                raw, ours = ({k: statistics.median(r[side][k] for r in rounds) for k in ("dispatch_ms", "combine_ms")}
+                             for side in (0, 1))  # fmt: skip
+                row["deepep_ms"], row["layer_dc_ms"] = raw, ours
                 for p in ("dispatch", "combine"):
-                    ours = row["phases_ms"].get(p)
-                    row[f"{p}_overhead_pct"] = None if ours is None else 100.0 * (ours - raw[f"{p}_ms"]) / raw[f"{p}_ms"]
+                    row[f"{p}_overhead_pct"] = 100.0 * (ours[f"{p}_ms"] - raw[f"{p}_ms"]) / raw[f"{p}_ms"]
                 entry[phase] = row
             res["schemes"][scheme] = entry
             del ln, ll
@@ -460,19 +490,21 @@ def _table(summary) -> str:
     lines = []
     hdr = f"{'scheme':<13}{'phase':<8}{'backend':<8}{'layer ms':>9}{'x bf16':>7}  " + " ".join(
         f"{p[:8]:>8}" for p in PHASES
-    ) + f"{'DeepEP d/c ms':>15}{'ovh d/c %':>12}"
+    ) + f"{'DeepEP d/c ms':>15}{'layer d/c ms':>15}{'ovh d/c %':>12}"
     lines.append(hdr)
     for r in summary["ranks"]:
         for scheme, entry in r["schemes"].items():
             for phase, row in entry.items():
                 ph = row["phases_ms"]
                 dp = row["deepep_ms"]
+                ld = row.get("layer_dc_ms") or {"dispatch_ms": float("nan"), "combine_ms": float("nan")}
                 ov = (row.get("dispatch_overhead_pct"), row.get("combine_overhead_pct"))
                 ratio = summary["ratios"].get(f"{scheme}/{phase}", float("nan"))
                 lines.append(
                     f"{scheme:<13}{phase:<8}{row['backend']:<8}{row['layer_ms']:>9.3f}{ratio:>7.2f}  "
                     + " ".join(f"{ph[p]:>8.3f}" if p in ph else f"{'-':>8}" for p in PHASES)
                     + f"{dp['dispatch_ms']:>8.3f}/{dp['combine_ms']:<6.3f}"
+                    + f"{ld['dispatch_ms']:>8.3f}/{ld['combine_ms']:<6.3f}"
                     + f"{ov[0] or 0:>6.1f}/{ov[1] or 0:<5.1f}  rank {r['rank']}"
                 )
     ll = summary["ranks"][0].get("ll_int8_payload")

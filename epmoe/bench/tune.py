@@ -1,10 +1,13 @@
 """``epmoe tune``: sweep grouped-GEMM tile configs on this GPU and write the config file.
 
-For each mode (``int8_channel``, ``int8_block``, ``bf16``), each expert GEMM shape
-(GEMM1: N = 2I, K = H; GEMM2: N = H, K = I) and each rows-per-expert bucket, a compact candidate
-list (8-14 configs, chosen per bucket: weight-streaming tiles for small m, large MMA tiles for
-big m) is timed on the contiguous layout with uniform routing; the fastest is written to
-``epmoe/configs/<device>.json`` (merged with what is there) or ``--out``.
+For each mode (``int8_channel``, ``int8_block``, ``bf16``; ``int8_channel_int32`` tunes the
+int32-accumulator variant into its own entries), each expert GEMM shape (GEMM1: N = 2I, K = H;
+GEMM2: N = H, K = I) and each rows-per-expert bucket, a compact candidate list (8-14 pointer-kernel
+configs chosen per bucket: weight-streaming tiles for small m, large MMA tiles for big m; from
+m > 64 on also 6-8 TMA configs, plain / persistent / warp-specialized, on sm_90+ unless
+``--no-tma``) is timed on the contiguous layout with uniform routing; the fastest is written to
+``epmoe/configs/<device>.json`` (merged with what is there) or ``--out``. Before timing, each
+candidate's output is checked on sampled rows against the first (pointer-kernel) candidate's.
 
 The candidates do not depend on N and K, and the kernel is specialised only on divisibility, so
 each candidate compiles once per mode: compile time, not timing, bounds the sweep.
@@ -21,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ..kernels.configs import (
+    INT32_ACC_MODE,
     PACKAGE_DIR,
     GemmConfig,
     config_filename,
@@ -31,11 +35,45 @@ from ..kernels.configs import (
 )
 
 MODES = ("int8_channel", "int8_block", "bf16")
+EXTRA_MODES = (INT32_ACC_MODE,)
 SMEM_BYTES = 227 * 1024
 
 
-def candidates(mode: str, m: int) -> list[GemmConfig]:
-    """The sweep space of one (mode, rows-per-expert) point, heuristic first."""
+def kernel_mode(mode: str) -> tuple[str, str]:
+    """(kernel mode, accumulator) of a tune mode key."""
+    return ("int8_channel", "int32") if mode == INT32_ACC_MODE else (mode, "fp32")
+
+
+def tma_candidates(mode: str, m: int) -> list[GemmConfig]:
+    """TMA-fed configs for MMA-bound buckets (m > 64): plain, persistent (P), warp-specialized
+    (W: num_warps=4 is one TMA producer + two 4-warp consumer groups on Hopper) and flattened (F).
+    Two [BM, BN] register tiles (int8_block, the fp32 accumulator) spill at 128x256, so those
+    modes get 128x128 / 64x256 tiles."""
+    if m <= 64:
+        return []
+
+    def t(bm, bn, bk, nw, st, flags=""):
+        return GemmConfig(bm, bn, bk, 8, False, nw, st, tma=True, persistent="P" in flags,
+                          warp_specialize="W" in flags, flatten="F" in flags)
+
+    two_tiles = mode in ("int8_block", "int8_channel")  # int8_channel here is the fp32 accumulator
+    if m <= 256:
+        if two_tiles:
+            return [t(128, 128, 128, 8, 4), t(128, 128, 128, 4, 4, "PW"), t(64, 256, 128, 4, 4, "PW"),
+                    t(128, 128, 256, 8, 3, "P"), t(64, 256, 128, 8, 4), t(128, 128, 128, 4, 6, "PW")]
+        return [t(128, 256, 128, 8, 4), t(128, 128, 128, 4, 4, "PW"), t(128, 256, 128, 4, 3, "PW"),
+                t(64, 256, 128, 4, 4, "PW"), t(128, 128, 256, 8, 3, "P"), t(128, 128, 256, 4, 3, "PW")]
+    if two_tiles:
+        return [t(128, 128, 256, 8, 3), t(128, 128, 256, 8, 3, "P"), t(128, 128, 256, 4, 3, "PW"),
+                t(128, 128, 128, 4, 4, "PW"), t(128, 128, 128, 4, 6, "PW"), t(64, 256, 128, 4, 4, "PW"),
+                t(128, 128, 128, 8, 4, "PF")]
+    return [t(128, 256, 128, 8, 4), t(128, 256, 128, 8, 4, "P"), t(128, 256, 128, 4, 3, "PW"),
+            t(128, 256, 128, 4, 4, "PW"), t(256, 128, 128, 4, 4, "PW"), t(128, 128, 256, 4, 3, "PW"),
+            t(128, 256, 128, 8, 4, "PF"), t(128, 128, 128, 4, 4, "PW")]
+
+
+def candidates(mode: str, m: int, tma: bool = True) -> list[GemmConfig]:
+    """The sweep space of one (mode, rows-per-expert) point, heuristic first, TMA configs last."""
     c = GemmConfig
     if m <= 16:
         raw = [
@@ -65,9 +103,12 @@ def candidates(mode: str, m: int) -> list[GemmConfig]:
             c(128, 128, 256, 8, False, 8, 3), c(64, 256, 128, 8, False, 8, 4), c(128, 256, 128, 4, False, 8, 4),
             c(256, 128, 64, 8, False, 8, 4),
         ]
-    out: list[GemmConfig] = [heuristic_config(mode, m)]
+    kmode = kernel_mode(mode)[0]
+    out: list[GemmConfig] = [heuristic_config(kmode, m)]
+    if tma:
+        raw = raw + tma_candidates(mode, m)
     for cfg in raw:
-        cfg = _adapt(cfg, mode)
+        cfg = _adapt(cfg, kmode)
         if cfg not in out and cfg.smem_bytes(2 if mode == "bf16" else 1) <= SMEM_BYTES:
             out.append(cfg)
     return out
@@ -100,21 +141,42 @@ def make_operands(mode: str, e: int, n: int, k: int, rows: int, device) -> dict:
     }
 
 
-def time_config(mode: str, ops: dict, offsets: torch.Tensor, cfg: GemmConfig, m: int, rep_ms: float) -> float:
+def sample_rows(out: torch.Tensor) -> torch.Tensor:
+    """A few hundred rows of an output, copied, to compare candidates without a second full copy."""
+    step = max(1, out.shape[0] // 256)
+    return out[::step].float().clone()
+
+
+def outputs_agree(got: torch.Tensor, ref: torch.Tensor) -> bool:
+    return bool(torch.allclose(got, ref, rtol=2e-2, atol=2e-3 * float(ref.abs().max().clamp(min=1e-30))))
+
+
+def time_config(
+    mode: str, ops: dict, offsets: torch.Tensor, cfg: GemmConfig, m: int, rep_ms: float, ref: list | None = None,
+) -> float:
+    """Median ms of one config. With ``ref``: the first call's sampled rows are stored in an empty
+    list, or compared with the stored ones (ValueError when they disagree)."""
     import triton.testing as tt
 
     from ..kernels.grouped_gemm import grouped_gemm_contiguous
 
+    kmode, accumulator = kernel_mode(mode)
     out = torch.empty(ops["a"].shape[0], ops["b"].shape[1], device=ops["a"].device, dtype=torch.bfloat16)
 
     def fn():
         grouped_gemm_contiguous(
-            ops["a"], ops["b"], offsets, mode=mode, a_scale=ops["a_scale"], b_scale=ops["b_scale"],
-            out_dtype=torch.bfloat16, config=cfg, out=out,
+            ops["a"], ops["b"], offsets, mode=kmode, a_scale=ops["a_scale"], b_scale=ops["b_scale"],
+            accumulator=accumulator, out_dtype=torch.bfloat16, config=cfg, out=out,
         )
 
     fn()
     torch.cuda.synchronize()
+    if ref is not None:
+        rows = sample_rows(out)
+        if not ref:
+            ref.append(rows)
+        elif not outputs_agree(rows, ref[0]):
+            raise ValueError("output differs from the first candidate's")
     if m <= 32:
         # do_bench_cudagraph replays its graph ten times: a third of the budget is plenty.
         return float(tt.do_bench_cudagraph(fn, rep=max(5.0, rep_ms / 3), return_mode="median"))
@@ -130,13 +192,14 @@ def parse_args(argv):
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--rep-ms", type=float, default=30.0)
     p.add_argument("--out", default=None, help="config file or directory to write (default: the package's file for this GPU)")
-    p.add_argument("--max-candidates", type=int, default=16)
+    p.add_argument("--max-candidates", type=int, default=24)
+    p.add_argument("--no-tma", action="store_true", help="leave out the TMA-fed kernel's configs")
     args = p.parse_args(argv)
     args.m = [int(v) for v in args.m.split(",") if v]
     args.modes = [v for v in args.modes.split(",") if v]
-    bad = set(args.modes) - set(MODES)
+    bad = set(args.modes) - set(MODES) - set(EXTRA_MODES)
     if bad:
-        p.error(f"unknown --modes {sorted(bad)}; allowed: {list(MODES)}")
+        p.error(f"unknown --modes {sorted(bad)}; allowed: {list(MODES + EXTRA_MODES)}")
     return args
 
 
@@ -156,18 +219,20 @@ def main(argv: list[str] | None = None) -> int:
     table = json.loads(path.read_text())["configs"] if path.is_file() else {}
     shapes = [(2 * args.intermediate, args.hidden), (args.hidden, args.intermediate)]
     e = args.experts
+    use_tma = not args.no_tma and torch.cuda.get_device_capability(device)[0] >= 9
     t0 = time.time()
     log = []
     for mode in args.modes:
         for n, k in shapes:
             for m in args.m:
                 rows = m * e
-                ops = make_operands(mode, e, n, k, rows, device)
+                ops = make_operands(kernel_mode(mode)[0], e, n, k, rows, device)
                 offsets = (torch.arange(e + 1, device=device) * m).to(torch.int32)
                 best = None
-                for cfg in candidates(mode, m)[: args.max_candidates]:
+                ref: list = []
+                for cfg in candidates(mode, m, use_tma)[: args.max_candidates]:
                     try:
-                        ms = time_config(mode, ops, offsets, cfg, m, args.rep_ms)
+                        ms = time_config(mode, ops, offsets, cfg, m, args.rep_ms, ref)
                     except Exception as exc:  # out of resources, compile failures: skip
                         print(f"  skip {cfg.to_dict()}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
                         continue

@@ -40,6 +40,9 @@ class Dispatched:
         x: ``[R, H]`` received rows (payload dtype); x_scale: ``[R, S]`` fp32 or ``None``;
         topk_ids: ``[R, k]`` int64 local expert ids, ``-1`` for slots of other ranks;
         topk_weights: ``[R, k]`` fp32.
+        padded_rows: optional host list ``[E_loc]``: rows per local expert rounded up to
+            ``cfg.alignment``, when the dispatcher knows them without a device sync (DeepEP
+            normal mode reports them); the layer's scatter then skips its own count read-back.
     Masked layout (``layout == "masked"``):
         x: ``[E_loc, cap, H]``; x_scale: ``[E_loc, cap, S]`` or ``None``; masked_m: ``[E_loc]``
         int32; expected_m: row-count hint.
@@ -55,6 +58,7 @@ class Dispatched:
     num_tokens: int
     topk_ids: torch.Tensor | None = None
     topk_weights: torch.Tensor | None = None
+    padded_rows: list[int] | None = None
     masked_m: torch.Tensor | None = None
     expected_m: int | None = None
     combine_applies_weights: bool = False

@@ -528,7 +528,7 @@ class DeepEPNormalDispatcher(_DeepEPBase):
         num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, _ = (
             buf.get_dispatch_layout(topk_ids, self.cfg.num_experts)
         )
-        recv_x, recv_ids, recv_w, _, handle, _ = buf.dispatch(
+        recv_x, recv_ids, recv_w, padded_rows, handle, _ = buf.dispatch(
             normal_payload(x, x_scale),
             topk_idx=topk_ids,
             topk_weights=topk_weights,
@@ -543,7 +543,7 @@ class DeepEPNormalDispatcher(_DeepEPBase):
         rx, rs = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
         return Dispatched(
             x=rx, x_scale=rs, handle=("normal", handle, t), num_tokens=t,
-            topk_ids=recv_ids, topk_weights=recv_w,
+            topk_ids=recv_ids, topk_weights=recv_w, padded_rows=list(padded_rows),
         )  # fmt: skip
 
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:

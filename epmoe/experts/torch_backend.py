@@ -51,7 +51,7 @@ class TorchBackend(ExpertsBackend):
     ) -> torch.Tensor:
         out = torch.zeros(batch.x.shape[0], weights.hidden_size, dtype=out_dtype, device=batch.x.device)
         offsets = batch.expert_offsets.tolist()
-        for e, n in enumerate(batch.num_rows):
+        for e, n in enumerate(batch.rows_per_expert()):
             if n == 0:
                 continue
             rows = slice(offsets[e], offsets[e] + n)

@@ -4,6 +4,11 @@ The input is GEMM1's output ``[..., 2I]`` (gate = first I columns, up = last I).
 formed in fp32 and either stored in a float dtype or quantized straight from fp32 (never from a
 rounded bf16 copy) with the rounding rule of :mod:`.quantize`: one INT8 scale per row
 (``int8_channel``) or one scale per 1 x 128 group (``int8_block``; e4m3 also allowed).
+
+A program owns a ``[BLOCK_M, BLOCK_K]`` tile of products (a :class:`.quantize.Launch`); per token
+it holds whole rows in registers, so gate and up are read once (rows longer than
+``quantize.SINGLE_PASS_MAX`` fall back to two passes that recompute the product). ``_silu_and_mul``
+and ``_silu_and_mul_quant`` take an explicit launch for sweeps.
 """
 
 from __future__ import annotations
@@ -13,73 +18,108 @@ import triton
 import triton.language as tl
 
 from .common import masked_row_args, next_pow2
-from .quantize import E4M3_QMAX, INT8_QMAX, quantize_values, row_valid, scale_from_amax
+from .quantize import (
+    E4M3_QMAX,
+    INT8_QMAX,
+    Launch,
+    _rows_per_prog,
+    _warps,
+    amax_bits,
+    check_launch,
+    codes,
+    group_launch,
+    rows_valid,
+    scale_of,
+    token_launch,
+)
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _silu_mul(X, row, cols, mask, I, stride_xm):
-    base = X + row * stride_xm
-    gate = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(base + I + cols, mask=mask, other=0.0).to(tl.float32)
-    return gate / (1.0 + tl.exp(-gate)) * up
+def _silu_mul_tile(X, rows, row_ok, col0, I, stride_xm, GROUP: tl.constexpr, NG: tl.constexpr):
+    """``silu(gate) * up`` in fp32 for a ``[BLOCK_M, NG, GROUP]`` tile from column ``col0``."""
+    g = col0 // GROUP + tl.arange(0, NG)
+    cols = g[None, :, None] * GROUP + tl.arange(0, GROUP)[None, None, :]
+    mask = row_ok[:, None, None] & (cols < I)
+    base = X + rows[:, None, None] * stride_xm + cols
+    gate = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(base + I, mask=mask, other=0.0).to(tl.float32)
+    return gate / (1.0 + tl.exp(-gate)) * up, cols, mask
 
 
 @triton.jit
-def _silu_mul_kernel(X, Y, MASKED_M, I, CAP, stride_xm, stride_ym, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    if row_valid(MASKED_M, row, CAP, HAS_MASK):
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < I
-        h = _silu_mul(X, row, cols, mask, I, stride_xm)
-        tl.store(Y + row * stride_ym + cols, h.to(Y.dtype.element_ty), mask=mask)
+def _silu_mul_kernel(
+    X, Y, MASKED_M, M, I, CAP, stride_xm, stride_ym,
+    HAS_MASK: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows_valid(MASKED_M, rows, M, CAP, HAS_MASK)
+    h, cols, mask = _silu_mul_tile(
+        X, rows, row_ok, tl.program_id(1) * BLOCK_K, I, stride_xm, GROUP, BLOCK_K // GROUP
+    )
+    tl.store(Y + rows[:, None, None] * stride_ym + cols, h.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _silu_mul_token_quant_kernel(
-    X, Q, S, MASKED_M, I, CAP, stride_xm, stride_qm,
-    HAS_MASK: tl.constexpr, QMAX: tl.constexpr, BLOCK: tl.constexpr,
+    X, Q, S, MASKED_M, M, I, CAP, stride_xm, stride_qm,
+    HAS_MASK: tl.constexpr, QMAX: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SINGLE: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    if row_valid(MASKED_M, row, CAP, HAS_MASK):
-        offs = tl.arange(0, BLOCK)
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        nans = tl.zeros([BLOCK], dtype=tl.int32)
-        for c0 in range(0, I, BLOCK):
-            mask = offs + c0 < I
-            h = _silu_mul(X, row, offs + c0, mask, I, stride_xm)
-            amax = tl.maximum(amax, tl.abs(h))
-            nans = tl.maximum(nans, (h != h).to(tl.int32))
-        scale = scale_from_amax(tl.max(amax, 0), tl.max(nans, 0) > 0, QMAX)
-        tl.store(S + row, scale)
-        # Recomputing the product is cheaper than holding a long row in registers; the second
-        # read hits L2.
-        for c0 in range(0, I, BLOCK):
-            mask = offs + c0 < I
-            h = _silu_mul(X, row, offs + c0, mask, I, stride_xm)
-            q = quantize_values(h, scale, QMAX, False)
-            tl.store(Q + row * stride_qm + offs + c0, q.to(Q.dtype.element_ty), mask=mask)
+    NG: tl.constexpr = BLOCK_K // GROUP
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows_valid(MASKED_M, rows, M, CAP, HAS_MASK)
+    if SINGLE:
+        h, cols, mask = _silu_mul_tile(X, rows, row_ok, 0, I, stride_xm, GROUP, NG)
+        scale = scale_of(tl.max(amax_bits(h, 2), 1), QMAX)
+        tl.store(S + rows, scale, mask=row_ok)
+        rcp = tl.div_rn(1.0, scale)[:, None, None]
+        ok = (scale < float("inf"))[:, None, None]
+        q = codes(h, scale[:, None, None], rcp, ok, QMAX, False)
+        tl.store(Q + rows[:, None, None] * stride_qm + cols, q, mask=mask)
+    else:
+        # Rows too long for registers: amax over chunks, then recompute the product (L2 reads).
+        amax = tl.zeros([BLOCK_M], dtype=tl.int32)
+        for c0 in range(0, I, BLOCK_K):
+            h, cols, mask = _silu_mul_tile(X, rows, row_ok, c0, I, stride_xm, GROUP, NG)
+            amax = tl.maximum(amax, tl.max(amax_bits(h, 2), 1))
+        scale = scale_of(amax, QMAX)
+        tl.store(S + rows, scale, mask=row_ok)
+        rcp = tl.div_rn(1.0, scale)[:, None, None]
+        ok = (scale < float("inf"))[:, None, None]
+        for c0 in range(0, I, BLOCK_K):
+            h, cols, mask = _silu_mul_tile(X, rows, row_ok, c0, I, stride_xm, GROUP, NG)
+            q = codes(h, scale[:, None, None], rcp, ok, QMAX, False)
+            tl.store(Q + rows[:, None, None] * stride_qm + cols, q, mask=mask)
 
 
 @triton.jit
 def _silu_mul_group_quant_kernel(
-    X, Q, S, MASKED_M, I, CAP, stride_xm, stride_qm, stride_sm,
+    X, Q, S, MASKED_M, M, I, CAP, stride_xm, stride_qm, stride_sm,
     HAS_MASK: tl.constexpr, QMAX: tl.constexpr, TO_E4M3: tl.constexpr,
-    GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    if row_valid(MASKED_M, row, CAP, HAS_MASK):
-        g = tl.program_id(1) * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
-        cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-        mask = cols < I
-        h = _silu_mul(X, row, cols, mask, I, stride_xm)
-        amax = tl.max(tl.abs(h), 1)
-        has_nan = tl.max((h != h).to(tl.int32), 1) > 0
-        scale = scale_from_amax(amax, has_nan, QMAX)
-        tl.store(S + row * stride_sm + g, scale, mask=g * GROUP < I)
-        q = quantize_values(h, scale[:, None], QMAX, TO_E4M3)
-        tl.store(Q + row * stride_qm + cols, q.to(Q.dtype.element_ty), mask=mask)
+    NG: tl.constexpr = BLOCK_K // GROUP
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows_valid(MASKED_M, rows, M, CAP, HAS_MASK)
+    col0 = tl.program_id(1) * BLOCK_K
+    h, cols, mask = _silu_mul_tile(X, rows, row_ok, col0, I, stride_xm, GROUP, NG)
+    scale = scale_of(amax_bits(h, 2), QMAX)  # [BLOCK_M, NG]
+    g = col0 // GROUP + tl.arange(0, NG)
+    tl.store(S + rows[:, None] * stride_sm + g[None, :], scale,
+             mask=row_ok[:, None] & (g[None, :] * GROUP < I))
+    rcp = tl.div_rn(1.0, scale)[:, :, None]
+    ok = (scale < float("inf"))[:, :, None]
+    q = codes(h, scale[:, :, None], rcp, ok, QMAX, TO_E4M3)
+    tl.store(Q + rows[:, None, None] * stride_qm + cols, q.to(Q.dtype.element_ty), mask=mask)
+
+
+def silu_launch(m: int, inter: int, device: torch.device | str | None = None) -> Launch:
+    """Default launch of :func:`silu_and_mul`: up to 4096 columns and ~8192 elements a program."""
+    block_k = min(next_pow2(inter), 4096)
+    block_m = _rows_per_prog(m, block_k, device)
+    return Launch(block_m, block_k, _warps(block_m * block_k))
 
 
 def _rows(gate_up: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -107,6 +147,16 @@ def silu_and_mul(
     Returns:
         ``[..., I]``.
     """
+    return _silu_and_mul(gate_up, out_dtype, masked_m)
+
+
+def _silu_and_mul(
+    gate_up: torch.Tensor,
+    out_dtype: torch.dtype | None,
+    masked_m: torch.Tensor | None,
+    launch: Launch | None = None,
+) -> torch.Tensor:
+    """:func:`silu_and_mul` with an explicit launch (None: :func:`silu_launch`)."""
     x2, inter = _rows(gate_up)
     out_dtype = gate_up.dtype if out_dtype is None else out_dtype
     if out_dtype not in OUT_DTYPES:
@@ -115,9 +165,12 @@ def silu_and_mul(
     y = torch.empty((rows, inter), dtype=out_dtype, device=gate_up.device)
     if rows and inter:
         mm, cap = masked_row_args(masked_m, gate_up.shape, gate_up.device)
-        block = min(next_pow2(inter), 1024)
-        _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
-            x2, y, mm, inter, cap, x2.stride(0), y.stride(0), HAS_MASK=masked_m is not None, BLOCK=block
+        launch = silu_launch(rows, inter, gate_up.device) if launch is None else launch
+        check_launch(launch)
+        _silu_mul_kernel[(triton.cdiv(rows, launch.block_m), triton.cdiv(inter, launch.block_k))](
+            x2, y, mm, rows, inter, cap, x2.stride(0), y.stride(0),
+            HAS_MASK=masked_m is not None, GROUP=min(128, launch.block_k),
+            BLOCK_M=launch.block_m, BLOCK_K=launch.block_k, num_warps=launch.num_warps,
         )
     return y.reshape(*gate_up.shape[:-1], inter)
 
@@ -142,6 +195,18 @@ def silu_and_mul_quant(
     Returns:
         ``q [..., I]`` of ``dtype`` and fp32 ``scale [..., 1]`` or ``[..., I / group_size]``.
     """
+    return _silu_and_mul_quant(gate_up, granularity, group_size, dtype, masked_m)
+
+
+def _silu_and_mul_quant(
+    gate_up: torch.Tensor,
+    granularity: str,
+    group_size: int,
+    dtype: torch.dtype,
+    masked_m: torch.Tensor | None,
+    launch: Launch | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`silu_and_mul_quant` with an explicit launch (None: the quantizers' defaults)."""
     x2, inter = _rows(gate_up)
     if granularity not in ("token", "group"):
         raise ValueError(f"granularity={granularity!r}; allowed: 'token', 'group'")
@@ -154,9 +219,13 @@ def silu_and_mul_quant(
     if granularity == "token":
         s = torch.empty((rows, 1), dtype=torch.float32, device=gate_up.device)
         if rows and inter:
-            _silu_mul_token_quant_kernel[(rows,)](
-                x2, q, s, mm, inter, cap, x2.stride(0), q.stride(0),
-                HAS_MASK=masked_m is not None, QMAX=INT8_QMAX, BLOCK=min(next_pow2(inter), 4096),
+            launch = token_launch(rows, inter, gate_up.device) if launch is None else launch
+            check_launch(launch)
+            _silu_mul_token_quant_kernel[(triton.cdiv(rows, launch.block_m),)](
+                x2, q, s, mm, rows, inter, cap, x2.stride(0), q.stride(0),
+                HAS_MASK=masked_m is not None, QMAX=INT8_QMAX, GROUP=min(128, launch.block_k),
+                BLOCK_M=launch.block_m, BLOCK_K=launch.block_k, SINGLE=launch.block_k >= inter,
+                num_warps=launch.num_warps,
             )
         return q.reshape(*lead, inter), s.reshape(*lead, 1)
     if group_size < 16 or group_size & (group_size - 1) or inter % group_size:
@@ -164,10 +233,12 @@ def silu_and_mul_quant(
     groups = inter // group_size
     s = torch.empty((rows, groups), dtype=torch.float32, device=gate_up.device)
     if rows and groups:
-        per_prog = min(next_pow2(groups), max(1, 1024 // group_size))
-        _silu_mul_group_quant_kernel[(rows, triton.cdiv(groups, per_prog))](
-            x2, q, s, mm, inter, cap, x2.stride(0), q.stride(0), s.stride(0),
+        launch = group_launch(rows, inter, group_size, gate_up.device) if launch is None else launch
+        check_launch(launch, group_size)
+        _silu_mul_group_quant_kernel[(triton.cdiv(rows, launch.block_m), triton.cdiv(inter, launch.block_k))](
+            x2, q, s, mm, rows, inter, cap, x2.stride(0), q.stride(0), s.stride(0),
             HAS_MASK=masked_m is not None, QMAX=INT8_QMAX if dtype == torch.int8 else E4M3_QMAX,
-            TO_E4M3=dtype != torch.int8, GROUP=group_size, GROUPS_PER_PROG=per_prog,
+            TO_E4M3=dtype != torch.int8, GROUP=group_size, BLOCK_M=launch.block_m,
+            BLOCK_K=launch.block_k, num_warps=launch.num_warps,
         )
     return q.reshape(*lead, inter), s.reshape(*lead, groups)

@@ -30,7 +30,74 @@ def _patch_interpreter_index() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def _exact_fma(x: np.ndarray, y: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """``x * y + z`` rounded once (round to nearest even), like the GPU's ``fma.rn``.
+
+    float32: the product is exact in float64 and the sum's float64 rounding error is recovered
+    with TwoSum; the float64 sum only needs fixing when it sits exactly on a float32 midpoint.
+    Other dtypes fall back to numpy's (twice rounded) arithmetic.
+    """
+    if not (x.dtype == y.dtype == z.dtype == np.float32):
+        return x * y + z
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = x.astype(np.float64) * y.astype(np.float64)
+        z64 = z.astype(np.float64)
+        s = p + z64
+        t = s - p
+        err = (p - (s - t)) + (z64 - t)
+        out = s.astype(np.float32)
+        near = out.astype(np.float64)
+        other = np.nextafter(out, np.where(near < s, np.float32(np.inf), np.float32(-np.inf)))
+        tie = np.isfinite(s) & (near != s) & ((near + other.astype(np.float64)) * 0.5 == s) & (err != 0)
+    if np.any(tie):
+        # The exact value is off the midpoint by err: round toward it.
+        up = err > 0
+        hi = np.maximum(out, other)
+        lo = np.minimum(out, other)
+        out = np.where(tie, np.where(up, hi, lo), out).astype(np.float32)
+    return np.asarray(out, dtype=np.float32)
+
+
+def _patch_interpreter_fma() -> None:
+    """Make the interpreter's ``tl.fma`` a fused multiply-add (one rounding), as on the GPU.
+
+    Triton 3.6's interpreter computes ``x * y + z`` with two float32 roundings, which breaks
+    the exact residuals the quantizers' division relies on (``fma(-q, b, a)`` is exact only when
+    fused). Compiled kernels are unaffected.
+    """
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    original = getattr(builder, "create_fma", None)
+    if original is None or getattr(original, "_epmoe_fixed", False):
+        return
+
+    def create_fma(self, x, y, z):
+        return interpreter.TensorHandle(_exact_fma(x.data, y.data, z.data), z.dtype.scalar)
+
+    create_fma._epmoe_fixed = True
+    builder.create_fma = create_fma
+
+
 _patch_interpreter_index()
+_patch_interpreter_fma()
+
+_PLACEHOLDERS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def placeholder(device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """A cached 1-element tensor for a kernel pointer argument that a constexpr flag disables.
+
+    The kernel never reads it, so one uninitialised tensor per (device, dtype) serves every call
+    instead of an allocation per call.
+    """
+    key = (torch.device(device), dtype)
+    t = _PLACEHOLDERS.get(key)
+    if t is None:
+        t = _PLACEHOLDERS[key] = torch.empty(1, dtype=dtype, device=device)
+    return t
 
 
 def next_pow2(n: int) -> int:
@@ -58,10 +125,11 @@ def masked_row_args(
 ) -> tuple[torch.Tensor, int]:
     """Kernel arguments that let row-wise kernels skip rows past ``masked_m`` of ``[E, cap, K]``.
 
-    Returns ``(masked_m as int32, cap)``, or a dummy tensor and ``cap = 1`` when not masked.
+    Returns ``(masked_m as int32, cap)``, or a cached placeholder (never read) and ``cap = 1``
+    when not masked.
     """
     if masked_m is None:
-        return torch.zeros(1, dtype=torch.int32, device=device), 1
+        return placeholder(device, torch.int32), 1
     check_masked_m(masked_m, shape, "x")
     return masked_m.to(device=device, dtype=torch.int32).contiguous(), shape[1]
 

@@ -22,12 +22,24 @@ nothing, no host sync is needed (CUDA-graph safe), and a masked batch whose capa
 its rows launches only as many programs as ``expected_m`` suggests. Program ids are swizzled in
 groups of ``GROUP_M`` M tiles so that concurrently running programs share A and B panels in L2.
 
+TMA variant (``GemmConfig.tma``, sm_90+): :func:`_grouped_gemm_tma_kernel` reads A and B tiles
+through host-side tensor descriptors (A over the flat ``[rows, K]``, B over ``[E*N, K]``), walks a
+flattened (M tile, N tile) space with the same swizzle, optionally persistent (one program per SM)
+and warp-specialized (a TMA producer warp group feeding two wgmma consumer warp groups). A
+one-program prologue kernel writes each expert's first tile index, which the main kernel
+binary-searches per tile (no host sync; empty experts own no tiles). The output store stays a
+masked pointer store (a TMA store would overwrite neighbouring experts' rows). Operands that
+break TMA's 16-byte alignment rules fall back to the pointer kernel
+(:func:`tma_fallback_reason`); the TMA kernel has no ``SWAP_AB`` variant.
+
 For decode-sized batches (a few rows per expert) the kernel is bound by reading the weights; the
 configs then use a 16-row tile (or ``SWAP_AB``: the weight tile becomes the MMA's M side so that
 Hopper's wgmma, whose M is at least 64, still applies) and long K steps.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -204,6 +216,121 @@ def _grouped_gemm_kernel(
             tl.store(c_ptrs, res, mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _tile_table_kernel(SEG, TB, E, CAP, MASKED: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``TB[e]`` = index of expert ``e``'s first ``BLOCK_M`` tile, for ``e`` in ``[0, E_PAD]``;
+    entries past ``E`` (and ``TB[E_PAD]``) hold the total tile count."""
+    offs_e = tl.arange(0, E_PAD)
+    e_ok = offs_e < E
+    if MASKED:
+        seg_len = tl.minimum(tl.load(SEG + offs_e, mask=e_ok, other=0), CAP)
+    else:
+        seg_len = tl.load(SEG + offs_e + 1, mask=e_ok, other=0) - tl.load(SEG + offs_e, mask=e_ok, other=0)
+    tiles = (tl.maximum(seg_len, 0) + BLOCK_M - 1) // BLOCK_M
+    tiles_end = tl.cumsum(tiles, 0)
+    tl.store(TB + offs_e + 1, tiles_end)
+    tl.store(TB, 0)
+
+
+@triton.jit(do_not_specialize=["CAP", "NUM_PROGRAMS"])
+def _grouped_gemm_tma_kernel(
+    a_desc, b_desc, C, AS, BS, SEG, TB,
+    N, K, CAP, NUM_PROGRAMS,
+    stride_cm, stride_asm, stride_bse, stride_bsn, stride_bsk,
+    MODE: tl.constexpr, MASKED: tl.constexpr, E_PAD: tl.constexpr, LOG_E: tl.constexpr, FP32_IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    """:func:`_grouped_gemm_kernel` with TMA-fed operands, over a flattened (M tile, N tile) space.
+
+    ``a_desc`` covers the flat ``[rows, K]`` activations, ``b_desc`` the weights as ``[E*N, K]``.
+    A tile that starts inside an expert's segment may run past its end: those rows come from the
+    next expert (or are TMA's zero fill past the last row) and are computed but never stored; the
+    same holds for weight rows past ``N`` within an expert. K past the end is zero-filled, so no
+    K masks are needed. Each program walks tiles ``pid, pid + NUM_PROGRAMS, ...`` of the
+    ``GROUP_M``-swizzled tile space: one tile per program for the plain launch, several for the
+    persistent one (``NUM_PROGRAMS`` = the SM count).
+
+    The expert of an M tile is a binary search over ``TB`` (:func:`_tile_table_kernel`) with
+    scalar loads: the loop body holds no reductions, which Hopper's automatic warp
+    specialization cannot partition.
+    """
+    pid = tl.program_id(0)
+    total_tiles = tl.load(TB + E_PAD)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group_width = GROUP_M * num_pid_n
+    num_tiles = total_tiles * num_pid_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    offs_bm = tl.arange(0, BLOCK_M)
+    offs_bn = tl.arange(0, BLOCK_N)
+
+    for tile_id in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+        first_slot = (tile_id // group_width) * GROUP_M
+        group_rows = tl.minimum(total_tiles - first_slot, GROUP_M)
+        t = first_slot + (tile_id % group_width) % group_rows
+        pid_n = (tile_id % group_width) // group_rows
+
+        # The last expert whose first tile is <= t owns tile t (empty experts share their first
+        # tile index with the next expert and are passed over).
+        e = 0
+        for i in tl.static_range(LOG_E):
+            probe = e + (E_PAD >> (i + 1))
+            e = tl.where(tl.load(TB + probe) <= t, probe, e)
+        first_tile = tl.load(TB + e)
+        if MASKED:
+            start = e.to(tl.int64) * CAP
+            length = tl.minimum(tl.load(SEG + e), CAP)
+        else:
+            lo = tl.load(SEG + e)
+            start = lo.to(tl.int64)
+            length = tl.load(SEG + e + 1) - lo
+        m0 = (t - first_tile) * BLOCK_M
+        row0 = (start + m0).to(tl.int32)
+        n0 = pid_n * BLOCK_N
+        brow0 = e * N + n0
+        e64 = e.to(tl.int64)
+        local = m0 + offs_bm
+        m_ok = local < length
+        rows = start + tl.where(m_ok, local, 0)
+
+        acc = _zero_acc(BLOCK_M, BLOCK_N, False, MODE == 2)
+        for kk in range(k_tiles):
+            a = a_desc.load([row0, kk * BLOCK_K])
+            b = b_desc.load([brow0, kk * BLOCK_K])
+            if MODE == 0:
+                if FP32_IEEE:
+                    acc = _mma_ieee(a, b, acc, False)
+                else:
+                    acc = _mma(a, b, acc, False)
+            elif MODE == 2:
+                acc = _mma_int8(a, b, acc, False)
+            elif MODE == 1:
+                acc += _mma_int8(a, b, None, False).to(tl.float32)
+            else:
+                kb = (kk * BLOCK_K) // SCALE_BLOCK
+                sa = tl.load(AS + rows * stride_asm + kb)
+                part = _mma_int8(a, b, None, False).to(tl.float32)
+                if BLOCK_N <= SCALE_BLOCK:
+                    sb_blk = tl.load(BS + e64 * stride_bse + (n0 // SCALE_BLOCK) * stride_bsn + kb * stride_bsk)
+                    acc += part * (sa * sb_blk)[:, None]
+                else:
+                    cols_b = tl.minimum(n0 + offs_bn, N - 1)
+                    sb = tl.load(BS + e64 * stride_bse + (cols_b // SCALE_BLOCK) * stride_bsn + kb * stride_bsk)
+                    acc += part * (sa[:, None] * sb[None, :])
+
+        offs_n = n0 + offs_bn
+        n_ok = offs_n < N
+        if MODE == 1 or MODE == 2:
+            cols = tl.where(n_ok, offs_n, 0)
+            sa = tl.load(AS + rows * stride_asm)
+            sb = tl.load(BS + e64 * stride_bse + cols * stride_bsn)
+            res = acc.to(tl.float32) * (sa[:, None] * sb[None, :])
+        else:
+            res = acc
+        c_ptrs = C + rows[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, res.to(C.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
 def grouped_gemm_contiguous(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -315,24 +442,96 @@ def _launch(a, b, out, a_scale, b_scale, seg, e, cap, grid_m, mode, accumulator,
     as_ = dummy[0] if a_scale is None else a_scale.reshape(a.shape[0], -1).float().contiguous()
     bs = dummy if b_scale is None else b_scale.float().contiguous()
     block_k = cfg.block_k if mode != "int8_block" else min(cfg.block_k, SCALE_BLOCK)
-    grid = (grid_m * triton.cdiv(n, cfg.block_n),)
-    _grouped_gemm_kernel[grid](
+    num_pid_n = triton.cdiv(n, cfg.block_n)
+    common = dict(
+        MODE=_MODE_IDS[(mode, accumulator)], MASKED=masked, E_PAD=max(16, next_pow2(e)),
+        FP32_IEEE=a.dtype == torch.float32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+        GROUP_M=cfg.group_m, SCALE_BLOCK=SCALE_BLOCK, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if cfg.tma and tma_fallback_reason(a, b, cfg) is None:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        # Host-side descriptors travel by value in the kernel's parameters (a CUtensorMap), so a
+        # captured CUDA graph replays them like pointer arguments and no scratch allocator is needed.
+        a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, block_k])
+        b_desc = TensorDescriptor.from_tensor(b.view(e * n, k), [cfg.block_n, block_k])
+        programs = grid_m * num_pid_n
+        if cfg.persistent:
+            programs = min(programs, num_sms(a.device))
+        table = torch.empty(common["E_PAD"] + 1, dtype=torch.int32, device=a.device)
+        _tile_table_kernel[(1,)](seg, table, e, cap, MASKED=masked, E_PAD=common["E_PAD"], BLOCK_M=cfg.block_m)
+        _grouped_gemm_tma_kernel[(programs,)](
+            a_desc, b_desc, out, as_, bs, seg, table,
+            n, k, cap, programs,
+            out.stride(0), as_.stride(0), bs.stride(0), bs.stride(1), bs.stride(2),
+            LOG_E=common["E_PAD"].bit_length() - 1, WARP_SPECIALIZE=cfg.warp_specialize, FLATTEN=cfg.flatten,
+            **common,
+        )
+        return
+    if cfg.tma:
+        # The pointer kernel: same tiles, no TMA-only options.
+        cfg = GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, False, cfg.num_warps, cfg.num_stages)
+    _grouped_gemm_kernel[(grid_m * num_pid_n,)](
         a, b, out, as_, bs, seg,
         n, k, e, cap, grid_m,
         a.stride(0), b.stride(0), b.stride(1), out.stride(0),
         as_.stride(0), bs.stride(0), bs.stride(1), bs.stride(2),
-        MODE=_MODE_IDS[(mode, accumulator)], MASKED=masked, E_PAD=max(16, next_pow2(e)),
-        FP32_IEEE=a.dtype == torch.float32,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
-        SWAP_AB=cfg.swap_ab, EVEN_K=k % block_k == 0, SCALE_BLOCK=SCALE_BLOCK,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SWAP_AB=cfg.swap_ab, EVEN_K=k % block_k == 0, **common,
     )
+
+
+def tma_fallback_reason(a: torch.Tensor, b: torch.Tensor, cfg: GemmConfig) -> str | None:
+    """Why a call with config ``cfg`` runs the pointer kernel: ``None`` when the TMA kernel applies.
+
+    ``a`` is the flat ``[rows, K]`` activation and ``b`` the ``[E, N, K]`` weights, both contiguous
+    as the kernel sees them. TMA needs 16-byte aligned base addresses and row strides (``K`` times
+    the element size a multiple of 16), int32 tile coordinates, and sm_90 or newer.
+    """
+    if not cfg.tma:
+        return "the config has TMA off"
+    if not _has_tensor_descriptors():
+        return f"triton {triton.__version__} has no host-side tensor descriptors"
+    if a.device.type == "cuda" and torch.cuda.get_device_capability(a.device)[0] < 9:
+        return "TMA needs compute capability 9.0 or newer"
+    if not (a.is_contiguous() and b.is_contiguous()):
+        return "operands are not contiguous"
+    k = a.shape[1]
+    if (k * a.element_size()) % 16:
+        return f"K={k} x {a.element_size()} bytes is not a multiple of 16 (TMA row stride)"
+    if a.data_ptr() % 16 or b.data_ptr() % 16:
+        return "an operand's base address is not 16-byte aligned"
+    if a.shape[0] >= 2**31 or b.shape[0] * b.shape[1] >= 2**31:
+        return "tile coordinates exceed int32"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _has_tensor_descriptors() -> bool:
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return hasattr(tl, "tensor_descriptor")
+
+
+def num_sms(device: torch.device) -> int:
+    """Programs of a persistent launch: the GPU's SM count (4 under the CPU interpreter, so that
+    each program walks several tiles)."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _resolve_config(config, mode, accumulator, n, k, m_per_expert, device) -> GemmConfig:
     if config is None:
         return get_config(mode, n, k, m_per_expert, device=device, accumulator=accumulator)
     cfg = config if isinstance(config, GemmConfig) else GemmConfig.from_dict(config)
+    cfg.validate()
     if mode == "int8_block" and SCALE_BLOCK % cfg.block_k:
         raise ValueError(f"config BLOCK_K={cfg.block_k}: int8_block needs a BLOCK_K dividing {SCALE_BLOCK}")
     return cfg

@@ -2,6 +2,10 @@
 
 Same semantics as the torch functions in :mod:`epmoe.layouts`:
 
+* :func:`slot_positions` gives every (token, top-k slot) its row in the contiguous layout, in
+  token order inside each expert's segment (what the torch path's stable sort gives), and the
+  expert of every row (``-1`` on padding) — one launch, no sort, no host synchronisation when
+  the segment sizes are already known on the host (DeepEP reports them);
 * :func:`scatter_rows` copies each received token's row to every row position ``slot_pos[r, j]``
   (the data movement of ``to_contiguous`` / ``to_masked``); untouched rows are zero (scale 1).
 * :func:`gather_weighted` sums, per received token, its valid slots' rows times the top-k weights
@@ -16,6 +20,38 @@ import triton
 import triton.language as tl
 
 from .common import next_pow2
+
+
+@triton.jit
+def _slot_positions_kernel(
+    IDS, OFFS, POS, MIDX, COUNTS, N_SLOTS, E, BLOCK: tl.constexpr,
+):
+    # One program per expert scans every slot: E * R * k id reads, from L2 after the first
+    # program, and each slot / row is written by exactly one program (no fill kernels).
+    e = tl.program_id(0)
+    start = tl.load(OFFS + e).to(tl.int64)
+    end = tl.load(OFFS + e + 1).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    running = tl.zeros([], dtype=tl.int64)
+    for s0 in range(0, N_SLOTS, BLOCK):
+        slot = s0 + offs
+        in_range = slot < N_SLOTS
+        ids = tl.load(IDS + slot, mask=in_range, other=-1)
+        hit = ids == e
+        pos = start + running + tl.cumsum(hit.to(tl.int64), 0) - 1
+        # A segment shorter than its rows (inconsistent sizes) must not write past its end.
+        fits = hit & (pos < end)
+        tl.store(POS + slot, pos, mask=fits)
+        tl.store(MIDX + pos, e.to(tl.int32) + tl.zeros([BLOCK], dtype=tl.int32), mask=fits)
+        if e == 0:
+            foreign = in_range & ((ids < 0) | (ids >= E))
+            tl.store(POS + slot, tl.full([BLOCK], -1, tl.int64), mask=foreign)
+        running += tl.sum(hit.to(tl.int64), 0)
+    tl.store(COUNTS + e, running.to(tl.int32))
+    for r0 in range(0, end - start, BLOCK):
+        row = start + r0 + offs
+        pad = (row >= start + running) & (row < end)
+        tl.store(MIDX + row, tl.full([BLOCK], -1, tl.int32), mask=pad)
 
 
 @triton.jit
@@ -52,7 +88,46 @@ def _gather_weighted_kernel(
         # A masked load of an invalid slot reads nothing; its zeros add nothing.
         row = tl.load(X + tl.maximum(src, 0) * stride_xm + cols, mask=col_ok & (src >= 0), other=0.0)
         acc += tl.where(src >= 0, row.to(tl.float32) * w, 0.0)
-    tl.store(OUT + r * stride_om + cols, acc, mask=col_ok)
+    tl.store(OUT + r * stride_om + cols, acc.to(OUT.dtype.element_ty), mask=col_ok)
+
+
+def slot_positions(
+    topk_ids: torch.Tensor, expert_offsets: torch.Tensor, num_rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of every (token, slot) in the contiguous layout whose segments are ``expert_offsets``.
+
+    Args:
+        topk_ids: ``[R, k]`` int local expert ids; ids outside ``[0, E)`` are other ranks' slots.
+        expert_offsets: ``[E + 1]`` int32/int64 on the device of ``topk_ids``; segment ``e`` must
+            have room for expert ``e``'s slots (rows past the room are dropped, never written).
+        num_rows: ``M = expert_offsets[-1]`` (known on the host by the caller).
+
+    Returns:
+        ``slot_pos [R, k]`` int64 (``-1`` for foreign slots), ``m_indices [M]`` int32 (``-1`` on
+        padding rows) and ``counts [E]`` int32 slots per expert. Inside a segment the slots keep
+        token order.
+    """
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or topk_ids.is_floating_point():
+        raise ValueError("topk_ids must be an integer [R, k] tensor")
+    if expert_offsets.dim() != 1 or expert_offsets.numel() < 1 or expert_offsets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"expert_offsets must be an int32/int64 [E + 1] tensor; got {expert_offsets.dtype} {tuple(expert_offsets.shape)}")
+    if expert_offsets.device != topk_ids.device:
+        raise ValueError(f"expert_offsets is on {expert_offsets.device} but topk_ids on {topk_ids.device}")
+    r, k = topk_ids.shape
+    e = expert_offsets.numel() - 1
+    device = topk_ids.device
+    slot_pos = torch.empty((r, k), dtype=torch.int64, device=device)
+    m_indices = torch.empty((num_rows,), dtype=torch.int32, device=device)
+    counts = torch.empty((e,), dtype=torch.int32, device=device)
+    if e == 0:
+        slot_pos.fill_(-1)
+        return slot_pos, m_indices, counts
+    ids = topk_ids.reshape(-1).contiguous()
+    _slot_positions_kernel[(e,)](
+        ids, expert_offsets.contiguous(), slot_pos, m_indices, counts, r * k, e,
+        BLOCK=max(16, min(next_pow2(r * k), 4096)),
+    )
+    return slot_pos, m_indices, counts
 
 
 def scatter_rows(
@@ -60,6 +135,8 @@ def scatter_rows(
     slot_pos: torch.Tensor,
     num_out_rows: int,
     x_scale: torch.Tensor | None = None,
+    *,
+    fill_unused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Copy received rows to their per-expert positions.
 
@@ -68,6 +145,8 @@ def scatter_rows(
         slot_pos: ``[R, k]`` int64 destination row of each (token, top-k slot), ``-1`` = none.
         num_out_rows: rows of the output (``M`` of the contiguous layout, ``E * cap`` masked).
         x_scale: optional ``[R, S]`` fp32 scales, moved with their rows.
+        fill_unused: zero the rows no slot points to (scales one). ``False`` skips that memset
+            when the caller knows every row is written (segments without padding).
 
     Returns:
         ``out [num_out_rows, H]`` (rows no slot points to are zero) and ``out_scale
@@ -79,12 +158,14 @@ def scatter_rows(
     if num_out_rows < 0:
         raise ValueError(f"num_out_rows={num_out_rows} must be >= 0")
     r, h = x.shape
-    out = torch.zeros((num_out_rows, h), dtype=x.dtype, device=x.device)
+    alloc = torch.zeros if fill_unused else torch.empty
+    out = alloc((num_out_rows, h), dtype=x.dtype, device=x.device)
     out_scale = None
     if x_scale is not None:
         if x_scale.dim() != 2 or x_scale.shape[0] != r:
             raise ValueError(f"x_scale must be [R={r}, S]; got shape {tuple(x_scale.shape)}")
-        out_scale = torch.ones((num_out_rows, x_scale.shape[1]), dtype=x_scale.dtype, device=x.device)
+        shape = (num_out_rows, x_scale.shape[1])
+        out_scale = (torch.ones if fill_unused else torch.empty)(shape, dtype=x_scale.dtype, device=x.device)
     k = slot_pos.shape[1]
     if r == 0 or k == 0 or h == 0 or num_out_rows == 0:
         return out, out_scale
@@ -115,7 +196,10 @@ def _as_copyable(t: torch.Tensor) -> torch.Tensor:
 
 
 def gather_weighted(
-    expert_out: torch.Tensor, slot_pos: torch.Tensor, topk_weights: torch.Tensor
+    expert_out: torch.Tensor,
+    slot_pos: torch.Tensor,
+    topk_weights: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Per received token, the top-k weighted sum of its local experts' rows, in fp32.
 
@@ -124,9 +208,10 @@ def gather_weighted(
             ``[E * cap, H]``).
         slot_pos: ``[R, k]`` int64 rows (``-1`` = not local).
         topk_weights: ``[R, k]`` fp32.
+        out_dtype: fp32, bf16 or fp16; the sum is formed in fp32 and rounded once on store.
 
     Returns:
-        ``[R, H]`` fp32; tokens with no local slot get zeros.
+        ``[R, H]`` of ``out_dtype``; tokens with no local slot get zeros.
     """
     if not isinstance(expert_out, torch.Tensor) or expert_out.dim() != 2 or not expert_out.is_floating_point():
         raise ValueError("expert_out must be a floating-point [M, H] tensor")
@@ -135,9 +220,11 @@ def gather_weighted(
         raise ValueError(
             f"topk_weights shape {tuple(topk_weights.shape)} must equal slot_pos shape {tuple(slot_pos.shape)}"
         )
+    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"out_dtype={out_dtype}; allowed: torch.float32, torch.bfloat16, torch.float16")
     r, k = slot_pos.shape
     h = expert_out.shape[1]
-    out = torch.empty((r, h), dtype=torch.float32, device=expert_out.device)
+    out = torch.empty((r, h), dtype=out_dtype, device=expert_out.device)
     if r == 0 or h == 0:
         return out
     if k == 0:

@@ -3,147 +3,293 @@
 Both follow the one rounding rule of :mod:`epmoe.quant.reference`: ``scale = max(amax, 1e-10) /
 qmax`` in fp32, ``q = x / scale`` rounded to nearest with ties to even, clamped to ``+-qmax``.
 
-Rounding is done with floor arithmetic instead of ``libdevice.rint`` because Triton's interpreter
-(the CPU test path) has no libdevice; the same code then runs on the GPU, so both paths agree.
-The division uses ``div_rn`` (IEEE round-to-nearest) because Triton's plain ``/`` on fp32 lowers
-to an approximate divide on NVIDIA GPUs, which would break bit-exact agreement with torch.
+The kernels are bound by memory bandwidth, so the per-element work is kept to a few instructions
+while staying bit-exact:
 
-A NaN or Inf in a row (group) makes that row's (group's) scale non-finite; other rows are
-untouched because every program owns whole rows (groups).
+- **One read.** A program owns a ``[BLOCK_M, BLOCK_K]`` tile (several rows, or several groups of
+  several rows) and keeps it in registers between the amax and the quantization. Only rows longer
+  than the single-pass limit are read twice (two passes over ``BLOCK_K`` chunks).
+- **Division without a divide.** ``x / scale`` must be the correctly rounded quotient (torch
+  divides in IEEE). Each row (group) forms ``rcp = div_rn(1, scale)`` once; each element then
+  takes ``q = x * rcp`` and two residual corrections ``q += fma(-q, scale, x) * rcp`` (fused), which
+  by Markstein's theorem give exactly ``div_rn(x, scale)`` (no underflow matters here: quotients
+  small enough for it round to code 0).
+- **Rounding by a magic number.** ``y + 1.5 * 2**23`` rounds ``y`` to an integer with ties to even
+  (``|y| <= 128`` here) and the integer sits in the low bits of the sum, so the INT8 code is the
+  sum's low byte. e4m3 uses the same trick with a magic number of the value's own binade, so the
+  interpreter (whose fp8 cast is not round-to-nearest-even) and the GPU give the same codes.
+- **No clamps.** ``|x| <= amax`` and ``scale = RN(amax / qmax)`` bound ``|x / scale|`` by
+  ``qmax * (1 + 2**-23)``, which rounds to ``qmax``: clamping would never change a code.
+- **NaN / Inf.** The amax is an integer max of the sign-cleared bits, which orders NaN above Inf
+  above every finite value: a NaN in a row (group) makes its scale NaN and an Inf makes it Inf.
+  Every code of such a row (group) is zero (e4m3 keeps the sign of ``x / inf``: -0 for x < 0);
+  other rows are untouched because every program owns whole rows (groups).
 
 Both quantizers also take an already quantized input with its scales (``x_scale``): they
 dequantize on the fly, which is how FP8 1x128 activations from low-latency dispatch become INT8.
+
+Launch parameters (rows per program, columns per program, warps) come from
+:func:`token_launch` / :func:`group_launch`; ``_per_token`` / ``_per_group`` take an explicit
+:class:`Launch` so a GPU sweep can compare them (``.dev/bench_small_kernels.py``).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import check_scale_input, masked_row_args, next_pow2
+from .common import check_scale_input, masked_row_args, next_pow2, placeholder
 
 AMAX_FLOOR = 1e-10
 INT8_QMAX = 127.0
 E4M3_QMAX = 448.0
 
+SINGLE_PASS_MAX = 16384
+"""Longest row (elements, power of two) a per-token program holds in registers at once."""
+TARGET_TILE = 8192
+"""Elements per program the default launch aims at."""
+VALUES_PER_THREAD = 16
+"""Elements per thread the default launch aims at (num_warps = tile / (32 * this), 4..16)."""
+MIN_PROGRAMS = 128
+"""Below this many row blocks the default launch stops stacking rows (keeps SMs busy)."""
+INTERPRETER_TILE = 65536
+"""Elements per program on CPU, where the interpreter pays per program, not per element."""
 
-@triton.jit
-def round_half_even(y):
-    """Round to nearest, ties to even, exact for ``|y| < 2**23`` (all this package needs).
 
-    ``y - floor(y)`` is exact in fp32 in that range, unlike ``floor(y + 0.5)`` which double-rounds
-    just below one half.
+class Launch(NamedTuple):
+    """Tile of one program: ``block_m`` rows x ``block_k`` columns, run by ``num_warps`` warps.
+
+    Per token, ``block_k >= K`` quantizes from registers in one pass; a smaller ``block_k`` is
+    the chunk of the two-pass loop. Per group, ``block_k`` is a multiple of the group size (the
+    groups one program owns). All three are powers of two.
     """
-    r = tl.floor(y)
-    frac = y - r
-    r = tl.where(frac > 0.5, r + 1.0, r)
-    is_odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
-    return tl.where((frac == 0.5) & is_odd, r + 1.0, r)
+
+    block_m: int
+    block_k: int
+    num_warps: int
 
 
-@triton.jit
-def round_to_e4m3(y):
-    """Round fp32 ``y`` (already clamped to +-448) to the nearest e4m3 value, ties to even.
+def _warps(elements: int) -> int:
+    return max(4, min(16, elements // (32 * VALUES_PER_THREAD)))
 
-    Done in fp32 arithmetic so the interpreter (whose fp8 cast is not round-to-nearest-even)
-    and the GPU give the same codes; the final cast of an exactly representable value is exact.
+
+def _rows_per_prog(m: int, block_k: int, device: torch.device | str | None = None) -> int:
+    """Rows that fill a ``TARGET_TILE`` tile, as long as ``MIN_PROGRAMS`` row blocks remain.
+
+    On CPU (Triton's interpreter, which runs programs one after another) a few large programs
+    are much faster: up to ``INTERPRETER_TILE`` elements, whatever the program count.
     """
-    bits = y.to(tl.int32, bitcast=True)
-    biased_exp = (bits >> 23) & 0xFF
-    # e4m3 keeps 3 mantissa bits; below 2**-6 the spacing is fixed at 2**-9 (subnormals).
-    step_exp = tl.maximum(biased_exp, 127 - 6) - 3
-    step = (step_exp << 23).to(tl.float32, bitcast=True)
-    return round_half_even(y / step) * step
+    if device is not None and torch.device(device).type == "cpu":
+        return max(1, min(next_pow2(m), INTERPRETER_TILE // block_k))
+    rows = max(1, TARGET_TILE // block_k)
+    while rows > 1 and m < rows * MIN_PROGRAMS:
+        rows //= 2
+    return rows
+
+
+def token_launch(m: int, k: int, device: torch.device | str | None = None) -> Launch:
+    """Default launch of a per-token kernel over ``m`` rows of ``k`` elements."""
+    block_k = next_pow2(k) if next_pow2(k) <= SINGLE_PASS_MAX else 4096
+    block_m = _rows_per_prog(m, block_k, device)
+    return Launch(block_m, block_k, _warps(block_m * block_k))
+
+
+def group_launch(m: int, k: int, group: int, device: torch.device | str | None = None) -> Launch:
+    """Default launch of a per-group kernel: ``m`` rows of ``k / group`` groups of ``group``.
+
+    A program takes whole groups: the largest power-of-two count that divides the groups of a
+    row (so no program is half empty), at most a ``TARGET_TILE`` worth, or all of a row's groups
+    when none divides; then as many rows as fill the tile.
+    """
+    groups = max(1, k // group)
+    cap = max(1, TARGET_TILE // group)
+    per_prog = 1
+    while per_prog * 2 <= cap and groups % (per_prog * 2) == 0:
+        per_prog *= 2
+    if per_prog < 4:
+        per_prog = min(next_pow2(groups), cap)
+    block_k = per_prog * group
+    block_m = _rows_per_prog(m, block_k, device)
+    return Launch(block_m, block_k, _warps(block_m * block_k))
+
+
+def check_launch(launch: Launch, group: int | None = None) -> None:
+    """Launch values must be powers of two (``block_k`` a multiple of ``group`` when given)."""
+    for name, v in zip(launch._fields, launch):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"launch {name}={v} must be a power of two")
+    if launch.num_warps > 32:
+        raise ValueError(f"launch num_warps={launch.num_warps} must be <= 32")
+    if group is not None and launch.block_k % group:
+        raise ValueError(f"launch block_k={launch.block_k} must be a multiple of group_size={group}")
+
+
+# ---------------------------------------------------------------- shared device functions
 
 
 @triton.jit
-def quantize_values(x, scale, QMAX: tl.constexpr, TO_E4M3: tl.constexpr):
-    """Codes of ``x`` for ``scale`` (broadcast), as fp32 values on the target grid."""
-    y = tl.div_rn(x, scale)
-    # Non-finite rows are flagged by their scale; zero codes keep the casts below defined.
-    y = tl.where(y == y, y, 0.0)
-    y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+def amax_bits(x, axis: tl.constexpr):
+    """Bit pattern (int32) of ``max |x|`` along ``axis``: any NaN > Inf > every finite value.
+
+    Non-negative floats order like their bit patterns, so an integer max of the sign-cleared
+    bits is a NaN-propagating amax (a float max on the GPU drops NaNs; a custom NaN-aware
+    combine function would run element by element in the interpreter).
+    """
+    return tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis)
+
+
+@triton.jit
+def scale_of(amax_bits, QMAX: tl.constexpr):
+    """``fp32(max(amax, 1e-10) / qmax)`` (IEEE divide) from :func:`amax_bits`; NaN when the
+    amax is NaN, Inf when it is Inf."""
+    amax = amax_bits.to(tl.float32, bitcast=True)
+    scale = tl.div_rn(tl.maximum(amax, 1e-10), QMAX)
+    return tl.where(amax == amax, scale, float("nan"))
+
+
+@triton.jit
+def codes(x, scale, rcp, ok, QMAX: tl.constexpr, TO_E4M3: tl.constexpr):
+    """Codes of ``x`` for ``scale`` (broadcast), as int8 (low byte) or e4m3-grid fp32 values.
+
+    ``rcp`` is ``div_rn(1, scale)``; ``ok`` is False for rows (groups) with a non-finite scale,
+    whose int8 codes are all 0 (e4m3: +-0). Needs ``|x| <= ~qmax * scale`` (true for every
+    element of the row). Bit for bit what ``div_rn``, round and clamp gave before.
+    """
+    # div_rn(x, scale): Markstein's correction of x * RN(1/scale), applied twice (the first
+    # makes the quotient faithful, the second correctly rounded). fma keeps each residual exact.
+    # (Negating the broadcast scale, not y: Triton's unary minus is ``0 - y``, one more op.)
+    neg_scale = -scale
+    y0 = x * rcp
+    y = tl.fma(tl.fma(y0, neg_scale, x), rcp, y0)
+    y = tl.fma(tl.fma(y, neg_scale, x), rcp, y)
     if TO_E4M3:
-        q = round_to_e4m3(y)
+        # Nearest multiple of the e4m3 step of y's binade (2**-9 below 2**-6), ties to even:
+        # adding 1.5 * 2**(e + 20), whose ulp is that step, rounds y onto it.
+        bits = y.to(tl.int32, bitcast=True)
+        magic = (tl.maximum(bits & 0x7F800000, (127 - 6) << 23) + ((20 << 23) | 0x400000)).to(
+            tl.float32, bitcast=True
+        )
+        q = (y + magic) - magic
+        # A zero quotient takes its sign from the product (x / scale is -0 for x = -0, and for
+        # every finite x < 0 of an Inf group; the corrections would add +0 to it). What is left
+        # NaN (NaN groups; Inf elements) gets code +0, as before.
+        q = tl.where(y0 == 0.0, y0, q)
+        q = tl.where(q == q, q, 0.0)
     else:
-        q = tl.minimum(tl.maximum(round_half_even(y), -QMAX), QMAX)
+        # y + 1.5 * 2**23 rounds to an integer, ties to even; its low byte is the int8 code.
+        y = tl.where(ok, y, 0.0)
+        q = (y + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
     return q
 
 
 @triton.jit
-def scale_from_amax(amax, has_nan, QMAX: tl.constexpr):
-    """``max(amax, floor) / qmax``; NaN when the row had a NaN (a GPU ``max`` drops NaNs)."""
-    scale = tl.div_rn(tl.maximum(amax, 1e-10), QMAX)
-    return tl.where(has_nan, float("nan"), scale)
-
-
-@triton.jit
-def _load_dequant(X, XS, row, offs, mask, stride_xm, stride_xsm, IN_GROUP, HAS_XS: tl.constexpr):
-    x = tl.load(X + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_XS:
-        s = tl.load(XS + row * stride_xsm + offs // IN_GROUP, mask=mask, other=1.0)
-        x = x * s
-    return x
-
-
-@triton.jit
-def row_valid(MASKED_M, row, CAP, HAS_MASK: tl.constexpr):
-    """Whether flat row ``row`` of an ``[E, cap, K]`` operand is below ``masked_m``."""
+def rows_valid(MASKED_M, rows, M, CAP, HAS_MASK: tl.constexpr):
+    """Which rows of ``rows`` exist (< M) and, with ``masked_m``, are below it in their expert."""
+    ok = rows < M
     if HAS_MASK:
-        ok = (row % CAP) < tl.load(MASKED_M + row // CAP)
-    else:
-        ok = row >= 0
+        n = tl.load(MASKED_M + rows // CAP, mask=ok, other=0)
+        ok = ok & ((rows % CAP) < n)
     return ok
+
+
+@triton.jit
+def _load_tile(
+    X, XS, rows, row_ok, col0, K, stride_xm, stride_xsm,
+    HAS_XS: tl.constexpr, IN_GROUP: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
+):
+    """``[BLOCK_M, NG, GROUP]`` fp32 tile of rows ``rows`` from column ``col0`` (0 past the end).
+
+    With ``HAS_XS`` the input is dequantized by its ``IN_GROUP``-column scales.
+    """
+    g = col0 // GROUP + tl.arange(0, NG)
+    cols = g[None, :, None] * GROUP + tl.arange(0, GROUP)[None, None, :]
+    mask = row_ok[:, None, None] & (cols < K)
+    x = tl.load(X + rows[:, None, None] * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_XS:
+        xs_row = XS + rows[:, None, None] * stride_xsm
+        if IN_GROUP % GROUP == 0:
+            # One input scale per GROUP-column chunk: load [BLOCK_M, NG, 1] and broadcast.
+            g_ok = row_ok[:, None, None] & (g[None, :, None] * GROUP < K)
+            s = tl.load(xs_row + (g[None, :, None] * GROUP) // IN_GROUP, mask=g_ok, other=1.0)
+        else:
+            s = tl.load(xs_row + cols // IN_GROUP, mask=mask, other=1.0)
+        x = x * s
+    return x, cols, mask
+
+
+# ---------------------------------------------------------------- kernels
 
 
 @triton.jit
 def _per_token_kernel(
     X, XS, Q, S, MASKED_M,
-    K, CAP, IN_GROUP,
+    M, K, CAP,
     stride_xm, stride_xsm, stride_qm,
-    QMAX: tl.constexpr, TO_E4M3: tl.constexpr, HAS_XS: tl.constexpr, HAS_MASK: tl.constexpr,
-    BLOCK: tl.constexpr,
+    QMAX: tl.constexpr, HAS_XS: tl.constexpr, HAS_MASK: tl.constexpr, IN_GROUP: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SINGLE: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    if row_valid(MASKED_M, row, CAP, HAS_MASK):
-        offs = tl.arange(0, BLOCK)
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        nans = tl.zeros([BLOCK], dtype=tl.int32)
-        for k0 in range(0, K, BLOCK):
-            mask = offs + k0 < K
-            x = _load_dequant(X, XS, row, offs + k0, mask, stride_xm, stride_xsm, IN_GROUP, HAS_XS)
-            amax = tl.maximum(amax, tl.abs(x))
-            nans = tl.maximum(nans, (x != x).to(tl.int32))
-        scale = scale_from_amax(tl.max(amax, 0), tl.max(nans, 0) > 0, QMAX)
-        tl.store(S + row, scale)
-        for k0 in range(0, K, BLOCK):
-            mask = offs + k0 < K
-            x = _load_dequant(X, XS, row, offs + k0, mask, stride_xm, stride_xsm, IN_GROUP, HAS_XS)
-            q = quantize_values(x, scale, QMAX, TO_E4M3)
-            tl.store(Q + row * stride_qm + offs + k0, q.to(Q.dtype.element_ty), mask=mask)
+    NG: tl.constexpr = BLOCK_K // GROUP
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows_valid(MASKED_M, rows, M, CAP, HAS_MASK)
+    if SINGLE:
+        x, cols, mask = _load_tile(
+            X, XS, rows, row_ok, 0, K, stride_xm, stride_xsm, HAS_XS, IN_GROUP, GROUP, NG
+        )
+        scale = scale_of(tl.max(amax_bits(x, 2), 1), QMAX)
+        tl.store(S + rows, scale, mask=row_ok)
+        rcp = tl.div_rn(1.0, scale)[:, None, None]
+        ok = (scale < float("inf"))[:, None, None]
+        q = codes(x, scale[:, None, None], rcp, ok, QMAX, False)
+        tl.store(Q + rows[:, None, None] * stride_qm + cols, q, mask=mask)
+    else:
+        # Rows too long for registers: amax over BLOCK_K chunks, then a second read (from L2).
+        amax = tl.zeros([BLOCK_M], dtype=tl.int32)
+        for k0 in range(0, K, BLOCK_K):
+            x, cols, mask = _load_tile(
+                X, XS, rows, row_ok, k0, K, stride_xm, stride_xsm, HAS_XS, IN_GROUP, GROUP, NG
+            )
+            amax = tl.maximum(amax, tl.max(amax_bits(x, 2), 1))
+        scale = scale_of(amax, QMAX)
+        tl.store(S + rows, scale, mask=row_ok)
+        rcp = tl.div_rn(1.0, scale)[:, None, None]
+        ok = (scale < float("inf"))[:, None, None]
+        for k0 in range(0, K, BLOCK_K):
+            x, cols, mask = _load_tile(
+                X, XS, rows, row_ok, k0, K, stride_xm, stride_xsm, HAS_XS, IN_GROUP, GROUP, NG
+            )
+            q = codes(x, scale[:, None, None], rcp, ok, QMAX, False)
+            tl.store(Q + rows[:, None, None] * stride_qm + cols, q, mask=mask)
 
 
 @triton.jit
 def _per_group_kernel(
     X, XS, Q, S, MASKED_M,
-    K, CAP, IN_GROUP,
+    M, K, CAP,
     stride_xm, stride_xsm, stride_qm, stride_sm,
     QMAX: tl.constexpr, TO_E4M3: tl.constexpr, HAS_XS: tl.constexpr, HAS_MASK: tl.constexpr,
-    GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
+    IN_GROUP: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    if row_valid(MASKED_M, row, CAP, HAS_MASK):
-        g = tl.program_id(1) * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
-        offs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-        mask = offs < K
-        x = _load_dequant(X, XS, row, offs, mask, stride_xm, stride_xsm, IN_GROUP, HAS_XS)
-        amax = tl.max(tl.abs(x), 1)
-        has_nan = tl.max((x != x).to(tl.int32), 1) > 0
-        scale = scale_from_amax(amax, has_nan, QMAX)
-        tl.store(S + row * stride_sm + g, scale, mask=g * GROUP < K)
-        q = quantize_values(x, scale[:, None], QMAX, TO_E4M3)
-        tl.store(Q + row * stride_qm + offs, q.to(Q.dtype.element_ty), mask=mask)
+    NG: tl.constexpr = BLOCK_K // GROUP
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows_valid(MASKED_M, rows, M, CAP, HAS_MASK)
+    col0 = tl.program_id(1) * BLOCK_K
+    x, cols, mask = _load_tile(
+        X, XS, rows, row_ok, col0, K, stride_xm, stride_xsm, HAS_XS, IN_GROUP, GROUP, NG
+    )
+    scale = scale_of(amax_bits(x, 2), QMAX)  # [BLOCK_M, NG]
+    g = col0 // GROUP + tl.arange(0, NG)
+    tl.store(S + rows[:, None] * stride_sm + g[None, :], scale,
+             mask=row_ok[:, None] & (g[None, :] * GROUP < K))
+    rcp = tl.div_rn(1.0, scale)[:, :, None]
+    ok = (scale < float("inf"))[:, :, None]
+    q = codes(x, scale[:, :, None], rcp, ok, QMAX, TO_E4M3)
+    tl.store(Q + rows[:, None, None] * stride_qm + cols, q.to(Q.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------- wrappers
 
 
 def _rows_view(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -159,6 +305,19 @@ def _check_input(x: torch.Tensor, x_scale: torch.Tensor | None) -> None:
         raise TypeError(f"x of dtype {x.dtype} needs x_scale to be dequantized; pass x_scale")
     if x_scale is not None:
         check_scale_input(x, x_scale)
+
+
+def _scale_view(
+    x_scale: torch.Tensor | None, k: int, device: torch.device
+) -> tuple[torch.Tensor, int]:
+    """2-D fp32 view of input scales and how many columns each scale covers.
+
+    Without input scales: a cached placeholder (the kernel never reads it) and 1.
+    """
+    if x_scale is None:
+        return placeholder(device, torch.float32), 1
+    xs = x_scale.reshape(-1, x_scale.shape[-1]).float().contiguous()
+    return xs, k // xs.shape[1]
 
 
 def per_token_quant_int8(
@@ -178,6 +337,16 @@ def per_token_quant_int8(
     Returns:
         ``q [..., K]`` int8 and ``scale [..., 1]`` fp32.
     """
+    return _per_token(x, x_scale, masked_m)
+
+
+def _per_token(
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    masked_m: torch.Tensor | None,
+    launch: Launch | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`per_token_quant_int8` with an explicit launch (None: :func:`token_launch`)."""
     _check_input(x, x_scale)
     shape = x.shape
     x2 = _rows_view(x, "x")
@@ -190,11 +359,14 @@ def per_token_quant_int8(
         return q.reshape(shape), s.reshape(*shape[:-1], 1)
     xs2, in_group = _scale_view(x_scale, k, x.device)
     mm, cap = masked_row_args(masked_m, shape, x.device)
-    _per_token_kernel[(m,)](
-        x2, xs2, q, s, mm, k, cap, in_group,
+    launch = token_launch(m, k, x.device) if launch is None else launch
+    check_launch(launch)
+    _per_token_kernel[(triton.cdiv(m, launch.block_m),)](
+        x2, xs2, q, s, mm, m, k, cap,
         x2.stride(0), xs2.stride(0), q.stride(0),
-        QMAX=INT8_QMAX, TO_E4M3=False, HAS_XS=x_scale is not None, HAS_MASK=masked_m is not None,
-        BLOCK=min(next_pow2(k), 8192),
+        QMAX=INT8_QMAX, HAS_XS=x_scale is not None, HAS_MASK=masked_m is not None,
+        IN_GROUP=in_group, GROUP=min(128, launch.block_k), BLOCK_M=launch.block_m,
+        BLOCK_K=launch.block_k, SINGLE=launch.block_k >= k, num_warps=launch.num_warps,
     )
     return q.reshape(shape), s.reshape(*shape[:-1], 1)
 
@@ -219,6 +391,18 @@ def per_group_quant(
     Returns:
         ``q [..., K]`` of ``dtype`` and ``scale [..., K / group_size]`` fp32.
     """
+    return _per_group(x, group_size, dtype, x_scale, masked_m)
+
+
+def _per_group(
+    x: torch.Tensor,
+    group_size: int,
+    dtype: torch.dtype,
+    x_scale: torch.Tensor | None,
+    masked_m: torch.Tensor | None,
+    launch: Launch | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`per_group_quant` with an explicit launch (None: :func:`group_launch`)."""
     _check_input(x, x_scale)
     if dtype not in (torch.int8, torch.float8_e4m3fn):
         raise TypeError(f"dtype={dtype}; allowed: torch.int8, torch.float8_e4m3fn")
@@ -236,22 +420,15 @@ def per_group_quant(
     if m and groups:
         xs2, in_group = _scale_view(x_scale, k, x.device)
         mm, cap = masked_row_args(masked_m, shape, x.device)
-        per_prog = min(next_pow2(groups), max(1, 2048 // group_size))
+        launch = group_launch(m, k, group_size, x.device) if launch is None else launch
+        check_launch(launch, group_size)
         qmax = INT8_QMAX if dtype == torch.int8 else E4M3_QMAX
-        _per_group_kernel[(m, triton.cdiv(groups, per_prog))](
-            x2, xs2, q, s, mm, k, cap, in_group,
+        grid = (triton.cdiv(m, launch.block_m), triton.cdiv(k, launch.block_k))
+        _per_group_kernel[grid](
+            x2, xs2, q, s, mm, m, k, cap,
             x2.stride(0), xs2.stride(0), q.stride(0), s.stride(0),
             QMAX=qmax, TO_E4M3=dtype != torch.int8, HAS_XS=x_scale is not None,
-            HAS_MASK=masked_m is not None, GROUP=group_size, GROUPS_PER_PROG=per_prog,
+            HAS_MASK=masked_m is not None, IN_GROUP=in_group, GROUP=group_size,
+            BLOCK_M=launch.block_m, BLOCK_K=launch.block_k, num_warps=launch.num_warps,
         )
     return q.reshape(shape), s.reshape(*shape[:-1], groups)
-
-
-def _scale_view(
-    x_scale: torch.Tensor | None, k: int, device: torch.device
-) -> tuple[torch.Tensor, int]:
-    """2-D fp32 view of input scales and how many columns each scale covers."""
-    if x_scale is None:
-        return torch.empty((1, 1), dtype=torch.float32, device=device), k
-    xs = x_scale.reshape(-1, x_scale.shape[-1]).float().contiguous()
-    return xs, k // xs.shape[1]

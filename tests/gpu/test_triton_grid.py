@@ -6,7 +6,10 @@ M {1, 33, 64, 222} x N {128, 1024} x K {256, 4096} x E {8, 24} x top-k {2, 6}, b
 inputs: relative mean absolute error < 0.05 channel-wise, < 0.02 block-wise. Here N is the
 intermediate size (w13 [E, 2N, K], w2 [E, K, N]) and K the hidden size, as in SGLang's INT8 tests.
 Also exact-rounding checks of the quantizers against epmoe.quant.reference, which only hold
-compiled (the interpreter's fp8 and bf16 conversions differ).
+compiled (the interpreter's fp8 and bf16 conversions differ), and the TMA grouped GEMM (plain,
+persistent, warp-specialized, flattened) against the pointer kernel: bit for bit with the int32
+accumulator, both layouts, uneven routing with empty experts, a DeepSeek-V3 GEMM1 shape, CUDA-graph
+replay with new routing, and the fallback for unaligned operands.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from epmoe.kernels import activation, grouped_gemm, permute, quantize  # noqa: E402
+from epmoe.kernels.configs import GemmConfig  # noqa: E402
 from epmoe.layouts import to_contiguous, to_masked  # noqa: E402
 from epmoe.quant import reference  # noqa: E402
 
@@ -218,3 +222,155 @@ def test_activation_quant_bit_exact():
         assert (q.int() - rq.int()).abs().max() <= 1
         assert (q != rq).float().mean() < 1e-3
         assert torch.allclose(s, rs, rtol=1e-6, atol=0)
+
+
+# ------------------------------------------------------------------ TMA grouped GEMM vs the pointer kernel
+
+TMA_VARIANTS = {
+    "plain": dict(tma=True, num_warps=8, num_stages=3),
+    "persistent": dict(tma=True, persistent=True, num_warps=8, num_stages=3),
+    "persistent_ws": dict(tma=True, persistent=True, warp_specialize=True, num_warps=4, num_stages=3),
+    "plain_ws": dict(tma=True, warp_specialize=True, num_warps=4, num_stages=3),
+    "persistent_flatten": dict(tma=True, persistent=True, flatten=True, num_warps=8, num_stages=3),
+}
+MODE_ACC = [("int8_channel", "int32"), ("int8_channel", "fp32"), ("int8_block", "fp32"), ("bf16", "fp32")]
+
+
+def _tma_cfg(mode, variant):
+    # Tiles that fit registers and shared memory per mode (int8_block and the fp32 accumulator
+    # hold two [BM, BN] fp32/int32 tiles; bf16 has twice the bytes per element).
+    bm, bn, bk = {"int8_channel_int32": (128, 256, 128), "bf16": (128, 128, 64)}.get(mode, (128, 128, 128))
+    return GemmConfig(bm, bn, bk, 8, **TMA_VARIANTS[variant])
+
+
+def _gemm_operands(mode, rows, e, n, k, g):
+    if mode == "bf16":
+        a = torch.randn(rows, k, device=DEV, generator=g).bfloat16()
+        b = (torch.randn(e, n, k, device=DEV, generator=g) / k**0.5).bfloat16()
+        return a, b, None, None
+    a = torch.randint(-127, 128, (rows, k), device=DEV, generator=g, dtype=torch.int8)
+    b = torch.randint(-127, 128, (e, n, k), device=DEV, generator=g, dtype=torch.int8)
+    if mode == "int8_channel":
+        return a, b, torch.rand(rows, 1, device=DEV, generator=g) + 0.5, torch.rand(e, n, 1, device=DEV, generator=g) / 1e4
+    return (a, b, torch.rand(rows, k // 128, device=DEV, generator=g) + 0.5,
+            torch.rand(e, -(-n // 128), k // 128, device=DEV, generator=g) / 1e4)
+
+
+def _assert_same(tma_out, ptr_out, exact):
+    if exact:
+        assert torch.equal(tma_out, ptr_out), "int32 accumulation is exact: the kernels must agree bit for bit"
+    else:
+        scale = float(ptr_out.float().abs().max())
+        torch.testing.assert_close(tma_out.float(), ptr_out.float(), rtol=2e-2, atol=1e-3 * scale)
+
+
+@pytest.mark.parametrize("variant", list(TMA_VARIANTS))
+@pytest.mark.parametrize("mode,acc", MODE_ACC, ids=[f"{m}-{a}" for m, a in MODE_ACC])
+def test_tma_grouped_gemm_contiguous(mode, acc, variant):
+    e, n, k = 12, 512, 1024
+    counts = [0, 300, 1, 0, 129, 128, 77, 0, 0, 513, 5, 0]  # empty, single-row, tile-aligned, ragged
+    offsets = torch.tensor([0] + list(itertools.accumulate(counts)), dtype=torch.int32, device=DEV)
+    rows = int(offsets[-1])
+    g = torch.Generator(device=DEV).manual_seed(11)
+    a, b, sa, sb = _gemm_operands(mode, rows, e, n, k, g)
+    key = f"{mode}_{acc}" if acc == "int32" else mode
+    cfg = _tma_cfg(key, variant)
+    twin = GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, False, 8, 3)
+    outs = []
+    for c in (cfg, twin):
+        out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+        grouped_gemm.grouped_gemm_contiguous(
+            a, b, offsets, mode=mode, a_scale=sa, b_scale=sb, accumulator=acc, out_dtype=torch.bfloat16,
+            config=c, out=out,
+        )
+        outs.append(out)
+    assert grouped_gemm.tma_fallback_reason(a, b, cfg) is None
+    assert torch.isfinite(outs[0]).all()
+    _assert_same(outs[0], outs[1], exact=acc == "int32")
+
+
+@pytest.mark.parametrize("variant", ["plain", "persistent_ws"])
+@pytest.mark.parametrize("mode,acc", MODE_ACC[:3], ids=[f"{m}-{a}" for m, a in MODE_ACC[:3]])
+def test_tma_grouped_gemm_masked(mode, acc, variant):
+    e, cap, n, k = 6, 256, 384, 512
+    masked_m = torch.tensor([0, 256, 3, 130, 0, 64], dtype=torch.int32, device=DEV)
+    g = torch.Generator(device=DEV).manual_seed(12)
+    a, b, sa, sb = _gemm_operands(mode, e * cap, e, n, k, g)
+    a3 = a.view(e, cap, k)
+    sa3 = sa.view(e, cap, -1)
+    cfg = _tma_cfg(f"{mode}_{acc}" if acc == "int32" else mode, variant)
+    twin = GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, False, 8, 3)
+    outs = []
+    for c in (cfg, twin):
+        out = torch.full((e, cap, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+        grouped_gemm.grouped_gemm_masked(
+            a3, b, masked_m, mode=mode, a_scale=sa3, b_scale=sb, accumulator=acc, out_dtype=torch.bfloat16,
+            expected_m=64, config=c, out=out,
+        )
+        outs.append(out)
+    for i, mm in enumerate(masked_m.tolist()):
+        assert torch.isnan(outs[0][i, mm:]).all(), "rows past masked_m must not be written"
+        if mm:
+            _assert_same(outs[0][i, :mm], outs[1][i, :mm], exact=acc == "int32")
+
+
+@pytest.mark.parametrize("variant", ["persistent", "persistent_ws"])
+def test_tma_grouped_gemm_deepseek_shape(variant):
+    """GEMM1 of DeepSeek-V3 (N=4096, K=7168) with uneven routing over 8 experts."""
+    e, n, k = 8, 4096, 7168
+    counts = [700, 0, 129, 1, 256, 0, 1000, 33]
+    offsets = torch.tensor([0] + list(itertools.accumulate(counts)), dtype=torch.int32, device=DEV)
+    rows = int(offsets[-1])
+    g = torch.Generator(device=DEV).manual_seed(13)
+    a, b, sa, sb = _gemm_operands("int8_channel", rows, e, n, k, g)
+    cfg = GemmConfig(128, 256, 128, 8, **TMA_VARIANTS[variant])
+    twin = GemmConfig(128, 128, 256, 8, False, 8, 3)
+    res = [grouped_gemm.grouped_gemm_contiguous(a, b, offsets, mode="int8_channel", a_scale=sa, b_scale=sb,
+                                                accumulator="int32", config=c) for c in (cfg, twin)]
+    _assert_same(res[0], res[1], exact=True)
+
+
+def test_tma_grouped_gemm_cuda_graph():
+    """A captured persistent TMA GEMM replays with new routing and new values in the same buffers."""
+    e, n, k, rows = 8, 512, 1024, 1024
+    g = torch.Generator(device=DEV).manual_seed(14)
+    a, b, sa, sb = _gemm_operands("int8_channel", rows, e, n, k, g)
+    offsets = torch.tensor([0, 100, 100, 400, 401, 700, 900, 1000, 1024], dtype=torch.int32, device=DEV)
+    out = torch.empty(rows, n, dtype=torch.bfloat16, device=DEV)
+    cfg = GemmConfig(128, 256, 128, 8, **TMA_VARIANTS["persistent_ws"])
+
+    def call():
+        grouped_gemm.grouped_gemm_contiguous(a, b, offsets, mode="int8_channel", a_scale=sa, b_scale=sb,
+                                             accumulator="int32", config=cfg, out=out)
+
+    call()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    offsets.copy_(torch.tensor([0, 0, 512, 512, 513, 800, 800, 1024, 1024], dtype=torch.int32, device=DEV))
+    a.copy_(torch.randint(-127, 128, a.shape, device=DEV, generator=g, dtype=torch.int8))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = grouped_gemm.grouped_gemm_contiguous(a, b, offsets, mode="int8_channel", a_scale=sa, b_scale=sb,
+                                               accumulator="int32", config=GemmConfig(128, 128, 128, 8, False, 8, 3))
+    assert torch.equal(out, ref)
+
+
+def test_tma_grouped_gemm_unaligned_falls_back():
+    e, n, k = 4, 256, 512
+    counts = [10, 0, 130, 60]
+    offsets = torch.tensor([0] + list(itertools.accumulate(counts)), dtype=torch.int32, device=DEV)
+    rows = int(offsets[-1])
+    g = torch.Generator(device=DEV).manual_seed(15)
+    a, b, sa, sb = _gemm_operands("int8_channel", rows, e, n, k, g)
+    shifted = torch.empty(8 + rows * k, dtype=torch.int8, device=DEV)[8:].view(rows, k)
+    shifted.copy_(a)
+    cfg = GemmConfig(128, 256, 128, 8, **TMA_VARIANTS["persistent_ws"])
+    assert "aligned" in grouped_gemm.tma_fallback_reason(shifted, b, cfg)
+    res = grouped_gemm.grouped_gemm_contiguous(shifted, b, offsets, mode="int8_channel", a_scale=sa, b_scale=sb,
+                                               accumulator="int32", config=cfg)
+    ref = grouped_gemm.grouped_gemm_contiguous(a, b, offsets, mode="int8_channel", a_scale=sa, b_scale=sb,
+                                               accumulator="int32", config=cfg)
+    assert torch.equal(res, ref)

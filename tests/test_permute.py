@@ -1,0 +1,121 @@
+"""The scatter's slot-position kernel against the torch reference path of ``to_contiguous``.
+
+On CPU the kernel runs in Triton's interpreter; on a GPU compiled. The reference is the stable
+sort of :func:`epmoe.layouts._to_contiguous_torch` (written independently of the kernel).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from epmoe.kernels import permute  # noqa: E402
+from epmoe.layouts import _to_contiguous_torch, to_contiguous  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _ids(r, k, e, seed, foreign=-1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-1, e, (r, k), generator=g)
+    if r:
+        ids[0] = foreign  # a token with no local slot
+    return ids
+
+
+@pytest.mark.parametrize(
+    "r,k,e,alignment,seed",
+    [(11, 3, 4, 1, 0), (37, 8, 5, 4, 1), (300, 2, 3, 128, 2), (5000, 2, 6, 1, 3), (1, 1, 1, 1, 4)],
+)
+def test_slot_positions_match_stable_sort(r, k, e, alignment, seed):
+    ids = _ids(r, k, e, seed)
+    ref = _to_contiguous_torch(torch.zeros(r, 1), None, ids, e, alignment)
+    offsets = ref.expert_offsets.to(DEVICE)
+    poison = permute.slot_positions(ids.to(DEVICE), offsets, int(offsets[-1]))
+    slot_pos, m_indices, counts = (t.cpu() for t in poison)
+    assert torch.equal(slot_pos, ref.slot_pos)
+    assert torch.equal(m_indices, ref.m_indices)
+    assert counts.tolist() == ref.num_rows
+
+
+def test_slot_positions_foreign_ids_beyond_range_and_empty_experts():
+    # ids >= E (another rank's numbering) and experts nobody picked
+    ids = torch.tensor([[7, 0], [0, -1], [9, 9], [0, 3]])
+    offsets = torch.tensor([0, 3, 3, 3, 4], dtype=torch.int32)
+    slot_pos, m_indices, counts = (t.cpu() for t in permute.slot_positions(ids.to(DEVICE), offsets.to(DEVICE), 4))
+    assert slot_pos.tolist() == [[-1, 0], [1, -1], [-1, -1], [2, 3]]
+    assert m_indices.tolist() == [0, 0, 0, 3]
+    assert counts.tolist() == [3, 0, 0, 1]
+
+
+def test_slot_positions_never_write_past_a_short_segment():
+    ids = torch.tensor([[0, 1], [0, 1], [0, 1]])
+    offsets = torch.tensor([0, 2, 5], dtype=torch.int32)  # expert 0 has 3 slots but room for 2
+    slot_pos, m_indices, counts = (t.cpu() for t in permute.slot_positions(ids.to(DEVICE), offsets.to(DEVICE), 5))
+    assert m_indices.tolist() == [0, 0, 1, 1, 1]
+    assert slot_pos[:, 1].tolist() == [2, 3, 4]
+    assert slot_pos[:2, 0].tolist() == [0, 1]
+    assert counts.tolist() == [3, 3]
+
+
+def test_slot_positions_rejects_bad_arguments():
+    ids = torch.zeros(2, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="expert_offsets must be an int32/int64"):
+        permute.slot_positions(ids, torch.zeros(3), 0)
+    with pytest.raises(ValueError, match="topk_ids must be an integer"):
+        permute.slot_positions(ids.float(), torch.zeros(3, dtype=torch.int32), 0)
+
+
+def test_to_contiguous_rejects_padded_rows_of_wrong_length():
+    with pytest.raises(ValueError, match="padded_rows has 2 entries; expected num_experts=3"):
+        to_contiguous(torch.zeros(2, 4), None, torch.zeros(2, 1, dtype=torch.int64), 3, 1, [1, 1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel path of to_contiguous runs on CUDA tensors")
+@pytest.mark.parametrize("alignment,known", [(1, False), (1, True), (128, False), (128, True)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_to_contiguous_cuda_equals_torch_path(alignment, known, dtype):
+    r, k, e, h = 700, 8, 16, 256
+    ids = _ids(r, k, e, 5)
+    x = (torch.randn(r, h) * 30).to(dtype)
+    xs = torch.rand(r, 2)
+    ref = _to_contiguous_torch(x, xs, ids, e, alignment)
+    padded = [int(b - a) for a, b in zip(ref.expert_offsets[:-1].tolist(), ref.expert_offsets[1:].tolist())]
+    got = to_contiguous(x.cuda(), xs.cuda(), ids.cuda(), e, alignment, padded if known else None)
+    assert torch.equal(got.expert_offsets.cpu(), ref.expert_offsets)
+    assert torch.equal(got.m_indices.cpu(), ref.m_indices)
+    assert torch.equal(got.slot_pos.cpu(), ref.slot_pos)
+    assert got.rows_per_expert() == ref.num_rows
+    assert torch.equal(got.x.cpu().view(torch.uint8), ref.x.view(torch.uint8))
+    assert torch.equal(got.x_scale.cpu(), ref.x_scale)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])
+def test_gather_weighted_rounds_the_fp32_sum_once(out_dtype):
+    ids = _ids(23, 3, 4, 7)
+    ref = _to_contiguous_torch(torch.zeros(23, 1), None, ids, 4, 1)
+    g = torch.Generator().manual_seed(8)
+    expert_out = torch.randn(ref.x.shape[0], 40, generator=g).half()
+    w = torch.rand(23, 3, generator=g)
+    want = torch.zeros(23, 40, dtype=torch.float64)
+    for r in range(23):
+        for j in range(3):
+            p = int(ref.slot_pos[r, j])
+            if p >= 0:
+                want[r] += expert_out[p].double() * float(w[r, j])
+    got = permute.gather_weighted(expert_out.to(DEVICE), ref.slot_pos.to(DEVICE), w.to(DEVICE), out_dtype).cpu()
+    assert got.dtype == out_dtype
+    # fp32 sum of 3 terms, then one rounding to out_dtype
+    tol = 1e-6 if out_dtype == torch.float32 else 2.0**-10
+    assert torch.allclose(got.double(), want, rtol=tol, atol=tol)
+
+
+def test_gather_weighted_rejects_int_out_dtype():
+    with pytest.raises(TypeError, match="out_dtype=torch.int32; allowed"):
+        permute.gather_weighted(torch.zeros(2, 4), torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1), torch.int32)
