@@ -125,7 +125,7 @@ def to_contiguous(
     if not x.is_cuda:
         return _to_contiguous_torch(x, x_scale, topk_ids, num_experts, alignment)
     device = x.device
-    num_rows: list[int] | torch.Tensor
+    num_rows: list[int] | None = None
     if padded_rows is None:
         flat = topk_ids.reshape(-1)
         valid = (flat >= 0) & (flat < num_experts)
@@ -138,7 +138,7 @@ def to_contiguous(
     offsets = torch.tensor(offsets_list, dtype=torch.int32).to(device, non_blocking=True)
     permute = kernel_permute()
     slot_pos, m_indices, counts = permute.slot_positions(topk_ids, offsets, m)
-    if not isinstance(num_rows, list):
+    if num_rows is None:
         num_rows = counts
     # Without padding every row is written, so the output needs no memset.
     out_x, out_scale = permute.scatter_rows(x, slot_pos, m, x_scale, fill_unused=alignment > 1)

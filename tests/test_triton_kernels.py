@@ -334,9 +334,14 @@ def test_launch_defaults_and_checks():
         launch = quantize.token_launch(m, k, "cuda")
         quantize.check_launch(launch)
         assert launch.block_k >= k or k > quantize.SINGLE_PASS_MAX
-    assert quantize.token_launch(262144, 7168, "cuda") == Launch(1, 8192, 16)
-    launch = quantize.group_launch(262144, 7168, 128, "cuda")
-    assert 56 % (launch.block_k // 128) == 0  # whole groups, no half-empty program
+    # the measured bandwidth-best launches (see quantize.LARGE_M)
+    assert quantize.token_launch(262144, 7168, "cuda") == Launch(1, 8192, 4)
+    assert quantize.token_launch(4096, 7168, "cuda") == Launch(1, 8192, 8)
+    assert quantize.group_launch(262144, 7168, 128, "cuda") == Launch(2, 1024, 4)
+    assert quantize.group_launch(32768, 2048, 128, "cuda") == Launch(1, 2048, 4)
+    for m in (4096, 262144):
+        launch = quantize.group_launch(m, 7168, 128, "cuda")
+        assert 56 % (launch.block_k // 128) == 0  # whole groups, no half-empty program
     with pytest.raises(ValueError, match="power of two"):
         quantize._per_token(torch.randn(4, 128, device=DEVICE), None, None, Launch(3, 128, 4))
     with pytest.raises(ValueError, match="multiple of group_size"):
@@ -491,11 +496,11 @@ def test_grouped_gemm_argument_errors():
 TMA_CONFIGS = [
     configs.GemmConfig(16, 32, 64, 2, tma=True, num_stages=2),
     configs.GemmConfig(16, 64, 64, 2, tma=True, persistent=True, num_stages=2),
-    # N tile spans two 128-wide weight blocks; warp specialization is a compile option only
-    configs.GemmConfig(32, 256, 64, 1, tma=True, persistent=True, warp_specialize=True, num_stages=2),
+    # N tile spans two 128-wide weight blocks
+    configs.GemmConfig(32, 256, 64, 1, tma=True, persistent=True, num_stages=2),
     configs.GemmConfig(16, 128, 128, 4, tma=True, persistent=True, flatten=True, num_stages=2),
 ]
-TMA_IDS = ["plain", "persistent", "persistent_ws", "persistent_flatten"]
+TMA_IDS = ["plain", "persistent", "persistent_wide_n", "persistent_flatten"]
 
 
 def _pointer_twin(cfg: configs.GemmConfig) -> configs.GemmConfig:
@@ -632,7 +637,7 @@ def test_grouped_gemm_tma_falls_back(k, shift):
     b = torch.randint(-127, 128, (3, 40, k), generator=g, dtype=torch.int8)
     sa = torch.rand(m, 1, generator=g) + 0.5
     sb = torch.rand(3, 40, 1, generator=g) / 100
-    cfg = configs.GemmConfig(16, 32, 64, 1, tma=True, persistent=True, warp_specialize=True, num_stages=2)
+    cfg = configs.GemmConfig(16, 32, 64, 1, tma=True, persistent=True, num_stages=2)
     assert grouped_gemm.tma_fallback_reason(a, b.to(DEVICE), cfg) is not None
     res = grouped_gemm.grouped_gemm_contiguous(
         a, b.to(DEVICE), offsets_t.to(DEVICE), mode="int8_channel", a_scale=sa.to(DEVICE), b_scale=sb.to(DEVICE),
@@ -647,16 +652,18 @@ def test_grouped_gemm_tma_falls_back(k, shift):
 def test_gemm_config_tma_fields_round_trip():
     old = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 256, "GROUP_M": 8, "SWAP_AB": False, "num_warps": 8, "num_stages": 3}
     cfg = configs.GemmConfig.from_dict(old)
-    assert not (cfg.tma or cfg.persistent or cfg.warp_specialize or cfg.flatten)
+    assert not (cfg.tma or cfg.persistent or cfg.flatten)
     assert cfg.to_dict() == old, "entries without the TMA keys must round-trip unchanged"
-    new = dict(old, TMA=True, PERSISTENT=True, WARP_SPECIALIZE=True, num_warps=4)
+    new = dict(old, TMA=True, PERSISTENT=True, num_warps=4)
     cfg = configs.GemmConfig.from_dict(new)
-    assert cfg.tma and cfg.persistent and cfg.warp_specialize and not cfg.flatten
+    assert cfg.tma and cfg.persistent and not cfg.flatten
     assert cfg.to_dict() == new and configs.GemmConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="need TMA"):
         configs.GemmConfig.from_dict(dict(old, PERSISTENT=True))
     with pytest.raises(ValueError, match="need TMA"):
-        configs.GemmConfig.from_dict(dict(old, WARP_SPECIALIZE=True))
+        configs.GemmConfig.from_dict(dict(old, FLATTEN=True))
+    with pytest.raises(ValueError, match="unknown config keys"):  # hung on an H200: not offered
+        configs.GemmConfig.from_dict(dict(old, TMA=True, WARP_SPECIALIZE=True))
     with pytest.raises(ValueError, match="SWAP_AB"):
         configs.GemmConfig.from_dict(dict(old, TMA=True, SWAP_AB=True))
     with pytest.raises(ValueError, match="unknown config keys"):
@@ -678,25 +685,24 @@ def test_tune_candidates_with_tma():
             cands = tune.candidates(mode, m)
             assert len(cands) == len(set(cands)) <= 24
             assert not any(c.tma for c in tune.candidates(mode, m, tma=False))
-            assert any(c.tma and c.persistent and c.warp_specialize for c in cands) == (m > 64)
+            assert any(c.tma and c.persistent for c in cands) == (m > 64)
             for c in cands:
                 configs.GemmConfig.from_dict(c.to_dict())  # validates
                 assert c.smem_bytes(2 if kmode == "bf16" else 1) <= tune.SMEM_BYTES
                 assert kmode != "int8_block" or 128 % c.block_k == 0
-                assert not (c.warp_specialize and c.num_warps != 4), "Hopper's warp specialization needs num_warps=4"
 
 
 def test_get_config_reads_tma_entries(tmp_path, monkeypatch):
     name = configs.device_name(DEVICE)
     entry = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3,
-             "TMA": True, "PERSISTENT": True, "WARP_SPECIALIZE": True}
+             "TMA": True, "PERSISTENT": True}
     data = {"device": name, "configs": {"int8_channel_int32": {"N=4096,K=7168": {"512": entry}}}}
     (tmp_path / configs.config_filename(name)).write_text(json.dumps(data))
     monkeypatch.setenv("EPMOE_CONFIG_DIR", str(tmp_path))
     configs.load_table.cache_clear()
     try:
         cfg = configs.get_config("int8_channel", 4096, 7168, 300, device=DEVICE, accumulator="int32")
-        assert cfg.tma and cfg.persistent and cfg.warp_specialize and cfg.to_dict() == dict(entry, SWAP_AB=False)
+        assert cfg.tma and cfg.persistent and cfg.to_dict() == dict(entry, SWAP_AB=False)
         # the fp32-accumulator lookup does not see the int32 entry
         assert not configs.get_config("int8_channel", 4096, 7168, 300, device=DEVICE, accumulator="fp32").tma
     finally:

@@ -45,31 +45,21 @@ def kernel_mode(mode: str) -> tuple[str, str]:
 
 
 def tma_candidates(mode: str, m: int) -> list[GemmConfig]:
-    """TMA-fed configs for MMA-bound buckets (m > 64): plain, persistent (P), warp-specialized
-    (W: num_warps=4 is one TMA producer + two 4-warp consumer groups on Hopper) and flattened (F).
+    """TMA-fed configs for MMA-bound buckets (m > 64): plain, persistent (P) and flattened (F).
     Two [BM, BN] register tiles (int8_block, the fp32 accumulator) spill at 128x256, so those
     modes get 128x128 / 64x256 tiles."""
     if m <= 64:
         return []
 
     def t(bm, bn, bk, nw, st, flags=""):
-        return GemmConfig(bm, bn, bk, 8, False, nw, st, tma=True, persistent="P" in flags,
-                          warp_specialize="W" in flags, flatten="F" in flags)
+        return GemmConfig(bm, bn, bk, 8, False, nw, st, tma=True, persistent="P" in flags, flatten="F" in flags)
 
     two_tiles = mode in ("int8_block", "int8_channel")  # int8_channel here is the fp32 accumulator
-    if m <= 256:
-        if two_tiles:
-            return [t(128, 128, 128, 8, 4), t(128, 128, 128, 4, 4, "PW"), t(64, 256, 128, 4, 4, "PW"),
-                    t(128, 128, 256, 8, 3, "P"), t(64, 256, 128, 8, 4), t(128, 128, 128, 4, 6, "PW")]
-        return [t(128, 256, 128, 8, 4), t(128, 128, 128, 4, 4, "PW"), t(128, 256, 128, 4, 3, "PW"),
-                t(64, 256, 128, 4, 4, "PW"), t(128, 128, 256, 8, 3, "P"), t(128, 128, 256, 4, 3, "PW")]
     if two_tiles:
-        return [t(128, 128, 256, 8, 3), t(128, 128, 256, 8, 3, "P"), t(128, 128, 256, 4, 3, "PW"),
-                t(128, 128, 128, 4, 4, "PW"), t(128, 128, 128, 4, 6, "PW"), t(64, 256, 128, 4, 4, "PW"),
-                t(128, 128, 128, 8, 4, "PF")]
-    return [t(128, 256, 128, 8, 4), t(128, 256, 128, 8, 4, "P"), t(128, 256, 128, 4, 3, "PW"),
-            t(128, 256, 128, 4, 4, "PW"), t(256, 128, 128, 4, 4, "PW"), t(128, 128, 256, 4, 3, "PW"),
-            t(128, 256, 128, 8, 4, "PF"), t(128, 128, 128, 4, 4, "PW")]
+        return [t(128, 128, 128, 8, 4), t(128, 128, 128, 8, 4, "P"), t(128, 128, 256, 8, 3),
+                t(128, 128, 256, 8, 3, "P"), t(64, 256, 128, 8, 4), t(128, 128, 128, 8, 4, "PF")]
+    return [t(128, 256, 128, 8, 4), t(128, 256, 128, 8, 4, "P"), t(128, 256, 128, 8, 3, "P"),
+            t(256, 128, 128, 8, 4, "P"), t(128, 128, 256, 8, 3, "P"), t(128, 256, 128, 8, 4, "PF")]
 
 
 def candidates(mode: str, m: int, tma: bool = True) -> list[GemmConfig]:

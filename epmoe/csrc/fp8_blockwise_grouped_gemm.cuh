@@ -4,11 +4,7 @@
 //   out[rows of expert e] = (A[rows] * SFA[rows]) @ (B[e] * SFB[e])^T      (bf16 out, fp32 accumulate)
 //
 // A      [M, K]   float8_e4m3fn, row-major (K-major); rows of expert e are offsets[e]:offsets[e+1]
-// SFA    one fp32 multiplier per 1x128 group of A, stored either
-//          K-major  [M, K/128] row-major (configs with SfaMajor = K), or
-//          MN-major [K/128, M] row-major, i.e. the transpose (configs with SfaMajor = MN): the
-//          scale loads of a tile's rows are then contiguous. The per-group layout takes the
-//          whole batch's M as the K stride, so no padding of M is needed.
+// SFA    [M, K/128] fp32 row-major: one multiplier per 1x128 group of A
 // B      [E, N, K] float8_e4m3fn, contiguous (each expert's weight is N x K, K-major)
 // SFB    [E, ceil(N/128), ceil(K/128)] fp32 contiguous: one multiplier per 128x128 block of B
 // out    [M, N]   bf16 row-major
@@ -42,8 +38,6 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/kernel_hardware_info.h"
 
-#include "fp8_blockwise_grouped_gemm_configs.h"
-
 namespace epmoe {
 
 using namespace cute;
@@ -52,36 +46,8 @@ using namespace cute;
   TORCH_CHECK((status) == cutlass::Status::kSuccess, "epmoe CUTLASS FP8 grouped GEMM: ", what,   \
               " failed: ", cutlassGetStatusString(status))
 
-// The two mainloop/epilogue schedule pairs: cooperative (both consumer warpgroups work on one
-// tile, splitting its M) and ping-pong (each consumer warpgroup owns a tile; they alternate).
-struct CoopSchedule {
-  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum;
-  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
-struct PingpongSchedule {
-  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8BlockScaledAccum;
-  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-};
-
-// CollectiveMma with its TiledMma replaced (everything else as the CollectiveBuilder chose it).
-template <class Op, class NewTiledMma>
-struct ReplaceTiledMma;
-template <class DP, class TS, class EA, class SA, class EB, class SB, class TM, class GA, class LA,
-          class CA, class TA, class GB, class LB, class CB, class TB, class NewTiledMma>
-struct ReplaceTiledMma<
-    cutlass::gemm::collective::CollectiveMma<DP, TS, EA, SA, EB, SB, TM, GA, LA, CA, TA, GB, LB, CB, TB>,
-    NewTiledMma> {
-  using type =
-      cutlass::gemm::collective::CollectiveMma<DP, TS, EA, SA, EB, SB, NewTiledMma, GA, LA, CA, TA, GB, LB, CB, TB>;
-};
-
-// One kernel configuration: tile shape, cluster shape, mainloop/epilogue schedules, the major mode
-// of the activation scales (SFA) and the N of one WGMMA instruction (MmaN; 0 = the builder's
-// choice, the whole tile N). A tile wider than the 128-column weight-scale block needs MmaN = 128:
-// CUTLASS's GmmaFP8Accumulation requires the per-thread scale fragments to have the accumulator's
-// exact (nested) shape, which holds when each WGMMA covers one weight-scale block.
-template <class TileShape_, class ClusterShape_, class KernelSchedule_, class EpilogueSchedule_,
-          cute::GMMA::Major SfaMajor_ = cute::GMMA::Major::K, int MmaN_ = 0>
+// One kernel configuration: tile shape, cluster shape and mainloop/epilogue schedules.
+template <class TileShape_, class ClusterShape_, class KernelSchedule_, class EpilogueSchedule_>
 struct Fp8GroupedGemmConfig {
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
 
@@ -108,10 +74,9 @@ struct Fp8GroupedGemmConfig {
   using KernelSchedule = KernelSchedule_;
   using EpilogueSchedule = EpilogueSchedule_;
 
-  // 1x128 activation groups (K-major or MN-major) and 128x128 weight blocks (K-major).
-  static constexpr bool kSfaMN = SfaMajor_ == cute::GMMA::Major::MN;
-  using ScaleConfig =
-      cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, SfaMajor_, cute::GMMA::Major::K>;
+  // 1x128 activation groups and 128x128 weight blocks, both K-major (row-major scale tensors).
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K,
+                                                                cute::GMMA::Major::K>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
 
@@ -122,22 +87,13 @@ struct Fp8GroupedGemmConfig {
       cutlass::epilogue::fusion::LinearCombination<ElementD, ElementCompute, ElementC,
                                                    ElementCompute>>::CollectiveOp;
 
-  using MainloopBuilder = cutlass::gemm::collective::CollectiveBuilder<
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA,
       cute::tuple<LayoutA*, LayoutSFA*>, AlignmentA, ElementB, cute::tuple<LayoutB*, LayoutSFB*>,
       AlignmentB, ElementAccumulator, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      KernelSchedule>;
-  using NarrowTiledMma = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<ElementA, ElementB, ElementAccumulator,
-                                 Shape<decltype(get<0>(TileShape{})), Int<(MmaN_ > 0 ? MmaN_ : 8)>,
-                                       decltype(get<2>(TileShape{}))>,
-                                 cute::GMMA::Major::K, cute::GMMA::Major::K>(),
-      typename MainloopBuilder::AtomLayoutMNK{}));
-  using CollectiveMainloop = cute::conditional_t<
-      MmaN_ == 0, typename MainloopBuilder::CollectiveOp,
-      typename ReplaceTiledMma<typename MainloopBuilder::CollectiveOp, NarrowTiledMma>::type>;
+      KernelSchedule>::CollectiveOp;
 
   using GemmKernel =
       cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
@@ -150,10 +106,9 @@ struct Fp8GroupedGemmConfig {
 };
 
 // Writes the per-group arguments of expert e (one thread per expert).
-// sfa_ld: for MN-major SFA, the row stride of the [K/128, M] scale tensor (the batch's M).
 template <class Cfg>
 __global__ void fill_group_args_kernel(
-    int num_groups, int n, int k, int64_t sfa_ld, const int32_t* __restrict__ offsets,
+    int num_groups, int n, int k, const int32_t* __restrict__ offsets,
     const typename Cfg::ElementA* a, const float* sfa, const typename Cfg::ElementB* b,
     const float* sfb, typename Cfg::ElementD* d,
     typename Cfg::UnderlyingProblemShape* problem_sizes, const typename Cfg::ElementA** ptr_a,
@@ -172,7 +127,7 @@ __global__ void fill_group_args_kernel(
   ptr_a[e] = a + start * k;
   ptr_b[e] = b + static_cast<int64_t>(e) * n * k;
   ptr_d[e] = d + start * n;
-  ptr_sfa[e] = Cfg::kSfaMN ? sfa + start : sfa + start * sk;
+  ptr_sfa[e] = sfa + start * sk;
   ptr_sfb[e] = sfb + static_cast<int64_t>(e) * nb * sk;
   typename Cfg::StrideA sa{};
   cute::get<0>(sa) = static_cast<int64_t>(k);
@@ -183,18 +138,7 @@ __global__ void fill_group_args_kernel(
   stride_a[e] = sa;
   stride_b[e] = sb;
   stride_d[e] = sd;
-  if constexpr (Cfg::kSfaMN) {
-    // ((1, m), (128, K/128), L=1) with strides ((0, 1), (0, sfa_ld), m*sk): like
-    // tile_atom_to_shape_SFA, but the K stride is the batch's M rather than this group's m.
-    using LayoutSFA = typename Cfg::LayoutSFA;
-    layout_sfa[e] = LayoutSFA(
-        cute::make_shape(cute::make_shape(cute::_1{}, m), cute::make_shape(cute::_128{}, static_cast<int>(sk)), 1),
-        cute::make_stride(cute::make_stride(cute::_0{}, cute::_1{}),
-                          cute::make_stride(cute::_0{}, static_cast<int>(sfa_ld)),
-                          static_cast<int>(m * sk)));
-  } else {
-    layout_sfa[e] = Cfg::ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(m, n, k, 1));
-  }
+  layout_sfa[e] = Cfg::ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(m, n, k, 1));
   layout_sfb[e] = Cfg::ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(m, n, k, 1));
 }
 
@@ -253,7 +197,7 @@ void run_fp8_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor
 
   const int threads = 128;
   fill_group_args_kernel<Cfg><<<(num_groups + threads - 1) / threads, threads, 0, stream>>>(
-      num_groups, n, k, static_cast<int64_t>(a.size(0)), offsets.data_ptr<int32_t>(),
+      num_groups, n, k, offsets.data_ptr<int32_t>(),
       reinterpret_cast<const ElementA*>(a.data_ptr()), a_scale.data_ptr<float>(),
       reinterpret_cast<const ElementB*>(b.data_ptr()), b_scale.data_ptr<float>(),
       reinterpret_cast<ElementD*>(out.data_ptr()), problem_sizes, ptr_a, ptr_b, ptr_d, ptr_sfa,
@@ -306,13 +250,5 @@ int64_t workspace_size_for(int64_t num_groups, int64_t sm_count) {
                                 hw_info};
   return static_cast<int64_t>(Gemm::get_workspace_size(args));
 }
-
-// Defines fp8_gemm_config_<name>() (declared in fp8_blockwise_grouped_gemm_configs.h) for Cfg.
-#define EPMOE_DEFINE_FP8_GEMM_CONFIG(name, Cfg)                                                   \
-  const Fp8GemmConfigEntry& fp8_gemm_config_##name() {                                           \
-    static const Fp8GemmConfigEntry entry{#name, Cfg::kSfaMN, &run_fp8_grouped_gemm<Cfg>,       \
-                                          &workspace_size_for<Cfg>};                              \
-    return entry;                                                                                 \
-  }
 
 }  // namespace epmoe

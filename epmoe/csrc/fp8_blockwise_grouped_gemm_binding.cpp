@@ -3,43 +3,24 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
-#include <string>
-
-#include "fp8_blockwise_grouped_gemm_configs.h"
+namespace epmoe {
+void fp8_grouped_gemm_coop(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
+                           const at::Tensor& b, const at::Tensor& b_scale,
+                           const at::Tensor& offsets, int64_t raster_along_n,
+                           int64_t max_swizzle);
+void fp8_grouped_gemm_pingpong(at::Tensor& out, const at::Tensor& a,
+                               const at::Tensor& a_scale, const at::Tensor& b,
+                               const at::Tensor& b_scale, const at::Tensor& offsets,
+                               int64_t raster_along_n, int64_t max_swizzle);
+int64_t fp8_grouped_gemm_coop_workspace(int64_t num_groups, int64_t sm_count);
+int64_t fp8_grouped_gemm_pingpong_workspace(int64_t num_groups, int64_t sm_count);
+}  // namespace epmoe
 
 namespace {
 
-// Every configuration, indexed by config id (see fp8_blockwise_grouped_gemm_configs.h).
-const epmoe::Fp8GemmConfigEntry* const* config_table() {
-#define EPMOE_ENTRY(id, name) &epmoe::fp8_gemm_config_##name(),
-  static const epmoe::Fp8GemmConfigEntry* const table[] = {EPMOE_FP8_GEMM_CONFIGS(EPMOE_ENTRY)};
-#undef EPMOE_ENTRY
-  return table;
-}
-
-int64_t num_configs() {
-#define EPMOE_COUNT(id, name) +1
-  return 0 EPMOE_FP8_GEMM_CONFIGS(EPMOE_COUNT);
-#undef EPMOE_COUNT
-}
-
-std::string allowed_configs() {
-  std::string text;
-  for (int64_t i = 0; i < num_configs(); ++i) {
-    text += (i ? ", " : "") + std::to_string(i) + " " + config_table()[i]->name;
-  }
-  return text;
-}
-
-const epmoe::Fp8GemmConfigEntry& config_entry(int64_t config, const char* op) {
-  TORCH_CHECK(config >= 0 && config < num_configs(), op, ": config=", config,
-              " (allowed: ", allowed_configs(), ")");
-  return *config_table()[config];
-}
-
 void check_operands(const at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
-                    const at::Tensor& b, const at::Tensor& b_scale, const at::Tensor& offsets,
-                    bool sfa_mn) {
+                    const at::Tensor& b, const at::Tensor& b_scale,
+                    const at::Tensor& offsets) {
   TORCH_CHECK(a.is_cuda() && a_scale.is_cuda() && b.is_cuda() && b_scale.is_cuda() &&
                   offsets.is_cuda() && out.is_cuda(),
               "fp8_grouped_gemm: all operands must be CUDA tensors");
@@ -55,19 +36,9 @@ void check_operands(const at::Tensor& out, const at::Tensor& a, const at::Tensor
   TORCH_CHECK(b.size(2) == k, "fp8_grouped_gemm: a has K=", k, " but b has K=", b.size(2));
   TORCH_CHECK(k % 128 == 0 && n % 128 == 0, "fp8_grouped_gemm: N=", n, " and K=", k,
               " must be multiples of 128");
-  TORCH_CHECK(a_scale.scalar_type() == at::kFloat && a_scale.dim() == 2 && a_scale.size(0) == m &&
-                  a_scale.size(1) == k / 128,
-              "fp8_grouped_gemm: a_scale must be an fp32 [M, K/128] tensor");
-  if (sfa_mn) {
-    // MN-major: the transpose of a contiguous [K/128, M] tensor (a_scale.t().contiguous().t()).
-    TORCH_CHECK(a_scale.t().is_contiguous(),
-                "fp8_grouped_gemm: this config takes MN-major activation scales: a_scale must be "
-                "an [M, K/128] view of a contiguous [K/128, M] tensor (x_scale.t().contiguous().t())");
-  } else {
-    TORCH_CHECK(a_scale.is_contiguous(),
-                "fp8_grouped_gemm: this config takes K-major activation scales: a_scale must be "
-                "a contiguous [M, K/128] tensor");
-  }
+  TORCH_CHECK(a_scale.scalar_type() == at::kFloat && a_scale.is_contiguous() &&
+                  a_scale.dim() == 2 && a_scale.size(0) == m && a_scale.size(1) == k / 128,
+              "fp8_grouped_gemm: a_scale must be a contiguous fp32 [M, K/128] tensor");
   TORCH_CHECK(b_scale.scalar_type() == at::kFloat && b_scale.is_contiguous() &&
                   b_scale.dim() == 3 && b_scale.size(0) == e && b_scale.size(1) == n / 128 &&
                   b_scale.size(2) == k / 128,
@@ -80,26 +51,29 @@ void check_operands(const at::Tensor& out, const at::Tensor& a, const at::Tensor
               "fp8_grouped_gemm: out must be a contiguous bf16 [M, N] tensor");
 }
 
-// out[offsets[e]:offsets[e+1]] = dequant(a rows) @ dequant(b[e])^T, written in place, with kernel
-// configuration `config` (an index into EPMOE_FP8_GEMM_CONFIGS; config_name(i) names it).
+// out[offsets[e]:offsets[e+1]] = dequant(a rows) @ dequant(b[e])^T, written in place.
+// config: 0 = cooperative 128x128x128 (cluster 1x2), 1 = ping-pong 64x128x128.
 void fp8_grouped_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& a_scale,
                       const at::Tensor& b, const at::Tensor& b_scale, const at::Tensor& offsets,
                       int64_t config, int64_t raster_along_n, int64_t max_swizzle) {
-  const auto& entry = config_entry(config, "fp8_grouped_gemm");
-  check_operands(out, a, a_scale, b, b_scale, offsets, entry.sfa_mn);
+  check_operands(out, a, a_scale, b, b_scale, offsets);
   if (a.size(0) == 0 || b.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(a.device());
-  entry.run(out, a, a_scale, b, b_scale, offsets, raster_along_n, max_swizzle);
+  if (config == 0) {
+    epmoe::fp8_grouped_gemm_coop(out, a, a_scale, b, b_scale, offsets, raster_along_n, max_swizzle);
+  } else if (config == 1) {
+    epmoe::fp8_grouped_gemm_pingpong(out, a, a_scale, b, b_scale, offsets, raster_along_n,
+                                     max_swizzle);
+  } else {
+    TORCH_CHECK(false, "fp8_grouped_gemm: config=", config, " (allowed: 0 coop, 1 pingpong)");
+  }
 }
 
 // Bytes of workspace GemmKernel::get_workspace_size asks for (config, groups, SM count).
 int64_t workspace_size(int64_t config, int64_t num_groups, int64_t sm_count) {
-  return config_entry(config, "workspace_size").workspace(num_groups, sm_count);
-}
-
-// The name of config i ("" past the last one, so a caller can list them without knowing the count).
-std::string config_name(int64_t config) {
-  return config >= 0 && config < num_configs() ? config_table()[config]->name : "";
+  if (config == 0) return epmoe::fp8_grouped_gemm_coop_workspace(num_groups, sm_count);
+  if (config == 1) return epmoe::fp8_grouped_gemm_pingpong_workspace(num_groups, sm_count);
+  TORCH_CHECK(false, "workspace_size: config=", config, " (allowed: 0 coop, 1 pingpong)");
 }
 
 }  // namespace
@@ -115,7 +89,6 @@ EPMOE_LIBRARY(TORCH_EXTENSION_NAME, m) {
       "fp8_grouped_gemm(Tensor(a!) out, Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, "
       "Tensor expert_offsets, int config=0, int raster_along_n=0, int max_swizzle=1) -> ()");
   m.def("workspace_size(int config, int num_groups, int sm_count) -> int", &workspace_size);
-  m.def("config_name(int config) -> str", &config_name);
 }
 
 EPMOE_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CUDA, m) { m.impl("fp8_grouped_gemm", &fp8_grouped_gemm); }

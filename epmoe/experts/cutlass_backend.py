@@ -26,8 +26,6 @@ import importlib.util
 import logging
 import os
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,94 +43,16 @@ from .fp8_selection import (
 log = logging.getLogger("epmoe")
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-
-
-@dataclass(frozen=True)
-class KernelConfig:
-    """One compiled configuration of the grouped GEMM (``epmoe/csrc/fp8_blockwise_grouped_gemm_<name>.cu``).
-
-    Attributes:
-        id: the ``config`` argument of the op (position in ``EPMOE_FP8_GEMM_CONFIGS``).
-        name: ``<schedule>_<tile M>x<tile N>_c<cluster M>x<cluster N>[_sfamn]`` (tile K is 128).
-        schedule: ``"coop"`` (two consumer warpgroups split one tile's M) or ``"pingpong"`` (each
-            consumer warpgroup owns a tile; the two alternate).
-        tile: ``(M, N)`` of the CTA tile.
-        cluster: ``(M, N)`` of the thread-block cluster (TMA multicast of B across M, A across N).
-        sfa_mn: the activation scales are read MN-major (``[K/128, M]``); :func:`grouped_gemm`
-            transposes row-major scales for it.
-    """
-
-    id: int
-    name: str
-    schedule: str
-    tile: tuple[int, int]
-    cluster: tuple[int, int]
-    sfa_mn: bool = False
-
-    @property
-    def source(self) -> str:
-        return f"fp8_blockwise_grouped_gemm_{self.name}.cu"
-
-
-def _cfg(id_: int, schedule: str, tile: tuple[int, int], cluster: tuple[int, int], sfa_mn: bool = False):
-    name = f"{schedule}_{tile[0]}x{tile[1]}_c{cluster[0]}x{cluster[1]}" + ("_sfamn" if sfa_mn else "")
-    return KernelConfig(id_, name, schedule, tile, cluster, sfa_mn)
-
-
-CONFIGS: tuple[KernelConfig, ...] = (
-    _cfg(0, "coop", (128, 128), (1, 2)),
-    _cfg(1, "pingpong", (64, 128), (1, 1)),
-    _cfg(2, "coop", (128, 128), (2, 1)),
-    _cfg(3, "coop", (128, 256), (1, 1)),
-    _cfg(4, "coop", (128, 256), (2, 1)),
-    _cfg(5, "coop", (256, 128), (1, 1)),
-    _cfg(6, "coop", (256, 128), (1, 2)),
-    _cfg(7, "pingpong", (128, 128), (1, 1)),
-    _cfg(8, "pingpong", (64, 256), (1, 1)),
-    _cfg(9, "coop", (128, 128), (1, 2), sfa_mn=True),
-    _cfg(10, "coop", (128, 128), (2, 1), sfa_mn=True),
-    _cfg(11, "coop", (128, 256), (1, 1), sfa_mn=True),
+SOURCES = (
+    "fp8_blockwise_grouped_gemm_binding.cpp",
+    "fp8_blockwise_grouped_gemm.cu",
+    "fp8_blockwise_grouped_gemm_pingpong.cu",
 )
-"""Every configuration the extension is built with, in config-id order (the C++ list is
-``EPMOE_FP8_GEMM_CONFIGS`` in ``fp8_blockwise_grouped_gemm_configs.h``; :func:`load_extension`
-checks the two agree)."""
-CONFIG_BY_NAME = {c.name: c for c in CONFIGS}
-CONFIG_ALIASES = {"coop": "coop_128x128_c1x2", "pingpong": "pingpong_64x128_c1x1"}
-"""The names ``EPMOE_CUTLASS_CONFIG`` accepted before there were more than two configurations."""
-CONFIG_COOP, CONFIG_PINGPONG = CONFIG_BY_NAME["coop_128x128_c1x2"].id, CONFIG_BY_NAME["pingpong_64x128_c1x1"].id
-
-
-@dataclass(frozen=True)
-class SelectionRule:
-    """One row of the selection table: applies when the batch's average rows per expert is at most
-    ``max_rows`` (``None``: any) and the GEMM's N / K equal ``n`` / ``k`` (``None``: any).
-    ``raster_along_n`` and ``max_swizzle`` go to CUTLASS's persistent tile scheduler."""
-
-    max_rows: float | None
-    config: str
-    n: int | None = None
-    k: int | None = None
-    raster_along_n: bool = False
-    max_swizzle: int = 1
-
-    @property
-    def id(self) -> int:
-        return CONFIG_BY_NAME[self.config].id
-
-
+HEADERS = ("fp8_blockwise_grouped_gemm.cuh",)
+CONFIG_COOP, CONFIG_PINGPONG = 0, 1
 PINGPONG_MAX_ROWS = 64
-"""Average rows per expert at or below which the 64-row ping-pong tile is used by ``SELECTION``."""
-SELECTION: tuple[SelectionRule, ...] = (
-    SelectionRule(PINGPONG_MAX_ROWS, "pingpong_64x128_c1x1"),
-    SelectionRule(None, "coop_128x128_c1x2"),
-)
-"""The configuration by average rows per expert (first matching row wins; the last row must match
-everything). ``python -m epmoe.bench.fp8 --sweep`` times every configuration and prints a
-recommended table in this form. ``EPMOE_CUTLASS_CONFIG=<name>`` forces one configuration."""
-CONFIG_ENV = "EPMOE_CUTLASS_CONFIG"
-
-SOURCES = ("fp8_blockwise_grouped_gemm_binding.cpp",) + tuple(c.source for c in CONFIGS)
-HEADERS = ("fp8_blockwise_grouped_gemm.cuh", "fp8_blockwise_grouped_gemm_configs.h")
+"""Average rows per expert at or below which the 64-row ping-pong tile is used (env
+``EPMOE_CUTLASS_CONFIG=coop|pingpong`` forces one)."""
 
 NVCC_FLAGS = (
     "-gencode=arch=compute_90a,code=sm_90a",
@@ -212,9 +132,7 @@ def _build_key(include: Path) -> str:
 @functools.lru_cache(maxsize=1)
 def load_extension(verbose: bool = False):
     """Build (first use) and load the CUTLASS extension; returns its op namespace
-    (``torch.ops.epmoe_cutlass_fp8_<hash>``) with ``fp8_grouped_gemm``, ``workspace_size`` and
-    ``config_name`` (one translation unit per entry of :data:`CONFIGS`; ``MAX_JOBS`` bounds how
-    many compile at once).
+    (``torch.ops.epmoe_cutlass_fp8_<hash>``) with ``fp8_grouped_gemm`` and ``workspace_size``.
 
     A library already in the cache directory is loaded without invoking the compiler.
 
@@ -232,7 +150,7 @@ def load_extension(verbose: bool = False):
         try:
             torch.ops.load_library(str(library))
             log.info("loaded epmoe's CUTLASS FP8 grouped GEMM from %s", library)
-            return _checked(getattr(torch.ops, name))
+            return getattr(torch.ops, name)
         except OSError as exc:  # e.g. a cache copied from a machine with other libraries
             log.warning("cannot load the cached %s (%s); rebuilding", library, exc)
     from torch.utils import cpp_extension
@@ -267,25 +185,7 @@ def load_extension(verbose: bool = False):
     log.warning(
         "built epmoe's CUTLASS FP8 grouped GEMM in %.1f s (cached in %s)", time.perf_counter() - t0, build
     )
-    return _checked(getattr(torch.ops, name))
-
-
-def _checked(ops):
-    """``ops`` after checking that the library's configurations are :data:`CONFIGS`, in order."""
-    built = []
-    for i in range(len(CONFIGS) + 1):
-        label = ops.config_name(i)
-        if not label:
-            break
-        built.append(label)
-    want = [c.name for c in CONFIGS]
-    if built != want:
-        raise CutlassUnavailableError(
-            f"the CUTLASS extension was built with configurations {built}, expected {want} "
-            "(EPMOE_FP8_GEMM_CONFIGS in fp8_blockwise_grouped_gemm_configs.h and CONFIGS in "
-            "cutlass_backend.py disagree)"
-        )
-    return ops
+    return getattr(torch.ops, name)
 
 
 # ----------------------------------------------------------------------------------- sgl-kernel
@@ -327,77 +227,13 @@ def _use_sgl() -> bool:
     return os.environ.get("EPMOE_CUTLASS_IMPL", "auto") != "epmoe" and sgl_kernel_op() is not None
 
 
-def allowed_config_names() -> list[str]:
-    """What ``EPMOE_CUTLASS_CONFIG`` accepts: every configuration name and the two old aliases."""
-    return [c.name for c in CONFIGS] + list(CONFIG_ALIASES)
-
-
-def forced_config(env: Mapping[str, str] | None = None) -> KernelConfig | None:
-    """The configuration ``EPMOE_CUTLASS_CONFIG`` forces, ``None`` when unset or empty.
-
-    Raises:
-        ValueError: an unknown name (the message lists the allowed ones).
-    """
-    env = os.environ if env is None else env
-    forced = str(env.get(CONFIG_ENV, "")).strip()
-    if not forced:
-        return None
-    name = CONFIG_ALIASES.get(forced, forced)
-    if name not in CONFIG_BY_NAME:
-        allowed = ", ".join(repr(n) for n in allowed_config_names())
-        raise ValueError(f"{CONFIG_ENV}={forced!r} is not a CUTLASS kernel configuration; allowed: {allowed}")
-    return CONFIG_BY_NAME[name]
-
-
-def select_config(
-    rows_per_expert: float, n: int, k: int, table: tuple[SelectionRule, ...] = SELECTION
-) -> SelectionRule:
-    """The first rule of ``table`` that applies to a GEMM with this average rows per expert, N, K.
-
-    Raises:
-        ValueError: no rule applies (a table must end with a catch-all row).
-    """
-    for rule in table:
-        if rule.n is not None and rule.n != n:
-            continue
-        if rule.k is not None and rule.k != k:
-            continue
-        if rule.max_rows is None or rows_per_expert <= rule.max_rows:
-            return rule
-    raise ValueError(f"no CUTLASS selection rule for rows/expert={rows_per_expert}, N={n}, K={k}")
-
-
-def _config_for(
-    rows: int, groups: int, n: int = 0, k: int = 0, env: Mapping[str, str] | None = None
-) -> SelectionRule:
-    """The rule for a grouped GEMM of ``rows`` rows over ``groups`` experts: the forced
-    configuration (``EPMOE_CUTLASS_CONFIG``, default scheduler settings) or :func:`select_config`
-    on the average rows per expert."""
-    forced = forced_config(env)
-    if forced is not None:
-        return SelectionRule(None, forced.name)
-    return select_config(rows / max(groups, 1), n, k)
-
-
-def _config_id(config: int | str) -> int:
-    if isinstance(config, str):
-        name = CONFIG_ALIASES.get(config, config)
-        if name not in CONFIG_BY_NAME:
-            raise ValueError(f"unknown CUTLASS config {config!r}; allowed: {allowed_config_names()}")
-        return CONFIG_BY_NAME[name].id
-    if not 0 <= int(config) < len(CONFIGS):
-        raise ValueError(f"CUTLASS config id {config} out of range 0..{len(CONFIGS) - 1}")
-    return int(config)
-
-
-def scale_operand(a_scale: torch.Tensor, config: int | str) -> torch.Tensor:
-    """``a_scale`` ``[M, K/128]`` in the memory order ``config`` reads: row-major, or for an
-    MN-major configuration the transpose of a contiguous ``[K/128, M]`` (no copy when the scales
-    already arrive that way)."""
-    a_scale = a_scale.float()
-    if CONFIGS[_config_id(config)].sfa_mn:
-        return a_scale if a_scale.t().is_contiguous() else a_scale.t().contiguous().t()
-    return a_scale.contiguous()
+def _config_for(rows: int, groups: int) -> int:
+    forced = os.environ.get("EPMOE_CUTLASS_CONFIG")
+    if forced:
+        if forced not in ("coop", "pingpong"):
+            raise ValueError(f"EPMOE_CUTLASS_CONFIG={forced!r}; allowed: 'coop', 'pingpong'")
+        return CONFIG_COOP if forced == "coop" else CONFIG_PINGPONG
+    return CONFIG_PINGPONG if rows <= PINGPONG_MAX_ROWS * max(groups, 1) else CONFIG_COOP
 
 
 def grouped_gemm(
@@ -407,44 +243,32 @@ def grouped_gemm(
     b_scale: torch.Tensor,
     expert_offsets: torch.Tensor,
     out: torch.Tensor | None = None,
-    config: int | str | None = None,
-    raster_along_n: bool | None = None,
-    max_swizzle: int | None = None,
+    config: int | None = None,
 ) -> torch.Tensor:
     """``out[offsets[e]:offsets[e+1]] = (a * a_scale)[rows] @ (b[e] * b_scale[e])^T`` in bf16.
 
     Args:
         a: ``[M, K]`` e4m3, contiguous.
-        a_scale: ``[M, K/128]`` fp32, row-major or MN-major (brought into the order the
-            configuration reads by :func:`scale_operand`).
+        a_scale: ``[M, K/128]`` fp32 (made contiguous row-major here).
         b: ``[E, N, K]`` e4m3 contiguous; ``b_scale`` ``[E, N/128, K/128]`` fp32.
         expert_offsets: ``[E+1]`` int32 row offsets (any segment lengths, zero allowed).
         out: optional ``[M, N]`` bf16 output; rows outside every segment are left unwritten.
-        config: kernel configuration (id or name from :data:`CONFIGS`); default
-            ``EPMOE_CUTLASS_CONFIG`` or :data:`SELECTION` by average rows per expert.
-        raster_along_n, max_swizzle: tile-scheduler settings; default from the selected rule
-            (``False``, 1 for an explicit ``config``).
+        config: kernel configuration (0 coop, 1 ping-pong), default by rows per expert.
     """
     m, _ = a.shape
-    e, n, k = b.shape
+    e, n, _ = b.shape
     if out is None:
         out = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
     if m == 0 or e == 0:
         return out
+    a_scale = a_scale.float().contiguous()
     offsets = expert_offsets.to(torch.int32).contiguous()
     if _use_sgl():
-        _sgl_grouped_gemm(out, a, a_scale.float().contiguous(), b, b_scale, offsets)
+        _sgl_grouped_gemm(out, a, a_scale, b, b_scale, offsets)
         return out
     ext = load_extension()
-    if config is None:
-        rule = _config_for(m, e, n, k)
-        cfg, raster, swizzle = rule.id, rule.raster_along_n, rule.max_swizzle
-    else:
-        cfg, raster, swizzle = _config_id(config), False, 1
-    raster = raster if raster_along_n is None else raster_along_n
-    swizzle = swizzle if max_swizzle is None else max_swizzle
-    a_scale = scale_operand(a_scale, cfg)
-    ext.fp8_grouped_gemm(out, a.contiguous(), a_scale, b, b_scale, offsets, cfg, int(raster), int(swizzle))
+    cfg = _config_for(m, e) if config is None else config
+    ext.fp8_grouped_gemm(out, a.contiguous(), a_scale, b, b_scale, offsets, cfg, 0, 1)
     return out
 
 

@@ -36,12 +36,11 @@ class GemmConfig:
     of pointer loads (Hopper and newer; the call falls back to the pointer kernel when the
     operands do not meet TMA's 16-byte alignment, see :func:`epmoe.kernels.grouped_gemm.tma_fallback_reason`).
     With ``tma``: ``persistent`` launches one program per SM walking every output tile;
-    ``warp_specialize`` and ``flatten`` set the same-named ``tl.range`` options of the tile loop.
-    On Hopper (Triton 3.6) warp specialization applies with ``num_warps=4`` only: the kernel then
-    runs one TMA producer warp group and two MMA consumer warp groups (12 warps, each consumer
-    taking half of ``BLOCK_M``); with ``num_warps=8`` or ``flatten`` it is silently not applied.
-    These four are left out of :meth:`to_dict` while False, so entries written before they
-    existed mean (and round-trip to) the same thing.
+    ``flatten`` sets the same-named ``tl.range`` option of the tile loop. (Triton's
+    ``warp_specialize`` loop option is deliberately absent: on an H200 with Triton 3.6 the
+    warp-specialized kernel hung on its first launch.) These three are left out of
+    :meth:`to_dict` while False, so entries written before they existed mean (and round-trip to)
+    the same thing.
     """
 
     block_m: int
@@ -53,14 +52,13 @@ class GemmConfig:
     num_stages: int = 3
     tma: bool = False
     persistent: bool = False
-    warp_specialize: bool = False
     flatten: bool = False
 
     _KEYS = (
         "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SWAP_AB", "num_warps", "num_stages",
-        "TMA", "PERSISTENT", "WARP_SPECIALIZE", "FLATTEN",
+        "TMA", "PERSISTENT", "FLATTEN",
     )
-    _OPTIONAL = ("TMA", "PERSISTENT", "WARP_SPECIALIZE", "FLATTEN")
+    _OPTIONAL = ("TMA", "PERSISTENT", "FLATTEN")
 
     def to_dict(self) -> dict:
         d = dict(zip(self._KEYS, asdict(self).values()))
@@ -80,8 +78,7 @@ class GemmConfig:
         cfg = cls(
             int(d["BLOCK_M"]), int(d["BLOCK_N"]), int(d["BLOCK_K"]), int(d.get("GROUP_M", 8)),
             bool(d.get("SWAP_AB", False)), int(d.get("num_warps", 4)), int(d.get("num_stages", 3)),
-            bool(d.get("TMA", False)), bool(d.get("PERSISTENT", False)),
-            bool(d.get("WARP_SPECIALIZE", False)), bool(d.get("FLATTEN", False)),
+            bool(d.get("TMA", False)), bool(d.get("PERSISTENT", False)), bool(d.get("FLATTEN", False)),
         )
         cfg.validate()
         return cfg
@@ -93,8 +90,8 @@ class GemmConfig:
                 raise ValueError(f"{name.upper()}={v}; must be a power of two >= 16")
         if self.group_m < 1 or self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
             raise ValueError(f"config {self.to_dict()} has an invalid GROUP_M, num_warps or num_stages")
-        if not self.tma and (self.persistent or self.warp_specialize or self.flatten):
-            raise ValueError(f"config {self.to_dict()}: PERSISTENT, WARP_SPECIALIZE and FLATTEN need TMA")
+        if not self.tma and (self.persistent or self.flatten):
+            raise ValueError(f"config {self.to_dict()}: PERSISTENT and FLATTEN need TMA")
         if self.tma and self.swap_ab:
             raise ValueError(f"config {self.to_dict()}: the TMA kernel has no SWAP_AB variant")
 

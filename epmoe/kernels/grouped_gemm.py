@@ -24,9 +24,8 @@ groups of ``GROUP_M`` M tiles so that concurrently running programs share A and 
 
 TMA variant (``GemmConfig.tma``, sm_90+): :func:`_grouped_gemm_tma_kernel` reads A and B tiles
 through host-side tensor descriptors (A over the flat ``[rows, K]``, B over ``[E*N, K]``), walks a
-flattened (M tile, N tile) space with the same swizzle, optionally persistent (one program per SM)
-and warp-specialized (a TMA producer warp group feeding two wgmma consumer warp groups). A
-one-program prologue kernel writes each expert's first tile index, which the main kernel
+flattened (M tile, N tile) space with the same swizzle, optionally persistent (one program per
+SM). A one-program prologue kernel writes each expert's first tile index, which the main kernel
 binary-searches per tile (no host sync; empty experts own no tiles). The output store stays a
 masked pointer store (a TMA store would overwrite neighbouring experts' rows). Operands that
 break TMA's 16-byte alignment rules fall back to the pointer kernel
@@ -239,7 +238,7 @@ def _grouped_gemm_tma_kernel(
     stride_cm, stride_asm, stride_bse, stride_bsn, stride_bsk,
     MODE: tl.constexpr, MASKED: tl.constexpr, E_PAD: tl.constexpr, LOG_E: tl.constexpr, FP32_IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     """:func:`_grouped_gemm_kernel` with TMA-fed operands, over a flattened (M tile, N tile) space.
 
@@ -252,8 +251,8 @@ def _grouped_gemm_tma_kernel(
     persistent one (``NUM_PROGRAMS`` = the SM count).
 
     The expert of an M tile is a binary search over ``TB`` (:func:`_tile_table_kernel`) with
-    scalar loads: the loop body holds no reductions, which Hopper's automatic warp
-    specialization cannot partition.
+    scalar loads, which keeps the per-tile lookup out of the expert-count-wide vectors of the
+    pointer kernel.
     """
     pid = tl.program_id(0)
     total_tiles = tl.load(TB + E_PAD)
@@ -264,7 +263,7 @@ def _grouped_gemm_tma_kernel(
     offs_bm = tl.arange(0, BLOCK_M)
     offs_bn = tl.arange(0, BLOCK_N)
 
-    for tile_id in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+    for tile_id in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
         first_slot = (tile_id // group_width) * GROUP_M
         group_rows = tl.minimum(total_tiles - first_slot, GROUP_M)
         t = first_slot + (tile_id % group_width) % group_rows
@@ -464,7 +463,7 @@ def _launch(a, b, out, a_scale, b_scale, seg, e, cap, grid_m, mode, accumulator,
             a_desc, b_desc, out, as_, bs, seg, table,
             n, k, cap, programs,
             out.stride(0), as_.stride(0), bs.stride(0), bs.stride(1), bs.stride(2),
-            LOG_E=common["E_PAD"].bit_length() - 1, WARP_SPECIALIZE=cfg.warp_specialize, FLATTEN=cfg.flatten,
+            LOG_E=common["E_PAD"].bit_length() - 1, FLATTEN=cfg.flatten,
             **common,
         )
         return

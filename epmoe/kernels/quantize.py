@@ -76,13 +76,17 @@ def _warps(elements: int) -> int:
     return max(4, min(16, elements // (32 * VALUES_PER_THREAD)))
 
 
+def _on_cpu(device) -> bool:
+    return device is not None and torch.device(device).type == "cpu"
+
+
 def _rows_per_prog(m: int, block_k: int, device: torch.device | str | None = None) -> int:
     """Rows that fill a ``TARGET_TILE`` tile, as long as ``MIN_PROGRAMS`` row blocks remain.
 
     On CPU (Triton's interpreter, which runs programs one after another) a few large programs
     are much faster: up to ``INTERPRETER_TILE`` elements, whatever the program count.
     """
-    if device is not None and torch.device(device).type == "cpu":
+    if _on_cpu(device):
         return max(1, min(next_pow2(m), INTERPRETER_TILE // block_k))
     rows = max(1, TARGET_TILE // block_k)
     while rows > 1 and m < rows * MIN_PROGRAMS:
@@ -90,11 +94,22 @@ def _rows_per_prog(m: int, block_k: int, device: torch.device | str | None = Non
     return rows
 
 
+LARGE_M = 16384
+"""Rows from which the measured bandwidth-best launches below apply (H200, 2026-11-30: one row
+of up to 8192 elements on 4 warps per program, or 2048 elements of whole groups on 4 warps,
+reached 0.93-1.00 of copy bandwidth at 32768 and 262144 rows; 16 warps reached 0.8-0.85)."""
+
+
 def token_launch(m: int, k: int, device: torch.device | str | None = None) -> Launch:
     """Default launch of a per-token kernel over ``m`` rows of ``k`` elements."""
     block_k = next_pow2(k) if next_pow2(k) <= SINGLE_PASS_MAX else 4096
+    if m >= LARGE_M and block_k <= TARGET_TILE and not _on_cpu(device):
+        return Launch(1, block_k, 4)
     block_m = _rows_per_prog(m, block_k, device)
-    return Launch(block_m, block_k, _warps(block_m * block_k))
+    warps = _warps(block_m * block_k)
+    if block_m == 1 and not _on_cpu(device):
+        warps = min(warps, 8)  # one 8192-wide row: 8 warps beat 16 at 4096 rows (H200)
+    return Launch(block_m, block_k, warps)
 
 
 def group_launch(m: int, k: int, group: int, device: torch.device | str | None = None) -> Launch:
@@ -105,6 +120,11 @@ def group_launch(m: int, k: int, group: int, device: torch.device | str | None =
     when none divides; then as many rows as fill the tile.
     """
     groups = max(1, k // group)
+    if m >= LARGE_M and not _on_cpu(device):
+        per_prog = 1
+        while per_prog * 2 * group <= 2048 and groups % (per_prog * 2) == 0:
+            per_prog *= 2
+        return Launch(max(1, 2048 // (per_prog * group)), per_prog * group, 4)
     cap = max(1, TARGET_TILE // group)
     per_prog = 1
     while per_prog * 2 <= cap and groups % (per_prog * 2) == 0:

@@ -7,7 +7,7 @@ inputs: relative mean absolute error < 0.05 channel-wise, < 0.02 block-wise. Her
 intermediate size (w13 [E, 2N, K], w2 [E, K, N]) and K the hidden size, as in SGLang's INT8 tests.
 Also exact-rounding checks of the quantizers against epmoe.quant.reference, which only hold
 compiled (the interpreter's fp8 and bf16 conversions differ), and the TMA grouped GEMM (plain,
-persistent, warp-specialized, flattened) against the pointer kernel: bit for bit with the int32
+persistent, flattened) against the pointer kernel: bit for bit with the int32
 accumulator, both layouts, uneven routing with empty experts, a DeepSeek-V3 GEMM1 shape, CUDA-graph
 replay with new routing, and the fallback for unaligned operands.
 """
@@ -229,8 +229,7 @@ def test_activation_quant_bit_exact():
 TMA_VARIANTS = {
     "plain": dict(tma=True, num_warps=8, num_stages=3),
     "persistent": dict(tma=True, persistent=True, num_warps=8, num_stages=3),
-    "persistent_ws": dict(tma=True, persistent=True, warp_specialize=True, num_warps=4, num_stages=3),
-    "plain_ws": dict(tma=True, warp_specialize=True, num_warps=4, num_stages=3),
+    "persistent_w4": dict(tma=True, persistent=True, num_warps=4, num_stages=3),
     "persistent_flatten": dict(tma=True, persistent=True, flatten=True, num_warps=8, num_stages=3),
 }
 MODE_ACC = [("int8_channel", "int32"), ("int8_channel", "fp32"), ("int8_block", "fp32"), ("bf16", "fp32")]
@@ -289,7 +288,7 @@ def test_tma_grouped_gemm_contiguous(mode, acc, variant):
     _assert_same(outs[0], outs[1], exact=acc == "int32")
 
 
-@pytest.mark.parametrize("variant", ["plain", "persistent_ws"])
+@pytest.mark.parametrize("variant", ["plain", "persistent_w4"])
 @pytest.mark.parametrize("mode,acc", MODE_ACC[:3], ids=[f"{m}-{a}" for m, a in MODE_ACC[:3]])
 def test_tma_grouped_gemm_masked(mode, acc, variant):
     e, cap, n, k = 6, 256, 384, 512
@@ -314,7 +313,7 @@ def test_tma_grouped_gemm_masked(mode, acc, variant):
             _assert_same(outs[0][i, :mm], outs[1][i, :mm], exact=acc == "int32")
 
 
-@pytest.mark.parametrize("variant", ["persistent", "persistent_ws"])
+@pytest.mark.parametrize("variant", ["persistent", "persistent_w4"])
 def test_tma_grouped_gemm_deepseek_shape(variant):
     """GEMM1 of DeepSeek-V3 (N=4096, K=7168) with uneven routing over 8 experts."""
     e, n, k = 8, 4096, 7168
@@ -337,7 +336,7 @@ def test_tma_grouped_gemm_cuda_graph():
     a, b, sa, sb = _gemm_operands("int8_channel", rows, e, n, k, g)
     offsets = torch.tensor([0, 100, 100, 400, 401, 700, 900, 1000, 1024], dtype=torch.int32, device=DEV)
     out = torch.empty(rows, n, dtype=torch.bfloat16, device=DEV)
-    cfg = GemmConfig(128, 256, 128, 8, **TMA_VARIANTS["persistent_ws"])
+    cfg = GemmConfig(128, 256, 128, 8, **TMA_VARIANTS["persistent_w4"])
 
     def call():
         grouped_gemm.grouped_gemm_contiguous(a, b, offsets, mode="int8_channel", a_scale=sa, b_scale=sb,
@@ -367,7 +366,7 @@ def test_tma_grouped_gemm_unaligned_falls_back():
     a, b, sa, sb = _gemm_operands("int8_channel", rows, e, n, k, g)
     shifted = torch.empty(8 + rows * k, dtype=torch.int8, device=DEV)[8:].view(rows, k)
     shifted.copy_(a)
-    cfg = GemmConfig(128, 256, 128, 8, **TMA_VARIANTS["persistent_ws"])
+    cfg = GemmConfig(128, 256, 128, 8, **TMA_VARIANTS["persistent_w4"])
     assert "aligned" in grouped_gemm.tma_fallback_reason(shifted, b, cfg)
     res = grouped_gemm.grouped_gemm_contiguous(shifted, b, offsets, mode="int8_channel", a_scale=sa, b_scale=sb,
                                                accumulator="int32", config=cfg)
