@@ -135,7 +135,10 @@ def to_contiguous(
     for p in padded_rows:
         offsets_list.append(offsets_list[-1] + int(p))
     m = offsets_list[-1]
-    offsets = torch.tensor(offsets_list, dtype=torch.int32).to(device, non_blocking=True)
+    # From pinned memory the copy is asynchronous; from pageable memory it would first wait for
+    # everything queued on the stream (the dispatch), leaving the GPU idle while the host then
+    # launches the next kernels.
+    offsets = torch.tensor(offsets_list, dtype=torch.int32, pin_memory=True).to(device, non_blocking=True)
     permute = kernel_permute()
     slot_pos, m_indices, counts = permute.slot_positions(topk_ids, offsets, m)
     if num_rows is None:

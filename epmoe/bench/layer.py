@@ -34,7 +34,8 @@ import torch
 
 E, K, H, I = 256, 8, 7168, 2048
 WORLD = 2
-SCHEMES = ("bf16", "int8_channel", "int8_block")
+SCHEMES = ("bf16", "int8_channel", "int8_channel_int32", "int8_block")
+"""``int8_channel_int32`` is ``int8_channel`` with the layer's ``accumulator="int32"``."""
 PHASES = ("quantize", "dispatch", "scatter", "quantize_post", "gemm1", "activation", "gemm2",
           "experts", "gather", "combine")  # fmt: skip
 
@@ -50,7 +51,11 @@ def _parse(argv):
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--plot", default=None, help="write a PNG plot here")
     p.add_argument("--port", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    bad = [s for s in args.schemes.split(",") if s not in SCHEMES]
+    if bad:
+        p.error(f"--schemes {bad} unknown; allowed: {list(SCHEMES)}")
+    return args
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -407,7 +412,8 @@ def _rank_main(rank, args, port, out_path):
     xd, idd, wd = _routing(args.decode_tokens, 2, rank, device)
     try:
         for scheme in args.schemes.split(","):
-            common = dict(quant=scheme, backend=args.backend, device=device, params_dtype=torch.bfloat16,
+            quant, acc = ("int8_channel", "int32") if scheme == "int8_channel_int32" else (scheme, "fp32")
+            common = dict(quant=quant, accumulator=acc, backend=args.backend, device=device, params_dtype=torch.bfloat16,
                           deepep_buffer=owner, validate=False, max_tokens_per_rank=args.decode_tokens)  # fmt: skip
             ln = DeepEPMoELayer(E, K, H, I, dispatch="deepep_normal", **common)
             _fill_weights(ln, scheme)

@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..tensors import as_contiguous
 from .base import PAYLOADS, DispatchConfig, Dispatched, Dispatcher
 
 log = logging.getLogger("epmoe")
@@ -230,12 +231,12 @@ def normal_payload(x: torch.Tensor, x_scale: torch.Tensor | None):
     if x_scale is None:
         if not x.is_floating_point() or x.element_size() == 1:
             raise TypeError(f"a {x.dtype} payload needs its scales")
-        return x.to(torch.bfloat16).contiguous()
+        return as_contiguous(x, torch.bfloat16)
     if x.element_size() != 1:
         raise TypeError(f"a scaled payload must be 1-byte (int8 / e4m3); got {x.dtype}")
     if x_scale.dim() != 2 or x_scale.shape[0] != x.shape[0]:
         raise ValueError(f"x_scale must be [T, S]; got {tuple(x_scale.shape)} for x {tuple(x.shape)}")
-    return x.contiguous(), x_scale.float().contiguous()
+    return as_contiguous(x), as_contiguous(x_scale, torch.float32)
 
 
 def pad_empty_batch(x, topk_ids, topk_weights):
@@ -523,8 +524,8 @@ class DeepEPNormalDispatcher(_DeepEPBase):
             x, topk_ids, topk_weights = pad_empty_batch(x, topk_ids, topk_weights)
             if x_scale is not None:
                 x_scale = x_scale.new_ones((1, x_scale.shape[1]))
-        topk_ids = topk_ids.to(torch.int64).contiguous()
-        topk_weights = topk_weights.float().contiguous()
+        topk_ids = as_contiguous(topk_ids, torch.int64)
+        topk_weights = as_contiguous(topk_weights, torch.float32)
         num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, _ = (
             buf.get_dispatch_layout(topk_ids, self.cfg.num_experts)
         )
@@ -549,7 +550,7 @@ class DeepEPNormalDispatcher(_DeepEPBase):
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         _, handle, t = dispatched.handle
         out, _, _ = self.buffer.get().combine(
-            y.to(torch.bfloat16).contiguous(), handle, config=self.buffer.combine_config
+            as_contiguous(y, torch.bfloat16), handle, config=self.buffer.combine_config
         )
         self.buffer.mark_normal_used()
         return out[:t]
@@ -593,10 +594,10 @@ class DeepEPLowLatencyDispatcher(_DeepEPBase):
     def _dispatch(self, buf, x, topk_ids, topk_weights) -> Dispatched:
         t = x.shape[0]
         x, topk_ids, topk_weights = pad_empty_batch(x, topk_ids, topk_weights)
-        topk_ids = topk_ids.to(torch.int64).contiguous()
-        topk_weights = topk_weights.float().contiguous()
+        topk_ids = as_contiguous(topk_ids, torch.int64)
+        topk_weights = as_contiguous(topk_weights, torch.float32)
         # DeepEP takes BF16 and casts to FP8 (1x128 scales) inside its kernel when asked.
-        xb = x.to(torch.bfloat16).contiguous()
+        xb = as_contiguous(x, torch.bfloat16)
         use_fp8 = self.cfg.low_latency_payload == "fp8_group"
         plan = self.buffer.plan
         recv, count, handle, _, _ = buf.low_latency_dispatch(
@@ -614,7 +615,7 @@ class DeepEPLowLatencyDispatcher(_DeepEPBase):
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         _, handle, t, topk_ids, topk_weights = dispatched.handle
         out, _, _ = self.buffer.get().low_latency_combine(
-            y.to(torch.bfloat16).contiguous(), topk_ids, topk_weights, handle,
+            as_contiguous(y, torch.bfloat16), topk_ids, topk_weights, handle,
             async_finish=False, return_recv_hook=False,
         )  # fmt: skip
         return out[:t]

@@ -55,10 +55,12 @@ def _silu_mul_kernel(
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows_valid(MASKED_M, rows, M, CAP, HAS_MASK)
-    h, cols, mask = _silu_mul_tile(
-        X, rows, row_ok, tl.program_id(1) * BLOCK_K, I, stride_xm, GROUP, BLOCK_K // GROUP
-    )
-    tl.store(Y + rows[:, None, None] * stride_ym + cols, h.to(Y.dtype.element_ty), mask=mask)
+    # Masked batches are mostly padding: a program with no valid row does nothing.
+    if tl.max(row_ok.to(tl.int32), 0) > 0:
+        h, cols, mask = _silu_mul_tile(
+            X, rows, row_ok, tl.program_id(1) * BLOCK_K, I, stride_xm, GROUP, BLOCK_K // GROUP
+        )
+        tl.store(Y + rows[:, None, None] * stride_ym + cols, h.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -70,28 +72,30 @@ def _silu_mul_token_quant_kernel(
     NG: tl.constexpr = BLOCK_K // GROUP
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows_valid(MASKED_M, rows, M, CAP, HAS_MASK)
-    if SINGLE:
-        h, cols, mask = _silu_mul_tile(X, rows, row_ok, 0, I, stride_xm, GROUP, NG)
-        scale = scale_of(tl.max(amax_bits(h, 2), 1), QMAX)
-        tl.store(S + rows, scale, mask=row_ok)
-        rcp = tl.div_rn(1.0, scale)[:, None, None]
-        ok = (scale < float("inf"))[:, None, None]
-        q = codes(h, scale[:, None, None], rcp, ok, QMAX, False)
-        tl.store(Q + rows[:, None, None] * stride_qm + cols, q, mask=mask)
-    else:
-        # Rows too long for registers: amax over chunks, then recompute the product (L2 reads).
-        amax = tl.zeros([BLOCK_M], dtype=tl.int32)
-        for c0 in range(0, I, BLOCK_K):
-            h, cols, mask = _silu_mul_tile(X, rows, row_ok, c0, I, stride_xm, GROUP, NG)
-            amax = tl.maximum(amax, tl.max(amax_bits(h, 2), 1))
-        scale = scale_of(amax, QMAX)
-        tl.store(S + rows, scale, mask=row_ok)
-        rcp = tl.div_rn(1.0, scale)[:, None, None]
-        ok = (scale < float("inf"))[:, None, None]
-        for c0 in range(0, I, BLOCK_K):
-            h, cols, mask = _silu_mul_tile(X, rows, row_ok, c0, I, stride_xm, GROUP, NG)
+    # Masked batches are mostly padding: a program with no valid row does nothing.
+    if tl.max(row_ok.to(tl.int32), 0) > 0:
+        if SINGLE:
+            h, cols, mask = _silu_mul_tile(X, rows, row_ok, 0, I, stride_xm, GROUP, NG)
+            scale = scale_of(tl.max(amax_bits(h, 2), 1), QMAX)
+            tl.store(S + rows, scale, mask=row_ok)
+            rcp = tl.div_rn(1.0, scale)[:, None, None]
+            ok = (scale < float("inf"))[:, None, None]
             q = codes(h, scale[:, None, None], rcp, ok, QMAX, False)
             tl.store(Q + rows[:, None, None] * stride_qm + cols, q, mask=mask)
+        else:
+            # Rows too long for registers: amax over chunks, then recompute the product (L2 reads).
+            amax = tl.zeros([BLOCK_M], dtype=tl.int32)
+            for c0 in range(0, I, BLOCK_K):
+                h, cols, mask = _silu_mul_tile(X, rows, row_ok, c0, I, stride_xm, GROUP, NG)
+                amax = tl.maximum(amax, tl.max(amax_bits(h, 2), 1))
+            scale = scale_of(amax, QMAX)
+            tl.store(S + rows, scale, mask=row_ok)
+            rcp = tl.div_rn(1.0, scale)[:, None, None]
+            ok = (scale < float("inf"))[:, None, None]
+            for c0 in range(0, I, BLOCK_K):
+                h, cols, mask = _silu_mul_tile(X, rows, row_ok, c0, I, stride_xm, GROUP, NG)
+                q = codes(h, scale[:, None, None], rcp, ok, QMAX, False)
+                tl.store(Q + rows[:, None, None] * stride_qm + cols, q, mask=mask)
 
 
 @triton.jit
@@ -103,16 +107,18 @@ def _silu_mul_group_quant_kernel(
     NG: tl.constexpr = BLOCK_K // GROUP
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows_valid(MASKED_M, rows, M, CAP, HAS_MASK)
-    col0 = tl.program_id(1) * BLOCK_K
-    h, cols, mask = _silu_mul_tile(X, rows, row_ok, col0, I, stride_xm, GROUP, NG)
-    scale = scale_of(amax_bits(h, 2), QMAX)  # [BLOCK_M, NG]
-    g = col0 // GROUP + tl.arange(0, NG)
-    tl.store(S + rows[:, None] * stride_sm + g[None, :], scale,
-             mask=row_ok[:, None] & (g[None, :] * GROUP < I))
-    rcp = tl.div_rn(1.0, scale)[:, :, None]
-    ok = (scale < float("inf"))[:, :, None]
-    q = codes(h, scale[:, :, None], rcp, ok, QMAX, TO_E4M3)
-    tl.store(Q + rows[:, None, None] * stride_qm + cols, q.to(Q.dtype.element_ty), mask=mask)
+    # Masked batches are mostly padding: a program with no valid row does nothing.
+    if tl.max(row_ok.to(tl.int32), 0) > 0:
+        col0 = tl.program_id(1) * BLOCK_K
+        h, cols, mask = _silu_mul_tile(X, rows, row_ok, col0, I, stride_xm, GROUP, NG)
+        scale = scale_of(amax_bits(h, 2), QMAX)  # [BLOCK_M, NG]
+        g = col0 // GROUP + tl.arange(0, NG)
+        tl.store(S + rows[:, None] * stride_sm + g[None, :], scale,
+                 mask=row_ok[:, None] & (g[None, :] * GROUP < I))
+        rcp = tl.div_rn(1.0, scale)[:, :, None]
+        ok = (scale < float("inf"))[:, :, None]
+        q = codes(h, scale[:, :, None], rcp, ok, QMAX, TO_E4M3)
+        tl.store(Q + rows[:, None, None] * stride_qm + cols, q.to(Q.dtype.element_ty), mask=mask)
 
 
 def silu_launch(m: int, inter: int, device: torch.device | str | None = None) -> Launch:

@@ -44,7 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_masked_m, next_pow2
+from ..tensors import as_contiguous
+from .common import check_masked_m, next_pow2, placeholder
 from .configs import GemmConfig, get_config
 
 MODES = ("bf16", "int8_channel", "int8_block")
@@ -106,6 +107,42 @@ def _zero_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexp
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if INT_ACC:
         acc = acc.to(tl.int32)
+    return acc
+
+
+@triton.jit
+def _k_step(
+    a, b, acc, kk, AS, BS, rows, e64, n_first, cols,
+    stride_asm, stride_bse, stride_bsn, stride_bsk,
+    MODE: tl.constexpr, FP32_IEEE: tl.constexpr, SWAP_AB: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+):
+    """One K step of every mode: ``acc`` plus the tile product (scaled per K block for
+    ``int8_block``). ``cols`` are the tile's weight rows clamped in range, ``n_first`` its first."""
+    if MODE == 0:
+        if FP32_IEEE:
+            acc = _mma_ieee(a, b, acc, SWAP_AB)
+        else:
+            acc = _mma(a, b, acc, SWAP_AB)
+    elif MODE == 2:
+        acc = _mma_int8(a, b, acc, SWAP_AB)
+    elif MODE == 1:
+        acc += _mma_int8(a, b, None, SWAP_AB).to(tl.float32)
+    else:
+        kb = (kk * BLOCK_K) // SCALE_BLOCK
+        sa = tl.load(AS + rows * stride_asm + kb)
+        part = _mma_int8(a, b, None, SWAP_AB).to(tl.float32)
+        if BLOCK_N <= SCALE_BLOCK:
+            # The tile lies inside one weight block: one scalar, and a row vector instead
+            # of a [BM, BN] scale tile keeps registers for the two accumulators.
+            sb_blk = tl.load(BS + e64 * stride_bse + (n_first // SCALE_BLOCK) * stride_bsn + kb * stride_bsk)
+            if SWAP_AB:
+                acc += part * (sa * sb_blk)[None, :]
+            else:
+                acc += part * (sa * sb_blk)[:, None]
+        else:
+            sb = tl.load(BS + e64 * stride_bse + (cols // SCALE_BLOCK) * stride_bsn + kb * stride_bsk)
+            acc += part * _outer(sa, sb, SWAP_AB)
     return acc
 
 
@@ -173,30 +210,10 @@ def _grouped_gemm_kernel(
                 k_ok = offs_k < K - kk * BLOCK_K
                 a = tl.load(a_ptrs, mask=k_ok[None, :], other=0)
                 b = tl.load(b_ptrs, mask=k_ok[None, :], other=0)
-            if MODE == 0:
-                if FP32_IEEE:
-                    acc = _mma_ieee(a, b, acc, SWAP_AB)
-                else:
-                    acc = _mma(a, b, acc, SWAP_AB)
-            elif MODE == 2:
-                acc = _mma_int8(a, b, acc, SWAP_AB)
-            elif MODE == 1:
-                acc += _mma_int8(a, b, None, SWAP_AB).to(tl.float32)
-            else:
-                kb = (kk * BLOCK_K) // SCALE_BLOCK
-                sa = tl.load(AS + rows * stride_asm + kb)
-                part = _mma_int8(a, b, None, SWAP_AB).to(tl.float32)
-                if BLOCK_N <= SCALE_BLOCK:
-                    # The tile lies inside one weight block: one scalar, and a row vector instead
-                    # of a [BM, BN] scale tile keeps registers for the two accumulators.
-                    sb_blk = tl.load(BS + e64 * stride_bse + ((pid_n * BLOCK_N) // SCALE_BLOCK) * stride_bsn + kb * stride_bsk)
-                    if SWAP_AB:
-                        acc += part * (sa * sb_blk)[None, :]
-                    else:
-                        acc += part * (sa * sb_blk)[:, None]
-                else:
-                    sb = tl.load(BS + e64 * stride_bse + (cols // SCALE_BLOCK) * stride_bsn + kb * stride_bsk)
-                    acc += part * _outer(sa, sb, SWAP_AB)
+            acc = _k_step(
+                a, b, acc, kk, AS, BS, rows, e64, pid_n * BLOCK_N, cols, stride_asm, stride_bse,
+                stride_bsn, stride_bsk, MODE, FP32_IEEE, SWAP_AB, BLOCK_N, BLOCK_K, SCALE_BLOCK,
+            )
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
 
@@ -292,30 +309,15 @@ def _grouped_gemm_tma_kernel(
         m_ok = local < length
         rows = start + tl.where(m_ok, local, 0)
 
+        cols_b = tl.minimum(n0 + offs_bn, N - 1)
         acc = _zero_acc(BLOCK_M, BLOCK_N, False, MODE == 2)
         for kk in range(k_tiles):
             a = a_desc.load([row0, kk * BLOCK_K])
             b = b_desc.load([brow0, kk * BLOCK_K])
-            if MODE == 0:
-                if FP32_IEEE:
-                    acc = _mma_ieee(a, b, acc, False)
-                else:
-                    acc = _mma(a, b, acc, False)
-            elif MODE == 2:
-                acc = _mma_int8(a, b, acc, False)
-            elif MODE == 1:
-                acc += _mma_int8(a, b, None, False).to(tl.float32)
-            else:
-                kb = (kk * BLOCK_K) // SCALE_BLOCK
-                sa = tl.load(AS + rows * stride_asm + kb)
-                part = _mma_int8(a, b, None, False).to(tl.float32)
-                if BLOCK_N <= SCALE_BLOCK:
-                    sb_blk = tl.load(BS + e64 * stride_bse + (n0 // SCALE_BLOCK) * stride_bsn + kb * stride_bsk)
-                    acc += part * (sa * sb_blk)[:, None]
-                else:
-                    cols_b = tl.minimum(n0 + offs_bn, N - 1)
-                    sb = tl.load(BS + e64 * stride_bse + (cols_b // SCALE_BLOCK) * stride_bsn + kb * stride_bsk)
-                    acc += part * (sa[:, None] * sb[None, :])
+            acc = _k_step(
+                a, b, acc, kk, AS, BS, rows, e64, n0, cols_b, stride_asm, stride_bse,
+                stride_bsn, stride_bsk, MODE, FP32_IEEE, False, BLOCK_N, BLOCK_K, SCALE_BLOCK,
+            )
 
         offs_n = n0 + offs_bn
         n_ok = offs_n < N
@@ -427,19 +429,19 @@ def grouped_gemm_masked(
     flat = lambda t: None if t is None else t.reshape(e * cap, t.shape[-1])  # noqa: E731
     _launch(
         flat(a), b, out.view(e * cap, n), flat(a_scale), b_scale,
-        masked_m.to(torch.int32).contiguous(), e, cap, grid_m, mode, accumulator, True, cfg,
+        as_contiguous(masked_m, torch.int32), e, cap, grid_m, mode, accumulator, True, cfg,
     )
     return out
 
 
 def _launch(a, b, out, a_scale, b_scale, seg, e, cap, grid_m, mode, accumulator, masked, cfg: GemmConfig):
-    a = a.contiguous()
-    b = b.contiguous()
+    a = as_contiguous(a)
+    b = as_contiguous(b)
     k = a.shape[1]
     n = b.shape[1]
-    dummy = torch.ones(1, 1, 1, dtype=torch.float32, device=a.device)
-    as_ = dummy[0] if a_scale is None else a_scale.reshape(a.shape[0], -1).float().contiguous()
-    bs = dummy if b_scale is None else b_scale.float().contiguous()
+    unused = placeholder(a.device, torch.float32).view(1, 1, 1)  # never read without scales
+    as_ = unused[0] if a_scale is None else as_contiguous(a_scale.reshape(a.shape[0], -1), torch.float32)
+    bs = unused if b_scale is None else as_contiguous(b_scale, torch.float32)
     block_k = cfg.block_k if mode != "int8_block" else min(cfg.block_k, SCALE_BLOCK)
     num_pid_n = triton.cdiv(n, cfg.block_n)
     common = dict(

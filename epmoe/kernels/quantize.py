@@ -254,34 +254,36 @@ def _per_token_kernel(
     NG: tl.constexpr = BLOCK_K // GROUP
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows_valid(MASKED_M, rows, M, CAP, HAS_MASK)
-    if SINGLE:
-        x, cols, mask = _load_tile(
-            X, XS, rows, row_ok, 0, K, stride_xm, stride_xsm, HAS_XS, IN_GROUP, GROUP, NG
-        )
-        scale = scale_of(tl.max(amax_bits(x, 2), 1), QMAX)
-        tl.store(S + rows, scale, mask=row_ok)
-        rcp = tl.div_rn(1.0, scale)[:, None, None]
-        ok = (scale < float("inf"))[:, None, None]
-        q = codes(x, scale[:, None, None], rcp, ok, QMAX, False)
-        tl.store(Q + rows[:, None, None] * stride_qm + cols, q, mask=mask)
-    else:
-        # Rows too long for registers: amax over BLOCK_K chunks, then a second read (from L2).
-        amax = tl.zeros([BLOCK_M], dtype=tl.int32)
-        for k0 in range(0, K, BLOCK_K):
+    # Masked batches are mostly padding: a program with no valid row does nothing.
+    if tl.max(row_ok.to(tl.int32), 0) > 0:
+        if SINGLE:
             x, cols, mask = _load_tile(
-                X, XS, rows, row_ok, k0, K, stride_xm, stride_xsm, HAS_XS, IN_GROUP, GROUP, NG
+                X, XS, rows, row_ok, 0, K, stride_xm, stride_xsm, HAS_XS, IN_GROUP, GROUP, NG
             )
-            amax = tl.maximum(amax, tl.max(amax_bits(x, 2), 1))
-        scale = scale_of(amax, QMAX)
-        tl.store(S + rows, scale, mask=row_ok)
-        rcp = tl.div_rn(1.0, scale)[:, None, None]
-        ok = (scale < float("inf"))[:, None, None]
-        for k0 in range(0, K, BLOCK_K):
-            x, cols, mask = _load_tile(
-                X, XS, rows, row_ok, k0, K, stride_xm, stride_xsm, HAS_XS, IN_GROUP, GROUP, NG
-            )
+            scale = scale_of(tl.max(amax_bits(x, 2), 1), QMAX)
+            tl.store(S + rows, scale, mask=row_ok)
+            rcp = tl.div_rn(1.0, scale)[:, None, None]
+            ok = (scale < float("inf"))[:, None, None]
             q = codes(x, scale[:, None, None], rcp, ok, QMAX, False)
             tl.store(Q + rows[:, None, None] * stride_qm + cols, q, mask=mask)
+        else:
+            # Rows too long for registers: amax over BLOCK_K chunks, then a second read (from L2).
+            amax = tl.zeros([BLOCK_M], dtype=tl.int32)
+            for k0 in range(0, K, BLOCK_K):
+                x, cols, mask = _load_tile(
+                    X, XS, rows, row_ok, k0, K, stride_xm, stride_xsm, HAS_XS, IN_GROUP, GROUP, NG
+                )
+                amax = tl.maximum(amax, tl.max(amax_bits(x, 2), 1))
+            scale = scale_of(amax, QMAX)
+            tl.store(S + rows, scale, mask=row_ok)
+            rcp = tl.div_rn(1.0, scale)[:, None, None]
+            ok = (scale < float("inf"))[:, None, None]
+            for k0 in range(0, K, BLOCK_K):
+                x, cols, mask = _load_tile(
+                    X, XS, rows, row_ok, k0, K, stride_xm, stride_xsm, HAS_XS, IN_GROUP, GROUP, NG
+                )
+                q = codes(x, scale[:, None, None], rcp, ok, QMAX, False)
+                tl.store(Q + rows[:, None, None] * stride_qm + cols, q, mask=mask)
 
 
 @triton.jit
@@ -295,18 +297,20 @@ def _per_group_kernel(
     NG: tl.constexpr = BLOCK_K // GROUP
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows_valid(MASKED_M, rows, M, CAP, HAS_MASK)
-    col0 = tl.program_id(1) * BLOCK_K
-    x, cols, mask = _load_tile(
-        X, XS, rows, row_ok, col0, K, stride_xm, stride_xsm, HAS_XS, IN_GROUP, GROUP, NG
-    )
-    scale = scale_of(amax_bits(x, 2), QMAX)  # [BLOCK_M, NG]
-    g = col0 // GROUP + tl.arange(0, NG)
-    tl.store(S + rows[:, None] * stride_sm + g[None, :], scale,
-             mask=row_ok[:, None] & (g[None, :] * GROUP < K))
-    rcp = tl.div_rn(1.0, scale)[:, :, None]
-    ok = (scale < float("inf"))[:, :, None]
-    q = codes(x, scale[:, :, None], rcp, ok, QMAX, TO_E4M3)
-    tl.store(Q + rows[:, None, None] * stride_qm + cols, q.to(Q.dtype.element_ty), mask=mask)
+    # Masked batches are mostly padding: a program with no valid row does nothing.
+    if tl.max(row_ok.to(tl.int32), 0) > 0:
+        col0 = tl.program_id(1) * BLOCK_K
+        x, cols, mask = _load_tile(
+            X, XS, rows, row_ok, col0, K, stride_xm, stride_xsm, HAS_XS, IN_GROUP, GROUP, NG
+        )
+        scale = scale_of(amax_bits(x, 2), QMAX)  # [BLOCK_M, NG]
+        g = col0 // GROUP + tl.arange(0, NG)
+        tl.store(S + rows[:, None] * stride_sm + g[None, :], scale,
+                 mask=row_ok[:, None] & (g[None, :] * GROUP < K))
+        rcp = tl.div_rn(1.0, scale)[:, :, None]
+        ok = (scale < float("inf"))[:, :, None]
+        q = codes(x, scale[:, :, None], rcp, ok, QMAX, TO_E4M3)
+        tl.store(Q + rows[:, None, None] * stride_qm + cols, q.to(Q.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------- wrappers
