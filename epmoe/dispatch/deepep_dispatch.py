@@ -618,7 +618,7 @@ class DeepEPLowLatencyDispatcher(_DeepEPBase):
             as_contiguous(y, torch.bfloat16), topk_ids, topk_weights, handle,
             async_finish=False, return_recv_hook=False,
         )  # fmt: skip
-        return out[:t]
+        return out if out.shape[0] == t else out[:t]
 
 
 class DeepEPAutoDispatcher(_DeepEPBase):
