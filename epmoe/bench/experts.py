@@ -221,6 +221,7 @@ def torch_bf16_stages(problem: Problem, batch) -> dict[str, Callable]:
 
 def triton_stages(problem: Problem, batch, scheme_name: str, accumulator: str) -> tuple[dict, Callable]:
     """Stages of the triton backend, built from the same kernels its run_contiguous calls."""
+    from ..layouts import ContiguousBatch
     from ..experts.triton_backend import TritonBackend
     from ..kernels import activation, grouped_gemm, quantize
     from ..quant.schemes import get_scheme
@@ -257,6 +258,10 @@ def triton_stages(problem: Problem, batch, scheme_name: str, accumulator: str) -
     }
     if scheme.quantized:
         stages["quant"] = quant
+        # The pass as it runs after an INT8 dispatch (normal mode delivers quantized rows):
+        # GEMM1, activation, GEMM2, no input quantization.
+        qbatch = ContiguousBatch(xq, xs, offsets, batch.m_indices, batch.slot_pos, batch.num_rows)
+        stages["pass_q"] = lambda: backend.run_contiguous(qbatch, w, dtype)
     return stages, stages["total"]
 
 
@@ -341,6 +346,8 @@ def derive(case: Case, problem: Problem, ceilings: dict, baseline: Case | None) 
                 "frac_peak_datasheet": flops / ms / 1e9 / DATASHEET[case.precision],
                 "speedup_vs_bf16": baseline.ms[gemm] / ms if baseline and baseline.ms.get(gemm) else None,
             }
+    if case.ms.get("pass_q"):
+        d["pass_q"] = {"ms": case.ms["pass_q"], "frac_floor": total_floor / case.ms["pass_q"]}
     ms = case.ms.get("total")
     if ms:
         d["total"] = {
@@ -361,7 +368,7 @@ def table(results: list[dict]) -> str:
     head = (
         f"{'m':>5} {'backend':<28} {'g1 ms':>7} {'g1 TOPS':>7} {'g1 flr':>6} {'g1 pk':>5} {'g1 ds':>5} "
         f"{'act ms':>6} {'g2 ms':>7} {'g2 TOPS':>7} {'g2 flr':>6} {'g2 pk':>5} {'g2 ds':>5} "
-        f"{'tot ms':>7} {'flr':>5} {'xBF16':>5} {'err':>8}"
+        f"{'tot ms':>7} {'flr':>5} {'xBF16':>5} {'q-in ms':>7} {'flr':>5} {'err':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
@@ -377,12 +384,14 @@ def table(results: list[dict]) -> str:
             f"{fmt(g2.get('ms')):>7} {fmt(g2.get('TOPS'), '.0f'):>7} {fmt(g2.get('frac_floor'), '.2f'):>6} "
             f"{fmt(g2.get('frac_peak_measured'), '.2f'):>5} {fmt(g2.get('frac_peak_datasheet'), '.2f'):>5} "
             f"{fmt(tot.get('ms')):>7} {fmt(tot.get('frac_floor'), '.2f'):>5} "
-            f"{fmt(tot.get('speedup_vs_bf16'), '.2f'):>5} {fmt(r['accuracy'], '.2e'):>8}"
+            f"{fmt(tot.get('speedup_vs_bf16'), '.2f'):>5} {fmt(d.get('pass_q', {}).get('ms')):>7} "
+            f"{fmt(d.get('pass_q', {}).get('frac_floor'), '.2f'):>5} {fmt(r['accuracy'], '.2e'):>8}"
         )
     legend = (
         "flr: memory floor (weight bytes / copy bandwidth) / time; pk: fraction of the measured "
         "ceiling (int8 _int_mm or bf16 matmul); ds: of the datasheet peak (1979 int8 / 989 bf16); "
-        "xBF16: whole-pass speed-up over torch_bf16; err: rel. mean abs error vs float64 "
+        "xBF16: whole-pass speed-up over torch_bf16; q-in: the pass from INT8 activations (GEMM1, "
+        "activation, GEMM2: as after an INT8 dispatch); err: rel. mean abs error vs float64 "
         "(unquantized weights)."
     )
     return "\n".join(lines + [legend])
