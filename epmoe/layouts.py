@@ -18,6 +18,7 @@ semantics, tested against these).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -115,30 +116,61 @@ def to_contiguous(
         padded_rows: optional host list ``[E]`` of each expert's segment length (its slot count
             rounded up to ``alignment``), when the dispatcher already knows it (DeepEP's
             ``num_recv_tokens_per_expert_list``). Without it the counts are computed on the
-            device and read back: one host synchronisation.
+            device and read back: one host synchronisation. Entries must be non-negative
+            multiples of ``alignment``. The CPU (torch) path recomputes the sizes itself.
 
     Returns:
         A :class:`ContiguousBatch` whose padding rows are zero (scale 1 when quantized scales exist).
     """
-    if padded_rows is not None and len(padded_rows) != num_experts:
-        raise ValueError(f"padded_rows has {len(padded_rows)} entries; expected num_experts={num_experts}")
+    if padded_rows is not None:
+        _check_padded_rows(padded_rows, num_experts, alignment)
     if not x.is_cuda:
         return _to_contiguous_torch(x, x_scale, topk_ids, num_experts, alignment)
+    return _to_contiguous_kernels(x, x_scale, topk_ids, num_experts, alignment, padded_rows)
+
+
+def _check_padded_rows(padded_rows: Sequence[int], num_experts: int, alignment: int) -> None:
+    if len(padded_rows) != num_experts:
+        raise ValueError(f"padded_rows has {len(padded_rows)} entries; expected num_experts={num_experts}")
+    bad = [(e, int(p)) for e, p in enumerate(padded_rows) if int(p) < 0 or int(p) % max(alignment, 1)]
+    if bad:
+        e, p = bad[0]
+        raise ValueError(
+            f"padded_rows[{e}]={p}; every entry must be >= 0 and a multiple of alignment={alignment}"
+        )
+
+
+def _round_up(counts: Sequence[int], alignment: int) -> list[int]:
+    """Each expert's segment length: its row count rounded up to a multiple of ``alignment``."""
+    return [-(-int(c) // alignment) * alignment for c in counts]
+
+
+def _segment_offsets(lengths: Sequence[int]) -> list[int]:
+    """``[0, l0, l0 + l1, ...]``: the ``E + 1`` segment offsets of the contiguous layout."""
+    return [0, *itertools.accumulate(int(n) for n in lengths)]
+
+
+def _to_contiguous_kernels(x, x_scale, topk_ids, num_experts, alignment, padded_rows) -> ContiguousBatch:
+    """The Triton scatter (the CUDA path of :func:`to_contiguous`; on CPU it runs under Triton's
+    interpreter, which is how the CPU tests reach it)."""
     device = x.device
     num_rows: list[int] | None = None
     if padded_rows is None:
-        flat = topk_ids.reshape(-1)
-        valid = (flat >= 0) & (flat < num_experts)
-        num_rows = torch.bincount(flat[valid], minlength=num_experts)[:num_experts].tolist()
-        padded_rows = [-(-c // alignment) * alignment for c in num_rows]
-    offsets_list = [0]
-    for p in padded_rows:
-        offsets_list.append(offsets_list[-1] + int(p))
+        # Counted with a scatter-add into an extra bin for foreign ids: a boolean-mask index or
+        # torch.bincount would each add host synchronisations of their own before the read-back.
+        flat = topk_ids.reshape(-1).to(torch.int64)
+        bins = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+        counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+        counts.scatter_add_(0, bins, torch.ones_like(bins))
+        num_rows = counts[:num_experts].tolist()  # the one host synchronisation
+        padded_rows = _round_up(num_rows, alignment)
+    offsets_list = _segment_offsets(padded_rows)
     m = offsets_list[-1]
     # From pinned memory the copy is asynchronous; from pageable memory it would first wait for
     # everything queued on the stream (the dispatch), leaving the GPU idle while the host then
     # launches the next kernels.
-    offsets = torch.tensor(offsets_list, dtype=torch.int32, pin_memory=True).to(device, non_blocking=True)
+    host = torch.tensor(offsets_list, dtype=torch.int32, pin_memory=device.type == "cuda")
+    offsets = host.to(device, non_blocking=True)
     permute = kernel_permute()
     slot_pos, m_indices, counts = permute.slot_positions(topk_ids, offsets, m)
     if num_rows is None:
@@ -156,10 +188,7 @@ def _to_contiguous_torch(x, x_scale, topk_ids, num_experts, alignment) -> Contig
     experts = topk_ids.reshape(-1)[slots]
     counts = torch.bincount(experts, minlength=num_experts)[:num_experts]
     num_rows = counts.tolist()
-    padded = [-(-c // alignment) * alignment for c in num_rows]
-    offsets_list = [0]
-    for p in padded:
-        offsets_list.append(offsets_list[-1] + p)
+    offsets_list = _segment_offsets(_round_up(num_rows, alignment))
     m = offsets_list[-1]
     offsets = torch.tensor(offsets_list, dtype=torch.int64, device=device)
     # Rank of each slot inside its expert segment: slots are sorted by expert, so it is the slot's

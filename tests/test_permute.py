@@ -16,9 +16,27 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from epmoe.kernels import permute  # noqa: E402
-from epmoe.layouts import _to_contiguous_torch, to_contiguous  # noqa: E402
+from epmoe.layouts import _to_contiguous_kernels, _to_contiguous_torch, to_contiguous  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class _PoisonedTorch:
+    """``torch`` for :mod:`epmoe.kernels.permute` whose ``empty`` is filled with 12345, a value
+    the kernels never write, so an output entry a kernel skipped cannot pass as a right one."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*shape, dtype=None, device=None, **kw):
+        size = shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape
+        return torch.full(size, 12345, dtype=dtype, device=device)
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    monkeypatch.setattr(permute, "torch", _PoisonedTorch())
 
 
 def _ids(r, k, e, seed, foreign=-1):
@@ -33,18 +51,18 @@ def _ids(r, k, e, seed, foreign=-1):
     "r,k,e,alignment,seed",
     [(11, 3, 4, 1, 0), (37, 8, 5, 4, 1), (300, 2, 3, 128, 2), (5000, 2, 6, 1, 3), (1, 1, 1, 1, 4)],
 )
-def test_slot_positions_match_stable_sort(r, k, e, alignment, seed):
+def test_slot_positions_match_stable_sort(r, k, e, alignment, seed, poisoned):
     ids = _ids(r, k, e, seed)
     ref = _to_contiguous_torch(torch.zeros(r, 1), None, ids, e, alignment)
     offsets = ref.expert_offsets.to(DEVICE)
-    poison = permute.slot_positions(ids.to(DEVICE), offsets, int(offsets[-1]))
-    slot_pos, m_indices, counts = (t.cpu() for t in poison)
+    res = permute.slot_positions(ids.to(DEVICE), offsets, int(offsets[-1]))
+    slot_pos, m_indices, counts = (t.cpu() for t in res)
     assert torch.equal(slot_pos, ref.slot_pos)
     assert torch.equal(m_indices, ref.m_indices)
     assert counts.tolist() == ref.num_rows
 
 
-def test_slot_positions_foreign_ids_beyond_range_and_empty_experts():
+def test_slot_positions_foreign_ids_beyond_range_and_empty_experts(poisoned):
     # ids >= E (another rank's numbering) and experts nobody picked
     ids = torch.tensor([[7, 0], [0, -1], [9, 9], [0, 3]])
     offsets = torch.tensor([0, 3, 3, 3, 4], dtype=torch.int32)
@@ -54,13 +72,14 @@ def test_slot_positions_foreign_ids_beyond_range_and_empty_experts():
     assert counts.tolist() == [3, 0, 0, 1]
 
 
-def test_slot_positions_never_write_past_a_short_segment():
+def test_slot_positions_never_write_past_a_short_segment(poisoned):
     ids = torch.tensor([[0, 1], [0, 1], [0, 1]])
     offsets = torch.tensor([0, 2, 5], dtype=torch.int32)  # expert 0 has 3 slots but room for 2
     slot_pos, m_indices, counts = (t.cpu() for t in permute.slot_positions(ids.to(DEVICE), offsets.to(DEVICE), 5))
     assert m_indices.tolist() == [0, 0, 1, 1, 1]
     assert slot_pos[:, 1].tolist() == [2, 3, 4]
-    assert slot_pos[:2, 0].tolist() == [0, 1]
+    # the third slot of expert 0 has no room: it is dropped (-1), not left uninitialised
+    assert slot_pos[:, 0].tolist() == [0, 1, -1]
     assert counts.tolist() == [3, 3]
 
 
@@ -77,17 +96,28 @@ def test_to_contiguous_rejects_padded_rows_of_wrong_length():
         to_contiguous(torch.zeros(2, 4), None, torch.zeros(2, 1, dtype=torch.int64), 3, 1, [1, 1])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel path of to_contiguous runs on CUDA tensors")
+@pytest.mark.parametrize(
+    "padded,msg", [([4, -4], r"padded_rows\[1\]=-4"), ([4, 6], r"padded_rows\[1\]=6.*alignment=4")]
+)
+def test_to_contiguous_rejects_bad_padded_rows(padded, msg):
+    with pytest.raises(ValueError, match=msg):
+        to_contiguous(torch.zeros(2, 4), None, torch.zeros(2, 1, dtype=torch.int64), 2, 4, padded)
+
+
+# On CPU the same kernel path runs under the interpreter (to_contiguous itself takes the torch
+# path for CPU tensors); rows are copied bit for bit, so bf16 is exact there too.
 @pytest.mark.parametrize("alignment,known", [(1, False), (1, True), (128, False), (128, True)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
-def test_to_contiguous_cuda_equals_torch_path(alignment, known, dtype):
-    r, k, e, h = 700, 8, 16, 256
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int8])
+def test_to_contiguous_kernels_equal_torch_path(alignment, known, dtype):
+    on_gpu = torch.cuda.is_available()
+    r, k, e, h = (700, 8, 16, 256) if on_gpu else (90, 4, 6, 48)
     ids = _ids(r, k, e, 5)
     x = (torch.randn(r, h) * 30).to(dtype)
     xs = torch.rand(r, 2)
     ref = _to_contiguous_torch(x, xs, ids, e, alignment)
     padded = [int(b - a) for a, b in zip(ref.expert_offsets[:-1].tolist(), ref.expert_offsets[1:].tolist())]
-    got = to_contiguous(x.cuda(), xs.cuda(), ids.cuda(), e, alignment, padded if known else None)
+    scatter = to_contiguous if on_gpu else _to_contiguous_kernels
+    got = scatter(x.to(DEVICE), xs.to(DEVICE), ids.to(DEVICE), e, alignment, padded if known else None)
     assert torch.equal(got.expert_offsets.cpu(), ref.expert_offsets)
     assert torch.equal(got.m_indices.cpu(), ref.m_indices)
     assert torch.equal(got.slot_pos.cpu(), ref.slot_pos)

@@ -513,6 +513,8 @@ def _contiguous_run(mode, acc, counts, cfg, n=N, k=K, align=8, out_dtype=torch.f
     e = len(counts)
     a, b, sa, sb, a64, b64 = _operands(mode, m, n=n, k=k, e=e)
     to = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    # A silent fallback to the pointer kernel would pass every comparison below.
+    assert not cfg.tma or grouped_gemm.tma_fallback_reason(a, b, cfg) is None
 
     def run(config):
         out = torch.full((m, n), float("nan"), dtype=out_dtype, device=DEVICE)
@@ -552,6 +554,7 @@ def test_grouped_gemm_tma_masked(mode, acc, expected_m, cfg):
     a, b, sa, sb, a64, b64 = _operands(mode, E * cap)
     a3 = a.reshape(E, cap, K)
     sa3 = None if sa is None else sa.reshape(E, cap, -1)
+    assert grouped_gemm.tma_fallback_reason(a, b, cfg) is None  # the TMA kernel runs, no fallback
     out = torch.full((E, cap, N), float("nan"), dtype=torch.float16, device=DEVICE)
     to = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
     grouped_gemm.grouped_gemm_masked(

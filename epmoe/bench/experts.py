@@ -287,8 +287,9 @@ def reference_rows(problem: Problem, batch, experts: int, max_rows: int = 64) ->
 
     out = {}
     offs = batch.expert_offsets.tolist()
+    counts = batch.rows_per_expert()  # one read-back, not one per expert
     for e in range(min(experts, problem.e)):
-        rows = slice(offs[e], offs[e] + min(batch.rows_per_expert()[e], max_rows))
+        rows = slice(offs[e], offs[e] + min(counts[e], max_rows))
         out[e] = (rows, expert_mlp_float64(batch.x[rows], problem.w13[e], problem.w2[e]))
     return out
 

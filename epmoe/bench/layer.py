@@ -444,6 +444,7 @@ def _rank_main(rank, args, port, out_path):
         timeout=datetime.timedelta(seconds=300), device_id=device,
     )  # fmt: skip
     from epmoe.dispatch.deepep_dispatch import BufferNeeds, DeepEPBuffer
+    from epmoe.kernels.configs import mode_and_accumulator
     from epmoe.layer import DeepEPMoELayer
 
     t0 = time.time()
@@ -454,7 +455,7 @@ def _rank_main(rank, args, port, out_path):
     xd, idd, wd = _routing(args.decode_tokens, 2, rank, device)
     try:
         for scheme in args.schemes.split(","):
-            quant, acc = ("int8_channel", "int32") if scheme == "int8_channel_int32" else (scheme, "fp32")
+            quant, acc = mode_and_accumulator(scheme)
             common = dict(quant=quant, accumulator=acc, backend=args.backend, device=device, params_dtype=torch.bfloat16,
                           deepep_buffer=owner, validate=False, max_tokens_per_rank=args.decode_tokens)  # fmt: skip
             ln = DeepEPMoELayer(E, K, H, I, dispatch="deepep_normal", **common)

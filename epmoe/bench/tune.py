@@ -4,10 +4,11 @@ For each mode (``int8_channel``, ``int8_block``, ``bf16``; ``int8_channel_int32`
 int32-accumulator variant into its own entries), each expert GEMM shape (GEMM1: N = 2I, K = H;
 GEMM2: N = H, K = I) and each rows-per-expert bucket, a compact candidate list (8-14 pointer-kernel
 configs chosen per bucket: weight-streaming tiles for small m, large MMA tiles for big m; from
-m > 64 on also 6-8 TMA configs, plain / persistent / warp-specialized, on sm_90+ unless
-``--no-tma``) is timed on the contiguous layout with uniform routing; the fastest is written to
-``epmoe/configs/<device>.json`` (merged with what is there) or ``--out``. Before timing, each
-candidate's output is checked on sampled rows against the first (pointer-kernel) candidate's.
+m > 64 on also 6 TMA configs, plain / persistent / persistent with a flattened tile loop, on
+sm_90+ unless ``--no-tma``) is timed on the contiguous layout with uniform routing; the fastest
+is written to ``epmoe/configs/<device>.json`` (merged with what is there) or ``--out``. Before
+timing, each candidate's output is checked on sampled rows against the first (pointer-kernel)
+candidate's.
 
 The candidates do not depend on N and K, and the kernel is specialised only on divisibility, so
 each candidate compiles once per mode: compile time, not timing, bounds the sweep.
@@ -31,17 +32,18 @@ from ..kernels.configs import (
     device_name,
     heuristic_config,
     load_table,
+    mode_and_accumulator,
     shape_key,
 )
 
 MODES = ("int8_channel", "int8_block", "bf16")
 EXTRA_MODES = (INT32_ACC_MODE,)
+"""Modes ``--modes`` accepts beyond the default ones: tuned only when named."""
 SMEM_BYTES = 227 * 1024
 
 
-def kernel_mode(mode: str) -> tuple[str, str]:
-    """(kernel mode, accumulator) of a tune mode key."""
-    return ("int8_channel", "int32") if mode == INT32_ACC_MODE else (mode, "fp32")
+kernel_mode = mode_and_accumulator
+"""(kernel mode, accumulator) of a tune mode key."""
 
 
 def tma_candidates(mode: str, m: int) -> list[GemmConfig]:

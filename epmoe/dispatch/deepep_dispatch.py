@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -50,9 +50,7 @@ MAX_LOCAL_EXPERTS = 1024
 NORMAL_MAX_SCALES = 128
 """DeepEP's buffer-size hint reserves room for at most 128 fp32 scales per token."""
 
-LOW_LATENCY_RECOMMENDED_TOKENS = 256
 MODES = ("normal", "low_latency")
-_FP8 = torch.float8_e4m3fn
 
 
 class DeepEPBufferError(RuntimeError):

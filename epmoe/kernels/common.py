@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..tensors import as_contiguous
+
 
 def _patch_interpreter_index() -> None:
     """Let Triton 3.6's interpreter use runtime scalars as loop bounds under NumPy >= 2.4.
@@ -91,9 +93,13 @@ def placeholder(device: torch.device, dtype: torch.dtype = torch.int32) -> torch
     """A cached 1-element tensor for a kernel pointer argument that a constexpr flag disables.
 
     The kernel never reads it, so one uninitialised tensor per (device, dtype) serves every call
-    instead of an allocation per call.
+    instead of an allocation per call. A CUDA device without an index means the current one, so
+    the key carries the index: the cached tensor must live on the device of the launch.
     """
-    key = (torch.device(device), dtype)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device, dtype)
     t = _PLACEHOLDERS.get(key)
     if t is None:
         t = _PLACEHOLDERS[key] = torch.empty(1, dtype=dtype, device=device)
@@ -131,7 +137,9 @@ def masked_row_args(
     if masked_m is None:
         return placeholder(device, torch.int32), 1
     check_masked_m(masked_m, shape, "x")
-    return masked_m.to(device=device, dtype=torch.int32).contiguous(), shape[1]
+    if masked_m.device != torch.device(device):
+        masked_m = masked_m.to(device)
+    return as_contiguous(masked_m, torch.int32), shape[1]
 
 
 def check_masked_m(masked_m: torch.Tensor, shape: torch.Size, name: str) -> None:

@@ -18,14 +18,21 @@ import functools
 import json
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "configs"
 INT32_ACC_MODE = "int8_channel_int32"
-"""Mode key of the int32-accumulator variant; falls back to ``int8_channel`` entries."""
+"""Mode key of the int32-accumulator variant; a shape without entries under it falls back to
+the ``int8_channel`` entries."""
+
+
+def mode_and_accumulator(key: str) -> tuple[str, str]:
+    """(kernel mode, accumulator) of a config-table mode key: ``int8_channel_int32`` is
+    ``int8_channel`` with the int32 accumulator; every other key is its mode with fp32."""
+    return ("int8_channel", "int32") if key == INT32_ACC_MODE else (key, "fp32")
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,10 @@ class GemmConfig:
             raise ValueError(f"config {self.to_dict()}: PERSISTENT and FLATTEN need TMA")
         if self.tma and self.swap_ab:
             raise ValueError(f"config {self.to_dict()}: the TMA kernel has no SWAP_AB variant")
+
+    def without_tma(self) -> "GemmConfig":
+        """The same tiles for the pointer kernel (the TMA-only options off)."""
+        return replace(self, tma=False, persistent=False, flatten=False)
 
     def smem_bytes(self, elem_bytes: int) -> int:
         """Shared memory the pipelined A and B tiles need."""

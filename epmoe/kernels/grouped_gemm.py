@@ -379,7 +379,7 @@ def grouped_gemm_contiguous(
         return out
     cfg = _resolve_config(config, mode, accumulator, n, k, m_rows / e, a.device)
     grid_m = triton.cdiv(m_rows, cfg.block_m) + e
-    _launch(a, b, out, a_scale, b_scale, expert_offsets.contiguous(), e, 1, grid_m, mode, accumulator, False, cfg)
+    _launch(a, b, out, a_scale, b_scale, as_contiguous(expert_offsets), e, 1, grid_m, mode, accumulator, False, cfg)
     return out
 
 
@@ -470,8 +470,7 @@ def _launch(a, b, out, a_scale, b_scale, seg, e, cap, grid_m, mode, accumulator,
         )
         return
     if cfg.tma:
-        # The pointer kernel: same tiles, no TMA-only options.
-        cfg = GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, False, cfg.num_warps, cfg.num_stages)
+        cfg = cfg.without_tma()  # the pointer kernel: same tiles, no TMA-only options
     _grouped_gemm_kernel[(grid_m * num_pid_n,)](
         a, b, out, as_, bs, seg,
         n, k, e, cap, grid_m,
@@ -497,6 +496,8 @@ def tma_fallback_reason(a: torch.Tensor, b: torch.Tensor, cfg: GemmConfig) -> st
     if not (a.is_contiguous() and b.is_contiguous()):
         return "operands are not contiguous"
     k = a.shape[1]
+    if k == 0:
+        return "K=0 (a tensor map needs non-empty dimensions)"
     if (k * a.element_size()) % 16:
         return f"K={k} x {a.element_size()} bytes is not a multiple of 16 (TMA row stride)"
     if a.data_ptr() % 16 or b.data_ptr() % 16:

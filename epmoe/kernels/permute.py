@@ -39,9 +39,10 @@ def _slot_positions_kernel(
         ids = tl.load(IDS + slot, mask=in_range, other=-1)
         hit = ids == e
         pos = start + running + tl.cumsum(hit.to(tl.int64), 0) - 1
-        # A segment shorter than its rows (inconsistent sizes) must not write past its end.
+        # A segment shorter than its rows (inconsistent sizes) must not write past its end; the
+        # slots that do not fit get -1 (not local), so no later kernel follows a stale position.
         fits = hit & (pos < end)
-        tl.store(POS + slot, pos, mask=fits)
+        tl.store(POS + slot, tl.where(fits, pos, -1), mask=hit)
         tl.store(MIDX + pos, e.to(tl.int32) + tl.zeros([BLOCK], dtype=tl.int32), mask=fits)
         if e == 0:
             foreign = in_range & ((ids < 0) | (ids >= E))
@@ -99,7 +100,8 @@ def slot_positions(
     Args:
         topk_ids: ``[R, k]`` int local expert ids; ids outside ``[0, E)`` are other ranks' slots.
         expert_offsets: ``[E + 1]`` int32/int64 on the device of ``topk_ids``; segment ``e`` must
-            have room for expert ``e``'s slots (rows past the room are dropped, never written).
+            have room for expert ``e``'s slots (slots past the room are dropped: their
+            ``slot_pos`` is ``-1`` and no row is written for them).
         num_rows: ``M = expert_offsets[-1]`` (known on the host by the caller).
 
     Returns:
@@ -108,9 +110,17 @@ def slot_positions(
         token order.
     """
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or topk_ids.is_floating_point():
-        raise ValueError("topk_ids must be an integer [R, k] tensor")
-    if expert_offsets.dim() != 1 or expert_offsets.numel() < 1 or expert_offsets.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"expert_offsets must be an int32/int64 [E + 1] tensor; got {expert_offsets.dtype} {tuple(expert_offsets.shape)}")
+        got = _describe(topk_ids)
+        raise ValueError(f"topk_ids must be an integer [R, k] tensor; got {got}")
+    if (
+        not isinstance(expert_offsets, torch.Tensor)
+        or expert_offsets.dim() != 1
+        or expert_offsets.numel() < 1
+        or expert_offsets.dtype not in (torch.int32, torch.int64)
+    ):
+        raise ValueError(f"expert_offsets must be an int32/int64 [E + 1] tensor; got {_describe(expert_offsets)}")
+    if num_rows < 0:
+        raise ValueError(f"num_rows={num_rows} must be >= 0 (expert_offsets[-1])")
     if expert_offsets.device != topk_ids.device:
         raise ValueError(f"expert_offsets is on {expert_offsets.device} but topk_ids on {topk_ids.device}")
     r, k = topk_ids.shape
@@ -201,7 +211,7 @@ def gather_weighted(
     topk_weights: torch.Tensor,
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Per received token, the top-k weighted sum of its local experts' rows, in fp32.
+    """Per received token, the top-k weighted sum of its local experts' rows, summed in fp32.
 
     Args:
         expert_out: ``[M, H]`` backend output (any float dtype; a masked output is passed as
@@ -214,7 +224,8 @@ def gather_weighted(
         ``[R, H]`` of ``out_dtype``; tokens with no local slot get zeros.
     """
     if not isinstance(expert_out, torch.Tensor) or expert_out.dim() != 2 or not expert_out.is_floating_point():
-        raise ValueError("expert_out must be a floating-point [M, H] tensor")
+        got = _describe(expert_out)
+        raise ValueError(f"expert_out must be a floating-point [M, H] tensor; got {got}")
     _check_slot_pos(slot_pos, None, "expert_out")
     if tuple(topk_weights.shape) != tuple(slot_pos.shape):
         raise ValueError(
@@ -236,6 +247,11 @@ def gather_weighted(
         xc.stride(0), out.stride(0), BLOCK_H=block_h,
     )
     return out
+
+
+def _describe(t) -> str:
+    """``dtype (shape)`` of a tensor for an error message, or the type name of anything else."""
+    return f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
 def _check_slot_pos(slot_pos: torch.Tensor, rows: int | None, other: str) -> None:

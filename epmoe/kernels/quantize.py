@@ -30,7 +30,7 @@ dequantize on the fly, which is how FP8 1x128 activations from low-latency dispa
 
 Launch parameters (rows per program, columns per program, warps) come from
 :func:`token_launch` / :func:`group_launch`; ``_per_token`` / ``_per_group`` take an explicit
-:class:`Launch` so a GPU sweep can compare them (``.dev/bench_small_kernels.py``).
+:class:`Launch` so a GPU sweep can compare them (the sweep script is not part of the package).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..tensors import as_contiguous
 from .common import check_scale_input, masked_row_args, next_pow2, placeholder
 
 AMAX_FLOOR = 1e-10
@@ -340,7 +341,7 @@ def _scale_view(
     """
     if x_scale is None:
         return placeholder(device, torch.float32), 1
-    xs = x_scale.reshape(-1, x_scale.shape[-1]).float().contiguous()
+    xs = as_contiguous(x_scale.reshape(-1, x_scale.shape[-1]), torch.float32)
     return xs, k // xs.shape[1]
 
 
