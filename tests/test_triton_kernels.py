@@ -713,6 +713,28 @@ def test_get_config_reads_tma_entries(tmp_path, monkeypatch):
         configs.load_table.cache_clear()
 
 
+def test_int32_entries_override_bucket_by_bucket(tmp_path, monkeypatch):
+    name = configs.device_name(DEVICE)
+    small = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "SWAP_AB": True, "num_warps": 4, "num_stages": 4}
+    big = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 256, "GROUP_M": 8, "SWAP_AB": False, "num_warps": 8, "num_stages": 3}
+    big32 = dict(big, BLOCK_N=256, BLOCK_K=128, num_stages=4, TMA=True)
+    data = {"device": name, "configs": {
+        "int8_channel": {"N=4096,K=7168": {"8": small, "2048": big}},
+        "int8_channel_int32": {"N=4096,K=7168": {"2048": big32}},  # only the large bucket tuned
+    }}
+    (tmp_path / configs.config_filename(name)).write_text(json.dumps(data))
+    monkeypatch.setenv("EPMOE_CONFIG_DIR", str(tmp_path))
+    configs.load_table.cache_clear()
+    try:
+        get = lambda m, acc: configs.get_config("int8_channel", 4096, 7168, m, device=DEVICE, accumulator=acc).to_dict()  # noqa: E731
+        assert get(8, "int32") == small  # not the int32 table's only (large) bucket
+        assert get(2048, "int32") == big32
+        assert get(2048, "fp32") == big
+    finally:
+        monkeypatch.delenv("EPMOE_CONFIG_DIR")
+        configs.load_table.cache_clear()
+
+
 # ---------------------------------------------------------------- activation
 
 

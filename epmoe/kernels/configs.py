@@ -25,8 +25,7 @@ import torch
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "configs"
 INT32_ACC_MODE = "int8_channel_int32"
-"""Mode key of the int32-accumulator variant; a shape without entries under it falls back to
-the ``int8_channel`` entries."""
+"""Mode key of the int32-accumulator variant; its buckets override ``int8_channel``'s one by one."""
 
 
 def mode_and_accumulator(key: str) -> tuple[str, str]:
@@ -166,14 +165,18 @@ def get_config(
     """The config for one grouped GEMM call (tuned entry if one ships, else the default)."""
     name = device_name(device)
     table = load_table(name)
-    keys = [INT32_ACC_MODE, mode] if accumulator == "int32" else [mode]
-    for key in keys:
-        entry = pick_bucket(table.get(key, {}).get(shape_key(n, k), {}), m_per_expert)
-        if entry is not None:
-            cfg = GemmConfig.from_dict(entry)
-            if mode == "int8_block" and 128 % cfg.block_k:
-                cfg = _with(cfg, block_k=128)
-            return cfg
+    shape = shape_key(n, k)
+    buckets = dict(table.get(mode, {}).get(shape, {}))
+    if accumulator == "int32":
+        # int32 entries override the mode's bucket by bucket: a file that tuned only some
+        # buckets for the int32 accumulator keeps the mode's entries for the others.
+        buckets.update(table.get(INT32_ACC_MODE, {}).get(shape, {}))
+    entry = pick_bucket(buckets, m_per_expert)
+    if entry is not None:
+        cfg = GemmConfig.from_dict(entry)
+        if mode == "int8_block" and 128 % cfg.block_k:
+            cfg = _with(cfg, block_k=128)
+        return cfg
     return default_config(mode, m_per_expert, device=device)
 
 
