@@ -132,6 +132,9 @@ def to_contiguous(
 def _check_padded_rows(padded_rows: Sequence[int], num_experts: int, alignment: int) -> None:
     if len(padded_rows) != num_experts:
         raise ValueError(f"padded_rows has {len(padded_rows)} entries; expected num_experts={num_experts}")
+    # min() runs in C; the per-entry modulo only when there is an alignment to check.
+    if min(padded_rows, default=0) >= 0 and (alignment <= 1 or not any(int(p) % alignment for p in padded_rows)):
+        return
     bad = [(e, int(p)) for e, p in enumerate(padded_rows) if int(p) < 0 or int(p) % max(alignment, 1)]
     if bad:
         e, p = bad[0]

@@ -220,10 +220,9 @@ def torch_bf16_stages(problem: Problem, batch) -> dict[str, Callable]:
 
 
 def triton_stages(problem: Problem, batch, scheme_name: str, accumulator: str) -> tuple[dict, Callable]:
-    """Stages of the triton backend, built from the same kernels its run_contiguous calls."""
-    from ..layouts import ContiguousBatch
+    """Stages of the triton backend: its own stage methods, the ones its run_contiguous chains."""
     from ..experts.triton_backend import TritonBackend
-    from ..kernels import activation, grouped_gemm, quantize
+    from ..layouts import ContiguousBatch
     from ..quant.schemes import get_scheme
 
     scheme = get_scheme(scheme_name)
@@ -231,29 +230,20 @@ def triton_stages(problem: Problem, batch, scheme_name: str, accumulator: str) -
     w = backend.prepare_weights(weights_for(problem, scheme_name))
     dtype = batch.x.dtype
     offsets = batch.expert_offsets
-    if scheme.act_granularity == "token":
-        quant = lambda: quantize.per_token_quant_int8(batch.x)  # noqa: E731
-        act = lambda gu: activation.silu_and_mul_quant(gu, "token")  # noqa: E731
-    elif scheme.act_granularity == "group":
-        quant = lambda: quantize.per_group_quant(batch.x, 128, torch.int8)  # noqa: E731
-        act = lambda gu: activation.silu_and_mul_quant(gu, "group", 128)  # noqa: E731
-    else:
-        quant = lambda: (batch.x, None)  # noqa: E731
-        act = lambda gu: (activation.silu_and_mul(gu, w.w2.dtype), None)  # noqa: E731
+    quant = lambda: backend.gemm1_input(batch.x, None, w, None)  # noqa: E731
+    act = lambda gu: backend.activation(gu, w, None)  # noqa: E731
     xq, xs = quant()
 
-    def gemm(a, a_scale, weight, scale):
-        return grouped_gemm.grouped_gemm_contiguous(
-            a, weight, offsets, mode=scheme_name, a_scale=a_scale, b_scale=scale,
-            accumulator=accumulator, out_dtype=dtype,
-        )
+    def gemm(a, a_scale, which):
+        out_dtype = backend.mid_dtype(w, dtype) if which == 1 else dtype
+        return backend.gemm(a, a_scale, w, which, out_dtype, expert_offsets=offsets)
 
-    gate_up = gemm(xq, xs, w.w13, w.w13_scale)
+    gate_up = gemm(xq, xs, 1)
     hq, hs = act(gate_up)
     stages = {
-        "gemm1": lambda: gemm(xq, xs, w.w13, w.w13_scale),
+        "gemm1": lambda: gemm(xq, xs, 1),
         "act": lambda: act(gate_up),
-        "gemm2": lambda: gemm(hq, hs, w.w2, w.w2_scale),
+        "gemm2": lambda: gemm(hq, hs, 2),
         "total": lambda: backend.run_contiguous(batch, w, dtype),
     }
     if scheme.quantized:

@@ -7,8 +7,7 @@ rank), one shared :class:`~epmoe.dispatch.deepep_dispatch.DeepEPBuffer`:
   ``deepep_low_latency``; schemes bf16, int8_channel, int8_block (backend ``auto``);
 * whole-layer time and per-phase times (quantize, dispatch, scatter, GEMM1, activation, GEMM2,
   gather, combine), calling the pieces the layer composes; GEMM1 / activation / GEMM2 are split
-  by calling the Triton kernels of :mod:`epmoe.kernels` the way the Triton backend does (other
-  backends: one ``experts`` phase);
+  through the Triton backend's own stage methods (other backends: one ``experts`` phase);
 * bytes sent per rank, remote and local; DeepEP's own dispatch / combine time for the same payload
   (``deep_ep.Buffer`` called directly) next to the layer's;
 * low-latency INT8 payload study: BF16 dispatch then INT8 quantization, against FP8 dispatch then
@@ -162,53 +161,25 @@ def _payload_row_bytes(payload):
             "fp8_group": H + H // 128 * 4}[payload]  # fmt: skip
 
 
-# ------------------------------------------------------------------------ split of the experts
-class _Split:
-    """GEMM1 / activation / GEMM2 with the Triton kernels, as the Triton backend runs them."""
-
-    def __init__(self, layer):
-        from epmoe.kernels import activation, grouped_gemm, quantize
-
-        self.act, self.gg, self.qz = activation, grouped_gemm, quantize
-        self.layer = layer
-        self.scheme = layer.scheme
-        self.acc = layer.backend.accumulator
-        self.w = layer._weights()
-
-    def gemm1_input(self, x, x_scale, masked_m):
-        from epmoe.quant.reference import dequantize_rows
-
-        s = self.scheme
-        if not s.quantized:
-            xf = x if x_scale is None else dequantize_rows(x, x_scale)
-            return xf.to(self.w.w13.dtype), None
-        native = x_scale is not None and x.dtype == s.qdtype and x_scale.shape[-1] == s.act_scale_cols(x.shape[-1])
-        if native:
-            return x, x_scale.float()
-        if s.act_granularity == "token":
-            return self.qz.per_token_quant_int8(x, x_scale, masked_m=masked_m)
-        return self.qz.per_group_quant(x, 128, torch.int8, x_scale, masked_m=masked_m)
-
-    def activation(self, gate_up, masked_m):
-        if not self.scheme.quantized:
-            return self.act.silu_and_mul(gate_up, self.w.w2.dtype, masked_m=masked_m), None
-        gran = "token" if self.scheme.act_granularity == "token" else "group"
-        return self.act.silu_and_mul_quant(gate_up, gran, 128, torch.int8, masked_m=masked_m)
-
-    def gemm(self, a, a_scale, which, layout, seg, expected_m=None, out_dtype=torch.bfloat16):
-        w = self.w.w13 if which == 1 else self.w.w2
-        ws = self.w.w13_scale if which == 1 else self.w.w2_scale
-        if which == 1 and out_dtype not in (torch.bfloat16, torch.float16):
-            out_dtype = torch.float32  # GEMM1's output is kept 16-bit only for 16-bit outputs
-        kw = dict(mode=self.scheme.name, a_scale=a_scale, b_scale=ws, accumulator=self.acc, out_dtype=out_dtype)
-        if layout == "contiguous":
-            return self.gg.grouped_gemm_contiguous(a, w, seg, **kw)
-        return self.gg.grouped_gemm_masked(a, w, seg, expected_m=expected_m, **kw)
+def _experts_in_stages(layer, x, x_scale, out_dtype, tm, **segments):
+    """The Triton backend's forward through its own stage methods, with a mark after each."""
+    be, wts = layer.backend, layer._weights()
+    masked_m = segments.get("masked_m")
+    a, a_s = be.gemm1_input(x, x_scale, wts, masked_m)
+    tm.mark("quantize_post")
+    gu = be.gemm(a, a_s, wts, 1, be.mid_dtype(wts, out_dtype), **segments)
+    tm.mark("gemm1")
+    h, hs = be.activation(gu, wts, masked_m)
+    tm.mark("activation")
+    out = be.gemm(h, hs, wts, 2, out_dtype, **segments)
+    tm.mark("gemm2")
+    return out
 
 
-def _phases_once(layer, split, x_in, ids, w, tm):
-    """One forward, piece by piece, with a timer mark after each phase; returns the output."""
-    from epmoe.layouts import gather_weighted, to_contiguous
+def _phases_once(layer, staged, x_in, ids, w, tm):
+    """One forward, piece by piece, with a timer mark after each phase; returns the output.
+    ``staged``: split the experts into their stages (Triton backend), else one phase."""
+    from epmoe.layouts import MaskedBatch, gather_weighted, to_contiguous
     from epmoe.quant.payload import quantize_payload
 
     x, xs = quantize_payload(x_in, layer.dispatcher.cfg.payload)
@@ -216,21 +187,12 @@ def _phases_once(layer, split, x_in, ids, w, tm):
     d = layer.dispatcher.send(x, xs, ids, w)
     tm.mark("dispatch")
     if d.layout == "masked":
-        if split is None:
-            from epmoe.layouts import MaskedBatch
-
+        if staged:
+            out = _experts_in_stages(layer, d.x, d.x_scale, x_in.dtype, tm, masked_m=d.masked_m,
+                                     expected_m=d.expected_m)  # fmt: skip
+        else:
             out = layer.backend.run_masked(MaskedBatch(d.x, d.x_scale, d.masked_m, d.expected_m), layer._weights(), x_in.dtype)
             tm.mark("experts")
-        else:
-            mm = d.masked_m
-            a, a_s = split.gemm1_input(d.x, d.x_scale, mm)
-            tm.mark("quantize_post")
-            gu = split.gemm(a, a_s, 1, "masked", mm, d.expected_m, x_in.dtype)
-            tm.mark("gemm1")
-            h, hs = split.activation(gu, mm)
-            tm.mark("activation")
-            out = split.gemm(h, hs, 2, "masked", mm, d.expected_m, x_in.dtype)
-            tm.mark("gemm2")
         y = layer.dispatcher.combine(out, d)
         tm.mark("combine")
         return y.to(x_in.dtype)
@@ -238,23 +200,45 @@ def _phases_once(layer, split, x_in, ids, w, tm):
         d.x, d.x_scale, d.topk_ids, layer.num_local_experts, layer.backend.alignment, d.padded_rows
     )
     tm.mark("scatter")
-    if split is None:
+    if staged:
+        out = _experts_in_stages(layer, batch.x, batch.x_scale, x_in.dtype, tm, expert_offsets=batch.expert_offsets)
+    else:
         out = layer.backend.run_contiguous(batch, layer._weights(), x_in.dtype)
         tm.mark("experts")
-    else:
-        a, a_s = split.gemm1_input(batch.x, batch.x_scale, None)
-        tm.mark("quantize_post")
-        gu = split.gemm(a, a_s, 1, "contiguous", batch.expert_offsets, None, x_in.dtype)
-        tm.mark("gemm1")
-        h, hs = split.activation(gu, None)
-        tm.mark("activation")
-        out = split.gemm(h, hs, 2, "contiguous", batch.expert_offsets, None, x_in.dtype)
-        tm.mark("gemm2")
     g = gather_weighted(out, batch.slot_pos, d.topk_weights, x_in.dtype)
     tm.mark("gather")
     y = layer.dispatcher.combine(g, d)
     tm.mark("combine")
     return y.to(x_in.dtype)
+
+
+def _time_pair(first, second, iters, warmup, device, names=("dispatch", "combine"), between=None):
+    """Mean ms of ``first()`` and of ``second(...)`` on its result, each timed alone after a
+    barrier, a fixed count of iterations on every rank: the one loop every dispatch / combine
+    comparison here uses. ``between`` (untimed) turns the first result into the second's
+    argument. Returns the times and the last results of both calls."""
+    t1, t2 = _Timer(), _Timer()
+    r1 = r2 = None
+    for i in range(warmup + iters):
+        _barrier(device)
+        tm = t1 if i >= warmup else _Timer()
+        tm.start()
+        r1 = first()
+        tm.mark(names[0])
+        arg = r1 if between is None else between(r1)
+        tm2 = t2 if i >= warmup else _Timer()
+        tm2.start()
+        r2 = second(arg)
+        tm2.mark(names[1])
+    times = {f"{names[0]}_ms": t1.result_ms()[names[0]], f"{names[1]}_ms": t2.result_ms()[names[1]]}
+    return times, r1, r2
+
+
+def _combine_input(cache, shape, device):
+    """A zero BF16 combine input of ``shape``, allocated once per shape."""
+    if cache.get("shape") != shape:
+        cache["shape"], cache["y"] = shape, torch.zeros(*shape, dtype=torch.bfloat16, device=device)
+    return cache["y"]
 
 
 def _deepep_raw(owner, layer, x_in, ids, w, mode, iters, warmup, device):
@@ -264,47 +248,37 @@ def _deepep_raw(owner, layer, x_in, ids, w, mode, iters, warmup, device):
 
     buf = owner.get()
     x, xs = quantize_payload(x_in, layer.dispatcher.cfg.payload)
-    disp, comb = _Timer(), _Timer()
+    cache = {}
     if mode == "normal":
         payload = normal_payload(x, xs)
-        for i in range(warmup + iters):
-            _barrier(device)
-            tm = disp if i >= warmup else _Timer()
-            tm.start()
+
+        def dispatch():
             a, b, c, dd_, _ = buf.get_dispatch_layout(ids, E)
-            recv, rids, rw, _, handle, _ = buf.dispatch(
+            recv, _, _, _, handle, _ = buf.dispatch(
                 payload, topk_idx=ids, topk_weights=w, num_tokens_per_rank=a, num_tokens_per_rdma_rank=b,
                 is_token_in_rank=dd_, num_tokens_per_expert=c, expert_alignment=max(1, layer.backend.alignment),
                 config=owner.dispatch_config,
             )  # fmt: skip
-            tm.mark("dispatch")
             rx = recv[0] if isinstance(recv, tuple) else recv
-            y = torch.zeros(rx.shape[0], H, dtype=torch.bfloat16, device=device)
-            tm2 = comb if i >= warmup else _Timer()
-            tm2.start()
-            buf.combine(y, handle, config=owner.combine_config)
-            tm2.mark("combine")
+            return rx.shape[0], handle
+
+        times, _, _ = _time_pair(
+            dispatch, lambda a: buf.combine(a[0], a[1], config=owner.combine_config), iters, warmup, device,
+            between=lambda r: (_combine_input(cache, (r[0], H), device), r[1]),
+        )  # fmt: skip
         owner.mark_normal_used()
-    else:
-        if owner.clean_low_latency():
-            _barrier(device)
-        xb = x_in.to(torch.bfloat16).contiguous()
-        use_fp8 = layer.dispatcher.cfg.low_latency_payload == "fp8_group"
-        plan = owner.plan
-        y = None
-        for i in range(warmup + iters):
-            _barrier(device)
-            tm = disp if i >= warmup else _Timer()
-            tm.start()
-            recv, count, handle, _, _ = buf.low_latency_dispatch(xb, ids, plan.ll_max_tokens, E, use_fp8=use_fp8)
-            tm.mark("dispatch")
-            if y is None:
-                y = torch.zeros(E // WORLD, plan.ll_max_tokens * WORLD, H, dtype=torch.bfloat16, device=device)
-            tm2 = comb if i >= warmup else _Timer()
-            tm2.start()
-            buf.low_latency_combine(y, ids, w, handle)
-            tm2.mark("combine")
-    return dict(dispatch_ms=disp.result_ms()["dispatch"], combine_ms=comb.result_ms()["combine"])
+        return times
+    if owner.clean_low_latency():
+        _barrier(device)
+    xb = x_in.to(torch.bfloat16).contiguous()
+    use_fp8 = layer.dispatcher.cfg.low_latency_payload == "fp8_group"
+    plan = owner.plan
+    y = _combine_input(cache, (E // WORLD, plan.ll_max_tokens * WORLD, H), device)
+    times, _, _ = _time_pair(
+        lambda: buf.low_latency_dispatch(xb, ids, plan.ll_max_tokens, E, use_fp8=use_fp8)[2],
+        lambda handle: buf.low_latency_combine(y, ids, w, handle), iters, warmup, device,
+    )  # fmt: skip
+    return times
 
 
 def _layer_dc(layer, x_in, ids, w, iters, warmup, device):
@@ -314,21 +288,12 @@ def _layer_dc(layer, x_in, ids, w, iters, warmup, device):
     from epmoe.quant.payload import quantize_payload
 
     x, xs = quantize_payload(x_in, layer.dispatcher.cfg.payload)
-    disp, comb = _Timer(), _Timer()
-    y = None
-    for i in range(warmup + iters):
-        _barrier(device)
-        tm = disp if i >= warmup else _Timer()
-        tm.start()
-        d = layer.dispatcher.send(x, xs, ids, w)
-        tm.mark("dispatch")
-        if y is None or tuple(y.shape[:-1]) != tuple(d.x.shape[:-1]):
-            y = torch.zeros(*d.x.shape[:-1], H, dtype=torch.bfloat16, device=device)
-        tm2 = comb if i >= warmup else _Timer()
-        tm2.start()
-        layer.dispatcher.combine(y, d)
-        tm2.mark("combine")
-    return dict(dispatch_ms=disp.result_ms()["dispatch"], combine_ms=comb.result_ms()["combine"])
+    cache = {}
+    times, _, _ = _time_pair(
+        lambda: layer.dispatcher.send(x, xs, ids, w), lambda a: layer.dispatcher.combine(*a), iters, warmup, device,
+        between=lambda d: (_combine_input(cache, (*d.x.shape[:-1], H), device), d),
+    )  # fmt: skip
+    return times
 
 
 def _graph_dc(owner, layer, x_in, ids, w, iters, device):
@@ -385,23 +350,21 @@ def _ll_int8_study(owner, x, ids, device, iters, warmup):
     for wire in ("bf16", "fp8"):
         use_fp8 = wire == "fp8"
         for gran in ("token", "group"):
-            d_t, q_t = _Timer(), _Timer()
-            for i in range(warmup + iters):
-                _barrier(device)
-                tm = d_t if i >= warmup else _Timer()
-                tm.start()
+
+            def dispatch():
                 r, count, handle, _, _ = buf.low_latency_dispatch(x, ids, plan.ll_max_tokens, E, use_fp8=use_fp8)
-                tm.mark("dispatch")
                 rx, rs = r if use_fp8 else (r, None)
-                tq = q_t if i >= warmup else _Timer()
-                tq.start()
+                return rx, rs, count, handle
+
+            def quant(d, gran=gran):
+                rx, rs, count, _ = d
                 if gran == "token":
-                    q, s = qz.per_token_quant_int8(rx, rs, masked_m=count)
-                else:
-                    q, s = qz.per_group_quant(rx, 128, torch.int8, rs, masked_m=count)
-                tq.mark("quant")
-            recv[(wire, gran)] = (rx, rs, count, handle, q, s)
-            out[f"{wire}_{gran}"] = dict(dispatch_ms=d_t.result_ms()["dispatch"], quant_ms=q_t.result_ms()["quant"])
+                    return qz.per_token_quant_int8(rx, rs, masked_m=count)
+                return qz.per_group_quant(rx, 128, torch.int8, rs, masked_m=count)
+
+            times, d, (q, s) = _time_pair(dispatch, quant, iters, warmup, device, names=("dispatch", "quant"))
+            recv[(wire, gran)] = (*d, q, s)
+            out[f"{wire}_{gran}"] = times
     # Accuracy: match rows of both dispatches by (source rank, source token) on a few experts;
     # the BF16 dispatch is byte-exact, so its rows are the exact activations.
     for gran in ("token", "group"):
@@ -468,10 +431,7 @@ def _rank_main(rank, args, port, out_path):
                 mode = "normal" if phase == "prefill" else "low_latency"
                 row = dict(backend=layer.backend.name, dispatcher=layer.dispatcher.name, payload=layer.payload,
                            tokens=x.shape[0])  # fmt: skip
-                try:
-                    split = _Split(layer) if layer.backend.name == "triton" else None
-                except Exception as exc:  # noqa: BLE001 - kernels missing: experts as one phase
-                    split, row["split_unavailable"] = None, repr(exc)
+                staged = layer.backend.name == "triton"
                 ref = layer(x, topk_ids=ids, topk_weights=w)
                 row["layer_ms"] = _time_loop(lambda: layer(x, topk_ids=ids, topk_weights=w), args.iters, args.warmup, device)
                 row["tokens_per_s"] = x.shape[0] / row["layer_ms"] * 1e3
@@ -480,7 +440,7 @@ def _rank_main(rank, args, port, out_path):
                     _barrier(device)
                     cur = tm if i >= args.warmup else _Timer()
                     cur.start()
-                    out = _phases_once(layer, split, x, ids, w, cur)
+                    out = _phases_once(layer, staged, x, ids, w, cur)
                 row["phases_ms"] = tm.result_ms()
                 row["phases_sum_ms"] = sum(row["phases_ms"].values())
                 row["split_vs_layer_rel_err"] = float((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30))

@@ -37,10 +37,7 @@ class TritonBackend(ExpertsBackend):
     schemes = frozenset({"bf16", "int8_channel", "int8_block"})
     layouts = frozenset({"contiguous", "masked"})
 
-    @property
-    def alignment(self) -> int:
-        # The kernels tile each expert's segment on their own, so segments need no padding.
-        return 1
+    # alignment: the base's 1. The kernels tile each expert's segment on their own.
 
     @classmethod
     def available(cls, device: torch.device) -> tuple[bool, str]:
@@ -66,41 +63,48 @@ class TritonBackend(ExpertsBackend):
     def run_contiguous(
         self, batch: ContiguousBatch, weights: ExpertWeights, out_dtype: torch.dtype
     ) -> torch.Tensor:
-        _, gg, _ = _kernels()
-        _check_weights(weights, self.scheme)
-        mode = self.scheme.name
-        a, a_scale = self._gemm1_input(batch.x, batch.x_scale, weights, None)
-        gate_up = gg.grouped_gemm_contiguous(
-            a, weights.w13, batch.expert_offsets, mode=mode, a_scale=a_scale,
-            b_scale=weights.w13_scale, accumulator=self.accumulator,
-            out_dtype=self._mid_dtype(weights, out_dtype),
-        )
-        h, h_scale = self._activation(gate_up, weights, None)
-        return gg.grouped_gemm_contiguous(
-            h, weights.w2, batch.expert_offsets, mode=mode, a_scale=h_scale,
-            b_scale=weights.w2_scale, accumulator=self.accumulator, out_dtype=out_dtype,
-        )
+        return self._run(batch.x, batch.x_scale, weights, out_dtype, expert_offsets=batch.expert_offsets)
 
     def run_masked(
         self, batch: MaskedBatch, weights: ExpertWeights, out_dtype: torch.dtype
     ) -> torch.Tensor:
-        _, gg, _ = _kernels()
-        _check_weights(weights, self.scheme)
-        mode = self.scheme.name
         masked_m = batch.masked_m.to(device=batch.x.device, dtype=torch.int32)
-        a, a_scale = self._gemm1_input(batch.x, batch.x_scale, weights, masked_m)
-        common = dict(mode=mode, accumulator=self.accumulator, expected_m=batch.expected_m)
-        gate_up = gg.grouped_gemm_masked(
-            a, weights.w13, masked_m, a_scale=a_scale, b_scale=weights.w13_scale,
-            out_dtype=self._mid_dtype(weights, out_dtype), **common,
-        )
-        h, h_scale = self._activation(gate_up, weights, masked_m)
-        return gg.grouped_gemm_masked(
-            h, weights.w2, masked_m, a_scale=h_scale, b_scale=weights.w2_scale,
-            out_dtype=out_dtype, **common,
+        return self._run(
+            batch.x, batch.x_scale, weights, out_dtype, masked_m=masked_m, expected_m=batch.expected_m
         )
 
-    def _gemm1_input(
+    def _run(self, x, x_scale, weights: ExpertWeights, out_dtype: torch.dtype, **segments) -> torch.Tensor:
+        _check_weights(weights, self.scheme)
+        masked_m = segments.get("masked_m")
+        a, a_scale = self.gemm1_input(x, x_scale, weights, masked_m)
+        gate_up = self.gemm(a, a_scale, weights, 1, self.mid_dtype(weights, out_dtype), **segments)
+        h, h_scale = self.activation(gate_up, weights, masked_m)
+        return self.gemm(h, h_scale, weights, 2, out_dtype, **segments)
+
+    # The stages of a forward, public so that benchmarks time exactly what the backend runs.
+    def gemm(
+        self,
+        a: torch.Tensor,
+        a_scale: torch.Tensor | None,
+        weights: ExpertWeights,
+        which: int,
+        out_dtype: torch.dtype,
+        *,
+        expert_offsets: torch.Tensor | None = None,
+        masked_m: torch.Tensor | None = None,
+        expected_m: int | None = None,
+    ) -> torch.Tensor:
+        """GEMM1 (``which=1``: ``w13``) or GEMM2 (``which=2``: ``w2``), on the contiguous layout
+        (``expert_offsets``) or, given ``masked_m``, the masked one."""
+        _, gg, _ = _kernels()
+        w, w_scale = (weights.w13, weights.w13_scale) if which == 1 else (weights.w2, weights.w2_scale)
+        kw = dict(mode=self.scheme.name, a_scale=a_scale, b_scale=w_scale, accumulator=self.accumulator,
+                  out_dtype=out_dtype)  # fmt: skip
+        if masked_m is None:
+            return gg.grouped_gemm_contiguous(a, w, expert_offsets, **kw)
+        return gg.grouped_gemm_masked(a, w, masked_m, expected_m=expected_m, **kw)
+
+    def gemm1_input(
         self,
         x: torch.Tensor,
         x_scale: torch.Tensor | None,
@@ -129,7 +133,7 @@ class TritonBackend(ExpertsBackend):
             return qz.per_token_quant_int8(x, x_scale, masked_m=masked_m)
         return qz.per_group_quant(x, BLOCK, torch.int8, x_scale, masked_m=masked_m)
 
-    def _activation(
+    def activation(
         self, gate_up: torch.Tensor, weights: ExpertWeights, masked_m: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         act, _, _ = _kernels()
@@ -138,7 +142,8 @@ class TritonBackend(ExpertsBackend):
         granularity = "token" if self.scheme.act_granularity == "token" else "group"
         return act.silu_and_mul_quant(gate_up, granularity, BLOCK, torch.int8, masked_m=masked_m)
 
-    def _mid_dtype(self, weights: ExpertWeights, out_dtype: torch.dtype) -> torch.dtype:
+    def mid_dtype(self, weights: ExpertWeights, out_dtype: torch.dtype) -> torch.dtype:
+        """GEMM1's output dtype: 16-bit when the layer's output is, else fp32."""
         if not self.scheme.quantized and weights.w13.dtype == torch.float32:
             return torch.float32
         return out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.float32

@@ -26,10 +26,10 @@ from .quantize import (
     _warps,
     amax_bits,
     check_launch,
-    codes,
     group_launch,
     rows_valid,
     scale_of,
+    store_codes,
     token_launch,
 )
 
@@ -78,10 +78,7 @@ def _silu_mul_token_quant_kernel(
             h, cols, mask = _silu_mul_tile(X, rows, row_ok, 0, I, stride_xm, GROUP, NG)
             scale = scale_of(tl.max(amax_bits(h, 2), 1), QMAX)
             tl.store(S + rows, scale, mask=row_ok)
-            rcp = tl.div_rn(1.0, scale)[:, None, None]
-            ok = (scale < float("inf"))[:, None, None]
-            q = codes(h, scale[:, None, None], rcp, ok, QMAX, False)
-            tl.store(Q + rows[:, None, None] * stride_qm + cols, q, mask=mask)
+            store_codes(Q, rows, cols, mask, h, scale[:, None, None], stride_qm, QMAX, False)
         else:
             # Rows too long for registers: amax over chunks, then recompute the product (L2 reads).
             amax = tl.zeros([BLOCK_M], dtype=tl.int32)
@@ -90,12 +87,9 @@ def _silu_mul_token_quant_kernel(
                 amax = tl.maximum(amax, tl.max(amax_bits(h, 2), 1))
             scale = scale_of(amax, QMAX)
             tl.store(S + rows, scale, mask=row_ok)
-            rcp = tl.div_rn(1.0, scale)[:, None, None]
-            ok = (scale < float("inf"))[:, None, None]
             for c0 in range(0, I, BLOCK_K):
                 h, cols, mask = _silu_mul_tile(X, rows, row_ok, c0, I, stride_xm, GROUP, NG)
-                q = codes(h, scale[:, None, None], rcp, ok, QMAX, False)
-                tl.store(Q + rows[:, None, None] * stride_qm + cols, q, mask=mask)
+                store_codes(Q, rows, cols, mask, h, scale[:, None, None], stride_qm, QMAX, False)
 
 
 @triton.jit
@@ -115,10 +109,7 @@ def _silu_mul_group_quant_kernel(
         g = col0 // GROUP + tl.arange(0, NG)
         tl.store(S + rows[:, None] * stride_sm + g[None, :], scale,
                  mask=row_ok[:, None] & (g[None, :] * GROUP < I))
-        rcp = tl.div_rn(1.0, scale)[:, :, None]
-        ok = (scale < float("inf"))[:, :, None]
-        q = codes(h, scale[:, :, None], rcp, ok, QMAX, TO_E4M3)
-        tl.store(Q + rows[:, None, None] * stride_qm + cols, q.to(Q.dtype.element_ty), mask=mask)
+        store_codes(Q, rows, cols, mask, h, scale[:, :, None], stride_qm, QMAX, TO_E4M3)
 
 
 def silu_launch(m: int, inter: int, device: torch.device | str | None = None) -> Launch:

@@ -207,6 +207,15 @@ def codes(x, scale, rcp, ok, QMAX: tl.constexpr, TO_E4M3: tl.constexpr):
 
 
 @triton.jit
+def store_codes(Q, rows, cols, mask, x, scale, stride_qm, QMAX: tl.constexpr, TO_E4M3: tl.constexpr):
+    """Quantize the ``[BLOCK_M, NG, GROUP]`` tile ``x`` with ``scale`` (broadcast to it: one per
+    row or per group) and store the codes; one exact reciprocal per scale."""
+    rcp = tl.div_rn(1.0, scale)
+    q = codes(x, scale, rcp, scale < float("inf"), QMAX, TO_E4M3)
+    tl.store(Q + rows[:, None, None] * stride_qm + cols, q.to(Q.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def rows_valid(MASKED_M, rows, M, CAP, HAS_MASK: tl.constexpr):
     """Which rows of ``rows`` exist (< M) and, with ``masked_m``, are below it in their expert."""
     ok = rows < M
@@ -263,10 +272,7 @@ def _per_token_kernel(
             )
             scale = scale_of(tl.max(amax_bits(x, 2), 1), QMAX)
             tl.store(S + rows, scale, mask=row_ok)
-            rcp = tl.div_rn(1.0, scale)[:, None, None]
-            ok = (scale < float("inf"))[:, None, None]
-            q = codes(x, scale[:, None, None], rcp, ok, QMAX, False)
-            tl.store(Q + rows[:, None, None] * stride_qm + cols, q, mask=mask)
+            store_codes(Q, rows, cols, mask, x, scale[:, None, None], stride_qm, QMAX, False)
         else:
             # Rows too long for registers: amax over BLOCK_K chunks, then a second read (from L2).
             amax = tl.zeros([BLOCK_M], dtype=tl.int32)
@@ -277,14 +283,11 @@ def _per_token_kernel(
                 amax = tl.maximum(amax, tl.max(amax_bits(x, 2), 1))
             scale = scale_of(amax, QMAX)
             tl.store(S + rows, scale, mask=row_ok)
-            rcp = tl.div_rn(1.0, scale)[:, None, None]
-            ok = (scale < float("inf"))[:, None, None]
             for k0 in range(0, K, BLOCK_K):
                 x, cols, mask = _load_tile(
                     X, XS, rows, row_ok, k0, K, stride_xm, stride_xsm, HAS_XS, IN_GROUP, GROUP, NG
                 )
-                q = codes(x, scale[:, None, None], rcp, ok, QMAX, False)
-                tl.store(Q + rows[:, None, None] * stride_qm + cols, q, mask=mask)
+                store_codes(Q, rows, cols, mask, x, scale[:, None, None], stride_qm, QMAX, False)
 
 
 @triton.jit
@@ -308,10 +311,7 @@ def _per_group_kernel(
         g = col0 // GROUP + tl.arange(0, NG)
         tl.store(S + rows[:, None] * stride_sm + g[None, :], scale,
                  mask=row_ok[:, None] & (g[None, :] * GROUP < K))
-        rcp = tl.div_rn(1.0, scale)[:, :, None]
-        ok = (scale < float("inf"))[:, :, None]
-        q = codes(x, scale[:, :, None], rcp, ok, QMAX, TO_E4M3)
-        tl.store(Q + rows[:, None, None] * stride_qm + cols, q.to(Q.dtype.element_ty), mask=mask)
+        store_codes(Q, rows, cols, mask, x, scale[:, :, None], stride_qm, QMAX, TO_E4M3)
 
 
 # ---------------------------------------------------------------- wrappers
