@@ -450,6 +450,26 @@ def test_grouped_gemm_masked(mode, acc, expected_m):
         assert torch.isnan(res[e, n:]).all(), "rows past masked_m must not be written"
 
 
+@pytest.mark.parametrize("mode", ["int8_channel", "int8_block"])
+def test_int8_k_step_exact_at_the_extremes(mode):
+    """Int8 extremes (-128, 127) over a 256-wide K give int32 tile products of 2**22 and
+    -256*128*127; with unit scales the fp32 output must equal the int64 product exactly."""
+    k, n = 256, 32
+    a = torch.tensor([[-128] * k, [127] * k, [-128] * k, [5] * k], dtype=torch.int8)
+    b = torch.full((1, n, k), -128, dtype=torch.int8)
+    b[0, 1::2] = 127
+    sa = torch.ones(4, 1 if mode == "int8_channel" else k // 128)
+    sb = torch.ones((1, n, 1) if mode == "int8_channel" else (1, 1, k // 128))
+    res = grouped_gemm.grouped_gemm_contiguous(
+        a.to(DEVICE), b.to(DEVICE), torch.tensor([0, 4], dtype=torch.int32, device=DEVICE), mode=mode,
+        a_scale=sa.to(DEVICE), b_scale=sb.to(DEVICE), out_dtype=torch.float32,
+        config=configs.GemmConfig(16, 32, 256 if mode == "int8_channel" else 128, 1, False, 4, 2),
+    ).cpu()
+    exact = a.long() @ b[0].long().t()
+    assert int(exact.abs().max()) == 2**22
+    assert torch.equal(res.double(), exact.double())
+
+
 def test_grouped_gemm_ragged_k_and_fp32():
     counts = [3, 20]
     offsets_t, offsets = _segments(counts)

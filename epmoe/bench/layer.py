@@ -35,6 +35,8 @@ E, K, H, I = 256, 8, 7168, 2048
 WORLD = 2
 SCHEMES = ("bf16", "int8_channel", "int8_channel_int32", "int8_block")
 """``int8_channel_int32`` is ``int8_channel`` with the layer's ``accumulator="int32"``."""
+DC_ROUNDS = 4
+"""Rounds of each dispatch / combine comparison, alternating which side runs first."""
 PHASES = ("quantize", "dispatch", "scatter", "quantize_post", "gemm1", "activation", "gemm2",
           "experts", "gather", "combine")  # fmt: skip
 
@@ -73,13 +75,15 @@ class _Timer:
         ev.record()
         self.marks[-1].append((name, ev))
 
-    def result_ms(self) -> dict[str, float]:
+    def result_ms(self, reduce=statistics.mean) -> dict[str, float]:
+        """Per phase, ``reduce`` (mean: phases add up to the forward; median: robust to a peer's
+        occasional late arrival) over the iterations."""
         torch.cuda.synchronize()
-        sums: dict[str, float] = {}
+        samples: dict[str, list[float]] = {}
         for marks in self.marks:
             for (_, a), (name, b) in zip(marks, marks[1:]):
-                sums[name] = sums.get(name, 0.0) + a.elapsed_time(b)
-        return {k: v / len(self.marks) for k, v in sums.items()}
+                samples.setdefault(name, []).append(a.elapsed_time(b))
+        return {k: reduce(v) for k, v in samples.items()}
 
 
 def _barrier(device):
@@ -213,7 +217,7 @@ def _phases_once(layer, staged, x_in, ids, w, tm):
 
 
 def _time_pair(first, second, iters, warmup, device, names=("dispatch", "combine"), between=None):
-    """Mean ms of ``first()`` and of ``second(...)`` on its result, each timed alone after a
+    """Median ms of ``first()`` and of ``second(...)`` on its result, each timed alone after a
     barrier, a fixed count of iterations on every rank: the one loop every dispatch / combine
     comparison here uses. ``between`` (untimed) turns the first result into the second's
     argument. Returns the times and the last results of both calls."""
@@ -230,7 +234,8 @@ def _time_pair(first, second, iters, warmup, device, names=("dispatch", "combine
         tm2.start()
         r2 = second(arg)
         tm2.mark(names[1])
-    times = {f"{names[0]}_ms": t1.result_ms()[names[0]], f"{names[1]}_ms": t2.result_ms()[names[1]]}
+    med = statistics.median
+    times = {f"{names[0]}_ms": t1.result_ms(med)[names[0]], f"{names[1]}_ms": t2.result_ms(med)[names[1]]}
     return times, r1, r2
 
 
@@ -296,10 +301,45 @@ def _layer_dc(layer, x_in, ids, w, iters, warmup, device):
     return times
 
 
+def _bf16_grouped_mm(layer, x_in, ids, w, iters, warmup, device):
+    """The BF16 layer's experts pass on one received prefill batch, through the layer's backend
+    and through ``torch._grouped_mm`` (GEMMs) with torch ``silu * mul``, each a mean over
+    ``iters`` back-to-back calls: how much faster (or slower) the layer would be with the other
+    BF16 GEMMs, measured on the same batch in the same run."""
+    import torch.nn.functional as F
+
+    from epmoe.layouts import to_contiguous
+
+    d = layer.dispatcher.send(x_in, None, ids, w)
+    batch = to_contiguous(d.x, None, d.topk_ids, layer.num_local_experts, layer.backend.alignment, d.padded_rows)
+    # Combine before anything here can fail: the peer must not wait in a collective for it.
+    layer.dispatcher.combine(torch.zeros(d.x.shape[0], H, dtype=torch.bfloat16, device=device), d)
+    wts = layer._weights()
+    offs = batch.expert_offsets[1:].to(torch.int32).contiguous()
+    w13t, w2t = wts.w13.transpose(1, 2), wts.w2.transpose(1, 2)
+
+    def grouped_mm():
+        gu = torch._grouped_mm(batch.x, w13t, offs=offs)
+        return torch._grouped_mm(F.silu(gu[:, :I]) * gu[:, I:], w2t, offs=offs)
+
+    ours = layer.backend.run_contiguous(batch, wts, x_in.dtype)
+    ref = grouped_mm()
+    rows = batch.x.shape[0]
+    err = float((ours.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30))
+    out = {
+        "rows": rows,
+        "backend_experts_ms": _time_loop(lambda: layer.backend.run_contiguous(batch, wts, x_in.dtype), iters, warmup, device),
+        "grouped_mm_experts_ms": _time_loop(grouped_mm, iters, warmup, device),
+        "rel_diff": err,
+    }
+    return out
+
+
 def _graph_dc(owner, layer, x_in, ids, w, iters, device):
     """Low-latency dispatch + combine captured in one CUDA graph, DeepEP called directly and
-    through the layer's dispatcher, mean ms of a replay (barrier before each). Decode runs
-    graph-captured, where the host time of either wrapper is gone; what is left is GPU work."""
+    through the layer's dispatcher: median ms of a replay over ``DC_ROUNDS * iters`` replays of
+    each, the two graphs replayed alternately (barrier before each). Decode runs graph-captured,
+    where the host time of either wrapper is gone; what is left is GPU work."""
     try:
         buf, plan = owner.get(), owner.plan
         use_fp8 = layer.dispatcher.cfg.low_latency_payload == "fp8_group"
@@ -314,24 +354,25 @@ def _graph_dc(owner, layer, x_in, ids, w, iters, device):
             d = layer.dispatcher.send(xb, None, ids, w)
             layer.dispatcher.combine(y, d)
 
-        out = {}
+        graphs = {}
         for name, fn in (("deepep", raw), ("layer", ours)):
             fn()
             _barrier(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            graphs[name] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[name]):
                 fn()
-            total = 0.0
-            for _ in range(iters):
+        samples: dict[str, list[float]] = {name: [] for name in graphs}
+        for i in range(DC_ROUNDS * iters):
+            for name in (("deepep", "layer") if i % 2 == 0 else ("layer", "deepep")):
                 _barrier(device)
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
-                graph.replay()
+                graphs[name].replay()
                 b.record()
                 b.synchronize()
-                total += a.elapsed_time(b)
-            out[f"{name}_ms"] = total / iters
-            del graph
+                samples[name].append(a.elapsed_time(b))
+        out = {f"{name}_ms": statistics.median(v) for name, v in samples.items()}
+        del graphs
         out["overhead_pct"] = 100.0 * (out["layer_ms"] - out["deepep_ms"]) / out["deepep_ms"]
         return out
     except Exception as exc:  # noqa: BLE001 - an optional measurement: report, do not abort
@@ -447,8 +488,13 @@ def _rank_main(rank, args, port, out_path):
                 row["bytes"] = _bytes(ids, rank, _payload_row_bytes(layer.payload if mode == "normal" else
                                       ("fp8_group" if layer.payload == "fp8_group" else "float")), mode)  # fmt: skip
                 # Alternating rounds, medians: neither side always runs first on a warmer GPU.
-                rounds = [(_deepep_raw(owner, layer, x, ids, w, mode, args.iters, args.warmup, device),
-                           _layer_dc(layer, x, ids, w, args.iters, args.warmup, device)) for _ in range(3)]  # fmt: skip
+                rounds = []
+                for i in range(DC_ROUNDS):
+                    sides = [lambda: _deepep_raw(owner, layer, x, ids, w, mode, args.iters, args.warmup, device),
+                             lambda: _layer_dc(layer, x, ids, w, args.iters, args.warmup, device)]  # fmt: skip
+                    order = (0, 1) if i % 2 == 0 else (1, 0)
+                    got = {side: sides[side]() for side in order}
+                    rounds.append((got[0], got[1]))
                 raw, ours = ({k: statistics.median(r[side][k] for r in rounds) for k in ("dispatch_ms", "combine_ms")}
                              for side in (0, 1))  # fmt: skip
                 row["deepep_ms"], row["layer_dc_ms"] = raw, ours
@@ -456,6 +502,11 @@ def _rank_main(rank, args, port, out_path):
                     row[f"{p}_overhead_pct"] = 100.0 * (ours[f"{p}_ms"] - raw[f"{p}_ms"]) / raw[f"{p}_ms"]
                 if mode == "low_latency":
                     row["graph_dc_ms"] = _graph_dc(owner, layer, x, ids, w, args.iters, device)
+                elif scheme == "bf16" and hasattr(torch, "_grouped_mm"):
+                    try:
+                        row["bf16_grouped_mm"] = _bf16_grouped_mm(layer, x, ids, w, args.iters, args.warmup, device)
+                    except Exception as exc:  # noqa: BLE001 - an optional comparison: report it
+                        row["bf16_grouped_mm"] = {"error": repr(exc)}
                 entry[phase] = row
             res["schemes"][scheme] = entry
             del ln, ll
@@ -494,6 +545,17 @@ def _summary(ranks, args):
                 slow = max(r["schemes"][scheme][phase]["layer_ms"] for r in ranks)
                 slow_b = max(r["schemes"]["bf16"][phase]["layer_ms"] for r in ranks)
                 out["ratios"][f"{scheme}/{phase}"] = slow_b / slow
+    # The BF16 prefill layer with torch._grouped_mm experts instead of the backend's: its time
+    # minus the backend's experts pass plus grouped_mm's, both measured on the same batch.
+    alt = [r["schemes"].get("bf16", {}).get("prefill", {}).get("bf16_grouped_mm") for r in ranks]
+    if all(a and "error" not in a for a in alt):
+        est = max(r["schemes"]["bf16"]["prefill"]["layer_ms"] - a["backend_experts_ms"] + a["grouped_mm_experts_ms"]
+                  for r, a in zip(ranks, alt))  # fmt: skip
+        out["bf16_grouped_mm_prefill_layer_ms"] = est
+        for scheme in r0["schemes"]:
+            if "prefill" in r0["schemes"][scheme]:
+                slow = max(r["schemes"][scheme]["prefill"]["layer_ms"] for r in ranks)
+                out["ratios"][f"{scheme}/prefill_vs_bf16_grouped_mm"] = est / slow
     return out
 
 
@@ -526,6 +588,18 @@ def _table(summary) -> str:
                              f"{g['deepep_ms']:.4f} ms, layer {g['layer_ms']:.4f} ms ({g['overhead_pct']:+.1f}%)")
             elif g:
                 lines.append(f"decode graph timing, {scheme}, rank {r['rank']}: {g['error']}")
+    for r in summary["ranks"]:
+        a = r["schemes"].get("bf16", {}).get("prefill", {}).get("bf16_grouped_mm")
+        if a and "error" in a:
+            lines.append(f"bf16 prefill experts through torch._grouped_mm, rank {r['rank']}: {a['error']}")
+        elif a:
+            lines.append(f"bf16 prefill experts on the same batch ({a['rows']} rows), rank {r['rank']}: backend "
+                         f"{a['backend_experts_ms']:.3f} ms, torch._grouped_mm {a['grouped_mm_experts_ms']:.3f} ms "
+                         f"(rel. diff {a['rel_diff']:.1e})")  # fmt: skip
+    if "bf16_grouped_mm_prefill_layer_ms" in summary:
+        ratios = ", ".join(f"{k.split('/')[0]} {v:.2f}x" for k, v in summary["ratios"].items() if k.endswith("_grouped_mm"))
+        lines.append(f"bf16 prefill layer with torch._grouped_mm experts (estimated): "
+                     f"{summary['bf16_grouped_mm_prefill_layer_ms']:.3f} ms; prefill against it: {ratios}")
     ll = summary["ranks"][0].get("ll_int8_payload")
     if ll:
         lines.append("low-latency INT8 payloads (rank 0): dispatch + quantize ms, rel. error vs exact")

@@ -1,0 +1,52 @@
+"""The report side of ``epmoe bench layer`` (the run itself needs two GPUs and DeepEP)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from epmoe.bench import layer as bench_layer
+
+
+def _row(layer_ms, **extra):
+    return dict(backend="triton", layer_ms=layer_ms, phases_ms={"dispatch": 0.4, "gemm1": 1.0},
+                deepep_ms={"dispatch_ms": 0.4, "combine_ms": 0.5}, layer_dc_ms={"dispatch_ms": 0.41, "combine_ms": 0.5},
+                dispatch_overhead_pct=2.5, combine_overhead_pct=0.0, **extra)  # fmt: skip
+
+
+def _ranks(alt):
+    ranks = []
+    for rank, (bf16_ms, int8_ms) in enumerate([(8.0, 5.0), (8.2, 4.9)]):
+        extra = {"bf16_grouped_mm": alt[rank]} if alt else {}
+        ranks.append({"rank": rank, "schemes": {"bf16": {"prefill": _row(bf16_ms, **extra)},
+                                                "int8_channel": {"prefill": _row(int8_ms)}}})  # fmt: skip
+    return ranks
+
+
+ARGS = argparse.Namespace(prefill_tokens=4096, decode_tokens=128, iters=20, warmup=3, backend="auto")
+
+
+def test_ratio_is_slowest_rank_against_slowest_rank():
+    s = bench_layer._summary(_ranks(None), ARGS)
+    assert s["ratios"]["int8_channel/prefill"] == pytest.approx(8.2 / 5.0)
+    assert "bf16_grouped_mm_prefill_layer_ms" not in s
+    assert "int8_channel" in bench_layer._table(s)
+
+
+def test_grouped_mm_baseline_swaps_the_experts_pass():
+    alt = [{"rows": 10, "backend_experts_ms": 6.0, "grouped_mm_experts_ms": 5.0, "rel_diff": 1e-3},
+           {"rows": 11, "backend_experts_ms": 6.0, "grouped_mm_experts_ms": 5.5, "rel_diff": 1e-3}]  # fmt: skip
+    s = bench_layer._summary(_ranks(alt), ARGS)
+    est = max(8.0 - 6.0 + 5.0, 8.2 - 6.0 + 5.5)
+    assert s["bf16_grouped_mm_prefill_layer_ms"] == pytest.approx(est)
+    assert s["ratios"]["int8_channel/prefill_vs_bf16_grouped_mm"] == pytest.approx(est / 5.0)
+    table = bench_layer._table(s)
+    assert "torch._grouped_mm 5.500 ms" in table and f"{est:.3f} ms" in table
+
+
+def test_grouped_mm_error_is_reported_not_used():
+    alt = [{"error": "RuntimeError('no kernel')"}, {"rows": 11, "backend_experts_ms": 6.0, "grouped_mm_experts_ms": 5.5, "rel_diff": 0.0}]
+    s = bench_layer._summary(_ranks(alt), ARGS)
+    assert "bf16_grouped_mm_prefill_layer_ms" not in s
+    assert "no kernel" in bench_layer._table(s)
