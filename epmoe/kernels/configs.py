@@ -42,13 +42,11 @@ class GemmConfig:
     of pointer loads (Hopper and newer; the call falls back to the pointer kernel when the
     operands do not meet TMA's 16-byte alignment, see :func:`epmoe.kernels.grouped_gemm.tma_fallback_reason`).
     With ``tma``: ``persistent`` launches one program per SM walking every output tile;
-    ``flatten`` sets the same-named ``tl.range`` option of the tile loop; ``half_tail`` runs an
-    expert's last tile as a ``block_m / 2``-row tile when its rows fit (uneven routing leaves last
-    tiles half empty on average). (Triton's
+    ``flatten`` sets the same-named ``tl.range`` option of the tile loop. (Triton's
     ``warp_specialize`` loop option is deliberately absent: on an H200 with Triton 3.6 the
     warp-specialized kernel hung on its first launch.) These three are left out of
     :meth:`to_dict` while False, so entries written before they existed mean (and round-trip to)
-    the same thing (``half_tail`` likewise).
+    the same thing.
     """
 
     block_m: int
@@ -61,13 +59,12 @@ class GemmConfig:
     tma: bool = False
     persistent: bool = False
     flatten: bool = False
-    half_tail: bool = False
 
     _KEYS = (
         "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SWAP_AB", "num_warps", "num_stages",
-        "TMA", "PERSISTENT", "FLATTEN", "HALF_TAIL",
+        "TMA", "PERSISTENT", "FLATTEN",
     )
-    _OPTIONAL = ("TMA", "PERSISTENT", "FLATTEN", "HALF_TAIL")
+    _OPTIONAL = ("TMA", "PERSISTENT", "FLATTEN")
 
     def to_dict(self) -> dict:
         d = dict(zip(self._KEYS, asdict(self).values()))
@@ -88,7 +85,6 @@ class GemmConfig:
             int(d["BLOCK_M"]), int(d["BLOCK_N"]), int(d["BLOCK_K"]), int(d.get("GROUP_M", 8)),
             bool(d.get("SWAP_AB", False)), int(d.get("num_warps", 4)), int(d.get("num_stages", 3)),
             bool(d.get("TMA", False)), bool(d.get("PERSISTENT", False)), bool(d.get("FLATTEN", False)),
-            bool(d.get("HALF_TAIL", False)),
         )
         cfg.validate()
         return cfg
@@ -100,16 +96,14 @@ class GemmConfig:
                 raise ValueError(f"{name.upper()}={v}; must be a power of two >= 16")
         if self.group_m < 1 or self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
             raise ValueError(f"config {self.to_dict()} has an invalid GROUP_M, num_warps or num_stages")
-        if not self.tma and (self.persistent or self.flatten or self.half_tail):
-            raise ValueError(f"config {self.to_dict()}: PERSISTENT, FLATTEN and HALF_TAIL need TMA")
-        if self.half_tail and self.block_m < 32:
-            raise ValueError(f"config {self.to_dict()}: HALF_TAIL needs BLOCK_M >= 32 (half tiles of >= 16 rows)")
+        if not self.tma and (self.persistent or self.flatten):
+            raise ValueError(f"config {self.to_dict()}: PERSISTENT and FLATTEN need TMA")
         if self.tma and self.swap_ab:
             raise ValueError(f"config {self.to_dict()}: the TMA kernel has no SWAP_AB variant")
 
     def without_tma(self) -> "GemmConfig":
         """The same tiles for the pointer kernel (the TMA-only options off)."""
-        return replace(self, tma=False, persistent=False, flatten=False, half_tail=False)
+        return replace(self, tma=False, persistent=False, flatten=False)
 
     def smem_bytes(self, elem_bytes: int) -> int:
         """Shared memory the pipelined A and B tiles need."""

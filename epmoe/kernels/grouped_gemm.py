@@ -250,12 +250,12 @@ def _tile_table_kernel(SEG, TB, E, CAP, MASKED: tl.constexpr, E_PAD: tl.constexp
 
 @triton.jit(do_not_specialize=["CAP", "NUM_PROGRAMS"])
 def _grouped_gemm_tma_kernel(
-    a_desc, a_half_desc, b_desc, C, AS, BS, SEG, TB,
+    a_desc, b_desc, C, AS, BS, SEG, TB,
     N, K, CAP, NUM_PROGRAMS,
     stride_cm, stride_asm, stride_bse, stride_bsn, stride_bsk,
     MODE: tl.constexpr, MASKED: tl.constexpr, E_PAD: tl.constexpr, LOG_E: tl.constexpr, FP32_IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr, FLATTEN: tl.constexpr, HALF_TAIL: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     """:func:`_grouped_gemm_kernel` with TMA-fed operands, over a flattened (M tile, N tile) space.
 
@@ -270,10 +270,6 @@ def _grouped_gemm_tma_kernel(
     The expert of an M tile is a binary search over ``TB`` (:func:`_tile_table_kernel`) with
     scalar loads, which keeps the per-tile lookup out of the expert-count-wide vectors of the
     pointer kernel.
-
-    ``HALF_TAIL``: an expert's last tile with at most ``BLOCK_M / 2`` rows runs as a tile of
-    ``BLOCK_M / 2`` rows (A through ``a_half_desc``). When rows per expert vary around their mean,
-    last tiles are half empty on average; this halves the MMA work spent on the emptiest ones.
     """
     pid = tl.program_id(0)
     total_tiles = tl.load(TB + E_PAD)
@@ -281,6 +277,8 @@ def _grouped_gemm_tma_kernel(
     group_width = GROUP_M * num_pid_n
     num_tiles = total_tiles * num_pid_n
     k_tiles = tl.cdiv(K, BLOCK_K)
+    offs_bm = tl.arange(0, BLOCK_M)
+    offs_bn = tl.arange(0, BLOCK_N)
 
     for tile_id in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
         first_slot = (tile_id // group_width) * GROUP_M
@@ -303,66 +301,35 @@ def _grouped_gemm_tma_kernel(
             start = lo.to(tl.int64)
             length = tl.load(SEG + e + 1) - lo
         m0 = (t - first_tile) * BLOCK_M
+        row0 = (start + m0).to(tl.int32)
         n0 = pid_n * BLOCK_N
-        if HALF_TAIL:
-            if length - m0 <= BLOCK_M // 2:
-                _tma_tile(
-                    a_half_desc, b_desc, C, AS, BS, start, length, m0, e, n0, N, k_tiles,
-                    stride_cm, stride_asm, stride_bse, stride_bsn, stride_bsk,
-                    MODE, FP32_IEEE, BLOCK_M // 2, BLOCK_N, BLOCK_K, SCALE_BLOCK,
-                )
-            else:
-                _tma_tile(
-                    a_desc, b_desc, C, AS, BS, start, length, m0, e, n0, N, k_tiles,
-                    stride_cm, stride_asm, stride_bse, stride_bsn, stride_bsk,
-                    MODE, FP32_IEEE, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK,
-                )
-        else:
-            _tma_tile(
-                a_desc, b_desc, C, AS, BS, start, length, m0, e, n0, N, k_tiles,
-                stride_cm, stride_asm, stride_bse, stride_bsn, stride_bsk,
-                MODE, FP32_IEEE, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK,
+        brow0 = e * N + n0
+        e64 = e.to(tl.int64)
+        local = m0 + offs_bm
+        m_ok = local < length
+        rows = start + tl.where(m_ok, local, 0)
+
+        cols_b = tl.minimum(n0 + offs_bn, N - 1)
+        acc = _zero_acc(BLOCK_M, BLOCK_N, False, MODE == 2)
+        for kk in range(k_tiles):
+            a = a_desc.load([row0, kk * BLOCK_K])
+            b = b_desc.load([brow0, kk * BLOCK_K])
+            acc = _k_step(
+                a, b, acc, kk, AS, BS, rows, e64, n0, cols_b, stride_asm, stride_bse,
+                stride_bsn, stride_bsk, MODE, FP32_IEEE, False, BLOCK_N, BLOCK_K, SCALE_BLOCK,
             )
 
-
-@triton.jit
-def _tma_tile(
-    a_desc, b_desc, C, AS, BS, start, length, m0, e, n0, N, k_tiles,
-    stride_cm, stride_asm, stride_bse, stride_bsn, stride_bsk,
-    MODE: tl.constexpr, FP32_IEEE: tl.constexpr,
-    BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-):
-    """One ``BM x BLOCK_N`` output tile of :func:`_grouped_gemm_tma_kernel`: rows ``m0 ..`` of
-    expert ``e``'s segment (``start``, ``length``), columns ``n0 ..``."""
-    row0 = (start + m0).to(tl.int32)
-    brow0 = e * N + n0
-    e64 = e.to(tl.int64)
-    offs_bn = tl.arange(0, BLOCK_N)
-    local = m0 + tl.arange(0, BM)
-    m_ok = local < length
-    rows = start + tl.where(m_ok, local, 0)
-
-    cols_b = tl.minimum(n0 + offs_bn, N - 1)
-    acc = _zero_acc(BM, BLOCK_N, False, MODE == 2)
-    for kk in range(k_tiles):
-        a = a_desc.load([row0, kk * BLOCK_K])
-        b = b_desc.load([brow0, kk * BLOCK_K])
-        acc = _k_step(
-            a, b, acc, kk, AS, BS, rows, e64, n0, cols_b, stride_asm, stride_bse,
-            stride_bsn, stride_bsk, MODE, FP32_IEEE, False, BLOCK_N, BLOCK_K, SCALE_BLOCK,
-        )
-
-    offs_n = n0 + offs_bn
-    n_ok = offs_n < N
-    if MODE == 1 or MODE == 2:
-        cols = tl.where(n_ok, offs_n, 0)
-        sa = tl.load(AS + rows * stride_asm)
-        sb = tl.load(BS + e64 * stride_bse + cols * stride_bsn)
-        res = acc.to(tl.float32) * (sa[:, None] * sb[None, :])
-    else:
-        res = acc
-    c_ptrs = C + rows[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, res.to(C.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        offs_n = n0 + offs_bn
+        n_ok = offs_n < N
+        if MODE == 1 or MODE == 2:
+            cols = tl.where(n_ok, offs_n, 0)
+            sa = tl.load(AS + rows * stride_asm)
+            sb = tl.load(BS + e64 * stride_bse + cols * stride_bsn)
+            res = acc.to(tl.float32) * (sa[:, None] * sb[None, :])
+        else:
+            res = acc
+        c_ptrs = C + rows[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, res.to(C.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def grouped_gemm_contiguous(
@@ -488,7 +455,6 @@ def _launch(a, b, out, a_scale, b_scale, seg, e, cap, grid_m, mode, accumulator,
         # Host-side descriptors travel by value in the kernel's parameters (a CUtensorMap), so a
         # captured CUDA graph replays them like pointer arguments and no scratch allocator is needed.
         a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, block_k])
-        a_half = TensorDescriptor.from_tensor(a, [cfg.block_m // 2, block_k]) if cfg.half_tail else a_desc
         b_desc = TensorDescriptor.from_tensor(b.view(e * n, k), [cfg.block_n, block_k])
         programs = grid_m * num_pid_n
         if cfg.persistent:
@@ -496,10 +462,10 @@ def _launch(a, b, out, a_scale, b_scale, seg, e, cap, grid_m, mode, accumulator,
         table = torch.empty(common["E_PAD"] + 1, dtype=torch.int32, device=a.device)
         _tile_table_kernel[(1,)](seg, table, e, cap, MASKED=masked, E_PAD=common["E_PAD"], BLOCK_M=cfg.block_m)
         _grouped_gemm_tma_kernel[(programs,)](
-            a_desc, a_half, b_desc, out, as_, bs, seg, table,
+            a_desc, b_desc, out, as_, bs, seg, table,
             n, k, cap, programs,
             out.stride(0), as_.stride(0), bs.stride(0), bs.stride(1), bs.stride(2),
-            LOG_E=common["E_PAD"].bit_length() - 1, FLATTEN=cfg.flatten, HALF_TAIL=cfg.half_tail,
+            LOG_E=common["E_PAD"].bit_length() - 1, FLATTEN=cfg.flatten,
             **common,
         )
         return
