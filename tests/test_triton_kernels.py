@@ -713,6 +713,9 @@ def test_tune_candidates_with_tma():
                 configs.GemmConfig.from_dict(c.to_dict())  # validates
                 assert c.smem_bytes(2 if kmode == "bf16" else 1) <= tune.SMEM_BYTES
                 assert kmode != "int8_block" or 128 % c.block_k == 0
+    # `epmoe tune` can regenerate the shipped H200 bf16 entries (TMA, 128x256x64).
+    shipped = configs.GemmConfig(128, 256, 64, 8, False, 8, 3, tma=True, persistent=True)
+    assert all(shipped in tune.candidates("bf16", m) for m in (128, 512, 2048))
 
 
 def test_get_config_reads_tma_entries(tmp_path, monkeypatch):
