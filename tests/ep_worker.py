@@ -38,17 +38,17 @@ def init(rank: int, world: int, port: int, device_type: str) -> torch.device:
     return torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
 
 
-def emulated_tolerance(scheme: str, dtype: torch.dtype) -> float:
+def emulated_tolerance(scheme: str, dtype: torch.dtype, backend: str) -> float:
     """Bound on the layer's error against the reference with the same quantization points.
 
     bf16 outputs and bf16 return trips round at 2^-9 relative, fp32 at 2^-24. With bf16 params the
-    FP8 GPU backends write GEMM1's output in bf16 before the e4m3 requantization, and that rounding
-    flips e4m3 codes of the intermediate (one code is 1/16 relative): docs/fp8.md's layer bound,
-    3e-2, the one tests/gpu/test_fp8_backends.py uses.
+    FP8 GPU backends (deepgemm, cutlass) write GEMM1's output in bf16 before the e4m3
+    requantization, and that rounding flips e4m3 codes of the intermediate (one code is 1/16
+    relative): docs/fp8.md's layer bound, 3e-2, the one tests/gpu/test_fp8_backends.py uses.
     """
     if dtype == torch.float32:
         return 1e-3
-    return 3e-2 if scheme == "fp8_block" else 1.5e-2
+    return 3e-2 if scheme == "fp8_block" and backend in ("deepgemm", "cutlass") else 1.5e-2
 
 
 def run_suite(rank, world, port, device_type, schemes, dispatch, backend, out_path):
@@ -77,7 +77,7 @@ def run_suite(rank, world, port, device_type, schemes, dispatch, backend, out_pa
                     row["err_emulated"] = rel_err(out.cpu(), moe_reference(xr, ids, w, w13, w2, scheme))
                     row["err_exact"] = rel_err(out.cpu(), moe_reference(xr, ids, w, f13, f2))
                     row["bound"] = get_scheme(scheme).rel_error_bound
-                    row["tol_emulated"] = emulated_tolerance(scheme, dtype)
+                    row["tol_emulated"] = emulated_tolerance(scheme, dtype, layer.backend.name)
                 results.append(row)
     except Exception:
         results.append(dict(rank=rank, error=traceback.format_exc()))

@@ -50,3 +50,10 @@ def test_grouped_mm_error_is_reported_not_used():
     s = bench_layer._summary(_ranks(alt), ARGS)
     assert "bf16_grouped_mm_prefill_layer_ms" not in s
     assert "no kernel" in bench_layer._table(s)
+
+
+@pytest.mark.parametrize("arg", ["--iters=0", "--warmup=-1", "--prefill-tokens=0", "--decode-tokens=0"])
+def test_counts_are_checked(arg, capsys):
+    with pytest.raises(SystemExit):
+        bench_layer._parse([arg])
+    assert arg.split("=")[0] in capsys.readouterr().err

@@ -713,9 +713,17 @@ def test_tune_candidates_with_tma():
                 configs.GemmConfig.from_dict(c.to_dict())  # validates
                 assert c.smem_bytes(2 if kmode == "bf16" else 1) <= tune.SMEM_BYTES
                 assert kmode != "int8_block" or 128 % c.block_k == 0
-    # `epmoe tune` can regenerate the shipped H200 bf16 entries (TMA, 128x256x64).
-    shipped = configs.GemmConfig(128, 256, 64, 8, False, 8, 3, tma=True, persistent=True)
-    assert all(shipped in tune.candidates("bf16", m) for m in (128, 512, 2048))
+    # `epmoe tune` can regenerate every shipped H200 TMA entry of the tuned buckets.
+    table = json.loads((configs.PACKAGE_DIR / "NVIDIA_H200.json").read_text())["configs"]
+    checked = 0
+    for mode, shapes in table.items():
+        for buckets in shapes.values():
+            for bucket, entry in buckets.items():
+                cfg = configs.GemmConfig.from_dict(entry)
+                if cfg.tma:
+                    assert cfg in tune.candidates(mode, int(bucket)), (mode, bucket, entry)
+                    checked += 1
+    assert checked >= 6
 
 
 def test_get_config_reads_tma_entries(tmp_path, monkeypatch):

@@ -56,6 +56,9 @@ def _parse(argv):
     bad = [s for s in args.schemes.split(",") if s not in SCHEMES]
     if bad:
         p.error(f"--schemes {bad} unknown; allowed: {list(SCHEMES)}")
+    for name, least in (("iters", 1), ("warmup", 0), ("prefill_tokens", 1), ("decode_tokens", 1)):
+        if getattr(args, name) < least:
+            p.error(f"--{name.replace('_', '-')}={getattr(args, name)}; must be >= {least}")
     return args
 
 
@@ -94,11 +97,16 @@ def _barrier(device):
     torch.cuda.synchronize()
 
 
-def _time_loop(fn, iters, warmup, device) -> float:
-    """Mean ms of ``fn`` over ``iters`` back-to-back calls (same count on every rank)."""
+def _time_loop(fn, iters, warmup, device, collective=True) -> float:
+    """Mean ms of ``fn`` over ``iters`` back-to-back calls (same count on every rank). With
+    ``collective=False`` (work local to this rank) no barrier: a rank whose ``fn`` fails must not
+    leave its peer waiting in one."""
     for _ in range(warmup):
         fn()
-    _barrier(device)
+    if collective:
+        _barrier(device)
+    else:
+        torch.cuda.synchronize(device)
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     for _ in range(iters):
@@ -328,8 +336,10 @@ def _bf16_grouped_mm(layer, x_in, ids, w, iters, warmup, device):
     err = float((ours.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30))
     out = {
         "rows": rows,
-        "backend_experts_ms": _time_loop(lambda: layer.backend.run_contiguous(batch, wts, x_in.dtype), iters, warmup, device),
-        "grouped_mm_experts_ms": _time_loop(grouped_mm, iters, warmup, device),
+        "backend_experts_ms": _time_loop(
+            lambda: layer.backend.run_contiguous(batch, wts, x_in.dtype), iters, warmup, device, collective=False
+        ),
+        "grouped_mm_experts_ms": _time_loop(grouped_mm, iters, warmup, device, collective=False),
         "rel_diff": err,
     }
     return out
