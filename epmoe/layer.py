@@ -406,24 +406,37 @@ class DeepEPMoELayer(nn.Module):
         """Value checks that need a host sync; skipped while a CUDA graph is being captured."""
         if not self.validate or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return
-        if router_logits is not None and router_logits.numel() and not bool(torch.isfinite(router_logits).all()):
+        check_logits = router_logits is not None and router_logits.numel() > 0
+        check_ids = topk_ids is not None and topk_ids.numel() > 0
+        check_dups = check_ids and "masked" in self.dispatcher.layouts and topk_ids.shape[1] > 1
+        # Every statistic goes into one tensor, read back once: one host sync, not one per check.
+        stats = []
+        if check_logits:
+            stats.append(torch.isfinite(router_logits).all().long())
+        if check_ids:
+            stats += [topk_ids.min().long(), topk_ids.max().long()]
+        if check_dups:
+            # Fixed-capacity dispatch sizes each expert's slab for one row per token and rank:
+            # a token naming an expert twice would overflow it. The first such row, or T if none.
+            s = topk_ids.sort(dim=1).values
+            rows = torch.arange(s.shape[0], device=s.device)
+            stats.append(torch.where((s[:, 1:] == s[:, :-1]).any(dim=1), rows, s.shape[0]).min())
+        if not stats:
+            return
+        values = torch.stack([v.to(stats[0].device) for v in stats]).tolist()
+        if check_logits and not values.pop(0):
             raise ValueError("router_logits contain NaN or Inf; routing on them is undefined")
-        if topk_ids is not None and topk_ids.numel():
-            lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if check_ids:
+            lo, hi = values[0], values[1]
             if lo < 0 or hi >= self.num_experts:
                 bad = lo if lo < 0 else hi
                 raise ValueError(f"topk_ids contains expert id {bad}, outside [0, {self.num_experts})")
-            if "masked" in self.dispatcher.layouts and topk_ids.shape[1] > 1:
-                # Fixed-capacity dispatch sizes each expert's slab for one row per token and rank:
-                # a token naming an expert twice would overflow it.
-                s = topk_ids.sort(dim=1).values
-                dup = (s[:, 1:] == s[:, :-1]).any(dim=1).nonzero()
-                if dup.numel():
-                    t = int(dup[0])
-                    raise ValueError(
-                        f"topk_ids row {t} names an expert more than once ({topk_ids[t].tolist()}); "
-                        f"dispatch={self.dispatcher.name!r} needs distinct experts per token"
-                    )
+        if check_dups and values[2] < topk_ids.shape[0]:
+            t = values[2]
+            raise ValueError(
+                f"topk_ids row {t} names an expert more than once ({topk_ids[t].tolist()}); "
+                f"dispatch={self.dispatcher.name!r} needs distinct experts per token"
+            )
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[T, E]`` logits -> ``(topk_ids [T, k] int64, topk_weights [T, k] fp32)``."""

@@ -197,25 +197,32 @@ def uniform_batch(problem: Problem, m: int, device: torch.device, dtype: torch.d
 # ------------------------------------------------------------------------------- stages
 
 
-def torch_bf16_stages(problem: Problem, batch) -> dict[str, Callable]:
-    """The BF16 baseline: torch._grouped_mm GEMMs, torch silu * mul between."""
+def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """``silu(gate) * up`` of a ``[M, 2 * inter]`` GEMM1 output, in torch."""
     import torch.nn.functional as F
 
+    return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+
+def bf16_grouped_mm_pass(x, w13, w2, offs, inter) -> torch.Tensor:
+    """The BF16 experts pass on ``torch._grouped_mm``: ``x [M, H]``, ``w13 [E, 2I, H]``,
+    ``w2 [E, H, I]`` (stored out x in), ``offs [E]`` int32 segment ends."""
+    gate_up = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs)
+    return torch._grouped_mm(silu_mul(gate_up, inter), w2.transpose(1, 2), offs=offs)
+
+
+def torch_bf16_stages(problem: Problem, batch) -> dict[str, Callable]:
+    """The BF16 baseline: torch._grouped_mm GEMMs, torch silu * mul between."""
     offs = batch.expert_offsets[1:].contiguous()
     w13t, w2t = problem.w13.transpose(1, 2), problem.w2.transpose(1, 2)
     x = batch.x
     gate_up = torch._grouped_mm(x, w13t, offs=offs)
-    h = F.silu(gate_up[:, : problem.inter]) * gate_up[:, problem.inter :]
-
-    def total():
-        gu = torch._grouped_mm(x, w13t, offs=offs)
-        return torch._grouped_mm(F.silu(gu[:, : problem.inter]) * gu[:, problem.inter :], w2t, offs=offs)
-
+    h = silu_mul(gate_up, problem.inter)
     return {
         "gemm1": lambda: torch._grouped_mm(x, w13t, offs=offs),
-        "act": lambda: F.silu(gate_up[:, : problem.inter]) * gate_up[:, problem.inter :],
+        "act": lambda: silu_mul(gate_up, problem.inter),
         "gemm2": lambda: torch._grouped_mm(h, w2t, offs=offs),
-        "total": total,
+        "total": lambda: bf16_grouped_mm_pass(x, problem.w13, problem.w2, offs, problem.inter),
     }
 
 

@@ -142,7 +142,6 @@ def _share_weights(dst, src):
     for name in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"):
         if getattr(src, name) is not None:
             setattr(dst, name, getattr(src, name))
-    dst._prepared = None
 
 
 def _bytes(ids, rank, payload_row_bytes, mode):
@@ -314,8 +313,7 @@ def _bf16_grouped_mm(layer, x_in, ids, w, iters, warmup, device):
     and through ``torch._grouped_mm`` (GEMMs) with torch ``silu * mul``, each a mean over
     ``iters`` back-to-back calls: how much faster (or slower) the layer would be with the other
     BF16 GEMMs, measured on the same batch in the same run."""
-    import torch.nn.functional as F
-
+    from epmoe.bench.experts import bf16_grouped_mm_pass
     from epmoe.layouts import to_contiguous
 
     d = layer.dispatcher.send(x_in, None, ids, w)
@@ -324,11 +322,9 @@ def _bf16_grouped_mm(layer, x_in, ids, w, iters, warmup, device):
     layer.dispatcher.combine(torch.zeros(d.x.shape[0], H, dtype=torch.bfloat16, device=device), d)
     wts = layer._weights()
     offs = batch.expert_offsets[1:].to(torch.int32).contiguous()
-    w13t, w2t = wts.w13.transpose(1, 2), wts.w2.transpose(1, 2)
 
     def grouped_mm():
-        gu = torch._grouped_mm(batch.x, w13t, offs=offs)
-        return torch._grouped_mm(F.silu(gu[:, :I]) * gu[:, I:], w2t, offs=offs)
+        return bf16_grouped_mm_pass(batch.x, wts.w13, wts.w2, offs, I)
 
     ours = layer.backend.run_contiguous(batch, wts, x_in.dtype)
     ref = grouped_mm()
@@ -495,8 +491,7 @@ def _rank_main(rank, args, port, out_path):
                 row["phases_ms"] = tm.result_ms()
                 row["phases_sum_ms"] = sum(row["phases_ms"].values())
                 row["split_vs_layer_rel_err"] = float((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30))
-                row["bytes"] = _bytes(ids, rank, _payload_row_bytes(layer.payload if mode == "normal" else
-                                      ("fp8_group" if layer.payload == "fp8_group" else "float")), mode)  # fmt: skip
+                row["bytes"] = _bytes(ids, rank, _payload_row_bytes(layer.payload), mode)
                 # Alternating rounds, medians: neither side always runs first on a warmer GPU.
                 rounds = []
                 for i in range(DC_ROUNDS):

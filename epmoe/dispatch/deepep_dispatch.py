@@ -566,10 +566,6 @@ class DeepEPLowLatencyDispatcher(_DeepEPBase):
     payloads = frozenset({"float"})  # FP8 is cast inside DeepEP (cfg.low_latency_payload)
     modes_needed = ("low_latency",)
 
-    def dispatch(self, x, topk_ids, topk_weights) -> Dispatched:
-        # No quantization here: DeepEP casts BF16 to FP8 inside its kernel when asked.
-        return self.send(x, None, topk_ids, topk_weights)
-
     def send(self, x, x_scale, topk_ids, topk_weights) -> Dispatched:
         if x_scale is not None:
             raise ValueError(

@@ -117,7 +117,13 @@ def device_name(device: torch.device | str | None = None) -> str:
         return "cpu"
     if not torch.cuda.is_available():
         return "cpu"
-    return torch.cuda.get_device_name(device)
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    return _cuda_device_name(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
 
 
 def config_filename(name: str) -> str:
@@ -144,8 +150,9 @@ def load_table(name: str) -> dict:
     return {}
 
 
-def pick_bucket(buckets: dict, m_per_expert: float) -> dict | None:
-    """Entry of the smallest bucket >= ``m_per_expert``, else of the largest bucket."""
+def pick_bucket(buckets: dict, m_per_expert: float):
+    """Value (``{bucket: value}``, buckets as strings) of the smallest bucket >= ``m_per_expert``,
+    else of the largest bucket; ``None`` when empty."""
     if not buckets:
         return None
     keys = sorted(int(b) for b in buckets)
@@ -163,21 +170,35 @@ def get_config(
     accumulator: str = "fp32",
 ) -> GemmConfig:
     """The config for one grouped GEMM call (tuned entry if one ships, else the default)."""
-    name = device_name(device)
+    cfg = pick_bucket(_tuned_configs(device_name(device), mode, shape_key(n, k), accumulator), m_per_expert)
+    return cfg if cfg is not None else default_config(mode, m_per_expert, device=device)
+
+
+_TUNED: dict = {}
+"""(name, mode, shape, accumulator) -> (the loaded table, its parsed buckets): every GEMM call
+looks its config up, so the entries are parsed and checked once per loaded table, not per call."""
+
+
+def _tuned_configs(name: str, mode: str, shape: str, accumulator: str) -> dict[str, GemmConfig]:
+    """``{bucket: GemmConfig}`` of one (mode, shape) in the device's table (empty when none)."""
     table = load_table(name)
-    shape = shape_key(n, k)
+    key = (name, mode, shape, accumulator)
+    hit = _TUNED.get(key)
+    if hit is not None and hit[0] is table:  # a reloaded table (load_table.cache_clear) re-parses
+        return hit[1]
     buckets = dict(table.get(mode, {}).get(shape, {}))
     if accumulator == "int32":
         # int32 entries override the mode's bucket by bucket: a file that tuned only some
         # buckets for the int32 accumulator keeps the mode's entries for the others.
         buckets.update(table.get(INT32_ACC_MODE, {}).get(shape, {}))
-    entry = pick_bucket(buckets, m_per_expert)
-    if entry is not None:
+    parsed = {}
+    for bucket, entry in buckets.items():
         cfg = GemmConfig.from_dict(entry)
         if mode == "int8_block" and 128 % cfg.block_k:
-            cfg = _with(cfg, block_k=128)
-        return cfg
-    return default_config(mode, m_per_expert, device=device)
+            cfg = replace(cfg, block_k=128)
+        parsed[bucket] = cfg
+    _TUNED[key] = (table, parsed)
+    return parsed
 
 
 def default_config(mode: str, m_per_expert: float, *, device: torch.device | str | None = None) -> GemmConfig:
@@ -204,7 +225,7 @@ def heuristic_config(mode: str, m_per_expert: float) -> GemmConfig:
     else:
         cfg = GemmConfig(128, 256, kb, 8, False, 8, 3)
     if mode == "int8_block" and cfg.block_k > 128:
-        cfg = _with(cfg, block_k=128, num_stages=cfg.num_stages + 2)
+        cfg = replace(cfg, block_k=128, num_stages=cfg.num_stages + 2)
     return cfg
 
 
@@ -212,9 +233,9 @@ def fit_shared_memory(cfg: GemmConfig, elem_bytes: int, device) -> GemmConfig:
     """Drop pipeline stages (then K width) until the tiles fit the device's shared memory."""
     limit = _smem_limit(device)
     while cfg.smem_bytes(elem_bytes) > limit and cfg.num_stages > 2:
-        cfg = _with(cfg, num_stages=cfg.num_stages - 1)
+        cfg = replace(cfg, num_stages=cfg.num_stages - 1)
     while cfg.smem_bytes(elem_bytes) > limit and cfg.block_k > 32:
-        cfg = _with(cfg, block_k=cfg.block_k // 2)
+        cfg = replace(cfg, block_k=cfg.block_k // 2)
     return cfg
 
 
@@ -233,9 +254,3 @@ def _smem_limit(device) -> int:
     if d.type != "cuda":
         return 1 << 30
     return _smem_limit_cached(d.index if d.index is not None else torch.cuda.current_device())
-
-
-def _with(cfg: GemmConfig, **changes) -> GemmConfig:
-    d = asdict(cfg)
-    d.update(changes)
-    return GemmConfig(**d)

@@ -491,8 +491,10 @@ def tma_fallback_reason(a: torch.Tensor, b: torch.Tensor, cfg: GemmConfig) -> st
         return "the config has TMA off"
     if not _has_tensor_descriptors():
         return f"triton {triton.__version__} has no host-side tensor descriptors"
-    if a.device.type == "cuda" and torch.cuda.get_device_capability(a.device)[0] < 9:
-        return "TMA needs compute capability 9.0 or newer"
+    if a.device.type == "cuda":
+        index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+        if _capability(index)[0] < 9:
+            return "TMA needs compute capability 9.0 or newer"
     if not (a.is_contiguous() and b.is_contiguous()):
         return "operands are not contiguous"
     k = a.shape[1]
@@ -522,6 +524,11 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 @functools.lru_cache(maxsize=None)

@@ -39,12 +39,8 @@ def choose_payloads(
     """
     natural = NATURAL_PAYLOAD[scheme.name]
     payload = natural if natural in carried else "float"
-    if scheme.name == "fp8_block":
-        low_latency = "fp8_group"
-    elif scheme.qdtype == torch.int8:
-        low_latency = low_latency_int8
-    else:
-        low_latency = "float"
+    # Low-latency mode carries BF16, and FP8 by its in-kernel cast; INT8 formats need the choice.
+    low_latency = natural if natural in ("float", "fp8_group") else low_latency_int8
     return payload, low_latency
 
 
