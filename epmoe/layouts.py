@@ -150,7 +150,7 @@ def _round_up(counts: Sequence[int], alignment: int) -> list[int]:
 
 def _segment_offsets(lengths: Sequence[int]) -> list[int]:
     """``[0, l0, l0 + l1, ...]``: the ``E + 1`` segment offsets of the contiguous layout."""
-    return [0, *itertools.accumulate(int(n) for n in lengths)]
+    return list(itertools.accumulate(map(int, lengths), initial=0))
 
 
 def _to_contiguous_kernels(x, x_scale, topk_ids, num_experts, alignment, padded_rows) -> ContiguousBatch:

@@ -7,6 +7,7 @@ Interpreter caveat: it truncates when converting to bf16, so inputs are fp16/fp3
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -761,6 +762,34 @@ def test_int32_entries_override_bucket_by_bucket(tmp_path, monkeypatch):
         assert get(8, "int32") == small  # not the int32 table's only (large) bucket
         assert get(2048, "int32") == big32
         assert get(2048, "fp32") == big
+    finally:
+        monkeypatch.delenv("EPMOE_CONFIG_DIR")
+        configs.load_table.cache_clear()
+
+
+def test_get_config_picks_the_bucket_pick_bucket_picks(tmp_path, monkeypatch):
+    """get_config's pre-sorted lookup gives, at every bucket edge and between, the entry
+    pick_bucket chooses from the raw table (the shipped H200 file, under this device's name)."""
+    shipped = json.loads((configs.PACKAGE_DIR / "NVIDIA_H200.json").read_text())
+    name = configs.device_name(DEVICE)
+    (tmp_path / configs.config_filename(name)).write_text(json.dumps(dict(shipped, device=name)))
+    monkeypatch.setenv("EPMOE_CONFIG_DIR", str(tmp_path))
+    configs.load_table.cache_clear()
+    try:
+        checked = 0
+        for mode, shapes in shipped["configs"].items():
+            if mode == configs.INT32_ACC_MODE:
+                continue
+            for shape, buckets in shapes.items():
+                n, k = (int(p.split("=")[1]) for p in shape.split(","))
+                edges = sorted(int(b) for b in buckets)
+                for m in {0.5, *edges, *(b + 0.5 for b in edges), *(b - 1 for b in edges), 10 * edges[-1]}:
+                    want = configs.GemmConfig.from_dict(configs.pick_bucket(buckets, m))
+                    if mode == "int8_block" and 128 % want.block_k:
+                        want = dataclasses.replace(want, block_k=128)
+                    assert configs.get_config(mode, n, k, m, device=DEVICE) == want, (mode, shape, m)
+                    checked += 1
+        assert checked > 50
     finally:
         monkeypatch.delenv("EPMOE_CONFIG_DIR")
         configs.load_table.cache_clear()

@@ -272,7 +272,11 @@ def _device_barrier(group, device: torch.device) -> None:
 
 
 def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    # A tensor's CUDA device implies CUDA is available; the availability query (microseconds of
+    # host time, on every dispatch) runs only for a bare device name.
+    if device.type != "cuda" or (device.index is None and not torch.cuda.is_available()):
+        return False
+    return torch.cuda.is_current_stream_capturing()
 
 
 # ------------------------------------------------------------------------------ buffer owner

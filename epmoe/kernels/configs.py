@@ -14,6 +14,7 @@ before the package's own. ``epmoe tune`` regenerates the files.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import os
@@ -170,17 +171,22 @@ def get_config(
     accumulator: str = "fp32",
 ) -> GemmConfig:
     """The config for one grouped GEMM call (tuned entry if one ships, else the default)."""
-    cfg = pick_bucket(_tuned_configs(device_name(device), mode, shape_key(n, k), accumulator), m_per_expert)
-    return cfg if cfg is not None else default_config(mode, m_per_expert, device=device)
+    bounds, cfgs = _tuned_configs(device_name(device), mode, shape_key(n, k), accumulator)
+    if not cfgs:
+        return default_config(mode, m_per_expert, device=device)
+    # The smallest bucket >= m_per_expert, else the largest (pick_bucket's rule, on sorted keys).
+    return cfgs[min(bisect.bisect_left(bounds, m_per_expert), len(cfgs) - 1)]
 
 
 _TUNED: dict = {}
 """(name, mode, shape, accumulator) -> (the loaded table, its parsed buckets): every GEMM call
-looks its config up, so the entries are parsed and checked once per loaded table, not per call."""
+looks its config up, so the entries are parsed, checked and sorted once per loaded table, not per
+call."""
 
 
-def _tuned_configs(name: str, mode: str, shape: str, accumulator: str) -> dict[str, GemmConfig]:
-    """``{bucket: GemmConfig}`` of one (mode, shape) in the device's table (empty when none)."""
+def _tuned_configs(name: str, mode: str, shape: str, accumulator: str) -> tuple[tuple[int, ...], tuple[GemmConfig, ...]]:
+    """``(buckets, configs)`` of one (mode, shape) in the device's table, buckets ascending
+    (both empty when none)."""
     table = load_table(name)
     key = (name, mode, shape, accumulator)
     hit = _TUNED.get(key)
@@ -196,9 +202,11 @@ def _tuned_configs(name: str, mode: str, shape: str, accumulator: str) -> dict[s
         cfg = GemmConfig.from_dict(entry)
         if mode == "int8_block" and 128 % cfg.block_k:
             cfg = replace(cfg, block_k=128)
-        parsed[bucket] = cfg
-    _TUNED[key] = (table, parsed)
-    return parsed
+        parsed[int(bucket)] = cfg
+    order = sorted(parsed)
+    result = (tuple(order), tuple(parsed[b] for b in order))
+    _TUNED[key] = (table, result)
+    return result
 
 
 def default_config(mode: str, m_per_expert: float, *, device: torch.device | str | None = None) -> GemmConfig:

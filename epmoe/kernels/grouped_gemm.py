@@ -233,9 +233,13 @@ def _grouped_gemm_kernel(
 
 
 @triton.jit
-def _tile_table_kernel(SEG, TB, E, CAP, MASKED: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+def _write_tile_table(SEG, TB, E, CAP, MASKED: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
     """``TB[e]`` = index of expert ``e``'s first ``BLOCK_M`` tile, for ``e`` in ``[0, E_PAD]``;
-    entries past ``E`` (and ``TB[E_PAD]``) hold the total tile count."""
+    entries past ``E`` (and ``TB[E_PAD]``) hold the total tile count.
+
+    Every program of the GEMM writes the whole table before its first tile (the same values, so
+    concurrent writes agree) and reads it after a barrier: no separate launch, whose host cost
+    would sit between the scatter and GEMM1 on the prefill path."""
     offs_e = tl.arange(0, E_PAD)
     e_ok = offs_e < E
     if MASKED:
@@ -246,12 +250,14 @@ def _tile_table_kernel(SEG, TB, E, CAP, MASKED: tl.constexpr, E_PAD: tl.constexp
     tiles_end = tl.cumsum(tiles, 0)
     tl.store(TB + offs_e + 1, tiles_end)
     tl.store(TB, 0)
+    # Global writes of this program are visible to all its threads after the barrier.
+    tl.debug_barrier()
 
 
 @triton.jit(do_not_specialize=["CAP", "NUM_PROGRAMS"])
 def _grouped_gemm_tma_kernel(
     a_desc, b_desc, C, AS, BS, SEG, TB,
-    N, K, CAP, NUM_PROGRAMS,
+    E, N, K, CAP, NUM_PROGRAMS,
     stride_cm, stride_asm, stride_bse, stride_bsn, stride_bsk,
     MODE: tl.constexpr, MASKED: tl.constexpr, E_PAD: tl.constexpr, LOG_E: tl.constexpr, FP32_IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -267,10 +273,11 @@ def _grouped_gemm_tma_kernel(
     ``GROUP_M``-swizzled tile space: one tile per program for the plain launch, several for the
     persistent one (``NUM_PROGRAMS`` = the SM count).
 
-    The expert of an M tile is a binary search over ``TB`` (:func:`_tile_table_kernel`) with
+    The expert of an M tile is a binary search over ``TB`` (:func:`_write_tile_table`) with
     scalar loads, which keeps the per-tile lookup out of the expert-count-wide vectors of the
     pointer kernel.
     """
+    _write_tile_table(SEG, TB, E, CAP, MASKED, E_PAD, BLOCK_M)
     pid = tl.program_id(0)
     total_tiles = tl.load(TB + E_PAD)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -460,10 +467,9 @@ def _launch(a, b, out, a_scale, b_scale, seg, e, cap, grid_m, mode, accumulator,
         if cfg.persistent:
             programs = min(programs, num_sms(a.device))
         table = torch.empty(common["E_PAD"] + 1, dtype=torch.int32, device=a.device)
-        _tile_table_kernel[(1,)](seg, table, e, cap, MASKED=masked, E_PAD=common["E_PAD"], BLOCK_M=cfg.block_m)
         _grouped_gemm_tma_kernel[(programs,)](
             a_desc, b_desc, out, as_, bs, seg, table,
-            n, k, cap, programs,
+            e, n, k, cap, programs,
             out.stride(0), as_.stride(0), bs.stride(0), bs.stride(1), bs.stride(2),
             LOG_E=common["E_PAD"].bit_length() - 1, FLATTEN=cfg.flatten,
             **common,

@@ -21,24 +21,30 @@ import triton.language as tl
 
 from .common import next_pow2
 
+SLOT_BLOCK = 16384
+"""Slots one step of :func:`slot_positions`' scan covers (16 warps at this size)."""
+
 
 @triton.jit
 def _slot_positions_kernel(
     IDS, OFFS, POS, MIDX, COUNTS, N_SLOTS, E, BLOCK: tl.constexpr,
 ):
     # One program per expert scans every slot: E * R * k id reads, from L2 after the first
-    # program, and each slot / row is written by exactly one program (no fill kernels).
+    # program, and each slot / row is written by exactly one program (no fill kernels). The scan
+    # is a chain of BLOCK-wide steps (each waits for the previous running count), so the launch
+    # uses wide blocks and many warps: few, parallel steps. Counts fit int32 (slots < 2^31).
     e = tl.program_id(0)
     start = tl.load(OFFS + e).to(tl.int64)
     end = tl.load(OFFS + e + 1).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    running = tl.zeros([], dtype=tl.int64)
+    running = tl.zeros([], dtype=tl.int32)
     for s0 in range(0, N_SLOTS, BLOCK):
         slot = s0 + offs
         in_range = slot < N_SLOTS
         ids = tl.load(IDS + slot, mask=in_range, other=-1)
         hit = ids == e
-        pos = start + running + tl.cumsum(hit.to(tl.int64), 0) - 1
+        inclusive = tl.cumsum(hit.to(tl.int32), 0)
+        pos = start + (running + inclusive - 1).to(tl.int64)
         # A segment shorter than its rows (inconsistent sizes) must not write past its end; the
         # slots that do not fit get -1 (not local), so no later kernel follows a stale position.
         fits = hit & (pos < end)
@@ -47,8 +53,8 @@ def _slot_positions_kernel(
         if e == 0:
             foreign = in_range & ((ids < 0) | (ids >= E))
             tl.store(POS + slot, tl.full([BLOCK], -1, tl.int64), mask=foreign)
-        running += tl.sum(hit.to(tl.int64), 0)
-    tl.store(COUNTS + e, running.to(tl.int32))
+        running += tl.sum(hit.to(tl.int32), 0)
+    tl.store(COUNTS + e, running)
     for r0 in range(0, end - start, BLOCK):
         row = start + r0 + offs
         pad = (row >= start + running) & (row < end)
@@ -133,9 +139,10 @@ def slot_positions(
         slot_pos.fill_(-1)
         return slot_pos, m_indices, counts
     ids = topk_ids.reshape(-1).contiguous()
+    block = max(16, min(next_pow2(r * k), SLOT_BLOCK))
     _slot_positions_kernel[(e,)](
         ids, expert_offsets.contiguous(), slot_pos, m_indices, counts, r * k, e,
-        BLOCK=max(16, min(next_pow2(r * k), 4096)),
+        BLOCK=block, num_warps=max(1, min(16, block // 512)),
     )
     return slot_pos, m_indices, counts
 
