@@ -133,3 +133,26 @@ class ExpertsBackend(ABC):
     ) -> torch.Tensor:
         """Experts over the masked layout: returns ``[E, cap, H]`` of ``out_dtype`` (rows past
         ``masked_m`` hold anything)."""
+
+
+def check_weights(weights: ExpertWeights, scheme: QuantScheme) -> None:
+    """The shapes and dtypes every backend's kernels rely on (``w13 [E, 2I, H]``, ``w2 [E, H, I]``,
+    the scheme's storage dtype and weight-scale shapes), with messages naming what is wrong."""
+    w13, w2 = weights.w13, weights.w2
+    if weights.scheme.name != scheme.name:
+        raise ValueError(f"weights are quant={weights.scheme.name!r} but the backend runs quant={scheme.name!r}")
+    if w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"w13 must be [E, 2I, H] and w2 [E, H, I]; got {tuple(w13.shape)} and {tuple(w2.shape)}")
+    e, two_i, hidden = w13.shape
+    if tuple(w2.shape) != (e, hidden, two_i // 2) or two_i % 2:
+        raise ValueError(f"w2 shape {tuple(w2.shape)} does not match w13 {tuple(w13.shape)}: expected [{e}, {hidden}, {two_i // 2}]")
+    if scheme.quantized:
+        if w13.dtype != scheme.qdtype or w2.dtype != scheme.qdtype:
+            raise TypeError(f"quant={scheme.name!r} needs {scheme.qdtype} weights; got {w13.dtype} and {w2.dtype}")
+        for name, w, s in (("w13", w13, weights.w13_scale), ("w2", w2, weights.w2_scale)):
+            want = scheme.weight_scale_shape(*w.shape)
+            if s is None or tuple(s.shape) != want:
+                got = None if s is None else tuple(s.shape)
+                raise ValueError(f"{name}_scale shape {got}; quant={scheme.name!r} with {name} {tuple(w.shape)} needs {list(want)}")
+    elif w13.dtype not in (torch.bfloat16, torch.float16, torch.float32) or w2.dtype != w13.dtype:
+        raise TypeError(f"quant='bf16' needs w13 and w2 of one dtype in bf16/fp16/fp32; got {w13.dtype} and {w2.dtype}")

@@ -32,7 +32,7 @@ import torch
 
 from ..layouts import ContiguousBatch, MaskedBatch
 from ..quant.schemes import BLOCK
-from .base import ExpertsBackend, ExpertWeights
+from .base import ExpertsBackend, ExpertWeights, check_weights
 from .fp8_selection import (
     cutlass_decision,
     cutlass_warning,
@@ -316,7 +316,7 @@ class CutlassBackend(ExpertsBackend):
         return decision.ok, decision.reason
 
     def prepare_weights(self, weights: ExpertWeights) -> ExpertWeights:
-        _check_fp8_weights(weights)
+        check_weights(weights, self.scheme)
         return weights.contiguous()
 
     def warmup(self, weights: ExpertWeights, max_m: int = 0) -> None:
@@ -348,11 +348,12 @@ class CutlassBackend(ExpertsBackend):
 
 
 def fp8_gemm_input(
-    x: torch.Tensor, x_scale: torch.Tensor | None, hidden: int
+    x: torch.Tensor, x_scale: torch.Tensor | None, hidden: int, masked_m: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GEMM1's operand as e4m3 with ``[.., K/128]`` fp32 scales: used as it is when it arrived so,
-    else quantized (float input) or requantized (another quantized format) with the Triton
-    quantizer of :mod:`epmoe.kernels.quantize`."""
+    """GEMM1's operand as e4m3 with ``[.., K/128]`` fp32 scales: used as it is when it arrived so
+    (DeepEP low-latency FP8 keeps its MN-major, TMA-aligned scales), else quantized (float input)
+    or requantized (another quantized format) with the Triton quantizer of
+    :mod:`epmoe.kernels.quantize`; ``masked_m`` (masked layout) limits that to the valid rows."""
     from ..kernels import quantize
 
     if x.shape[-1] != hidden:
@@ -360,23 +361,7 @@ def fp8_gemm_input(
     if x_scale is None:
         if not x.is_floating_point():
             raise TypeError(f"x of dtype {x.dtype} arrived without x_scale")
-        return quantize.per_group_quant(x, BLOCK, torch.float8_e4m3fn)
+        return quantize.per_group_quant(x, BLOCK, torch.float8_e4m3fn, masked_m=masked_m)
     if x.dtype == torch.float8_e4m3fn and x_scale.shape[-1] == hidden // BLOCK:
         return x, x_scale.float()
-    return quantize.per_group_quant(x, BLOCK, torch.float8_e4m3fn, x_scale)
-
-
-def _check_fp8_weights(weights: ExpertWeights) -> None:
-    if weights.scheme.name != "fp8_block":
-        raise ValueError(f"weights are quant={weights.scheme.name!r}; this backend runs 'fp8_block'")
-    w13, w2 = weights.w13, weights.w2
-    if w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"fp8_block needs float8_e4m3fn weights; got {w13.dtype} and {w2.dtype}")
-    e, two_i, h = w13.shape
-    if tuple(w2.shape) != (e, h, two_i // 2):
-        raise ValueError(f"w2 shape {tuple(w2.shape)} does not match w13 {tuple(w13.shape)}")
-    for name, w, s in (("w13", w13, weights.w13_scale), ("w2", w2, weights.w2_scale)):
-        want = weights.scheme.weight_scale_shape(*w.shape)
-        if s is None or tuple(s.shape) != want:
-            got = None if s is None else tuple(s.shape)
-            raise ValueError(f"{name}_scale has shape {got}; expected {list(want)}")
+    return quantize.per_group_quant(x, BLOCK, torch.float8_e4m3fn, x_scale, masked_m=masked_m)

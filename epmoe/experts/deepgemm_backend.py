@@ -31,7 +31,7 @@ import torch
 
 from ..layouts import ContiguousBatch, MaskedBatch
 from ..quant.schemes import BLOCK, QuantScheme
-from .base import ExpertsBackend, ExpertWeights
+from .base import ExpertsBackend, ExpertWeights, check_weights
 from .fp8_selection import deepgemm_decision, machine_facts
 
 log = logging.getLogger("epmoe")
@@ -238,9 +238,8 @@ class DeepGemmBackend(ExpertsBackend):
         return True, f"{reason} ({api.names[layout]})"
 
     def prepare_weights(self, weights: ExpertWeights) -> ExpertWeights:
-        from .cutlass_backend import _check_fp8_weights
 
-        _check_fp8_weights(weights)
+        check_weights(weights, self.scheme)
         # DeepGEMM on SM90 wants K-major e4m3 weights and contiguous fp32 128x128 scales (SFB).
         return weights.contiguous()
 
@@ -264,23 +263,15 @@ class DeepGemmBackend(ExpertsBackend):
     def run_masked(
         self, batch: MaskedBatch, weights: ExpertWeights, out_dtype: torch.dtype
     ) -> torch.Tensor:
-        from ..kernels import activation, quantize
+        from ..kernels import activation
+        from .cutlass_backend import fp8_gemm_input
 
-        e, cap, hidden = batch.x.shape
-        if hidden != weights.hidden_size:
-            raise ValueError(f"x has hidden size {hidden}; the weights expect {weights.hidden_size}")
+        cap = batch.x.shape[1]
         masked_m = batch.masked_m.to(device=batch.x.device, dtype=torch.int32).contiguous()
         # Pad once here (not in each GEMM) when the capacity is off DeepGEMM's block multiple.
         padded = -(-cap // MASKED_CAP_ALIGN) * MASKED_CAP_ALIGN
         x, xs = pad_capacity(batch.x, padded), pad_capacity(batch.x_scale, padded)
-        if xs is None:
-            if not x.is_floating_point():
-                raise TypeError(f"x of dtype {x.dtype} arrived without x_scale")
-            a, a_scale = quantize.per_group_quant(x, BLOCK, torch.float8_e4m3fn, masked_m=masked_m)
-        elif x.dtype == torch.float8_e4m3fn and xs.shape[-1] == hidden // BLOCK:
-            a, a_scale = x, xs  # DeepEP low-latency FP8: scales already MN-major and TMA-aligned
-        else:
-            a, a_scale = quantize.per_group_quant(x, BLOCK, torch.float8_e4m3fn, xs, masked_m=masked_m)
+        a, a_scale = fp8_gemm_input(x, xs, weights.hidden_size, masked_m=masked_m)
         expected_m = max(1, int(batch.expected_m))
         gate_up = gemm_masked(a, a_scale, weights.w13, weights.w13_scale, masked_m, expected_m)
         h, h_scale = activation.silu_and_mul_quant(

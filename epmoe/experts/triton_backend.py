@@ -21,8 +21,8 @@ import torch
 
 from ..layouts import ContiguousBatch, MaskedBatch
 from ..quant.reference import dequantize_rows
-from ..quant.schemes import BLOCK, QuantScheme
-from .base import ExpertsBackend, ExpertWeights
+from ..quant.schemes import BLOCK
+from .base import ExpertsBackend, ExpertWeights, check_weights
 
 
 def _kernels():
@@ -57,7 +57,7 @@ class TritonBackend(ExpertsBackend):
         return False, f"triton kernels do not run on device type {device.type!r}"
 
     def prepare_weights(self, weights: ExpertWeights) -> ExpertWeights:
-        _check_weights(weights, self.scheme)
+        check_weights(weights, self.scheme)
         return weights.contiguous()
 
     def run_contiguous(
@@ -74,7 +74,7 @@ class TritonBackend(ExpertsBackend):
         )
 
     def _run(self, x, x_scale, weights: ExpertWeights, out_dtype: torch.dtype, **segments) -> torch.Tensor:
-        _check_weights(weights, self.scheme)
+        check_weights(weights, self.scheme)
         masked_m = segments.get("masked_m")
         a, a_scale = self.gemm1_input(x, x_scale, weights, masked_m)
         gate_up = self.gemm(a, a_scale, weights, 1, self.mid_dtype(weights, out_dtype), **segments)
@@ -147,25 +147,3 @@ class TritonBackend(ExpertsBackend):
         if not self.scheme.quantized and weights.w13.dtype == torch.float32:
             return torch.float32
         return out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.float32
-
-
-def _check_weights(weights: ExpertWeights, scheme: QuantScheme) -> None:
-    """Shapes and dtypes the kernels rely on, with messages naming what is wrong."""
-    w13, w2 = weights.w13, weights.w2
-    if weights.scheme.name != scheme.name:
-        raise ValueError(f"weights are quant={weights.scheme.name!r} but the backend runs quant={scheme.name!r}")
-    if w13.dim() != 3 or w2.dim() != 3:
-        raise ValueError(f"w13 must be [E, 2I, H] and w2 [E, H, I]; got {tuple(w13.shape)} and {tuple(w2.shape)}")
-    e, two_i, hidden = w13.shape
-    if tuple(w2.shape) != (e, hidden, two_i // 2) or two_i % 2:
-        raise ValueError(f"w2 shape {tuple(w2.shape)} does not match w13 {tuple(w13.shape)}: expected [{e}, {hidden}, {two_i // 2}]")
-    if scheme.quantized:
-        if w13.dtype != scheme.qdtype or w2.dtype != scheme.qdtype:
-            raise TypeError(f"quant={scheme.name!r} needs {scheme.qdtype} weights; got {w13.dtype} and {w2.dtype}")
-        for name, w, s in (("w13", w13, weights.w13_scale), ("w2", w2, weights.w2_scale)):
-            want = scheme.weight_scale_shape(*w.shape)
-            if s is None or tuple(s.shape) != want:
-                got = None if s is None else tuple(s.shape)
-                raise ValueError(f"{name}_scale shape {got}; quant={scheme.name!r} with {name} {tuple(w.shape)} needs {list(want)}")
-    elif w13.dtype not in (torch.bfloat16, torch.float16, torch.float32) or w2.dtype != w13.dtype:
-        raise TypeError(f"quant='bf16' needs w13 and w2 of one dtype in bf16/fp16/fp32; got {w13.dtype} and {w2.dtype}")
