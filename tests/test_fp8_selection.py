@@ -396,3 +396,19 @@ def test_gemm_masked_pads_capacity_to_the_block(monkeypatch):
     w = dequantize_weight(wq, ws)
     for g, m in enumerate(masked_m.tolist()):
         torch.testing.assert_close(got[g, :m].float(), (x[g, :m] @ w[g].t()).bfloat16().float())
+
+
+@pytest.mark.parametrize("module, cls", [("cutlass_backend", "CutlassBackend"), ("deepgemm_backend", "DeepGemmBackend"),
+                                         ("triton_backend", "TritonBackend")])
+def test_a_backend_refuses_a_scheme_it_does_not_run(module, cls):
+    """Built directly (as the benches do), a backend names the schemes it runs instead of
+    accepting weights of another scheme and feeding them to its kernels."""
+    import importlib
+
+    from epmoe.quant.schemes import get_scheme
+
+    backend_cls = getattr(importlib.import_module(f"epmoe.experts.{module}"), cls)
+    other = next(s for s in ("bf16", "fp8_block") if s not in backend_cls.schemes)
+    with pytest.raises(ValueError, match=rf"runs quant in \[.*\]; got quant='{other}'"):
+        backend_cls(get_scheme(other))
+    backend_cls(get_scheme(sorted(backend_cls.schemes)[0]))  # its own schemes are accepted

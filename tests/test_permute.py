@@ -62,6 +62,22 @@ def test_slot_positions_match_stable_sort(r, k, e, alignment, seed, poisoned):
     assert counts.tolist() == ref.num_rows
 
 
+@pytest.mark.parametrize("alignment", [1, 128])
+def test_slot_positions_across_many_scan_steps(alignment, poisoned, monkeypatch):
+    """The running count carried from one scan step to the next: 16 steps of 1024 slots (the
+    shipped step is 16384 slots, more than any other case here)."""
+    monkeypatch.setattr(permute, "SLOT_BLOCK", 1024)
+    r, k, e = 2049, 8, 7
+    ids = _ids(r, k, e, 5)
+    ref = _to_contiguous_torch(torch.zeros(r, 1), None, ids, e, alignment)
+    offsets = ref.expert_offsets.to(DEVICE)
+    res = permute.slot_positions(ids.to(DEVICE), offsets, int(offsets[-1]))
+    slot_pos, m_indices, counts = (t.cpu() for t in res)
+    assert torch.equal(slot_pos, ref.slot_pos)
+    assert torch.equal(m_indices, ref.m_indices)
+    assert counts.tolist() == ref.num_rows
+
+
 def test_slot_positions_foreign_ids_beyond_range_and_empty_experts(poisoned):
     # ids >= E (another rank's numbering) and experts nobody picked
     ids = torch.tensor([[7, 0], [0, -1], [9, 9], [0, 3]])

@@ -272,11 +272,9 @@ def _device_barrier(group, device: torch.device) -> None:
 
 
 def _capturing(device: torch.device) -> bool:
-    # A tensor's CUDA device implies CUDA is available; the availability query (microseconds of
-    # host time, on every dispatch) runs only for a bare device name.
-    if device.type != "cuda" or (device.index is None and not torch.cuda.is_available()):
-        return False
-    return torch.cuda.is_current_stream_capturing()
+    # No capture can be under way before CUDA is initialized; is_initialized() is a flag read,
+    # where is_available() costs microseconds of host time on every dispatch.
+    return device.type == "cuda" and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 # ------------------------------------------------------------------------------ buffer owner

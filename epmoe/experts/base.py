@@ -81,6 +81,10 @@ class ExpertsBackend(ABC):
     layouts: ClassVar[frozenset[str]]
 
     def __init__(self, scheme: QuantScheme, *, accumulator: str = "fp32") -> None:
+        if scheme.name not in type(self).schemes:
+            raise ValueError(
+                f"backend {type(self).name!r} runs quant in {sorted(type(self).schemes)}; got quant={scheme.name!r}"
+            )
         if accumulator not in ACCUMULATORS:
             raise ValueError(f"accumulator={accumulator!r}; allowed: {list(ACCUMULATORS)}")
         if accumulator == "int32" and scheme.name != "int8_channel":

@@ -238,7 +238,6 @@ class DeepGemmBackend(ExpertsBackend):
         return True, f"{reason} ({api.names[layout]})"
 
     def prepare_weights(self, weights: ExpertWeights) -> ExpertWeights:
-
         check_weights(weights, self.scheme)
         # DeepGEMM on SM90 wants K-major e4m3 weights and contiguous fp32 128x128 scales (SFB).
         return weights.contiguous()
