@@ -52,8 +52,11 @@ def _ids(r, k, e, seed, foreign=-1):
     [(11, 3, 4, 1, 0), (37, 8, 5, 4, 1), (300, 2, 3, 128, 2), (5000, 2, 6, 1, 3), (1, 1, 1, 1, 4)],
 )
 def test_slot_positions_match_stable_sort(r, k, e, alignment, seed, poisoned):
-    ids = _ids(r, k, e, seed)
-    ref = _to_contiguous_torch(torch.zeros(r, 1), None, ids, e, alignment)
+    _check_against_stable_sort(_ids(r, k, e, seed), e, alignment)
+
+
+def _check_against_stable_sort(ids, e, alignment):
+    ref = _to_contiguous_torch(torch.zeros(ids.shape[0], 1), None, ids, e, alignment)
     offsets = ref.expert_offsets.to(DEVICE)
     res = permute.slot_positions(ids.to(DEVICE), offsets, int(offsets[-1]))
     slot_pos, m_indices, counts = (t.cpu() for t in res)
@@ -67,15 +70,7 @@ def test_slot_positions_across_many_scan_steps(alignment, poisoned, monkeypatch)
     """The running count carried from one scan step to the next: 16 steps of 1024 slots (the
     shipped step is 16384 slots, more than any other case here)."""
     monkeypatch.setattr(permute, "SLOT_BLOCK", 1024)
-    r, k, e = 2049, 8, 7
-    ids = _ids(r, k, e, 5)
-    ref = _to_contiguous_torch(torch.zeros(r, 1), None, ids, e, alignment)
-    offsets = ref.expert_offsets.to(DEVICE)
-    res = permute.slot_positions(ids.to(DEVICE), offsets, int(offsets[-1]))
-    slot_pos, m_indices, counts = (t.cpu() for t in res)
-    assert torch.equal(slot_pos, ref.slot_pos)
-    assert torch.equal(m_indices, ref.m_indices)
-    assert counts.tolist() == ref.num_rows
+    _check_against_stable_sort(_ids(2049, 8, 7, 5), 7, alignment)
 
 
 def test_slot_positions_foreign_ids_beyond_range_and_empty_experts(poisoned):
