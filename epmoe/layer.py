@@ -25,6 +25,7 @@ from .layouts import MaskedBatch, gather_weighted, to_contiguous
 from .quant.payload import choose_payloads
 from .quant.schemes import BLOCK, get_scheme
 from .routing import check_routing_config, select_experts
+from .tensors import capturing
 
 log = logging.getLogger("epmoe")
 
@@ -404,7 +405,7 @@ class DeepEPMoELayer(nn.Module):
 
     def _check_values(self, router_logits, topk_ids) -> None:
         """Value checks that need a host sync; skipped while a CUDA graph is being captured."""
-        if not self.validate or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if not self.validate or capturing(self.device):
             return
         check_logits = router_logits is not None and router_logits.numel() > 0
         check_ids = topk_ids is not None and topk_ids.numel() > 0
@@ -423,7 +424,7 @@ class DeepEPMoELayer(nn.Module):
             stats.append(torch.where((s[:, 1:] == s[:, :-1]).any(dim=1), rows, s.shape[0]).min())
         if not stats:
             return
-        values = torch.stack([v.to(stats[0].device) for v in stats]).tolist()
+        values = torch.stack(stats).tolist()  # all on self.device (_check_inputs)
         if check_logits and not values.pop(0):
             raise ValueError("router_logits contain NaN or Inf; routing on them is undefined")
         if check_ids:

@@ -5,6 +5,13 @@ from __future__ import annotations
 import torch
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on the current stream of ``device``'s kind."""
+    # No capture can be under way before CUDA is initialized; is_initialized() is a flag read,
+    # where is_available() costs microseconds of host time on every dispatch.
+    return device.type == "cuda" and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 def as_contiguous(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``t`` as a contiguous tensor of ``dtype`` (default: its own), without a torch call when it
     already is one: each no-op ``.to()`` / ``.contiguous()`` costs microseconds of host time,

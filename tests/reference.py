@@ -96,3 +96,16 @@ def moe_reference(
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     ref = ref.double()
     return float((out.double() - ref).norm() / ref.norm().clamp(min=1e-30))
+
+
+def gather_reference(expert_out: torch.Tensor, slot_pos: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Per token, the sum over its valid slots (``slot_pos >= 0``) of ``expert_out[pos] * weight``,
+    in float64, one term at a time (rows of invalid slots are never read)."""
+    r, k = slot_pos.shape
+    out = torch.zeros(r, expert_out.shape[1], dtype=torch.float64)
+    for t in range(r):
+        for j in range(k):
+            p = int(slot_pos[t, j])
+            if p >= 0:
+                out[t] += expert_out[p].double() * float(topk_weights[t, j])
+    return out

@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 
 from epmoe.kernels import permute  # noqa: E402
 from epmoe.layouts import _to_contiguous_kernels, _to_contiguous_torch, to_contiguous  # noqa: E402
+from reference import gather_reference  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -144,12 +145,7 @@ def test_gather_weighted_rounds_the_fp32_sum_once(out_dtype):
     g = torch.Generator().manual_seed(8)
     expert_out = torch.randn(ref.x.shape[0], 40, generator=g).half()
     w = torch.rand(23, 3, generator=g)
-    want = torch.zeros(23, 40, dtype=torch.float64)
-    for r in range(23):
-        for j in range(3):
-            p = int(ref.slot_pos[r, j])
-            if p >= 0:
-                want[r] += expert_out[p].double() * float(w[r, j])
+    want = gather_reference(expert_out, ref.slot_pos, w)
     got = permute.gather_weighted(expert_out.to(DEVICE), ref.slot_pos.to(DEVICE), w.to(DEVICE), out_dtype).cpu()
     assert got.dtype == out_dtype
     # fp32 sum of 3 terms, then one rounding to out_dtype

@@ -23,6 +23,7 @@ from epmoe.kernels import activation, configs, grouped_gemm, permute, quantize  
 from epmoe.layouts import gather_weighted as torch_gather_weighted  # noqa: E402
 from epmoe.layouts import to_contiguous  # noqa: E402
 from epmoe.quant import reference  # noqa: E402
+from reference import gather_reference  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -179,7 +180,7 @@ TOKEN_LAUNCHES = [Launch(4, 256, 4), Launch(1, 64, 2), Launch(8, 128, 4), Launch
 def test_per_token_launches_match_float64(launch):
     m, k = 19, 200
     x = _special_rows(m, k, seed=11)
-    q, s = quantize._per_token(x.to(DEVICE), None, None, launch)
+    q, s = quantize.per_token_quant_int8(x.to(DEVICE), launch=launch)
     q, s = q.cpu(), s.cpu()
     finite = [r for r in range(m) if r not in (NAN_ROW, INF_ROW)]
     rq, rs = ref_quant(x[finite], None)
@@ -200,7 +201,7 @@ def test_per_group_launches_match_float64(launch, dtype, qmax):
     m, k = 11, 384  # 3 groups: a 512/1024-column block masks a group; 11 rows leave partial programs
     x = _special_rows(m, k, seed=12)
     x[NAN_ROW, 150] = float("nan")  # a second group of the NaN row; its third stays finite
-    q, s = quantize._per_group(x.to(DEVICE), 128, dtype, None, None, launch)
+    q, s = quantize.per_group_quant(x.to(DEVICE), 128, dtype, launch=launch)
     q, s = q.cpu().double(), s.cpu()
     bad = {(NAN_ROW, 1), (INF_ROW, 0)}
     rq, rs = ref_quant(torch.nan_to_num(x, nan=0.0, posinf=0.0), 128, qmax, e4m3=dtype != torch.int8)
@@ -283,10 +284,10 @@ def test_requantize_scale_layouts(in_cols, token_launch, group_launch):
     x = torch.randn(9, 384) * 3
     xq, xs = reference.quantize_rows(x, torch.float8_e4m3fn, 448.0, 384 // in_cols)
     deq = (xq.double() * xs.double().repeat_interleave(384 // in_cols, 1)).float()
-    q, s = quantize._per_token(xq.to(DEVICE), xs.to(DEVICE), None, token_launch)
+    q, s = quantize.per_token_quant_int8(xq.to(DEVICE), xs.to(DEVICE), launch=token_launch)
     rq, rs = ref_quant(deq, None)
     assert torch.equal(q.cpu().double(), rq) and torch.equal(s.cpu().double(), rs)
-    gq, gs = quantize._per_group(xq.to(DEVICE), 128, torch.int8, xs.to(DEVICE), None, group_launch)
+    gq, gs = quantize.per_group_quant(xq.to(DEVICE), 128, torch.int8, xs.to(DEVICE), launch=group_launch)
     rq, rs = ref_quant(deq, 128)
     assert torch.equal(gq.cpu().double(), rq) and torch.equal(gs.cpu().double(), rs)
 
@@ -318,8 +319,8 @@ def test_quant_masked_rows_across_experts(launch, monkeypatch):
     x[1] = float("inf")
     xd, md = x.to(DEVICE), masked.to(DEVICE)
     _poisoned_empty(monkeypatch)
-    q, s = quantize._per_token(xd, None, md, launch)
-    gq, gs = quantize._per_group(xd, 64, torch.int8, None, md, Launch(launch.block_m, 64, 4))
+    q, s = quantize.per_token_quant_int8(xd, masked_m=md, launch=launch)
+    gq, gs = quantize.per_group_quant(xd, 64, torch.int8, masked_m=md, launch=Launch(launch.block_m, 64, 4))
     monkeypatch.undo()
     for e, n in enumerate(masked.tolist()):
         assert torch.all(q[e, n:] == -128) and torch.all(s[e, n:] == -1.0), "a row past masked_m was written"
@@ -344,9 +345,9 @@ def test_launch_defaults_and_checks():
         launch = quantize.group_launch(m, 7168, 128, "cuda")
         assert 56 % (launch.block_k // 128) == 0  # whole groups, no half-empty program
     with pytest.raises(ValueError, match="power of two"):
-        quantize._per_token(torch.randn(4, 128, device=DEVICE), None, None, Launch(3, 128, 4))
+        quantize.per_token_quant_int8(torch.randn(4, 128, device=DEVICE), launch=Launch(3, 128, 4))
     with pytest.raises(ValueError, match="multiple of group_size"):
-        quantize._per_group(torch.randn(4, 256, device=DEVICE), 128, torch.int8, None, None, Launch(1, 64, 4))
+        quantize.per_group_quant(torch.randn(4, 256, device=DEVICE), 128, torch.int8, launch=Launch(1, 64, 4))
 
 
 def test_interpreter_fma_is_fused():
@@ -859,7 +860,7 @@ def test_silu_and_mul_quant_launches_exact(launch, granularity, dtype):
     x[9, 384 + 200] = float("inf")  # up of row 9 (group 1)
     x[9, 200] = 1.0  # silu(1) * inf = inf, not NaN
     h = activation.silu_and_mul(x.to(DEVICE), torch.float32).cpu()
-    q, s = activation._silu_and_mul_quant(x.to(DEVICE), granularity, 128, dtype, None, launch)
+    q, s = activation.silu_and_mul_quant(x.to(DEVICE), granularity, 128, dtype, launch=launch)
     q, s = q.cpu().double(), s.cpu()
     group = None if granularity == "token" else 128
     qmax = 127.0 if dtype == torch.int8 else 448.0
@@ -879,7 +880,7 @@ def test_silu_and_mul_quant_launches_exact(launch, granularity, dtype):
 @pytest.mark.parametrize("launch", [Launch(4, 128, 4), Launch(1, 512, 4), Launch(2, 64, 2)], ids=str)
 def test_silu_and_mul_launches(launch):
     x = (torch.randn(7, 5, 2 * 160) * 3).half()
-    y = activation._silu_and_mul(x.to(DEVICE), torch.float32, None, launch)
+    y = activation.silu_and_mul(x.to(DEVICE), torch.float32, launch=launch)
     assert y.shape == (7, 5, 160)
     assert torch.allclose(y.cpu().double(), _silu_mul64(x), rtol=1e-5, atol=1e-5)
     assert torch.equal(y, activation.silu_and_mul(x.to(DEVICE), torch.float32))
@@ -893,8 +894,8 @@ def test_activation_masked_rows_across_experts(granularity, monkeypatch):
     h = activation.silu_and_mul(x.to(DEVICE), torch.float32).cpu()
     xd, md = x.to(DEVICE), masked.to(DEVICE)
     _poisoned_empty(monkeypatch)
-    q, s = activation._silu_and_mul_quant(xd, granularity, 128, torch.int8, md, Launch(4, 128, 4))
-    y = activation._silu_and_mul(xd, torch.float32, md, Launch(4, 64, 4))
+    q, s = activation.silu_and_mul_quant(xd, granularity, 128, torch.int8, masked_m=md, launch=Launch(4, 128, 4))
+    y = activation.silu_and_mul(xd, torch.float32, masked_m=md, launch=Launch(4, 64, 4))
     monkeypatch.undo()
     group = None if granularity == "token" else 128
     for e, n in enumerate(masked.tolist()):
@@ -933,12 +934,7 @@ def test_gather_weighted_skips_invalid_rows():
     expert_out[batch.m_indices < 0] = float("nan")  # padding rows must never be read
     w = torch.rand(11, 3)
     got = permute.gather_weighted(expert_out.to(DEVICE), batch.slot_pos.to(DEVICE), w.to(DEVICE)).cpu()
-    ref = torch.zeros(11, 72, dtype=torch.float64)
-    for r in range(11):
-        for j in range(3):
-            p = int(batch.slot_pos[r, j])
-            if p >= 0:
-                ref[r] += expert_out[p].double() * float(w[r, j])
+    ref = gather_reference(expert_out, batch.slot_pos, w)
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
     assert torch.allclose(got.double(), ref, rtol=1e-6, atol=1e-6)
     assert torch.all(got[0] == 0)

@@ -27,7 +27,6 @@ weights.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import re
@@ -400,23 +399,17 @@ def output_errors(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     }
 
 
-def _layer_class():
-    try:
-        from ..layer import DeepEPMoELayer
-    except ImportError as exc:
-        raise RuntimeError(f"epmoe fidelity needs epmoe.layer.DeepEPMoELayer ({exc})") from None
-    return DeepEPMoELayer
-
-
 def build_layer(source: WeightSource, scheme: str, accumulator: str, via_fp8: bool, top_k: int):
     """A ``DeepEPMoELayer`` (torch backend, local dispatch) loaded with the variant's weights.
 
-    Returns ``(layer, weight_error, conversion_error, accumulator_applied)``; the conversion
-    error (``None`` unless ``via_fp8``) is measured against the FP8 weights that were converted.
+    Returns ``(layer, weight_error, conversion_error)``; the conversion error (``None`` unless
+    ``via_fp8``) is measured against the FP8 weights that were converted.
     """
-    cls = _layer_class()
+    from ..layer import DeepEPMoELayer
+
     kwargs = dict(
         quant=scheme,
+        accumulator=accumulator,
         backend="torch",
         dispatch="local",
         params_dtype=torch.bfloat16,
@@ -424,11 +417,7 @@ def build_layer(source: WeightSource, scheme: str, accumulator: str, via_fp8: bo
         renormalize=True,
         scoring_func="softmax",
     )
-    applied = accumulator == "fp32"
-    if accumulator != "fp32" and "accumulator" in inspect.signature(cls).parameters:
-        kwargs["accumulator"] = accumulator
-        applied = True
-    layer = cls(source.num_experts, top_k, source.hidden, source.intermediate, **kwargs)
+    layer = DeepEPMoELayer(source.num_experts, top_k, source.hidden, source.intermediate, **kwargs)
     err = {"sq": 0.0, "ref": 0.0, "conv_sq": 0.0, "fp8": 0.0}
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
@@ -448,7 +437,7 @@ def build_layer(source: WeightSource, scheme: str, accumulator: str, via_fp8: bo
 
     layer.load_weights(tensors())
     conv = math.sqrt(err["conv_sq"] / err["fp8"]) if via_fp8 else None
-    return layer, math.sqrt(err["sq"] / err["ref"]), conv, applied
+    return layer, math.sqrt(err["sq"] / err["ref"]), conv
 
 
 def emulate_int8_channel(
@@ -509,11 +498,11 @@ def run_fidelity(source: WeightSource, tokens: int, top_k: int, seed: int) -> di
         if via and source.scheme not in (None, "fp8_block"):
             continue  # the FP8 conversion path exists only for FP8 (or unquantized) sources
         t0 = time.perf_counter()
-        layer, werr, conv_err, applied = build_layer(source, scheme, acc, via, top_k)
+        layer, werr, conv_err = build_layer(source, scheme, acc, via, top_k)
         row = {
             "scheme": label,
             "accumulator": acc,
-            "accumulator_in_layer": applied,
+            "accumulator_in_layer": True,  # the layer ran this accumulator (the emulation below is apart)
             "weights": "fp8 -> bf16 -> int8 (epmoe convert)" if via else "direct",
             "weight_rel_err": werr,
             "conversion_rel_err": conv_err,
@@ -569,20 +558,13 @@ def format_markdown(result: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in r["rows"]:
-        acc = row["accumulator"] + ("" if row["accumulator_in_layer"] else " (*)")
         g, o = row["gaussian"], row["outliers"]
         conv = "-" if row["conversion_rel_err"] is None else _pct(row["conversion_rel_err"])
         lines.append(
-            f"| {row['scheme']} | {acc} | {row['weights']} | {_pct(row['weight_rel_err'])} | {conv} | "
+            f"| {row['scheme']} | {row['accumulator']} | {row['weights']} | {_pct(row['weight_rel_err'])} | {conv} | "
             f"{_pct(g['rel_fro'])} | {_pct(g['rel_mean_abs'])} | {_pct(o['rel_fro'])} | "
             f"{_pct(o['rel_mean_abs'])} | {_pct(o['worst_token'])} | {_pct(row['bound'])} |"
         )
-    if any(not row["accumulator_in_layer"] for row in r["rows"]):
-        lines += [
-            "",
-            "(*) this DeepEPMoELayer has no accumulator option, so the row ran the fp32 layer; "
-            "see the emulation below for the int32 accumulator.",
-        ]
     lines += [
         "",
         "INT8 channel-wise accumulator, emulated exactly (layer-independent, fp32 output, no bf16 cast):",

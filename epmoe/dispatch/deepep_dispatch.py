@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..tensors import as_contiguous
+from ..tensors import as_contiguous, capturing
 from .base import PAYLOADS, DispatchConfig, Dispatched, Dispatcher
 
 log = logging.getLogger("epmoe")
@@ -271,12 +271,6 @@ def _device_barrier(group, device: torch.device) -> None:
     flag.item()
 
 
-def _capturing(device: torch.device) -> bool:
-    # No capture can be under way before CUDA is initialized; is_initialized() is a flag read,
-    # where is_available() costs microseconds of host time on every dispatch.
-    return device.type == "cuda" and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
-
-
 # ------------------------------------------------------------------------------ buffer owner
 _LIVE_LOW_LATENCY: list[int] = [0]
 """Low-latency (NVSHMEM) buffers alive in this process: NVSHMEM is initialized once per process,
@@ -367,7 +361,7 @@ class DeepEPBuffer:
             raise DeepEPBufferError("the DeepEP buffer was closed")
         if self._buffer is not None:
             return self._buffer
-        if _capturing(torch.device("cuda")):
+        if capturing(torch.device("cuda")):
             raise DeepEPBufferError(
                 "the DeepEP buffer is allocated at the first batch; run one batch eagerly before "
                 "capturing a CUDA graph"
@@ -420,7 +414,7 @@ class DeepEPBuffer:
         any peer's next low-latency dispatch (a collective after it does)."""
         if not self._ll_dirty:
             return False
-        if _capturing(torch.device("cuda")):
+        if capturing(torch.device("cuda")):
             raise DeepEPBufferError(
                 "the low-latency buffer needs cleaning after normal-mode use, which cannot be "
                 "captured: run one low-latency batch eagerly before capturing a CUDA graph"
@@ -513,7 +507,7 @@ class DeepEPNormalDispatcher(_DeepEPBase):
     modes_needed = ("normal",)
 
     def send(self, x, x_scale, topk_ids, topk_weights) -> Dispatched:
-        if _capturing(x.device):
+        if capturing(x.device):
             raise RuntimeError(
                 "deepep_normal cannot run inside CUDA-graph capture (the host waits for receive "
                 "counts); use deepep_low_latency or deepep_auto for captured batches"
@@ -644,7 +638,7 @@ class DeepEPAutoDispatcher(_DeepEPBase):
     def decide(self, num_tokens: int, device: torch.device) -> str:
         """The mode of this batch, the same on every rank (see the class docstring)."""
         cap = self.cfg.max_tokens_per_rank
-        if _capturing(device):
+        if capturing(device):
             if num_tokens > cap:
                 raise ValueError(
                     f"deepep_auto: a CUDA graph can only capture low-latency batches; {num_tokens} "

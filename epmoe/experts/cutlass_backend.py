@@ -32,7 +32,7 @@ import torch
 
 from ..layouts import ContiguousBatch, MaskedBatch
 from ..quant.schemes import BLOCK
-from .base import ExpertsBackend, ExpertWeights, check_weights
+from .base import ExpertsBackend, ExpertWeights, check_weights, fp8_gemm_input
 from .fp8_selection import (
     cutlass_decision,
     cutlass_warning,
@@ -345,23 +345,3 @@ class CutlassBackend(ExpertsBackend):
         raise NotImplementedError(
             "the cutlass backend runs the contiguous layout only; use backend='deepgemm' for masked"
         )
-
-
-def fp8_gemm_input(
-    x: torch.Tensor, x_scale: torch.Tensor | None, hidden: int, masked_m: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """GEMM1's operand as e4m3 with ``[.., K/128]`` fp32 scales: used as it is when it arrived so
-    (DeepEP low-latency FP8 keeps its MN-major, TMA-aligned scales), else quantized (float input)
-    or requantized (another quantized format) with the Triton quantizer of
-    :mod:`epmoe.kernels.quantize`; ``masked_m`` (masked layout) limits that to the valid rows."""
-    from ..kernels import quantize
-
-    if x.shape[-1] != hidden:
-        raise ValueError(f"x has hidden size {x.shape[-1]}; the weights expect {hidden}")
-    if x_scale is None:
-        if not x.is_floating_point():
-            raise TypeError(f"x of dtype {x.dtype} arrived without x_scale")
-        return quantize.per_group_quant(x, BLOCK, torch.float8_e4m3fn, masked_m=masked_m)
-    if x.dtype == torch.float8_e4m3fn and x_scale.shape[-1] == hidden // BLOCK:
-        return x, x_scale.float()
-    return quantize.per_group_quant(x, BLOCK, torch.float8_e4m3fn, x_scale, masked_m=masked_m)

@@ -31,7 +31,7 @@ import torch
 
 from ..layouts import ContiguousBatch, MaskedBatch
 from ..quant.schemes import BLOCK, QuantScheme
-from .base import ExpertsBackend, ExpertWeights, check_weights
+from .base import ExpertsBackend, ExpertWeights, check_weights, fp8_gemm_input
 from .fp8_selection import deepgemm_decision, machine_facts
 
 log = logging.getLogger("epmoe")
@@ -165,6 +165,11 @@ groups when the capacity is not a multiple of the block (seen on an H200, 2026-1
 wrong, 128 right, docs/fp8.md). Capacities are padded to this."""
 
 
+def masked_capacity(cap: int) -> int:
+    """``cap`` rounded up to :data:`MASKED_CAP_ALIGN`."""
+    return -(-cap // MASKED_CAP_ALIGN) * MASKED_CAP_ALIGN
+
+
 def pad_capacity(t: torch.Tensor | None, cap: int) -> torch.Tensor | None:
     """``[E, c, ...]`` -> ``[E, cap, ...]`` with zero rows appended (``t`` itself when ``c == cap``)."""
     if t is None or t.shape[1] == cap:
@@ -192,7 +197,7 @@ def gemm_masked(
         out = torch.empty((e, cap, b.shape[1]), dtype=torch.bfloat16, device=a.device)
     if cap == 0 or e == 0:
         return out
-    padded = -(-cap // MASKED_CAP_ALIGN) * MASKED_CAP_ALIGN
+    padded = masked_capacity(cap)
     if padded != cap:
         full = gemm_masked(
             pad_capacity(a, padded), pad_capacity(a_scale, padded), b, b_scale, masked_m, expected_m
@@ -247,7 +252,6 @@ class DeepGemmBackend(ExpertsBackend):
         self, batch: ContiguousBatch, weights: ExpertWeights, out_dtype: torch.dtype
     ) -> torch.Tensor:
         from ..kernels import activation
-        from .cutlass_backend import fp8_gemm_input
 
         m = batch.x.shape[0]
         if m == 0:
@@ -263,12 +267,11 @@ class DeepGemmBackend(ExpertsBackend):
         self, batch: MaskedBatch, weights: ExpertWeights, out_dtype: torch.dtype
     ) -> torch.Tensor:
         from ..kernels import activation
-        from .cutlass_backend import fp8_gemm_input
 
         cap = batch.x.shape[1]
         masked_m = batch.masked_m.to(device=batch.x.device, dtype=torch.int32).contiguous()
         # Pad once here (not in each GEMM) when the capacity is off DeepGEMM's block multiple.
-        padded = -(-cap // MASKED_CAP_ALIGN) * MASKED_CAP_ALIGN
+        padded = masked_capacity(cap)
         x, xs = pad_capacity(batch.x, padded), pad_capacity(batch.x_scale, padded)
         a, a_scale = fp8_gemm_input(x, xs, weights.hidden_size, masked_m=masked_m)
         expected_m = max(1, int(batch.expected_m))

@@ -7,8 +7,8 @@ rounded bf16 copy) with the rounding rule of :mod:`.quantize`: one INT8 scale pe
 
 A program owns a ``[BLOCK_M, BLOCK_K]`` tile of products (a :class:`.quantize.Launch`); per token
 it holds whole rows in registers, so gate and up are read once (rows longer than
-``quantize.SINGLE_PASS_MAX`` fall back to two passes that recompute the product). ``_silu_and_mul``
-and ``_silu_and_mul_quant`` take an explicit launch for sweeps.
+``quantize.SINGLE_PASS_MAX`` fall back to two passes that recompute the product). Both functions
+take an explicit ``launch`` for sweeps.
 """
 
 from __future__ import annotations
@@ -133,6 +133,7 @@ def silu_and_mul(
     out_dtype: torch.dtype | None = None,
     *,
     masked_m: torch.Tensor | None = None,
+    launch: Launch | None = None,
 ) -> torch.Tensor:
     """``silu(gate) * up`` in fp32, stored as ``out_dtype`` (default: the input's dtype).
 
@@ -140,20 +141,11 @@ def silu_and_mul(
         gate_up: ``[..., 2I]`` (``[E, cap, 2I]`` with ``masked_m``).
         out_dtype: bf16, fp16 or fp32.
         masked_m: optional ``[E]`` valid rows per expert; other rows are left unwritten.
+        launch: tile and warps of the kernel (checked); ``None``: :func:`silu_launch`.
 
     Returns:
         ``[..., I]``.
     """
-    return _silu_and_mul(gate_up, out_dtype, masked_m)
-
-
-def _silu_and_mul(
-    gate_up: torch.Tensor,
-    out_dtype: torch.dtype | None,
-    masked_m: torch.Tensor | None,
-    launch: Launch | None = None,
-) -> torch.Tensor:
-    """:func:`silu_and_mul` with an explicit launch (None: :func:`silu_launch`)."""
     x2, inter = _rows(gate_up)
     out_dtype = gate_up.dtype if out_dtype is None else out_dtype
     if out_dtype not in OUT_DTYPES:
@@ -162,8 +154,10 @@ def _silu_and_mul(
     y = torch.empty((rows, inter), dtype=out_dtype, device=gate_up.device)
     if rows and inter:
         mm, cap = masked_row_args(masked_m, gate_up.shape, gate_up.device)
-        launch = silu_launch(rows, inter, gate_up.device) if launch is None else launch
-        check_launch(launch)
+        if launch is None:
+            launch = silu_launch(rows, inter, gate_up.device)
+        else:
+            check_launch(launch)
         _silu_mul_kernel[(triton.cdiv(rows, launch.block_m), triton.cdiv(inter, launch.block_k))](
             x2, y, mm, rows, inter, cap, x2.stride(0), y.stride(0),
             HAS_MASK=masked_m is not None, GROUP=min(128, launch.block_k),
@@ -179,6 +173,7 @@ def silu_and_mul_quant(
     dtype: torch.dtype = torch.int8,
     *,
     masked_m: torch.Tensor | None = None,
+    launch: Launch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``silu(gate) * up`` quantized for the second GEMM.
 
@@ -188,22 +183,12 @@ def silu_and_mul_quant(
         group_size: group length for ``"group"``; must divide I and be a power of two >= 16.
         dtype: ``torch.int8``, or ``torch.float8_e4m3fn`` with ``"group"``.
         masked_m: optional ``[E]`` valid rows per expert; other rows are left unwritten.
+        launch: tile and warps of the kernel (checked); ``None``: the quantizers' defaults
+            (:func:`~epmoe.kernels.quantize.token_launch` / ``group_launch``).
 
     Returns:
         ``q [..., I]`` of ``dtype`` and fp32 ``scale [..., 1]`` or ``[..., I / group_size]``.
     """
-    return _silu_and_mul_quant(gate_up, granularity, group_size, dtype, masked_m)
-
-
-def _silu_and_mul_quant(
-    gate_up: torch.Tensor,
-    granularity: str,
-    group_size: int,
-    dtype: torch.dtype,
-    masked_m: torch.Tensor | None,
-    launch: Launch | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`silu_and_mul_quant` with an explicit launch (None: the quantizers' defaults)."""
     x2, inter = _rows(gate_up)
     if granularity not in ("token", "group"):
         raise ValueError(f"granularity={granularity!r}; allowed: 'token', 'group'")
@@ -216,8 +201,10 @@ def _silu_and_mul_quant(
     if granularity == "token":
         s = torch.empty((rows, 1), dtype=torch.float32, device=gate_up.device)
         if rows and inter:
-            launch = token_launch(rows, inter, gate_up.device) if launch is None else launch
-            check_launch(launch)
+            if launch is None:
+                launch = token_launch(rows, inter, gate_up.device)
+            else:
+                check_launch(launch)
             _silu_mul_token_quant_kernel[(triton.cdiv(rows, launch.block_m),)](
                 x2, q, s, mm, rows, inter, cap, x2.stride(0), q.stride(0),
                 HAS_MASK=masked_m is not None, QMAX=INT8_QMAX, GROUP=min(128, launch.block_k),
@@ -230,8 +217,10 @@ def _silu_and_mul_quant(
     groups = inter // group_size
     s = torch.empty((rows, groups), dtype=torch.float32, device=gate_up.device)
     if rows and groups:
-        launch = group_launch(rows, inter, group_size, gate_up.device) if launch is None else launch
-        check_launch(launch, group_size)
+        if launch is None:
+            launch = group_launch(rows, inter, group_size, gate_up.device)
+        else:
+            check_launch(launch, group_size)
         _silu_mul_group_quant_kernel[(triton.cdiv(rows, launch.block_m), triton.cdiv(inter, launch.block_k))](
             x2, q, s, mm, rows, inter, cap, x2.stride(0), q.stride(0), s.stride(0),
             HAS_MASK=masked_m is not None, QMAX=INT8_QMAX if dtype == torch.int8 else E4M3_QMAX,

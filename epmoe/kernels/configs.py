@@ -19,6 +19,7 @@ import functools
 import json
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -102,10 +103,6 @@ class GemmConfig:
         if self.tma and self.swap_ab:
             raise ValueError(f"config {self.to_dict()}: the TMA kernel has no SWAP_AB variant")
 
-    def without_tma(self) -> "GemmConfig":
-        """The same tiles for the pointer kernel (the TMA-only options off)."""
-        return replace(self, tma=False, persistent=False, flatten=False)
-
     def smem_bytes(self, elem_bytes: int) -> int:
         """Shared memory the pipelined A and B tiles need."""
         return (self.block_m + self.block_n) * self.block_k * elem_bytes * self.num_stages
@@ -157,8 +154,13 @@ def pick_bucket(buckets: dict, m_per_expert: float):
     if not buckets:
         return None
     keys = sorted(int(b) for b in buckets)
-    chosen = next((b for b in keys if b >= m_per_expert), keys[-1])
-    return buckets[str(chosen)]
+    return buckets[str(keys[_bucket_index(keys, m_per_expert)])]
+
+
+def _bucket_index(bounds: Sequence[int], m_per_expert: float) -> int:
+    """Index into the ascending, non-empty ``bounds`` of the smallest bucket >= ``m_per_expert``,
+    else of the largest."""
+    return min(bisect.bisect_left(bounds, m_per_expert), len(bounds) - 1)
 
 
 def get_config(
@@ -174,8 +176,7 @@ def get_config(
     bounds, cfgs = _tuned_configs(device_name(device), mode, shape_key(n, k), accumulator)
     if not cfgs:
         return default_config(mode, m_per_expert, device=device)
-    # The smallest bucket >= m_per_expert, else the largest (pick_bucket's rule, on sorted keys).
-    return cfgs[min(bisect.bisect_left(bounds, m_per_expert), len(cfgs) - 1)]
+    return cfgs[_bucket_index(bounds, m_per_expert)]
 
 
 _TUNED: dict = {}

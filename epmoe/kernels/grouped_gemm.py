@@ -475,8 +475,8 @@ def _launch(a, b, out, a_scale, b_scale, seg, e, cap, grid_m, mode, accumulator,
             **common,
         )
         return
-    if cfg.tma:
-        cfg = cfg.without_tma()  # the pointer kernel: same tiles, no TMA-only options
+    # The pointer kernel runs the same tiles; the TMA-only options have no meaning here (and a TMA
+    # config never has SWAP_AB: GemmConfig.validate).
     _grouped_gemm_kernel[(grid_m * num_pid_n,)](
         a, b, out, as_, bs, seg,
         n, k, e, cap, grid_m,

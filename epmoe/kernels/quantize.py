@@ -29,8 +29,8 @@ Both quantizers also take an already quantized input with its scales (``x_scale`
 dequantize on the fly, which is how FP8 1x128 activations from low-latency dispatch become INT8.
 
 Launch parameters (rows per program, columns per program, warps) come from
-:func:`token_launch` / :func:`group_launch`; ``_per_token`` / ``_per_group`` take an explicit
-:class:`Launch` so a GPU sweep can compare them (the sweep script is not part of the package).
+:func:`token_launch` / :func:`group_launch`; both quantizers take an explicit ``launch``
+(:class:`Launch`) so a GPU sweep can compare them (the sweep script is not part of the package).
 """
 
 from __future__ import annotations
@@ -350,6 +350,7 @@ def per_token_quant_int8(
     x_scale: torch.Tensor | None = None,
     *,
     masked_m: torch.Tensor | None = None,
+    launch: Launch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One INT8 scale per row.
 
@@ -358,20 +359,11 @@ def per_token_quant_int8(
         x_scale: optional ``[..., S]`` fp32 scales of an already quantized ``x`` (``S`` divides K).
         masked_m: optional ``[E]`` int32 valid rows per expert when ``x`` is ``[E, cap, K]``;
             rows past it are skipped and their outputs left unwritten.
+        launch: tile and warps of the kernel (checked); ``None``: :func:`token_launch`.
 
     Returns:
         ``q [..., K]`` int8 and ``scale [..., 1]`` fp32.
     """
-    return _per_token(x, x_scale, masked_m)
-
-
-def _per_token(
-    x: torch.Tensor,
-    x_scale: torch.Tensor | None,
-    masked_m: torch.Tensor | None,
-    launch: Launch | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`per_token_quant_int8` with an explicit launch (None: :func:`token_launch`)."""
     _check_input(x, x_scale)
     shape = x.shape
     x2 = _rows_view(x, "x")
@@ -384,8 +376,10 @@ def _per_token(
         return q.reshape(shape), s.reshape(*shape[:-1], 1)
     xs2, in_group = _scale_view(x_scale, k, x.device)
     mm, cap = masked_row_args(masked_m, shape, x.device)
-    launch = token_launch(m, k, x.device) if launch is None else launch
-    check_launch(launch)
+    if launch is None:
+        launch = token_launch(m, k, x.device)
+    else:
+        check_launch(launch)
     _per_token_kernel[(triton.cdiv(m, launch.block_m),)](
         x2, xs2, q, s, mm, m, k, cap,
         x2.stride(0), xs2.stride(0), q.stride(0),
@@ -403,6 +397,7 @@ def per_group_quant(
     x_scale: torch.Tensor | None = None,
     *,
     masked_m: torch.Tensor | None = None,
+    launch: Launch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale per 1 x ``group_size`` group, INT8 (qmax 127) or FP8 e4m3 (qmax 448).
 
@@ -412,22 +407,11 @@ def per_group_quant(
         dtype: ``torch.int8`` or ``torch.float8_e4m3fn``.
         x_scale: optional ``[..., S]`` fp32 scales of an already quantized ``x``.
         masked_m: as in :func:`per_token_quant_int8`.
+        launch: tile and warps of the kernel (checked); ``None``: :func:`group_launch`.
 
     Returns:
         ``q [..., K]`` of ``dtype`` and ``scale [..., K / group_size]`` fp32.
     """
-    return _per_group(x, group_size, dtype, x_scale, masked_m)
-
-
-def _per_group(
-    x: torch.Tensor,
-    group_size: int,
-    dtype: torch.dtype,
-    x_scale: torch.Tensor | None,
-    masked_m: torch.Tensor | None,
-    launch: Launch | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`per_group_quant` with an explicit launch (None: :func:`group_launch`)."""
     _check_input(x, x_scale)
     if dtype not in (torch.int8, torch.float8_e4m3fn):
         raise TypeError(f"dtype={dtype}; allowed: torch.int8, torch.float8_e4m3fn")
@@ -445,8 +429,10 @@ def _per_group(
     if m and groups:
         xs2, in_group = _scale_view(x_scale, k, x.device)
         mm, cap = masked_row_args(masked_m, shape, x.device)
-        launch = group_launch(m, k, group_size, x.device) if launch is None else launch
-        check_launch(launch, group_size)
+        if launch is None:
+            launch = group_launch(m, k, group_size, x.device)
+        else:
+            check_launch(launch, group_size)
         qmax = INT8_QMAX if dtype == torch.int8 else E4M3_QMAX
         grid = (triton.cdiv(m, launch.block_m), triton.cdiv(k, launch.block_k))
         _per_group_kernel[grid](
