@@ -83,6 +83,11 @@ class DeepEPMoELayer(nn.Module):
         accumulator: ``"fp32"`` or ``"int32"`` cross-K accumulator (``int8_channel`` only).
         timeout_s: seconds a rank waits on a collective before raising.
         max_tokens_per_rank: capacity of low-latency dispatch (tokens per rank per batch).
+        normal_max_tokens_per_rank: a bound on every rank's batch in DeepEP normal mode
+            (``None``: no bound). With it the host does not wait for DeepEP's receive counts and,
+            with a backend that keeps segment sizes on the device (``triton``), nothing between
+            dispatch and combine waits for the GPU; receive and expert buffers are then sized
+            for ``world_size x`` this many tokens. A larger batch on any rank raises there.
         deepep_buffer: a :class:`epmoe.dispatch.deepep_dispatch.DeepEPBuffer` shared by the layers of one
             group (created on demand when ``None`` and DeepEP is chosen).
         low_latency_int8_payload: for INT8 schemes over low-latency dispatch, ``"float"`` (send
@@ -113,6 +118,7 @@ class DeepEPMoELayer(nn.Module):
         accumulator: str = "fp32",
         timeout_s: float = 300.0,
         max_tokens_per_rank: int = 128,
+        normal_max_tokens_per_rank: int | None = None,
         deepep_buffer=None,
         low_latency_int8_payload: str = "float",
         validate: bool = True,
@@ -134,6 +140,12 @@ class DeepEPMoELayer(nn.Module):
             raise ValueError(f"timeout_s={timeout_s!r} must be a finite number of seconds > 0")
         if not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 1:
             raise ValueError(f"max_tokens_per_rank={max_tokens_per_rank!r} must be a positive integer")
+        if normal_max_tokens_per_rank is not None and (
+            not isinstance(normal_max_tokens_per_rank, int) or normal_max_tokens_per_rank < 1
+        ):
+            raise ValueError(
+                f"normal_max_tokens_per_rank={normal_max_tokens_per_rank!r} must be a positive integer or None"
+            )
         if low_latency_int8_payload not in LOW_LATENCY_INT8_PAYLOADS:
             raise ValueError(
                 f"low_latency_int8_payload={low_latency_int8_payload!r}; allowed: "
@@ -176,6 +188,7 @@ class DeepEPMoELayer(nn.Module):
             device=self.device,
             timeout_s=timeout_s,
             max_tokens_per_rank=max_tokens_per_rank,
+            normal_max_tokens_per_rank=normal_max_tokens_per_rank,
             deepep_buffer=deepep_buffer,
         )
         dispatcher_cls, dlines = select_dispatcher(dispatch, cfg)
@@ -188,6 +201,17 @@ class DeepEPMoELayer(nn.Module):
             self.scheme, dispatcher_cls.payloads, self.low_latency_int8_payload
         )
         self.dispatcher = dispatcher_cls(cfg)
+        if normal_max_tokens_per_rank is not None and "normal" not in getattr(dispatcher_cls, "modes_needed", ()):
+            log.warning(
+                "rank %d: normal_max_tokens_per_rank=%d has no effect with dispatch=%s (it bounds "
+                "DeepEP normal mode only)", self.rank, normal_max_tokens_per_rank, self.dispatcher.name,
+            )  # fmt: skip
+        elif normal_max_tokens_per_rank is not None and not self.backend.device_segments:
+            log.warning(
+                "rank %d: backend %s needs host-side segment sizes: with normal_max_tokens_per_rank "
+                "the layer reads the receive counts back itself (one host sync per normal batch)",
+                self.rank, self.backend.name,
+            )  # fmt: skip
         # The backend's view of the weights, rebuilt whenever a weight tensor is replaced or
         # written (keyed on storage and version counter), not per batch.
         self._prepared: tuple[tuple, ExpertWeights] | None = None
@@ -486,7 +510,8 @@ class DeepEPMoELayer(nn.Module):
             batch = MaskedBatch(d.x, d.x_scale, d.masked_m, d.expected_m)
             return self.backend.run_masked(batch, self._weights(), dtype)
         batch = to_contiguous(
-            d.x, d.x_scale, d.topk_ids, self.num_local_experts, self.backend.alignment, d.padded_rows
+            d.x, d.x_scale, d.topk_ids, self.num_local_experts, self.backend.alignment, d.padded_rows,
+            expected_m=d.expected_m if self.backend.device_segments else None,
         )
         out = self.backend.run_contiguous(batch, self._weights(), dtype)
         weights = d.topk_weights

@@ -47,6 +47,10 @@ class ContiguousBatch:
         num_rows: ``[E]`` valid rows per expert (before padding): a host list, or an int32
             device tensor when the scatter ran without reading counts back (see
             :meth:`rows_per_expert`).
+        expected_m: ``None`` when the segments fill ``x`` exactly. Otherwise the segment sizes
+            were counted on the device (no host round trip), ``x`` has room for the worst case,
+            rows past ``expert_offsets[-1]`` are spare (never written, never to be read), and
+            this is the typical rows per expert, a hint for tile configs and grids.
     """
 
     x: torch.Tensor
@@ -55,10 +59,17 @@ class ContiguousBatch:
     m_indices: torch.Tensor
     slot_pos: torch.Tensor
     num_rows: list[int] | torch.Tensor
+    expected_m: int | None = None
 
     @property
     def num_experts(self) -> int:
         return self.expert_offsets.numel() - 1
+
+    @property
+    def valid_rows(self) -> torch.Tensor:
+        """``[1]`` int32 device view of the rows in use (``expert_offsets[-1]``): the row count
+        of a batch with spare rows, as a masked-layout bound over one ``[1, M, ...]`` slab."""
+        return self.expert_offsets[-1:]
 
     def rows_per_expert(self) -> list[int]:
         """:attr:`num_rows` as a host list (a device-to-host copy when it is a tensor)."""
@@ -104,6 +115,8 @@ def to_contiguous(
     num_experts: int,
     alignment: int = 1,
     padded_rows: Sequence[int] | None = None,
+    *,
+    expected_m: int | None = None,
 ) -> ContiguousBatch:
     """Scatter received tokens into the contiguous layout.
 
@@ -118,15 +131,21 @@ def to_contiguous(
             ``num_recv_tokens_per_expert_list``). Without it the counts are computed on the
             device and read back: one host synchronisation. Entries must be non-negative
             multiples of ``alignment``. The CPU (torch) path recomputes the sizes itself.
+        expected_m: without ``padded_rows``, skip the read-back: on CUDA the segment sizes stay
+            on the device, the rows are allocated for the worst case (``R * k`` plus
+            padding) and the batch carries this rows-per-expert hint (see
+            :attr:`ContiguousBatch.expected_m`). Ignored on the CPU path.
 
     Returns:
         A :class:`ContiguousBatch` whose padding rows are zero (scale 1 when quantized scales exist).
     """
     if padded_rows is not None:
         _check_padded_rows(padded_rows, num_experts, alignment)
+    if expected_m is not None and (not isinstance(expected_m, int) or expected_m < 1):
+        raise ValueError(f"expected_m={expected_m!r} must be a positive integer or None")
     if not x.is_cuda:
         return _to_contiguous_torch(x, x_scale, topk_ids, num_experts, alignment)
-    return _to_contiguous_kernels(x, x_scale, topk_ids, num_experts, alignment, padded_rows)
+    return _to_contiguous_kernels(x, x_scale, topk_ids, num_experts, alignment, padded_rows, expected_m)
 
 
 def _check_padded_rows(padded_rows: Sequence[int], num_experts: int, alignment: int) -> None:
@@ -153,9 +172,17 @@ def _segment_offsets(lengths: Sequence[int]) -> list[int]:
     return list(itertools.accumulate(map(int, lengths), initial=0))
 
 
-def _to_contiguous_kernels(x, x_scale, topk_ids, num_experts, alignment, padded_rows) -> ContiguousBatch:
+def _to_contiguous_kernels(
+    x, x_scale, topk_ids, num_experts, alignment, padded_rows, expected_m=None
+) -> ContiguousBatch:
     """The Triton scatter (the CUDA path of :func:`to_contiguous`; on CPU it runs under Triton's
     interpreter, which is how the CPU tests reach it)."""
+    permute = kernel_permute()
+    if padded_rows is None and expected_m is not None:
+        offsets, slot_pos, m_indices, counts = permute.slot_layout(topk_ids, num_experts, alignment)
+        m = m_indices.numel()
+        out_x, out_scale = permute.scatter_rows(x, slot_pos, m, x_scale, fill_unused=alignment > 1)
+        return ContiguousBatch(out_x, out_scale, offsets, m_indices, slot_pos, counts, expected_m)
     device = x.device
     num_rows: list[int] | None = None
     if padded_rows is None:
@@ -174,7 +201,6 @@ def _to_contiguous_kernels(x, x_scale, topk_ids, num_experts, alignment, padded_
     # launches the next kernels.
     host = torch.tensor(offsets_list, dtype=torch.int32, pin_memory=device.type == "cuda")
     offsets = host.to(device, non_blocking=True)
-    permute = kernel_permute()
     slot_pos, m_indices, counts = permute.slot_positions(topk_ids, offsets, m)
     if num_rows is None:
         num_rows = counts

@@ -57,3 +57,16 @@ def test_counts_are_checked(arg, capsys):
     with pytest.raises(SystemExit):
         bench_layer._parse([arg])
     assert arg.split("=")[0] in capsys.readouterr().err
+
+
+def test_no_host_sync_ratio_is_slowest_rank_against_slowest_rank():
+    ranks = _ranks(None)
+    times = {"bf16": (7.9, 8.1), "int8_channel": (4.8, 4.7)}
+    for r in ranks:
+        for scheme, ms in times.items():
+            r["schemes"][scheme]["prefill"]["no_host_sync"] = dict(
+                layer_ms=ms[r["rank"]], sync_ms=9.0, rel_diff_vs_sync=0.0
+            )
+    s = bench_layer._summary(ranks, ARGS)
+    assert s["ratios"]["int8_channel/prefill_no_host_sync"] == pytest.approx(8.1 / 4.8)
+    assert "prefill without host sync" in bench_layer._table(s)

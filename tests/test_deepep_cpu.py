@@ -254,3 +254,56 @@ def test_pad_empty_batch():
 def test_expected_rows_hint():
     assert dd.expected_rows_per_expert(128, 2, 8, 256) == 8
     assert dd.expected_rows_per_expert(1, 2, 4, 256) == 1
+
+
+# ------------------------------------------------------------------------------ normal dispatch bound
+class _FakeDispatchBuffer(_FakeBuffer):
+    """Records what normal-mode dispatch was asked for; receives every row unchanged."""
+
+    def get_dispatch_layout(self, topk_ids, num_experts):
+        return "per_rank", None, "per_expert", "in_rank", None
+
+    def dispatch(self, x, **kw):
+        self.dispatch_kw = kw
+        worst = kw["num_worst_tokens"]
+        ids = kw["topk_idx"]
+        if worst:  # DeepEP's worst-case receive buffers: rows past the received ones carry -1 ids
+            pad = worst - ids.shape[0]
+            ids = torch.cat([ids, ids.new_full((pad, ids.shape[1]), -1)])
+        return x, ids, kw["topk_weights"], ([] if worst else [3, 5]), "handle", None
+
+
+@pytest.mark.parametrize("cap", [None, 64])
+def test_normal_dispatch_waits_for_counts_only_without_a_bound(fake_deep_ep, cap):
+    fake_deep_ep.Buffer = _FakeDispatchBuffer
+    cfg = DispatchConfig(num_experts=4, hidden_size=256, top_k=2, world_size=2, normal_max_tokens_per_rank=cap)
+    disp = dd.DeepEPNormalDispatcher(cfg)
+    ids = torch.tensor([[0, 3], [1, 2], [2, 0]])
+    d = disp.send(torch.randn(3, 256), None, ids, torch.rand(3, 2))
+    kw = _FakeBuffer.made[-1].dispatch_kw
+    if cap is None:
+        assert kw["num_worst_tokens"] == 0 and d.padded_rows == [3, 5] and d.expected_m is None
+    else:
+        assert kw["num_worst_tokens"] == 2 * cap and d.padded_rows is None
+        assert d.expected_m == dd.expected_rows_per_expert(3, 2, 2, 4)
+        assert d.topk_ids.shape == (2 * cap, 2) and (d.topk_ids[3:] == -1).all()
+        with pytest.raises(ValueError, match="batch of 65 tokens exceeds normal_max_tokens_per_rank=64 on rank 0"):
+            disp.send(torch.randn(65, 256), None, torch.zeros(65, 2, dtype=torch.int64), torch.rand(65, 2))
+    disp.buffer.close()
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "64"])
+def test_layer_refuses_a_bad_normal_bound(bad):
+    from epmoe.layer import DeepEPMoELayer
+
+    with pytest.raises(ValueError, match=f"normal_max_tokens_per_rank={bad!r} must be a positive integer or None"):
+        DeepEPMoELayer(16, 4, 256, 128, backend="torch", device="cpu", normal_max_tokens_per_rank=bad)
+
+
+def test_layer_says_a_normal_bound_has_no_effect_without_deepep(caplog):
+    from epmoe.layer import DeepEPMoELayer
+
+    with caplog.at_level("WARNING", logger="epmoe"):
+        DeepEPMoELayer(16, 4, 256, 128, backend="torch", device="cpu", params_dtype=torch.float32,
+                       normal_max_tokens_per_rank=64)  # fmt: skip
+    assert "normal_max_tokens_per_rank=64 has no effect with dispatch=local" in caplog.text

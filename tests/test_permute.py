@@ -156,3 +156,74 @@ def test_gather_weighted_rounds_the_fp32_sum_once(out_dtype):
 def test_gather_weighted_rejects_int_out_dtype():
     with pytest.raises(TypeError, match="out_dtype=torch.int32; allowed"):
         permute.gather_weighted(torch.zeros(2, 4), torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1), torch.int32)
+
+
+# ----------------------------------------------------------- segment sizes counted on the device
+def _check_device_layout(ids, e, alignment):
+    """slot_layout's offsets, slot rows and row experts against the stable sort; every row past
+    the last segment (the worst case's spare room) belongs to no expert."""
+    ref = _to_contiguous_torch(torch.zeros(ids.shape[0], 1), None, ids, e, alignment)
+    offsets, slot_pos, m_indices, counts = (t.cpu() for t in permute.slot_layout(ids.to(DEVICE), e, alignment))
+    m = int(ref.expert_offsets[-1])
+    assert offsets.dtype == torch.int32 and torch.equal(offsets, ref.expert_offsets)
+    assert torch.equal(slot_pos, ref.slot_pos)
+    assert m_indices.numel() == permute.max_rows(*ids.shape, e, alignment) >= m
+    assert torch.equal(m_indices[:m], ref.m_indices)
+    assert (m_indices[m:] == -1).all()
+    assert counts.tolist() == ref.num_rows
+
+
+@pytest.mark.parametrize(
+    "r,k,e,alignment,seed", [(11, 3, 4, 1, 0), (37, 8, 5, 4, 1), (300, 2, 3, 128, 2), (1, 1, 1, 1, 4), (64, 8, 40, 3, 6)]
+)
+def test_slot_layout_counts_segments_on_the_device(r, k, e, alignment, seed, poisoned):
+    _check_device_layout(_ids(r, k, e, seed), e, alignment)
+
+
+@pytest.mark.parametrize("alignment", [1, 16])
+def test_slot_layout_across_many_scan_steps(alignment, poisoned, monkeypatch):
+    """The histogram pass and the position pass both carried over 16 steps of 1024 slots."""
+    monkeypatch.setattr(permute, "SLOT_BLOCK", 1024)
+    _check_device_layout(_ids(2049, 8, 7, 9), 7, alignment)
+
+
+def test_slot_layout_foreign_ids_and_empty_experts(poisoned):
+    ids = torch.tensor([[7, 0], [0, -1], [9, 9], [0, 3], [-1, -1]])  # ids >= E, -1, empty experts
+    offsets, slot_pos, m_indices, counts = (t.cpu() for t in permute.slot_layout(ids.to(DEVICE), 4, 2))
+    assert offsets.tolist() == [0, 4, 4, 4, 6]
+    assert slot_pos.tolist() == [[-1, 0], [1, -1], [-1, -1], [2, 4], [-1, -1]]
+    assert m_indices.tolist() == [0, 0, 0, -1, 3, -1] + [-1] * (permute.max_rows(5, 2, 4, 2) - 6)
+    assert counts.tolist() == [3, 0, 0, 1]
+
+
+def test_slot_layout_rejects_bad_arguments():
+    ids = torch.zeros(2, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="num_experts=0 must be a positive integer"):
+        permute.slot_layout(ids, 0)
+    with pytest.raises(ValueError, match="alignment=0 must be a positive integer"):
+        permute.slot_layout(ids, 2, 0)
+    with pytest.raises(ValueError, match="topk_ids must be an integer"):
+        permute.slot_layout(ids.float(), 2)
+
+
+@pytest.mark.parametrize("alignment", [1, 8])
+def test_to_contiguous_with_device_sizes_equals_exact_layout(alignment):
+    """The no-read-back layout holds the exact layout's rows, then spare rows nobody points to."""
+    r, k, e, h = 60, 4, 6, 32
+    ids = _ids(r, k, e, 11)
+    x = torch.randint(-127, 128, (r, h), dtype=torch.int8)
+    xs = torch.rand(r, 1)
+    ref = _to_contiguous_torch(x, xs, ids, e, alignment)
+    scatter = to_contiguous if torch.cuda.is_available() else _to_contiguous_kernels
+    got = scatter(x.to(DEVICE), xs.to(DEVICE), ids.to(DEVICE), e, alignment, None, expected_m=40)
+    m = int(ref.expert_offsets[-1])
+    assert got.expected_m == 40 and got.x.shape[0] == permute.max_rows(r, k, e, alignment) > m
+    assert torch.equal(got.valid_rows.cpu(), ref.expert_offsets[-1:])
+    assert torch.equal(got.x[:m].cpu(), ref.x) and torch.equal(got.x_scale[:m].cpu(), ref.x_scale)
+    assert torch.equal(got.slot_pos.cpu(), ref.slot_pos)
+    assert got.rows_per_expert() == ref.num_rows
+
+
+def test_to_contiguous_rejects_bad_expected_m():
+    with pytest.raises(ValueError, match="expected_m=0 must be a positive integer or None"):
+        to_contiguous(torch.zeros(2, 4), None, torch.zeros(2, 1, dtype=torch.int64), 2, expected_m=0)

@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 from epmoe.experts.base import ExpertWeights  # noqa: E402
 from epmoe.experts.torch_backend import TorchBackend  # noqa: E402
 from epmoe.experts.triton_backend import TritonBackend  # noqa: E402
-from epmoe.layouts import to_contiguous, to_masked  # noqa: E402
+from epmoe.layouts import _to_contiguous_kernels, to_contiguous, to_masked  # noqa: E402
 from epmoe.quant.reference import quantize_rows, quantize_weight  # noqa: E402
 from epmoe.quant.schemes import get_scheme  # noqa: E402
 
@@ -81,6 +81,36 @@ def test_contiguous_matches_torch_backend(scheme, acc, routing, align):
     assert torch.isfinite(got).all()
     # fp32 intermediates: only fp32 summation order differs, plus rare requantization flips.
     assert _rel_err(got, want) < 2e-3
+
+
+@pytest.mark.parametrize("scheme,acc", SCHEME_ACC)
+@pytest.mark.parametrize("quantized_input", [False, True])
+def test_contiguous_with_device_sizes_matches_exact_batch(scheme, acc, quantized_input):
+    """A batch whose segment sizes stayed on the device (spare rows past the last segment, here
+    poisoned with NaN / extreme codes) gives the exact batch's outputs on every used row."""
+    ids = ROUTINGS["uneven"]
+    x = _x(ids.shape[0])
+    xs = None
+    if quantized_input:
+        if not get_scheme(scheme).quantized:
+            pytest.skip("bf16 has no quantized input")
+        group = None if get_scheme(scheme).act_granularity == "token" else 128
+        x, xs = quantize_rows(x.float(), torch.int8, 127.0, group)
+        xs = xs.to(DEVICE)
+    weights = _weights(scheme)
+    backend = TritonBackend(get_scheme(scheme), accumulator=acc)
+    prepared = backend.prepare_weights(weights)
+    exact = to_contiguous(x.to(DEVICE), xs, ids.to(DEVICE), E)
+    spare = _to_contiguous_kernels(x.to(DEVICE), xs, ids.to(DEVICE), E, 1, None, expected_m=6)
+    m = exact.x.shape[0]
+    assert spare.x.shape[0] > m
+    spare.x[m:] = float("nan") if spare.x.is_floating_point() else -128
+    if spare.x_scale is not None:
+        spare.x_scale[m:] = float("nan")
+    want = backend.run_contiguous(exact, prepared, torch.float32)
+    got = backend.run_contiguous(spare, prepared, torch.float32)
+    assert got.shape == (spare.x.shape[0], H)
+    assert torch.equal(got[:m].cpu(), want.cpu())
 
 
 @pytest.mark.parametrize("scheme,acc", SCHEME_ACC)

@@ -308,6 +308,21 @@ def _layer_dc(layer, x_in, ids, w, iters, warmup, device):
     return times
 
 
+def _no_host_sync(layer, bounded, x, ids, w, ref, iters, warmup, device):
+    """Whole prefill layer with the host waiting for DeepEP's receive counts (``layer``) and
+    without (``bounded``: ``normal_max_tokens_per_rank`` set), in alternating rounds (medians of
+    the per-round means), plus the relative difference of their outputs."""
+    out = bounded(x, topk_ids=ids, topk_weights=w)
+    times: dict[str, list[float]] = {"sync_ms": [], "layer_ms": []}
+    for i in range(DC_ROUNDS):
+        pair = (("sync_ms", layer), ("layer_ms", bounded))
+        for name, lay in pair if i % 2 == 0 else pair[::-1]:
+            times[name].append(_time_loop(lambda: lay(x, topk_ids=ids, topk_weights=w), iters, warmup, device))
+    res = {k: statistics.median(v) for k, v in times.items()}
+    res["rel_diff_vs_sync"] = float((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30))
+    return res
+
+
 def _bf16_grouped_mm(layer, x_in, ids, w, iters, warmup, device):
     """The BF16 layer's experts pass on one received prefill batch, through the layer's backend
     and through ``torch._grouped_mm`` (GEMMs) with torch ``silu * mul``, each a mean over
@@ -472,6 +487,10 @@ def _rank_main(rank, args, port, out_path):
             _fill_weights(ln, scheme)
             ll = DeepEPMoELayer(E, K, H, I, dispatch="deepep_low_latency", **common)
             _share_weights(ll, ln)
+            # The same prefill with every batch bounded: the host does not wait for DeepEP's counts.
+            lb = DeepEPMoELayer(E, K, H, I, dispatch="deepep_normal", normal_max_tokens_per_rank=args.prefill_tokens,
+                                **common)  # fmt: skip
+            _share_weights(lb, ln)
             torch.cuda.empty_cache()
             entry = {}
             for phase, layer, (x, ids, w) in (("prefill", ln, (xp, idp, wp)), ("decode", ll, (xd, idd, wd))):
@@ -505,6 +524,8 @@ def _rank_main(rank, args, port, out_path):
                 row["deepep_ms"], row["layer_dc_ms"] = raw, ours
                 for p in ("dispatch", "combine"):
                     row[f"{p}_overhead_pct"] = 100.0 * (ours[f"{p}_ms"] - raw[f"{p}_ms"]) / raw[f"{p}_ms"]
+                if mode == "normal":
+                    row["no_host_sync"] = _no_host_sync(layer, lb, x, ids, w, ref, args.iters, args.warmup, device)
                 if mode == "low_latency":
                     row["graph_dc_ms"] = _graph_dc(owner, layer, x, ids, w, args.iters, device)
                 elif scheme == "bf16" and hasattr(torch, "_grouped_mm"):
@@ -514,7 +535,7 @@ def _rank_main(rank, args, port, out_path):
                         row["bf16_grouped_mm"] = {"error": repr(exc)}
                 entry[phase] = row
             res["schemes"][scheme] = entry
-            del ln, ll
+            del ln, ll, lb
             torch.cuda.empty_cache()
         res["ll_int8_payload"] = _ll_int8_study(owner, xd, idd, device, args.iters, args.warmup)
     except Exception:  # noqa: BLE001 - reported in the JSON; the peer is killed by the parent
@@ -550,6 +571,12 @@ def _summary(ranks, args):
                 slow = max(r["schemes"][scheme][phase]["layer_ms"] for r in ranks)
                 slow_b = max(r["schemes"]["bf16"][phase]["layer_ms"] for r in ranks)
                 out["ratios"][f"{scheme}/{phase}"] = slow_b / slow
+    nosync = {s_: [r["schemes"][s_].get("prefill", {}).get("no_host_sync") for r in ranks] for s_ in r0["schemes"]}
+    if all(nosync.get("bf16") or [None]):
+        slow_b = max(n["layer_ms"] for n in nosync["bf16"])
+        for scheme, rows in nosync.items():
+            if all(rows):
+                out["ratios"][f"{scheme}/prefill_no_host_sync"] = slow_b / max(n["layer_ms"] for n in rows)
     # The BF16 prefill layer with torch._grouped_mm experts instead of the backend's: its time
     # minus the backend's experts pass plus grouped_mm's, both measured on the same batch.
     alt = [r["schemes"].get("bf16", {}).get("prefill", {}).get("bf16_grouped_mm") for r in ranks]
@@ -593,6 +620,14 @@ def _table(summary) -> str:
                              f"{g['deepep_ms']:.4f} ms, layer {g['layer_ms']:.4f} ms ({g['overhead_pct']:+.1f}%)")
             elif g:
                 lines.append(f"decode graph timing, {scheme}, rank {r['rank']}: {g['error']}")
+    for r in summary["ranks"]:
+        for scheme, entry in r["schemes"].items():
+            n = entry.get("prefill", {}).get("no_host_sync")
+            if n:
+                ratio = summary["ratios"].get(f"{scheme}/prefill_no_host_sync", float("nan"))
+                lines.append(f"prefill without host sync (normal_max_tokens_per_rank), {scheme}, rank {r['rank']}: "
+                             f"{n['layer_ms']:.3f} ms ({ratio:.2f}x bf16) vs {n['sync_ms']:.3f} ms with it "
+                             f"(rel. diff {n['rel_diff_vs_sync']:.1e})")  # fmt: skip
     for r in summary["ranks"]:
         a = r["schemes"].get("bf16", {}).get("prefill", {}).get("bf16_grouped_mm")
         if a and "error" in a:

@@ -43,6 +43,10 @@ class Dispatched:
         padded_rows: optional host list ``[E_loc]``: rows per local expert rounded up to
             ``cfg.alignment``, when the dispatcher knows them without a device sync (DeepEP
             normal mode reports them); the layer's scatter then skips its own count read-back.
+        expected_m (contiguous): set with ``padded_rows=None`` when the dispatcher did not wait
+            for the receive counts (its rows past the received ones have ``topk_ids`` ``-1``):
+            the layer then keeps the segment sizes on the device when its backend can
+            (``device_segments``), with this rows-per-expert hint.
     Masked layout (``layout == "masked"``):
         x: ``[E_loc, cap, H]``; x_scale: ``[E_loc, cap, S]`` or ``None``; masked_m: ``[E_loc]``
         int32; expected_m: row-count hint.
@@ -82,6 +86,9 @@ class DispatchConfig:
         alignment: rows each expert segment is padded to in the contiguous layout (the backend's).
         timeout_s: how long the host waits on a collective before raising.
         max_tokens_per_rank: capacity of fixed-size (low-latency) dispatch.
+        normal_max_tokens_per_rank: a bound on every rank's batch that normal-mode DeepEP
+            dispatch may assume (``None``: none). With it the host does not wait for the receive
+            counts: buffers are sized for ``world_size x`` this many received tokens.
         deepep_buffer: the shared DeepEP buffer owner, when DeepEP is used.
         payload: what the dispatcher quantizes activations into before sending them (one of
             :data:`PAYLOADS`; the layer picks the scheme's own format when the dispatcher carries it).
@@ -99,6 +106,7 @@ class DispatchConfig:
     alignment: int = 1
     timeout_s: float = 300.0
     max_tokens_per_rank: int = 128
+    normal_max_tokens_per_rank: int | None = None
     deepep_buffer: Any = None
     payload: str = "float"
     low_latency_payload: str = "float"

@@ -6,7 +6,10 @@
   Rows arrive once per destination rank with *local* top-k ids (``-1`` for other ranks' slots):
   exactly the token layout of :class:`~epmoe.dispatch.base.Dispatched`. ``combine`` is DeepEP's
   unweighted sum over ranks, so the layer weighs rows in its gather first. The host waits for the
-  receive counts (not CUDA-graph capturable).
+  receive counts (not CUDA-graph capturable), unless ``cfg.normal_max_tokens_per_rank`` bounds
+  every rank's batch: then DeepEP allocates for ``world_size x`` that many received rows
+  (``num_worst_tokens``; rows past the received ones carry ``-1`` ids), the host runs on, and a
+  backend with ``device_segments`` builds the contiguous layout from device-side counts.
 * :class:`DeepEPLowLatencyDispatcher` (decode): ``low_latency_dispatch`` (BF16 on the wire, or
   FP8 with 1x128 scales cast inside DeepEP) straight into the masked layout
   ``[E_loc, R * max_tokens, H]``; ``low_latency_combine`` applies the top-k weights. No host sync:
@@ -249,8 +252,9 @@ def pad_empty_batch(x, topk_ids, topk_weights):
 
 
 def expected_rows_per_expert(num_tokens: int, world_size: int, top_k: int, num_experts: int) -> int:
-    """Masked-layout hint: rows a local expert gets when every rank sends ``num_tokens`` tokens
-    with uniform routing (a host-side number, so it is fixed inside a CUDA graph)."""
+    """Rows-per-expert hint (masked layout, device-sized contiguous layout): rows a local expert
+    gets when every rank sends ``num_tokens`` tokens with uniform routing (a host-side number,
+    so it is fixed inside a CUDA graph)."""
     return max(1, math.ceil(num_tokens * world_size * top_k / max(num_experts, 1)))
 
 
@@ -512,8 +516,14 @@ class DeepEPNormalDispatcher(_DeepEPBase):
                 "deepep_normal cannot run inside CUDA-graph capture (the host waits for receive "
                 "counts); use deepep_low_latency or deepep_auto for captured batches"
             )
-        buf = self.buffer.get()
         t = x.shape[0]
+        cap = self.cfg.normal_max_tokens_per_rank
+        if cap is not None and t > cap:
+            raise ValueError(
+                f"deepep_normal: batch of {t} tokens exceeds normal_max_tokens_per_rank={cap} on rank "
+                f"{self.cfg.rank} (every rank's receive buffers assume it); raise it or set it to None"
+            )
+        buf = self.buffer.get()
         if t == 0:
             x, topk_ids, topk_weights = pad_empty_batch(x, topk_ids, topk_weights)
             if x_scale is not None:
@@ -523,6 +533,7 @@ class DeepEPNormalDispatcher(_DeepEPBase):
         num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, _ = (
             buf.get_dispatch_layout(topk_ids, self.cfg.num_experts)
         )
+        worst = 0 if cap is None else self.cfg.world_size * max(cap, 1)
         recv_x, recv_ids, recv_w, padded_rows, handle, _ = buf.dispatch(
             normal_payload(x, x_scale),
             topk_idx=topk_ids,
@@ -532,13 +543,18 @@ class DeepEPNormalDispatcher(_DeepEPBase):
             is_token_in_rank=is_token_in_rank,
             num_tokens_per_expert=num_tokens_per_expert,
             expert_alignment=max(1, int(self.cfg.alignment)),
+            num_worst_tokens=worst,
             config=self.buffer.dispatch_config,
         )
         self.buffer.mark_normal_used()
         rx, rs = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+        sizes = dict(padded_rows=list(padded_rows))
+        if worst:
+            cfg = self.cfg
+            sizes = dict(expected_m=expected_rows_per_expert(max(t, 1), cfg.world_size, cfg.top_k, cfg.num_experts))
         return Dispatched(
             x=rx, x_scale=rs, handle=("normal", handle, t), num_tokens=t,
-            topk_ids=recv_ids, topk_weights=recv_w, padded_rows=list(padded_rows),
+            topk_ids=recv_ids, topk_weights=recv_w, **sizes,
         )  # fmt: skip
 
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:

@@ -72,6 +72,9 @@ class ExpertsBackend(ABC):
         name: the value of the layer's ``backend=`` argument that selects it.
         schemes: scheme names it implements.
         layouts: ``"contiguous"`` and/or ``"masked"``.
+        device_segments: ``run_contiguous`` takes a batch whose segment sizes live only on the
+            device (``ContiguousBatch.expected_m`` set, spare rows past the last segment), so the
+            layer need not read the counts back; otherwise it gets exact host-sized batches.
 
     Instances carry only configuration (scheme, accumulator); nothing per batch.
     """
@@ -79,6 +82,7 @@ class ExpertsBackend(ABC):
     name: ClassVar[str]
     schemes: ClassVar[frozenset[str]]
     layouts: ClassVar[frozenset[str]]
+    device_segments: ClassVar[bool] = False
 
     def __init__(self, scheme: QuantScheme, *, accumulator: str = "fp32") -> None:
         if scheme.name not in type(self).schemes:

@@ -36,6 +36,7 @@ class TritonBackend(ExpertsBackend):
     name = "triton"
     schemes = frozenset({"bf16", "int8_channel", "int8_block"})
     layouts = frozenset({"contiguous", "masked"})
+    device_segments = True
 
     # alignment: the base's 1. The kernels tile each expert's segment on their own.
 
@@ -63,7 +64,17 @@ class TritonBackend(ExpertsBackend):
     def run_contiguous(
         self, batch: ContiguousBatch, weights: ExpertWeights, out_dtype: torch.dtype
     ) -> torch.Tensor:
-        return self._run(batch.x, batch.x_scale, weights, out_dtype, expert_offsets=batch.expert_offsets)
+        if batch.expected_m is None:
+            return self._run(batch.x, batch.x_scale, weights, out_dtype, expert_offsets=batch.expert_offsets)
+        # Spare rows past the last segment: the GEMMs walk the device-side segments and size
+        # their grids from the hint; the row-wise kernels see one [1, M] masked slab whose row
+        # count is expert_offsets[-1], so they skip the spare rows without a host round trip.
+        slab = (lambda t: None if t is None else t.unsqueeze(0))  # noqa: E731
+        out = self._run(
+            batch.x.unsqueeze(0), slab(batch.x_scale), weights, out_dtype,
+            expert_offsets=batch.expert_offsets, expected_m=batch.expected_m, valid_rows=batch.valid_rows,
+        )
+        return out.squeeze(0)
 
     def run_masked(
         self, batch: MaskedBatch, weights: ExpertWeights, out_dtype: torch.dtype
@@ -73,12 +84,14 @@ class TritonBackend(ExpertsBackend):
             batch.x, batch.x_scale, weights, out_dtype, masked_m=masked_m, expected_m=batch.expected_m
         )
 
-    def _run(self, x, x_scale, weights: ExpertWeights, out_dtype: torch.dtype, **segments) -> torch.Tensor:
+    def _run(
+        self, x, x_scale, weights: ExpertWeights, out_dtype: torch.dtype, valid_rows=None, **segments
+    ) -> torch.Tensor:
         check_weights(weights, self.scheme)
-        masked_m = segments.get("masked_m")
-        a, a_scale = self.gemm1_input(x, x_scale, weights, masked_m)
+        rows_bound = segments.get("masked_m", valid_rows)
+        a, a_scale = self.gemm1_input(x, x_scale, weights, rows_bound)
         gate_up = self.gemm(a, a_scale, weights, 1, self.mid_dtype(weights, out_dtype), **segments)
-        h, h_scale = self.activation(gate_up, weights, masked_m)
+        h, h_scale = self.activation(gate_up, weights, rows_bound)
         return self.gemm(h, h_scale, weights, 2, out_dtype, **segments)
 
     # The stages of a forward, public so that benchmarks time exactly what the backend runs.
@@ -95,14 +108,17 @@ class TritonBackend(ExpertsBackend):
         expected_m: int | None = None,
     ) -> torch.Tensor:
         """GEMM1 (``which=1``: ``w13``) or GEMM2 (``which=2``: ``w2``), on the contiguous layout
-        (``expert_offsets``) or, given ``masked_m``, the masked one."""
+        (``expert_offsets``; ``a`` may be a ``[1, M, K]`` slab with spare rows, ``expected_m``
+        then the rows-per-expert hint) or, given ``masked_m``, the masked one."""
         _, gg, _ = _kernels()
         w, w_scale = (weights.w13, weights.w13_scale) if which == 1 else (weights.w2, weights.w2_scale)
         kw = dict(mode=self.scheme.name, a_scale=a_scale, b_scale=w_scale, accumulator=self.accumulator,
-                  out_dtype=out_dtype)  # fmt: skip
+                  out_dtype=out_dtype, expected_m=expected_m)  # fmt: skip
         if masked_m is None:
-            return gg.grouped_gemm_contiguous(a, w, expert_offsets, **kw)
-        return gg.grouped_gemm_masked(a, w, masked_m, expected_m=expected_m, **kw)
+            flat = (lambda t: None if t is None else t.reshape(-1, t.shape[-1]))  # noqa: E731
+            out = gg.grouped_gemm_contiguous(flat(a), w, expert_offsets, **{**kw, "a_scale": flat(a_scale)})
+            return out.view(*a.shape[:-1], out.shape[-1])
+        return gg.grouped_gemm_masked(a, w, masked_m, **kw)
 
     def gemm1_input(
         self,

@@ -351,6 +351,7 @@ def grouped_gemm_contiguous(
     out_dtype: torch.dtype = torch.bfloat16,
     config: GemmConfig | dict | None = None,
     out: torch.Tensor | None = None,
+    expected_m: int | None = None,
 ) -> torch.Tensor:
     """Grouped GEMM over the contiguous layout.
 
@@ -366,6 +367,9 @@ def grouped_gemm_contiguous(
         out_dtype: bf16, fp16 or fp32.
         config: tile config; looked up per (device, mode, N, K, rows per expert) when ``None``.
         out: optional ``[M, N]`` output buffer of ``out_dtype``.
+        expected_m: typical rows per expert when ``a`` has spare rows past ``offsets[-1]``
+            (segment sizes counted on the device); picks the config and sizes the grid instead
+            of ``M / E``. Any segment sizes are still computed correctly.
 
     Returns:
         ``[M, N]`` of ``out_dtype``.
@@ -384,8 +388,13 @@ def grouped_gemm_contiguous(
     out = _output(out, (m_rows, n), out_dtype, a.device)
     if m_rows == 0 or e == 0 or n == 0:
         return out
-    cfg = _resolve_config(config, mode, accumulator, n, k, m_rows / e, a.device)
-    grid_m = triton.cdiv(m_rows, cfg.block_m) + e
+    if expected_m is not None and (not isinstance(expected_m, int) or expected_m < 1):
+        raise ValueError(f"expected_m={expected_m!r} must be a positive integer or None")
+    hint = m_rows / e if expected_m is None else min(expected_m, m_rows)
+    cfg = _resolve_config(config, mode, accumulator, n, k, hint, a.device)
+    # Every kernel walks its tiles with a stride of the grid, so any grid is correct; this one
+    # covers the expected tiles (all of them when the row count is exact).
+    grid_m = triton.cdiv(m_rows if expected_m is None else min(m_rows, e * hint), cfg.block_m) + e
     _launch(a, b, out, a_scale, b_scale, as_contiguous(expert_offsets), e, 1, grid_m, mode, accumulator, False, cfg)
     return out
 

@@ -27,16 +27,40 @@ SLOT_BLOCK = 16384
 
 @triton.jit
 def _slot_positions_kernel(
-    IDS, OFFS, POS, MIDX, COUNTS, N_SLOTS, E, BLOCK: tl.constexpr,
+    IDS, OFFS, POS, MIDX, COUNTS, N_SLOTS, E, M_ROWS,
+    BLOCK: tl.constexpr, SIZES_ON_DEVICE: tl.constexpr, ALIGN: tl.constexpr, E_PAD: tl.constexpr,
 ):
     # One program per expert scans every slot: E * R * k id reads, from L2 after the first
     # program, and each slot / row is written by exactly one program (no fill kernels). The scan
     # is a chain of BLOCK-wide steps (each waits for the previous running count), so the launch
     # uses wide blocks and many warps: few, parallel steps. Counts fit int32 (slots < 2^31).
     e = tl.program_id(0)
-    start = tl.load(OFFS + e).to(tl.int64)
-    end = tl.load(OFFS + e + 1).to(tl.int64)
     offs = tl.arange(0, BLOCK)
+    if SIZES_ON_DEVICE:
+        # Every program counts every expert's slots first, so it knows its own segment without a
+        # second launch or a host round trip; program 0 publishes the offsets and marks the rows
+        # past the last segment (spare room of the worst-case allocation) as belonging to none.
+        hist = tl.zeros([E_PAD], dtype=tl.int32)
+        for s0 in range(0, N_SLOTS, BLOCK):
+            slot = s0 + offs
+            ids = tl.load(IDS + slot, mask=slot < N_SLOTS, other=-1)
+            local = (ids >= 0) & (ids < E)
+            hist += tl.histogram(tl.where(local, ids, 0).to(tl.int32), E_PAD, mask=local)
+        bins = tl.arange(0, E_PAD)
+        padded = (hist + ALIGN - 1) // ALIGN * ALIGN
+        ends = tl.cumsum(padded, 0)
+        end = tl.sum(tl.where(bins == e, ends, 0), 0).to(tl.int64)
+        start = end - tl.sum(tl.where(bins == e, padded, 0), 0).to(tl.int64)
+        if e == 0:
+            tl.store(OFFS + bins, ends - padded, mask=bins < E)
+            total = tl.sum(padded, 0)
+            tl.store(OFFS + E, total)
+            for r0 in range(total, M_ROWS, BLOCK):
+                row = r0 + offs
+                tl.store(MIDX + row, tl.full([BLOCK], -1, tl.int32), mask=row < M_ROWS)
+    else:
+        start = tl.load(OFFS + e).to(tl.int64)
+        end = tl.load(OFFS + e + 1).to(tl.int64)
     running = tl.zeros([], dtype=tl.int32)
     for s0 in range(0, N_SLOTS, BLOCK):
         slot = s0 + offs
@@ -115,9 +139,7 @@ def slot_positions(
         padding rows) and ``counts [E]`` int32 slots per expert. Inside a segment the slots keep
         token order.
     """
-    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or topk_ids.is_floating_point():
-        got = _describe(topk_ids)
-        raise ValueError(f"topk_ids must be an integer [R, k] tensor; got {got}")
+    _check_ids(topk_ids)
     if (
         not isinstance(expert_offsets, torch.Tensor)
         or expert_offsets.dim() != 1
@@ -129,22 +151,76 @@ def slot_positions(
         raise ValueError(f"num_rows={num_rows} must be >= 0 (expert_offsets[-1])")
     if expert_offsets.device != topk_ids.device:
         raise ValueError(f"expert_offsets is on {expert_offsets.device} but topk_ids on {topk_ids.device}")
+    slot_pos, m_indices, counts = _slot_outputs(topk_ids, expert_offsets.numel() - 1, num_rows)
+    _launch_slots(topk_ids, expert_offsets.contiguous(), slot_pos, m_indices, counts, 1, False)
+    return slot_pos, m_indices, counts
+
+
+def slot_layout(
+    topk_ids: torch.Tensor, num_experts: int, alignment: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`slot_positions` with the segment sizes counted on the device: no host round trip.
+
+    Each expert's segment is its slot count rounded up to ``alignment``. The host cannot know
+    the row count without reading it back, so the rows are sized for the worst case,
+    :func:`max_rows`; rows past ``expert_offsets[-1]`` are spare.
+
+    Args:
+        topk_ids: ``[R, k]`` int local expert ids (others: other ranks' slots).
+        num_experts: local experts ``E`` (>= 1).
+        alignment: segment granularity (>= 1).
+
+    Returns:
+        ``expert_offsets [E + 1]`` int32 on the device, ``slot_pos [R, k]`` int64, ``m_indices
+        [max_rows]`` int32 (``-1`` on padding and spare rows) and ``counts [E]`` int32.
+    """
+    _check_ids(topk_ids)
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts={num_experts!r} must be a positive integer")
+    if not isinstance(alignment, int) or alignment < 1:
+        raise ValueError(f"alignment={alignment!r} must be a positive integer")
     r, k = topk_ids.shape
-    e = expert_offsets.numel() - 1
+    offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=topk_ids.device)
+    rows = max_rows(r, k, num_experts, alignment)
+    slot_pos, m_indices, counts = _slot_outputs(topk_ids, num_experts, rows)
+    _launch_slots(topk_ids, offsets, slot_pos, m_indices, counts, alignment, True)
+    return offsets, slot_pos, m_indices, counts
+
+
+def max_rows(num_tokens: int, top_k: int, num_experts: int, alignment: int) -> int:
+    """Most rows a contiguous layout of ``num_tokens x top_k`` slots can need: every slot local
+    (a token may name an expert twice) and every segment padded."""
+    return num_tokens * top_k + num_experts * (alignment - 1)
+
+
+def _check_ids(topk_ids) -> None:
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or topk_ids.is_floating_point():
+        raise ValueError(f"topk_ids must be an integer [R, k] tensor; got {_describe(topk_ids)}")
+
+
+def _slot_outputs(topk_ids, e: int, num_rows: int):
+    r, k = topk_ids.shape
     device = topk_ids.device
     slot_pos = torch.empty((r, k), dtype=torch.int64, device=device)
     m_indices = torch.empty((num_rows,), dtype=torch.int32, device=device)
     counts = torch.empty((e,), dtype=torch.int32, device=device)
+    return slot_pos, m_indices, counts
+
+
+def _launch_slots(topk_ids, offsets, slot_pos, m_indices, counts, alignment: int, sizes_on_device: bool) -> None:
+    r, k = topk_ids.shape
+    e = counts.numel()
     if e == 0:
         slot_pos.fill_(-1)
-        return slot_pos, m_indices, counts
+        return
     ids = topk_ids.reshape(-1).contiguous()
     block = max(16, min(next_pow2(r * k), SLOT_BLOCK))
     _slot_positions_kernel[(e,)](
-        ids, expert_offsets.contiguous(), slot_pos, m_indices, counts, r * k, e,
-        BLOCK=block, num_warps=max(1, min(16, block // 512)),
+        ids, offsets, slot_pos, m_indices, counts, r * k, e, m_indices.numel(),
+        BLOCK=block, SIZES_ON_DEVICE=sizes_on_device, ALIGN=alignment,
+        E_PAD=max(16, next_pow2(e)) if sizes_on_device else 16,
+        num_warps=max(1, min(16, block // 512)),
     )
-    return slot_pos, m_indices, counts
 
 
 def scatter_rows(

@@ -68,9 +68,13 @@ def _init(rank, world, port):
 
 
 def _layer(scheme, backend, dispatch, device, buf, weights):
+    # "<dispatch>+bound": normal mode told every batch fits CAP, so the host does not wait for
+    # DeepEP's receive counts (and the triton backend keeps the segment sizes on the device).
+    dispatch, _, bound = dispatch.partition("+")
     layer = DeepEPMoELayer(
         E, K, H, I, quant=scheme, backend=backend, dispatch=dispatch, device=device,
         params_dtype=torch.bfloat16, timeout_s=60, max_tokens_per_rank=CAP, deepep_buffer=buf,
+        normal_max_tokens_per_rank=CAP if bound else None,
     )  # fmt: skip
     stored, _ = weights[scheme]
     layer.load_experts(*[None if t is None else t.to(device) for t in stored])
@@ -137,6 +141,7 @@ def run_all(rank, world, port, dispatches, schemes, backends, out_path):
                         row = dict(
                             tag, case=case, tokens=x.shape[0], backend=layer.backend.name,
                             dispatcher=layer.dispatcher.name, payload=layer.payload,
+                            normal_bound=layer.dispatcher.cfg.normal_max_tokens_per_rank,
                             shape_ok=tuple(out.shape) == tuple(x.shape) and out.dtype == torch.bfloat16,
                             finite=bool(torch.isfinite(out).all()),
                         )  # fmt: skip
