@@ -24,7 +24,7 @@ def _ranks(alt):
     return ranks
 
 
-ARGS = argparse.Namespace(prefill_tokens=4096, decode_tokens=128, iters=20, warmup=3, backend="auto")
+ARGS = argparse.Namespace(prefill_tokens=4096, decode_tokens=128, iters=20, warmup=3, backend="auto", num_sms=None)
 
 
 def test_ratio_is_slowest_rank_against_slowest_rank():
@@ -52,7 +52,7 @@ def test_grouped_mm_error_is_reported_not_used():
     assert "no kernel" in bench_layer._table(s)
 
 
-@pytest.mark.parametrize("arg", ["--iters=0", "--warmup=-1", "--prefill-tokens=0", "--decode-tokens=0"])
+@pytest.mark.parametrize("arg", ["--iters=0", "--warmup=-1", "--prefill-tokens=0", "--decode-tokens=0", "--num-sms=63"])
 def test_counts_are_checked(arg, capsys):
     with pytest.raises(SystemExit):
         bench_layer._parse([arg])

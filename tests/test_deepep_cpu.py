@@ -149,10 +149,19 @@ class _FakeBuffer:
         self.destroyed = True
 
 
+class _FakeChunkConfig(_FakeConfig):
+    def __init__(self, *args):
+        self.args = args
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
+        return self.args[0] * NVL(hidden_bytes)
+
+
 @pytest.fixture
 def fake_deep_ep(monkeypatch):
     mod = types.ModuleType("deep_ep")
     mod.Buffer = _FakeBuffer
+    mod.Config = _FakeChunkConfig
     _FakeBuffer.made = []
     monkeypatch.setitem(sys.modules, "deep_ep", mod)
     monkeypatch.setattr(DeepEPBuffer, "world_size", property(lambda self: 2))
@@ -307,3 +316,23 @@ def test_layer_says_a_normal_bound_has_no_effect_without_deepep(caplog):
         DeepEPMoELayer(16, 4, 256, 128, backend="torch", device="cpu", params_dtype=torch.float32,
                        normal_max_tokens_per_rank=64)  # fmt: skip
     assert "normal_max_tokens_per_rank=64 has no effect with dispatch=local" in caplog.text
+
+
+def test_normal_mode_sm_count(fake_deep_ep, monkeypatch):
+    monkeypatch.setattr(dd, "_sm_count", lambda: 132)
+    buf = DeepEPBuffer(num_sms=64)
+    buf.register(needs(modes={"normal"}))
+    b = buf.get()
+    # DeepEP's recommended chunk sizes for 2 ranks, with the chosen SM count; the buffer sized for it
+    assert buf.dispatch_config.args == (64, 24, 256, 6, 128) and buf.combine_config.args == (64, 10, 256, 6, 128)
+    assert b.args["nvl"] == 64 * NVL(7168 * 2)
+    too_many = DeepEPBuffer(num_sms=134)
+    too_many.register(needs(modes={"normal"}))
+    with pytest.raises(DeepEPBufferError, match="num_sms=134 exceeds the GPU's 132 SMs"):
+        too_many.get()
+
+
+@pytest.mark.parametrize("bad", [0, 3, 2.0, True])
+def test_bad_sm_count_refused(bad):
+    with pytest.raises(ValueError, match="must be None .DeepEP's default. or an even integer >= 2"):
+        DeepEPBuffer(num_sms=bad)

@@ -52,7 +52,11 @@ def _parse(argv):
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--plot", default=None, help="write a PNG plot here")
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--num-sms", type=int, default=None,
+                   help="SMs of DeepEP's normal-mode kernels (DeepEPBuffer(num_sms=...)); default: DeepEP's")
     args = p.parse_args(argv)
+    if args.num_sms is not None and (args.num_sms < 2 or args.num_sms % 2):
+        p.error(f"--num-sms={args.num_sms}; must be an even integer >= 2")
     bad = [s for s in args.schemes.split(",") if s not in SCHEMES]
     if bad:
         p.error(f"--schemes {bad} unknown; allowed: {list(SCHEMES)}")
@@ -474,7 +478,7 @@ def _rank_main(rank, args, port, out_path):
 
     t0 = time.time()
     res: dict = dict(rank=rank, schemes={}, errors=[])
-    owner = DeepEPBuffer()
+    owner = DeepEPBuffer(num_sms=args.num_sms)
     owner.register(BufferNeeds(H, E, K, args.decode_tokens, frozenset({"normal", "low_latency"})), WORLD)
     xp, idp, wp = _routing(args.prefill_tokens, 1, rank, device)
     xd, idd, wd = _routing(args.decode_tokens, 2, rank, device)
@@ -509,6 +513,7 @@ def _rank_main(rank, args, port, out_path):
                     out = _phases_once(layer, staged, x, ids, w, cur)
                 row["phases_ms"] = tm.result_ms()
                 row["phases_sum_ms"] = sum(row["phases_ms"].values())
+                row["output_abs_sum"] = float(ref.float().abs().sum())  # compares runs and configs
                 row["split_vs_layer_rel_err"] = float((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30))
                 row["bytes"] = _bytes(ids, rank, _payload_row_bytes(layer.payload), mode)
                 # Alternating rounds, medians: neither side always runs first on a warmer GPU.
@@ -558,6 +563,7 @@ def _summary(ranks, args):
         config=dict(num_experts=E, top_k=K, hidden=H, intermediate=I, world_size=WORLD,
                     prefill_tokens=args.prefill_tokens, decode_tokens=args.decode_tokens,
                     iters=args.iters, warmup=args.warmup, backend_requested=args.backend,
+                    deepep_normal_num_sms=args.num_sms,
                     device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                     torch=torch.__version__),
         ranks=ranks,
