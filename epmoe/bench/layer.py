@@ -131,15 +131,17 @@ def _routing(t, seed, rank, device):
 
 
 def _fill_weights(layer, scheme):
-    """Random weights generated on the GPU (dequantized std ~ 1/sqrt(K) per GEMM)."""
+    """Random weights generated on the GPU (dequantized std ~ 1/sqrt(K) per GEMM), seeded per
+    rank, so that outputs (``output_abs_sum``) compare between runs and settings."""
+    g = torch.Generator(device=layer.w13_weight.device).manual_seed(7 + layer.rank)
     with torch.no_grad():
         for w, s, k in ((layer.w13_weight, layer.w13_weight_scale, H), (layer.w2_weight, layer.w2_weight_scale, I)):
             std = k**-0.5
             if scheme == "bf16":
-                w.normal_(0.0, std)
+                w.normal_(0.0, std, generator=g)
             else:
-                w.copy_(torch.randint(-127, 128, w.shape, dtype=torch.int8, device=w.device))
-                s.uniform_(0.5 * std / 73.0, 1.5 * std / 73.0)  # uniform int8 has std ~73
+                w.copy_(torch.randint(-127, 128, w.shape, dtype=torch.int8, device=w.device, generator=g))
+                s.uniform_(0.5 * std / 73.0, 1.5 * std / 73.0, generator=g)  # uniform int8 has std ~73
 
 
 def _share_weights(dst, src):
