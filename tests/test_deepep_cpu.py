@@ -319,7 +319,7 @@ def test_layer_says_a_normal_bound_has_no_effect_without_deepep(caplog):
 
 
 def test_normal_mode_sm_count(fake_deep_ep, monkeypatch):
-    monkeypatch.setattr(dd, "_sm_count", lambda: 132)
+    monkeypatch.setattr(dd, "sm_count", lambda: 132)
     buf = DeepEPBuffer(num_sms=64)
     buf.register(needs(modes={"normal"}))
     b = buf.get()

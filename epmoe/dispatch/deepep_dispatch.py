@@ -36,6 +36,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..devices import sm_count
 from ..tensors import as_contiguous, capturing
 from .base import PAYLOADS, DispatchConfig, Dispatched, Dispatcher
 
@@ -282,10 +283,6 @@ def import_deep_ep():
     return deep_ep, ""
 
 
-def _sm_count() -> int:
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-
-
 def _device_barrier(group, device: torch.device) -> None:
     """A barrier ordered after the work already queued on the current stream (an all-reduce of
     one element, then a host sync)."""
@@ -378,7 +375,7 @@ class DeepEPBuffer:
             self.dispatch_config = buffer_cls.get_dispatch_config(world)
             self.combine_config = buffer_cls.get_combine_config(world)
         else:
-            sms = _sm_count()
+            sms = sm_count()
             if self.num_sms > sms:
                 raise DeepEPBufferError(f"num_sms={self.num_sms} exceeds the GPU's {sms} SMs")
             self.dispatch_config, self.combine_config = (

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from .. import devices
 from ..layouts import ContiguousBatch, MaskedBatch
 from ..quant.schemes import BLOCK
 from .base import ExpertsBackend, ExpertWeights, check_weights, fp8_gemm_input
@@ -288,7 +289,7 @@ def _sgl_grouped_gemm(out, a, a_scale, b, b_scale, offsets) -> None:
     # sgl-kernel takes the workspace from the caller and exposes no size query. A CUTLASS SM90
     # ptr-array grouped GEMM needs one 128-byte TMA descriptor per operand (A, B, C, D) per SM (what
     # GemmKernel::get_workspace_size returns for epmoe's own kernel: sm_count * 4 * 128); twice that.
-    sm = torch.cuda.get_device_properties(dev).multi_processor_count
+    sm = devices.sm_count(dev)
     workspace = torch.empty(sm * 8 * 128, dtype=torch.uint8, device=dev)
     sgl_kernel_op()(
         out, *ptrs, a, b.transpose(1, 2), a_scale, b_scale.transpose(1, 2), *strides, *layouts,

@@ -196,5 +196,6 @@ def machine_facts(device) -> tuple[tuple[int, int] | None, str | None]:
     cuda = getattr(torch.version, "cuda", None)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None, cuda
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return tuple(torch.cuda.get_device_capability(index)), cuda
+    from .. import devices
+
+    return devices.capability(device), cuda

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from .. import devices
+
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "configs"
 INT32_ACC_MODE = "int8_channel_int32"
 """Mode key of the int32-accumulator variant; its buckets override ``int8_channel``'s one by one."""
@@ -115,13 +117,7 @@ def device_name(device: torch.device | str | None = None) -> str:
         return "cpu"
     if not torch.cuda.is_available():
         return "cpu"
-    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
-    return _cuda_device_name(index)
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_device_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
+    return devices.name(device)
 
 
 def config_filename(name: str) -> str:
@@ -248,18 +244,11 @@ def fit_shared_memory(cfg: GemmConfig, elem_bytes: int, device) -> GemmConfig:
     return cfg
 
 
-@functools.lru_cache(maxsize=None)
-def _smem_limit_cached(index: int) -> int:
-    props = torch.cuda.get_device_properties(index)
-    optin = getattr(props, "shared_memory_per_block_optin", 0) or 0
-    # Leave room for the kernel's own scratch (reductions, layout conversions).
-    return max(optin, 48 * 1024) - 8 * 1024
-
-
 def _smem_limit(device) -> int:
     if not torch.cuda.is_available():
         return 1 << 30
     d = torch.device(device) if device is not None else torch.device("cuda")
     if d.type != "cuda":
         return 1 << 30
-    return _smem_limit_cached(d.index if d.index is not None else torch.cuda.current_device())
+    # Leave room for the kernel's own scratch (reductions, layout conversions).
+    return max(devices.shared_memory_optin(d), 48 * 1024) - 8 * 1024

@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import devices
 from ..tensors import as_contiguous
 from .common import check_masked_m, next_pow2, placeholder
 from .configs import GemmConfig, get_config
@@ -507,8 +508,7 @@ def tma_fallback_reason(a: torch.Tensor, b: torch.Tensor, cfg: GemmConfig) -> st
     if not _has_tensor_descriptors():
         return f"triton {triton.__version__} has no host-side tensor descriptors"
     if a.device.type == "cuda":
-        index = a.device.index if a.device.index is not None else torch.cuda.current_device()
-        if _capability(index)[0] < 9:
+        if devices.capability(a.device)[0] < 9:
             return "TMA needs compute capability 9.0 or newer"
     if not (a.is_contiguous() and b.is_contiguous()):
         return "operands are not contiguous"
@@ -538,17 +538,7 @@ def num_sms(device: torch.device) -> int:
     each program walks several tiles)."""
     if device.type != "cuda":
         return 4
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    return devices.sm_count(device)
 
 
 def _resolve_config(config, mode, accumulator, n, k, m_per_expert, device) -> GemmConfig:
