@@ -86,8 +86,12 @@ class DeepEPMoELayer(nn.Module):
         normal_max_tokens_per_rank: a bound on every rank's batch in DeepEP normal mode
             (``None``: no bound). With it the host does not wait for DeepEP's receive counts and,
             with a backend that keeps segment sizes on the device (``triton``), nothing between
-            dispatch and combine waits for the GPU; receive and expert buffers are then sized
-            for ``world_size x`` this many tokens. A larger batch on any rank raises there.
+            dispatch and combine waits for the GPU; receive buffers are then sized for
+            ``world_size x`` this many tokens and expert buffers for ``top_k`` times that. With
+            ``dispatch="deepep_normal"`` a larger batch raises on its rank (its peers then wait
+            in DeepEP until its timeout); ``"deepep_auto"`` knows every rank's count and runs such a
+            batch host-synced instead. ``validate=True`` still reads its checks back on the host
+            before the dispatch.
         deepep_buffer: a :class:`epmoe.dispatch.deepep_dispatch.DeepEPBuffer` shared by the layers of one
             group (created on demand when ``None`` and DeepEP is chosen).
         low_latency_int8_payload: for INT8 schemes over low-latency dispatch, ``"float"`` (send
@@ -140,12 +144,6 @@ class DeepEPMoELayer(nn.Module):
             raise ValueError(f"timeout_s={timeout_s!r} must be a finite number of seconds > 0")
         if not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 1:
             raise ValueError(f"max_tokens_per_rank={max_tokens_per_rank!r} must be a positive integer")
-        if normal_max_tokens_per_rank is not None and (
-            not isinstance(normal_max_tokens_per_rank, int) or normal_max_tokens_per_rank < 1
-        ):
-            raise ValueError(
-                f"normal_max_tokens_per_rank={normal_max_tokens_per_rank!r} must be a positive integer or None"
-            )
         if low_latency_int8_payload not in LOW_LATENCY_INT8_PAYLOADS:
             raise ValueError(
                 f"low_latency_int8_payload={low_latency_int8_payload!r}; allowed: "

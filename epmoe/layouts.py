@@ -48,9 +48,11 @@ class ContiguousBatch:
             device tensor when the scatter ran without reading counts back (see
             :meth:`rows_per_expert`).
         expected_m: ``None`` when the segments fill ``x`` exactly. Otherwise the segment sizes
-            were counted on the device (no host round trip), ``x`` has room for the worst case,
-            rows past ``expert_offsets[-1]`` are spare (never written, never to be read), and
-            this is the typical rows per expert, a hint for tile configs and grids.
+            were counted on the device (no host round trip), ``x`` has room for the worst case
+            (``R * k + E * (alignment - 1)`` rows), rows past ``expert_offsets[-1]`` are spare
+            (``m_indices`` -1 there; their data is never to be read: zeros with padding,
+            unwritten without), and this is the typical rows per expert, a hint for tile
+            configs and grids.
     """
 
     x: torch.Tensor
@@ -133,7 +135,7 @@ def to_contiguous(
             multiples of ``alignment``. The CPU (torch) path recomputes the sizes itself.
         expected_m: without ``padded_rows``, skip the read-back: on CUDA the segment sizes stay
             on the device, the rows are allocated for the worst case (``R * k`` plus
-            padding) and the batch carries this rows-per-expert hint (see
+            ``E * (alignment - 1)``) and the batch carries this rows-per-expert hint (see
             :attr:`ContiguousBatch.expected_m`). Ignored on the CPU path.
 
     Returns:

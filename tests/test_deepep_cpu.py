@@ -295,7 +295,6 @@ def test_normal_dispatch_waits_for_counts_only_without_a_bound(fake_deep_ep, cap
     else:
         assert kw["num_worst_tokens"] == 2 * cap and d.padded_rows is None
         assert d.expected_m == dd.expected_rows_per_expert(3, 2, 2, 4)
-        assert d.topk_ids.shape == (2 * cap, 2) and (d.topk_ids[3:] == -1).all()
         with pytest.raises(ValueError, match="batch of 65 tokens exceeds normal_max_tokens_per_rank=64 on rank 0"):
             disp.send(torch.randn(65, 256), None, torch.zeros(65, 2, dtype=torch.int64), torch.rand(65, 2))
     disp.buffer.close()
@@ -336,3 +335,36 @@ def test_normal_mode_sm_count(fake_deep_ep, monkeypatch):
 def test_bad_sm_count_refused(bad):
     with pytest.raises(ValueError, match="must be None .DeepEP's default. or an even integer >= 2"):
         DeepEPBuffer(num_sms=bad)
+
+
+@pytest.mark.parametrize("global_max, bounded", [(12, True), (16, True), (40, False)])
+def test_auto_decides_the_bound_from_the_largest_batch(fake_deep_ep, monkeypatch, caplog, global_max, bounded):
+    """deepep_auto knows every rank's count: the bound holds for all ranks or for none, so a batch
+    over it runs host-synced everywhere (logged once) instead of raising on one rank."""
+    fake_deep_ep.Buffer = _FakeDispatchBuffer
+    cfg = DispatchConfig(num_experts=16, hidden_size=2048, top_k=2, world_size=2,
+                         max_tokens_per_rank=8, normal_max_tokens_per_rank=16)  # fmt: skip
+    auto = dd.DeepEPAutoDispatcher(cfg)
+    monkeypatch.setattr(auto, "_decide", lambda n, dev: ("normal", global_max))
+    ids = torch.tensor([[0, 3], [1, 2], [2, 0]])
+    with caplog.at_level("WARNING", logger="epmoe"):
+        for _ in range(2):
+            d = auto.send(torch.randn(3, 2048), None, ids, torch.rand(3, 2))
+    kw = _FakeBuffer.made[-1].dispatch_kw
+    if bounded:
+        assert kw["num_worst_tokens"] == 32 and d.padded_rows is None
+        assert d.expected_m == dd.expected_rows_per_expert(global_max, 2, 2, 16)
+        assert "exceeds normal_max_tokens_per_rank" not in caplog.text
+    else:
+        assert kw["num_worst_tokens"] == 0 and d.padded_rows == [3, 5] and d.expected_m is None
+        assert caplog.text.count("exceeds normal_max_tokens_per_rank=16") == 1
+    auto.buffer.close()
+
+
+def test_num_sms_ignored_where_normal_mode_cannot_run_is_said(fake_deep_ep, monkeypatch, caplog):
+    monkeypatch.setattr(DeepEPBuffer, "world_size", property(lambda self: 16))
+    buf = DeepEPBuffer(num_sms=64)
+    buf.register(needs(modes={"low_latency"}), 16)
+    with caplog.at_level("WARNING", logger="epmoe"):
+        buf.get()
+    assert "num_sms=64) has no effect on 16 ranks" in caplog.text

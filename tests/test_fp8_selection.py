@@ -412,3 +412,23 @@ def test_a_backend_refuses_a_scheme_it_does_not_run(module, cls):
     with pytest.raises(ValueError, match=rf"runs quant in \[.*\]; got quant='{other}'"):
         backend_cls(get_scheme(other))
     backend_cls(get_scheme(sorted(backend_cls.schemes)[0]))  # its own schemes are accepted
+
+
+@pytest.mark.parametrize("backend_path", ["epmoe.experts.deepgemm_backend:DeepGemmBackend",
+                                          "epmoe.experts.cutlass_backend:CutlassBackend"])
+def test_fp8_backends_refuse_a_batch_with_spare_rows(backend_path):
+    """DeepGEMM and CUTLASS run over every row of the batch: one sized for the worst case with
+    its segment sizes on the device is refused with a readable error, not computed."""
+    import importlib
+
+    from epmoe.layouts import ContiguousBatch
+    from epmoe.quant import get_scheme
+
+    module, cls = backend_path.split(":")
+    backend = getattr(importlib.import_module(module), cls)(get_scheme("fp8_block"))
+    assert not backend.device_segments
+    batch = ContiguousBatch(torch.zeros(16, 128), None, torch.tensor([0, 3, 5], dtype=torch.int32),
+                            torch.full((16,), -1, dtype=torch.int32), torch.zeros(4, 2, dtype=torch.int64),
+                            torch.tensor([3, 2], dtype=torch.int32), expected_m=3)  # fmt: skip
+    with pytest.raises(ValueError, match="needs a contiguous batch sized on the host; got one with spare rows"):
+        backend.run_contiguous(batch, None, torch.bfloat16)

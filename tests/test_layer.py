@@ -290,3 +290,30 @@ def test_inputs_on_another_device():
         layer(x.to("meta"), torch.randn(3, E))
     with pytest.raises(ValueError, match="router_logits is on meta; the layer is on cpu"):
         layer(x, torch.randn(3, E, device="meta"))
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("device_segments", [False, True])
+def test_layer_keeps_segment_sizes_on_the_device_only_for_a_backend_that_takes_them(monkeypatch, device_segments):
+    """A dispatcher that did not wait for the counts (padded_rows None, expected_m set): the layer
+    asks the scatter for device-side sizes only when the backend declares device_segments."""
+    import epmoe.layer as layer_mod
+    from epmoe.dispatch.base import Dispatched
+
+    layer = DeepEPMoELayer(8, 2, 256, 128, backend="torch", device="cpu", params_dtype=torch.float32)
+    monkeypatch.setattr(type(layer.backend), "device_segments", device_segments)
+    seen = {}
+
+    def scatter(*args, **kwargs):
+        seen.update(kwargs)
+        raise _Stop
+
+    monkeypatch.setattr(layer_mod, "to_contiguous", scatter)
+    d = Dispatched(x=torch.zeros(4, 256), x_scale=None, handle=None, num_tokens=4,
+                   topk_ids=torch.zeros(4, 2, dtype=torch.int64), topk_weights=torch.ones(4, 2), expected_m=7)  # fmt: skip
+    with pytest.raises(_Stop):
+        layer._run_experts(d, torch.float32)
+    assert seen["expected_m"] == (7 if device_segments else None)

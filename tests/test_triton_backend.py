@@ -84,33 +84,43 @@ def test_contiguous_matches_torch_backend(scheme, acc, routing, align):
 
 
 @pytest.mark.parametrize("scheme,acc", SCHEME_ACC)
-@pytest.mark.parametrize("quantized_input", [False, True])
-def test_contiguous_with_device_sizes_matches_exact_batch(scheme, acc, quantized_input):
+@pytest.mark.parametrize(
+    "routing,align,fmt",
+    [("uneven", 1, None), ("uneven", 1, "native"), ("uneven", 1, "fp8_groups"), ("uneven", 8, None), ("no_tokens", 1, None)],
+)
+def test_contiguous_with_device_sizes_matches_exact_batch(scheme, acc, routing, align, fmt):
     """A batch whose segment sizes stayed on the device (spare rows past the last segment, here
-    poisoned with NaN / extreme codes) gives the exact batch's outputs on every used row."""
-    ids = ROUTINGS["uneven"]
+    poisoned with NaN / extreme codes) gives the exact batch's outputs on every used row: float,
+    native INT8 and requantized FP8 inputs, padded segments, no local slot at all."""
+    ids = ROUTINGS[routing]
     x = _x(ids.shape[0])
     xs = None
-    if quantized_input:
-        if not get_scheme(scheme).quantized:
-            pytest.skip("bf16 has no quantized input")
-        group = None if get_scheme(scheme).act_granularity == "token" else 128
-        x, xs = quantize_rows(x.float(), torch.int8, 127.0, group)
-        xs = xs.to(DEVICE)
+    sch = get_scheme(scheme)
+    if fmt == "native":
+        if not sch.quantized:
+            pytest.skip("bf16 has no quantized native format")
+        x, xs = quantize_rows(x.float(), torch.int8, 127.0, None if sch.act_granularity == "token" else 128)
+    elif fmt == "fp8_groups":
+        x, xs = quantize_rows(x.float(), torch.float8_e4m3fn, 448.0, 128)
+    xs = None if xs is None else xs.to(DEVICE)
     weights = _weights(scheme)
-    backend = TritonBackend(get_scheme(scheme), accumulator=acc)
+    backend = TritonBackend(sch, accumulator=acc)
     prepared = backend.prepare_weights(weights)
-    exact = to_contiguous(x.to(DEVICE), xs, ids.to(DEVICE), E)
-    spare = _to_contiguous_kernels(x.to(DEVICE), xs, ids.to(DEVICE), E, 1, None, expected_m=6)
+    exact = to_contiguous(x.to(DEVICE), xs, ids.to(DEVICE), E, align)
+    spare = _to_contiguous_kernels(x.to(DEVICE), xs, ids.to(DEVICE), E, align, None, expected_m=6)
     m = exact.x.shape[0]
     assert spare.x.shape[0] > m
-    spare.x[m:] = float("nan") if spare.x.is_floating_point() else -128
+    if spare.x.dtype == torch.float8_e4m3fn:
+        spare.x[m:] = torch.tensor(448.0).to(torch.float8_e4m3fn)
+    else:
+        spare.x[m:] = float("nan") if spare.x.is_floating_point() else -128
     if spare.x_scale is not None:
         spare.x_scale[m:] = float("nan")
     want = backend.run_contiguous(exact, prepared, torch.float32)
     got = backend.run_contiguous(spare, prepared, torch.float32)
     assert got.shape == (spare.x.shape[0], H)
-    assert torch.equal(got[:m].cpu(), want.cpu())
+    used = (exact.m_indices >= 0).cpu()
+    assert torch.equal(got[:m].cpu()[used], want.cpu()[used])
 
 
 @pytest.mark.parametrize("scheme,acc", SCHEME_ACC)

@@ -42,6 +42,8 @@ PHASES = ("quantize", "dispatch", "scatter", "quantize_post", "gemm1", "activati
 
 
 def _parse(argv):
+    from epmoe.dispatch.deepep_dispatch import check_num_sms
+
     p = argparse.ArgumentParser(prog="epmoe bench layer", description=__doc__.split("\n\n")[0])
     p.add_argument("--prefill-tokens", type=int, default=4096)
     p.add_argument("--decode-tokens", type=int, default=128)
@@ -55,8 +57,10 @@ def _parse(argv):
     p.add_argument("--num-sms", type=int, default=None,
                    help="SMs of DeepEP's normal-mode kernels (DeepEPBuffer(num_sms=...)); default: DeepEP's")
     args = p.parse_args(argv)
-    if args.num_sms is not None and (args.num_sms < 2 or args.num_sms % 2):
-        p.error(f"--num-sms={args.num_sms}; must be an even integer >= 2")
+    try:
+        check_num_sms(args.num_sms)
+    except ValueError as exc:
+        p.error(f"--num-sms: {exc}")
     bad = [s for s in args.schemes.split(",") if s not in SCHEMES]
     if bad:
         p.error(f"--schemes {bad} unknown; allowed: {list(SCHEMES)}")

@@ -111,6 +111,11 @@ class DispatchConfig:
     payload: str = "float"
     low_latency_payload: str = "float"
 
+    def __post_init__(self) -> None:
+        cap = self.normal_max_tokens_per_rank
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+            raise ValueError(f"normal_max_tokens_per_rank={cap!r} must be a positive integer or None")
+
     @property
     def num_local_experts(self) -> int:
         return self.num_experts // self.world_size

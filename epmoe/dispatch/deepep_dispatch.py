@@ -17,6 +17,8 @@
 * :class:`DeepEPAutoDispatcher`: low-latency while every rank's batch fits the capacity
   (``max_tokens_per_rank``), normal otherwise. The decision is the same on every rank: the ranks
   all-reduce (MAX) their token counts first (one tiny NCCL all-reduce and a host sync per batch).
+  The same maximum decides, on every rank alike, whether a normal batch fits
+  ``normal_max_tokens_per_rank`` (no wait for the receive counts) or not (host-synced, logged once).
   During CUDA-graph capture no collective can run; then only low-latency is allowed.
 
 :class:`DeepEPBuffer` owns the one ``deep_ep.Buffer`` of a process group. Layers register what they
@@ -38,6 +40,7 @@ import torch.distributed as dist
 
 from ..devices import sm_count
 from ..tensors import as_contiguous, capturing
+from ..quant.payload import quantize_payload
 from .base import PAYLOADS, DispatchConfig, Dispatched, Dispatcher
 
 log = logging.getLogger("epmoe")
@@ -371,7 +374,12 @@ class DeepEPBuffer:
     # -- allocation
     def _hints(self, deep_ep, world: int):
         buffer_cls = deep_ep.Buffer
-        if self.num_sms is None or world not in _NORMAL_CHUNKS["dispatch"]:  # no normal mode there
+        if self.num_sms is not None and world not in _NORMAL_CHUNKS["dispatch"]:
+            log.warning(
+                "DeepEPBuffer(num_sms=%d) has no effect on %d ranks (normal mode runs on %s ranks only)",
+                self.num_sms, world, sorted(_NORMAL_CHUNKS["dispatch"]),
+            )  # fmt: skip
+        if self.num_sms is None or world not in _NORMAL_CHUNKS["dispatch"]:
             self.dispatch_config = buffer_cls.get_dispatch_config(world)
             self.combine_config = buffer_cls.get_combine_config(world)
         else:
@@ -430,7 +438,7 @@ class DeepEPBuffer:
             "(max_tokens_per_rank=%d, hidden=%d, experts=%d), normal-mode SMs %s",
             len(self.needs), plan.num_nvl_bytes / 1e6, plan.num_rdma_bytes / 1e6,
             plan.low_latency_mode, plan.ll_max_tokens, plan.ll_hidden_size, plan.ll_num_experts,
-            "DeepEP's default" if self.num_sms is None else self.num_sms,
+            self.num_sms if self.num_sms is not None and world in _NORMAL_CHUNKS["dispatch"] else "DeepEP's default",
         )  # fmt: skip
         return self._buffer
 
@@ -543,11 +551,6 @@ class DeepEPNormalDispatcher(_DeepEPBase):
     modes_needed = ("normal",)
 
     def send(self, x, x_scale, topk_ids, topk_weights) -> Dispatched:
-        if capturing(x.device):
-            raise RuntimeError(
-                "deepep_normal cannot run inside CUDA-graph capture (the host waits for receive "
-                "counts); use deepep_low_latency or deepep_auto for captured batches"
-            )
         t = x.shape[0]
         cap = self.cfg.normal_max_tokens_per_rank
         if cap is not None and t > cap:
@@ -555,6 +558,20 @@ class DeepEPNormalDispatcher(_DeepEPBase):
                 f"deepep_normal: batch of {t} tokens exceeds normal_max_tokens_per_rank={cap} on rank "
                 f"{self.cfg.rank} (every rank's receive buffers assume it); raise it or set it to None"
             )
+        return self._send(x, x_scale, topk_ids, topk_weights, bounded=cap is not None, hint_tokens=t)
+
+    def _send(self, x, x_scale, topk_ids, topk_weights, *, bounded: bool, hint_tokens: int) -> Dispatched:
+        """Dispatch; with ``bounded`` every rank's batch is known to fit
+        ``cfg.normal_max_tokens_per_rank`` (checked by the caller), so DeepEP allocates the worst
+        case and the host does not wait for the receive counts. ``hint_tokens``: tokens per rank
+        the rows-per-expert hint assumes."""
+        if capturing(x.device):
+            raise RuntimeError(
+                "deepep_normal is not CUDA-graph capturable here (without normal_max_tokens_per_rank "
+                "the host waits for the receive counts; the bounded path has not been validated "
+                "under capture); use deepep_low_latency or deepep_auto for captured batches"
+            )
+        t = x.shape[0]
         buf = self.buffer.get()
         if t == 0:
             x, topk_ids, topk_weights = pad_empty_batch(x, topk_ids, topk_weights)
@@ -565,7 +582,8 @@ class DeepEPNormalDispatcher(_DeepEPBase):
         num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, _ = (
             buf.get_dispatch_layout(topk_ids, self.cfg.num_experts)
         )
-        worst = 0 if cap is None else self.cfg.world_size * max(cap, 1)
+        cfg = self.cfg
+        worst = cfg.world_size * cfg.normal_max_tokens_per_rank if bounded else 0
         recv_x, recv_ids, recv_w, padded_rows, handle, _ = buf.dispatch(
             normal_payload(x, x_scale),
             topk_idx=topk_ids,
@@ -574,16 +592,17 @@ class DeepEPNormalDispatcher(_DeepEPBase):
             num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
             is_token_in_rank=is_token_in_rank,
             num_tokens_per_expert=num_tokens_per_expert,
-            expert_alignment=max(1, int(self.cfg.alignment)),
+            expert_alignment=max(1, int(cfg.alignment)),
             num_worst_tokens=worst,
             config=self.buffer.dispatch_config,
         )
         self.buffer.mark_normal_used()
         rx, rs = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
-        sizes = dict(padded_rows=list(padded_rows))
         if worst:
-            cfg = self.cfg
-            sizes = dict(expected_m=expected_rows_per_expert(max(t, 1), cfg.world_size, cfg.top_k, cfg.num_experts))
+            hint = expected_rows_per_expert(max(hint_tokens, 1), cfg.world_size, cfg.top_k, cfg.num_experts)
+            sizes = dict(expected_m=hint)
+        else:
+            sizes = dict(padded_rows=list(padded_rows))
         return Dispatched(
             x=rx, x_scale=rs, handle=("normal", handle, t), num_tokens=t,
             topk_ids=recv_ids, topk_weights=recv_w, **sizes,
@@ -681,10 +700,15 @@ class DeepEPAutoDispatcher(_DeepEPBase):
             Dispatcher.__init__(sub, cfg)
             sub.buffer = self.buffer
         self.stats = {"low_latency": 0, "normal": 0}  # batches per mode (statistics only)
-        self._logged_over_capacity = False
+        self._logged_limits: set[str] = set()  # limits already warned about (log once each)
 
     def decide(self, num_tokens: int, device: torch.device) -> str:
         """The mode of this batch, the same on every rank (see the class docstring)."""
+        return self._decide(num_tokens, device)[0]
+
+    def _decide(self, num_tokens: int, device: torch.device) -> tuple[str, int]:
+        """``(mode, largest batch over the ranks)``; during capture the largest is not known
+        and this rank's count stands in for it."""
         cap = self.cfg.max_tokens_per_rank
         if capturing(device):
             if num_tokens > cap:
@@ -692,19 +716,25 @@ class DeepEPAutoDispatcher(_DeepEPBase):
                     f"deepep_auto: a CUDA graph can only capture low-latency batches; {num_tokens} "
                     f"tokens exceed max_tokens_per_rank={cap}"
                 )
-            return "low_latency"
+            return "low_latency", num_tokens
         count = torch.tensor([num_tokens], dtype=torch.int64, device=device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.buffer.group)
         global_max = int(count.item())
         mode = choose_mode(global_max, cap)
-        if mode == "normal" and not self._logged_over_capacity:
-            self._logged_over_capacity = True
-            log.warning(
-                "rank %d: deepep_auto: a batch of %d tokens per rank (largest over ranks) exceeds "
-                "the low-latency capacity max_tokens_per_rank=%d; such batches run in DeepEP normal "
-                "mode (logged once)", self.cfg.rank, global_max, cap,
-            )  # fmt: skip
-        return mode
+        if mode == "normal":
+            self._over_limit_once(global_max, "the low-latency capacity max_tokens_per_rank", cap,
+                                  "such batches run in DeepEP normal mode")  # fmt: skip
+        return mode, global_max
+
+    def _over_limit_once(self, global_max: int, limit: str, value: int, then: str) -> None:
+        """Warn, once per limit, that a batch went past it and what happens instead."""
+        if limit in self._logged_limits:
+            return
+        self._logged_limits.add(limit)
+        log.warning(
+            "rank %d: deepep_auto: a batch of %d tokens per rank (largest over ranks) exceeds %s=%d; "
+            "%s (logged once)", self.cfg.rank, global_max, limit, value, then,
+        )  # fmt: skip
 
     def dispatch(self, x, topk_ids, topk_weights) -> Dispatched:
         return self._route(x, None, topk_ids, topk_weights, quantized=False)
@@ -717,7 +747,7 @@ class DeepEPAutoDispatcher(_DeepEPBase):
         # Clean before the all-reduce in decide(): the collective orders every rank's clean
         # before any rank's next low-latency dispatch.
         self.buffer.clean_low_latency()
-        mode = self.decide(x.shape[0], x.device)
+        mode, global_max = self._decide(x.shape[0], x.device)
         self.stats[mode] += 1
         if mode == "low_latency":
             if x_scale is not None:
@@ -726,9 +756,17 @@ class DeepEPAutoDispatcher(_DeepEPBase):
                     "got a pre-quantized payload (call dispatch(), which quantizes per mode)"
                 )
             return self.low_latency._dispatch(buf, x, topk_ids, topk_weights)
-        if quantized:
-            return self.normal.send(x, x_scale, topk_ids, topk_weights)
-        return self.normal.dispatch(x, topk_ids, topk_weights)
+        if not quantized:
+            x, x_scale = quantize_payload(x, self.cfg.payload)
+        # Every rank knows the largest batch here, so all agree on whether the bound holds: a
+        # batch over normal_max_tokens_per_rank runs host-synced on every rank instead of raising
+        # on one and leaving its peers waiting inside DeepEP.
+        cap = self.cfg.normal_max_tokens_per_rank
+        bounded = cap is not None and global_max <= cap
+        if cap is not None and not bounded:
+            self._over_limit_once(global_max, "normal_max_tokens_per_rank", cap,
+                                  "such batches wait on the host for DeepEP's receive counts")  # fmt: skip
+        return self.normal._send(x, x_scale, topk_ids, topk_weights, bounded=bounded, hint_tokens=global_max)
 
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         if dispatched.handle[0] == "low_latency":

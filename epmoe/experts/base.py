@@ -124,6 +124,16 @@ class ExpertsBackend(ABC):
             )
         return cls.available(device)
 
+    def require_exact_batch(self, batch: ContiguousBatch) -> None:
+        """Refuse a batch with spare rows (device-side segment sizes) in a backend that runs
+        over every row of ``batch.x``."""
+        if batch.expected_m is not None and not self.device_segments:
+            raise ValueError(
+                f"backend {self.name!r} needs a contiguous batch sized on the host; got one with "
+                f"spare rows (expected_m={batch.expected_m}): build it with to_contiguous(..., "
+                "expected_m=None)"
+            )
+
     def prepare_weights(self, weights: ExpertWeights) -> ExpertWeights:
         """Hook for a backend-specific weight layout, called once after weights change."""
         return weights

@@ -330,6 +330,7 @@ class CutlassBackend(ExpertsBackend):
     ) -> torch.Tensor:
         from ..kernels import activation
 
+        self.require_exact_batch(batch)
         m = batch.x.shape[0]
         hidden = weights.hidden_size
         if m == 0:

@@ -253,6 +253,7 @@ class DeepGemmBackend(ExpertsBackend):
     ) -> torch.Tensor:
         from ..kernels import activation
 
+        self.require_exact_batch(batch)
         m = batch.x.shape[0]
         if m == 0:
             return torch.empty((0, weights.hidden_size), dtype=out_dtype, device=batch.x.device)

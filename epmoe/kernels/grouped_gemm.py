@@ -386,11 +386,11 @@ def grouped_gemm_contiguous(
             f"expert_offsets shape {tuple(expert_offsets.shape)} must be [E + 1] = [{e + 1}] for b {tuple(b.shape)}"
         )
     _check_scales_rows(mode, a_scale, m_rows, k)
+    if expected_m is not None and (not isinstance(expected_m, int) or expected_m < 1):
+        raise ValueError(f"expected_m={expected_m!r} must be a positive integer or None")
     out = _output(out, (m_rows, n), out_dtype, a.device)
     if m_rows == 0 or e == 0 or n == 0:
         return out
-    if expected_m is not None and (not isinstance(expected_m, int) or expected_m < 1):
-        raise ValueError(f"expected_m={expected_m!r} must be a positive integer or None")
     hint = m_rows / e if expected_m is None else min(expected_m, m_rows)
     cfg = _resolve_config(config, mode, accumulator, n, k, hint, a.device)
     # Every kernel walks its tiles with a stride of the grid, so any grid is correct; this one

@@ -40,13 +40,16 @@ def _slot_positions_kernel(
         # Every program counts every expert's slots first, so it knows its own segment without a
         # second launch or a host round trip; program 0 publishes the offsets and marks the rows
         # past the last segment (spare room of the worst-case allocation) as belonging to none.
+        # Foreign ids land in bin E (E_PAD > E), which no segment uses: tl.histogram's mask
+        # argument is newer than the oldest Triton this package supports.
         hist = tl.zeros([E_PAD], dtype=tl.int32)
         for s0 in range(0, N_SLOTS, BLOCK):
             slot = s0 + offs
             ids = tl.load(IDS + slot, mask=slot < N_SLOTS, other=-1)
             local = (ids >= 0) & (ids < E)
-            hist += tl.histogram(tl.where(local, ids, 0).to(tl.int32), E_PAD, mask=local)
+            hist += tl.histogram(tl.where(local, ids, E).to(tl.int32), E_PAD)
         bins = tl.arange(0, E_PAD)
+        hist = tl.where(bins < E, hist, 0)
         padded = (hist + ALIGN - 1) // ALIGN * ALIGN
         ends = tl.cumsum(padded, 0)
         end = tl.sum(tl.where(bins == e, ends, 0), 0).to(tl.int64)
@@ -218,7 +221,7 @@ def _launch_slots(topk_ids, offsets, slot_pos, m_indices, counts, alignment: int
     _slot_positions_kernel[(e,)](
         ids, offsets, slot_pos, m_indices, counts, r * k, e, m_indices.numel(),
         BLOCK=block, SIZES_ON_DEVICE=sizes_on_device, ALIGN=alignment,
-        E_PAD=max(16, next_pow2(e)) if sizes_on_device else 16,
+        E_PAD=max(16, next_pow2(e + 1)) if sizes_on_device else 16,
         num_warps=max(1, min(16, block // 512)),
     )
 
