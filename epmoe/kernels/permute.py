@@ -5,7 +5,9 @@ Same semantics as the torch functions in :mod:`epmoe.layouts`:
 * :func:`slot_positions` gives every (token, top-k slot) its row in the contiguous layout, in
   token order inside each expert's segment (what the torch path's stable sort gives), and the
   expert of every row (``-1`` on padding) — one launch, no sort, no host synchronisation when
-  the segment sizes are already known on the host (DeepEP reports them);
+  the segment sizes are already known on the host (DeepEP reports them); :func:`slot_layout`
+  does the same with the sizes counted on the device (the same launch, a histogram pass first),
+  for a layout sized for the worst case when nobody waited for the counts;
 * :func:`scatter_rows` copies each received token's row to every row position ``slot_pos[r, j]``
   (the data movement of ``to_contiguous`` / ``to_masked``); untouched rows are zero (scale 1).
 * :func:`gather_weighted` sums, per received token, its valid slots' rows times the top-k weights
