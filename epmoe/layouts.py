@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .tensors import check_positive_int
 
 def kernel_permute():
     """The Triton row-movement kernels, imported only where a GPU runs them."""
@@ -143,8 +144,7 @@ def to_contiguous(
     """
     if padded_rows is not None:
         _check_padded_rows(padded_rows, num_experts, alignment)
-    if expected_m is not None and (not isinstance(expected_m, int) or expected_m < 1):
-        raise ValueError(f"expected_m={expected_m!r} must be a positive integer or None")
+    check_positive_int("expected_m", expected_m, optional=True)
     if not x.is_cuda:
         return _to_contiguous_torch(x, x_scale, topk_ids, num_experts, alignment)
     return _to_contiguous_kernels(x, x_scale, topk_ids, num_experts, alignment, padded_rows, expected_m)

@@ -1,4 +1,4 @@
-"""Small tensor helpers shared by the seams."""
+"""Small helpers shared by the seams: tensor conversion, capture state, argument checks."""
 
 from __future__ import annotations
 
@@ -10,6 +10,15 @@ def capturing(device: torch.device) -> bool:
     # No capture can be under way before CUDA is initialized; is_initialized() is a flag read,
     # where is_available() costs microseconds of host time on every dispatch.
     return device.type == "cuda" and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def check_positive_int(name: str, value, *, optional: bool = False) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is an int >= 1 (or ``None`` when
+    ``optional``); ``bool`` is not taken for an int."""
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer" + (" or None" if optional else ""))
 
 
 def as_contiguous(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..quant.payload import quantize_payload
+from ..tensors import check_positive_int
 
 PAYLOADS = ("float", "int8_token", "int8_group", "fp8_group")
 """Activation formats on the wire: the input dtype; int8 with a per-token or per-1x128 fp32 scale;
@@ -112,9 +113,7 @@ class DispatchConfig:
     low_latency_payload: str = "float"
 
     def __post_init__(self) -> None:
-        cap = self.normal_max_tokens_per_rank
-        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
-            raise ValueError(f"normal_max_tokens_per_rank={cap!r} must be a positive integer or None")
+        check_positive_int("normal_max_tokens_per_rank", self.normal_max_tokens_per_rank, optional=True)
 
     @property
     def num_local_experts(self) -> int:

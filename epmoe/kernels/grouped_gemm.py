@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from .. import devices
-from ..tensors import as_contiguous
+from ..tensors import as_contiguous, check_positive_int
 from .common import check_masked_m, next_pow2, placeholder
 from .configs import GemmConfig, get_config
 
@@ -386,8 +386,7 @@ def grouped_gemm_contiguous(
             f"expert_offsets shape {tuple(expert_offsets.shape)} must be [E + 1] = [{e + 1}] for b {tuple(b.shape)}"
         )
     _check_scales_rows(mode, a_scale, m_rows, k)
-    if expected_m is not None and (not isinstance(expected_m, int) or expected_m < 1):
-        raise ValueError(f"expected_m={expected_m!r} must be a positive integer or None")
+    check_positive_int("expected_m", expected_m, optional=True)
     out = _output(out, (m_rows, n), out_dtype, a.device)
     if m_rows == 0 or e == 0 or n == 0:
         return out

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..tensors import check_positive_int
 from .common import next_pow2
 
 SLOT_BLOCK = 16384
@@ -180,10 +181,8 @@ def slot_layout(
         [max_rows]`` int32 (``-1`` on padding and spare rows) and ``counts [E]`` int32.
     """
     _check_ids(topk_ids)
-    if not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"num_experts={num_experts!r} must be a positive integer")
-    if not isinstance(alignment, int) or alignment < 1:
-        raise ValueError(f"alignment={alignment!r} must be a positive integer")
+    check_positive_int("num_experts", num_experts)
+    check_positive_int("alignment", alignment)
     r, k = topk_ids.shape
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=topk_ids.device)
     rows = max_rows(r, k, num_experts, alignment)
