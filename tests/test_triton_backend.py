@@ -6,6 +6,7 @@ and compiled on a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -125,10 +126,14 @@ def test_contiguous_with_device_sizes_matches_exact_batch(scheme, acc, routing, 
 
 @pytest.mark.parametrize("scheme,acc", SCHEME_ACC)
 @pytest.mark.parametrize("routing", ["uneven", "one_expert"])
-def test_masked_matches_torch_backend(scheme, acc, routing):
+@pytest.mark.parametrize("hint", [None, 1], ids=["own_hint", "hint_1"])
+def test_masked_matches_torch_backend(scheme, acc, routing, hint):
+    """``hint_1``: kernels sized for one row per expert loop over the rest."""
     ids = ROUTINGS[routing]
     x = _x(ids.shape[0])
     batch, _ = to_masked(x.to(DEVICE), None, ids.to(DEVICE), E, capacity=24)
+    if hint is not None:
+        batch = dataclasses.replace(batch, expected_m=hint)
     weights = _weights(scheme)
     backend = TritonBackend(get_scheme(scheme), accumulator=acc)
     out = backend.run_masked(batch, backend.prepare_weights(weights), torch.float16)

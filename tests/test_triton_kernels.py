@@ -310,17 +310,24 @@ def _poisoned_empty(monkeypatch):
         monkeypatch.setattr(module, "torch", _PoisonedTorch())
 
 
+# expected_m below the valid rows: one program per expert loops over its row blocks; a masked_m
+# above cap (7 > 5) is clamped to it.
+MASKED_HINTS = [(None, [2, 0, 5]), (1, [2, 0, 5]), (2, [2, 0, 7]), (9, [2, 0, 7])]
+
+
+@pytest.mark.parametrize("expected_m,masked", MASKED_HINTS, ids=str)
 @pytest.mark.parametrize("launch", [Launch(4, 128, 4), Launch(2, 64, 4)], ids=["4rows", "two_pass"])
-def test_quant_masked_rows_across_experts(launch, monkeypatch):
-    """Programs of several rows straddle experts; rows past masked_m are neither read nor written."""
+def test_quant_masked_rows_across_experts(launch, expected_m, masked, monkeypatch):
+    """Rows past masked_m are neither read nor written, whatever the grid the hint sizes."""
     x = torch.randn(3, 5, 128)
-    masked = torch.tensor([2, 0, 5], dtype=torch.int32)
+    masked = torch.tensor(masked, dtype=torch.int32)
     x[0, 2:] = float("nan")
     x[1] = float("inf")
     xd, md = x.to(DEVICE), masked.to(DEVICE)
     _poisoned_empty(monkeypatch)
-    q, s = quantize.per_token_quant_int8(xd, masked_m=md, launch=launch)
-    gq, gs = quantize.per_group_quant(xd, 64, torch.int8, masked_m=md, launch=Launch(launch.block_m, 64, 4))
+    q, s = quantize.per_token_quant_int8(xd, masked_m=md, expected_m=expected_m, launch=launch)
+    gq, gs = quantize.per_group_quant(xd, 64, torch.int8, masked_m=md, expected_m=expected_m,
+                                      launch=Launch(launch.block_m, 64, 4))  # fmt: skip
     monkeypatch.undo()
     for e, n in enumerate(masked.tolist()):
         assert torch.all(q[e, n:] == -128) and torch.all(s[e, n:] == -1.0), "a row past masked_m was written"
@@ -886,16 +893,18 @@ def test_silu_and_mul_launches(launch):
     assert torch.equal(y, activation.silu_and_mul(x.to(DEVICE), torch.float32))
 
 
+@pytest.mark.parametrize("expected_m,masked", MASKED_HINTS, ids=str)
 @pytest.mark.parametrize("granularity", ["token", "group"])
-def test_activation_masked_rows_across_experts(granularity, monkeypatch):
+def test_activation_masked_rows_across_experts(granularity, expected_m, masked, monkeypatch):
     x = torch.randn(3, 5, 256).half()
     x[0, 2:] = float("nan")
-    masked = torch.tensor([2, 0, 5], dtype=torch.int32)
+    masked = torch.tensor(masked, dtype=torch.int32)
     h = activation.silu_and_mul(x.to(DEVICE), torch.float32).cpu()
     xd, md = x.to(DEVICE), masked.to(DEVICE)
     _poisoned_empty(monkeypatch)
-    q, s = activation.silu_and_mul_quant(xd, granularity, 128, torch.int8, masked_m=md, launch=Launch(4, 128, 4))
-    y = activation.silu_and_mul(xd, torch.float32, masked_m=md, launch=Launch(4, 64, 4))
+    hint = dict(masked_m=md, expected_m=expected_m)
+    q, s = activation.silu_and_mul_quant(xd, granularity, 128, torch.int8, **hint, launch=Launch(4, 128, 4))
+    y = activation.silu_and_mul(xd, torch.float32, **hint, launch=Launch(2, 64, 4))
     monkeypatch.undo()
     group = None if granularity == "token" else 128
     for e, n in enumerate(masked.tolist()):
@@ -903,6 +912,33 @@ def test_activation_masked_rows_across_experts(granularity, monkeypatch):
         assert torch.all(y[e, n:] == -1.0) and torch.equal(y[e, :n].cpu(), h[e, :n])
         rq, rs = ref_quant(h[e, :n], group)
         assert torch.equal(q[e, :n].cpu().double(), rq) and torch.equal(s[e, :n].cpu().double(), rs.reshape(s[e, :n].shape))
+
+
+@pytest.mark.parametrize("call", ["token", "group", "silu", "silu_quant"])
+def test_expected_m_needs_masked_m_and_a_positive_int(call):
+    x = torch.randn(2, 4, 256, device=DEVICE)
+    run = {
+        "token": lambda **kw: quantize.per_token_quant_int8(x, **kw),
+        "group": lambda **kw: quantize.per_group_quant(x, 128, **kw),
+        "silu": lambda **kw: activation.silu_and_mul(x, **kw),
+        "silu_quant": lambda **kw: activation.silu_and_mul_quant(x, **kw),
+    }[call]
+    with pytest.raises(ValueError, match="expected_m=3 sizes the grid of a masked batch; pass masked_m with it"):
+        run(expected_m=3)
+    with pytest.raises(ValueError, match="expected_m=0 must be a positive integer"):
+        run(masked_m=torch.tensor([1, 2], dtype=torch.int32, device=DEVICE), expected_m=0)
+
+
+def test_row_grid_follows_the_hint():
+    from epmoe.kernels.common import row_plan
+
+    md = torch.tensor([3, 0, 9], dtype=torch.int32)
+    shape = torch.Size([3, 256, 64])
+    assert row_plan(None, shape, "cpu").grid(768, 4) == (192, 1)
+    assert row_plan(md, shape, "cpu").grid(768, 4) == (192, 64)  # no hint: the capacity
+    plan = row_plan(md, shape, "cpu", expected_m=8)
+    assert plan.rows == 24 and plan.grid(768, 4) == (6, 2)  # two programs per expert
+    assert row_plan(md, shape, "cpu", expected_m=1000).grid(768, 1) == (768, 256)
 
 
 # ---------------------------------------------------------------- permute

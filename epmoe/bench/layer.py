@@ -185,12 +185,12 @@ def _payload_row_bytes(payload):
 def _experts_in_stages(layer, x, x_scale, out_dtype, tm, **segments):
     """The Triton backend's forward through its own stage methods, with a mark after each."""
     be, wts = layer.backend, layer._weights()
-    masked_m = segments.get("masked_m")
-    a, a_s = be.gemm1_input(x, x_scale, wts, masked_m)
+    rows = (segments.get("masked_m"), segments.get("expected_m"))
+    a, a_s = be.gemm1_input(x, x_scale, wts, *rows)
     tm.mark("quantize_post")
     gu = be.gemm(a, a_s, wts, 1, be.mid_dtype(wts, out_dtype), **segments)
     tm.mark("gemm1")
-    h, hs = be.activation(gu, wts, masked_m)
+    h, hs = be.activation(gu, wts, *rows)
     tm.mark("activation")
     out = be.gemm(h, hs, wts, 2, out_dtype, **segments)
     tm.mark("gemm2")
@@ -237,22 +237,33 @@ def _time_pair(first, second, iters, warmup, device, names=("dispatch", "combine
     """Median ms of ``first()`` and of ``second(...)`` on its result, each timed alone after a
     barrier, a fixed count of iterations on every rank: the one loop every dispatch / combine
     comparison here uses. ``between`` (untimed) turns the first result into the second's
-    argument. Returns the times and the last results of both calls."""
+    argument. Also the median host time of each call (``<name>_host_us``: from the call to its
+    return, what an idle GPU waits for before the first kernel at most). Returns the times and
+    the last results of both calls."""
     t1, t2 = _Timer(), _Timer()
+    host = {names[0]: [], names[1]: []}
     r1 = r2 = None
     for i in range(warmup + iters):
         _barrier(device)
         tm = t1 if i >= warmup else _Timer()
         tm.start()
+        h0 = time.perf_counter()
         r1 = first()
+        h1 = time.perf_counter()
         tm.mark(names[0])
         arg = r1 if between is None else between(r1)
         tm2 = t2 if i >= warmup else _Timer()
         tm2.start()
+        h2 = time.perf_counter()
         r2 = second(arg)
+        h3 = time.perf_counter()
         tm2.mark(names[1])
+        if i >= warmup:
+            host[names[0]].append((h1 - h0) * 1e6)
+            host[names[1]].append((h3 - h2) * 1e6)
     med = statistics.median
     times = {f"{names[0]}_ms": t1.result_ms(med)[names[0]], f"{names[1]}_ms": t2.result_ms(med)[names[1]]}
+    times.update({f"{n}_host_us": med(v) for n, v in host.items()})
     return times, r1, r2
 
 
@@ -412,11 +423,13 @@ def _graph_dc(owner, layer, x_in, ids, w, iters, device):
 
 def _ll_int8_study(owner, x, ids, device, iters, warmup):
     """Low-latency INT8 payloads: BF16 dispatch + INT8 quantize vs FP8 dispatch + requantize."""
+    from epmoe.dispatch.deepep_dispatch import expected_rows_per_expert
     from epmoe.kernels import quantize as qz
 
     if owner.clean_low_latency():
         _barrier(device)
     buf, plan = owner.get(), owner.plan
+    hint = expected_rows_per_expert(x.shape[0], WORLD, K, E)  # what the layer's backend is given
     out = {}
     recv = {}
     for wire in ("bf16", "fp8"):
@@ -430,9 +443,10 @@ def _ll_int8_study(owner, x, ids, device, iters, warmup):
 
             def quant(d, gran=gran):
                 rx, rs, count, _ = d
+                rows = dict(masked_m=count, expected_m=hint)
                 if gran == "token":
-                    return qz.per_token_quant_int8(rx, rs, masked_m=count)
-                return qz.per_group_quant(rx, 128, torch.int8, rs, masked_m=count)
+                    return qz.per_token_quant_int8(rx, rs, **rows)
+                return qz.per_group_quant(rx, 128, torch.int8, rs, **rows)
 
             times, d, (q, s) = _time_pair(dispatch, quant, iters, warmup, device, names=("dispatch", "quant"))
             recv[(wire, gran)] = (*d, q, s)
@@ -530,8 +544,8 @@ def _rank_main(rank, args, port, out_path):
                     order = (0, 1) if i % 2 == 0 else (1, 0)
                     got = {side: sides[side]() for side in order}
                     rounds.append((got[0], got[1]))
-                raw, ours = ({k: statistics.median(r[side][k] for r in rounds) for k in ("dispatch_ms", "combine_ms")}
-                             for side in (0, 1))  # fmt: skip
+                keys = ("dispatch_ms", "combine_ms", "dispatch_host_us", "combine_host_us")
+                raw, ours = ({k: statistics.median(r[side][k] for r in rounds) for k in keys} for side in (0, 1))
                 row["deepep_ms"], row["layer_dc_ms"] = raw, ours
                 for p in ("dispatch", "combine"):
                     row[f"{p}_overhead_pct"] = 100.0 * (ours[f"{p}_ms"] - raw[f"{p}_ms"]) / raw[f"{p}_ms"]
@@ -632,6 +646,16 @@ def _table(summary) -> str:
                              f"{g['deepep_ms']:.4f} ms, layer {g['layer_ms']:.4f} ms ({g['overhead_pct']:+.1f}%)")
             elif g:
                 lines.append(f"decode graph timing, {scheme}, rank {r['rank']}: {g['error']}")
+    for r in summary["ranks"]:
+        for scheme, entry in r["schemes"].items():
+            for phase, row in entry.items():
+                dp, ld = row["deepep_ms"], row.get("layer_dc_ms") or {}
+                if "dispatch_host_us" in dp and "dispatch_host_us" in ld:
+                    lines.append(
+                        f"host time per call, {scheme} {phase}, rank {r['rank']}: dispatch DeepEP "
+                        f"{dp['dispatch_host_us']:.1f} us, layer {ld['dispatch_host_us']:.1f} us; combine DeepEP "
+                        f"{dp['combine_host_us']:.1f} us, layer {ld['combine_host_us']:.1f} us"
+                    )
     for r in summary["ranks"]:
         for scheme, entry in r["schemes"].items():
             n = entry.get("prefill", {}).get("no_host_sync")

@@ -68,11 +68,13 @@ class TritonBackend(ExpertsBackend):
             return self._run(batch.x, batch.x_scale, weights, out_dtype, expert_offsets=batch.expert_offsets)
         # Spare rows past the last segment: the GEMMs walk the device-side segments and size
         # their grids from the hint; the row-wise kernels see one [1, M] masked slab whose row
-        # count is expert_offsets[-1], so they skip the spare rows without a host round trip.
+        # count is expert_offsets[-1], so they skip the spare rows without a host round trip,
+        # with a grid for the rows all experts are expected to fill.
         slab = (lambda t: None if t is None else t.unsqueeze(0))  # noqa: E731
         out = self._run(
             batch.x.unsqueeze(0), slab(batch.x_scale), weights, out_dtype,
-            expert_offsets=batch.expert_offsets, expected_m=batch.expected_m, valid_rows=batch.valid_rows,
+            rows_bound=(batch.valid_rows, batch.expected_m * batch.num_experts),
+            expert_offsets=batch.expert_offsets, expected_m=batch.expected_m,
         )
         return out.squeeze(0)
 
@@ -81,17 +83,19 @@ class TritonBackend(ExpertsBackend):
     ) -> torch.Tensor:
         masked_m = batch.masked_m.to(device=batch.x.device, dtype=torch.int32)
         return self._run(
-            batch.x, batch.x_scale, weights, out_dtype, masked_m=masked_m, expected_m=batch.expected_m
-        )
+            batch.x, batch.x_scale, weights, out_dtype, rows_bound=(masked_m, batch.expected_m),
+            masked_m=masked_m, expected_m=batch.expected_m,
+        )  # fmt: skip
 
     def _run(
-        self, x, x_scale, weights: ExpertWeights, out_dtype: torch.dtype, valid_rows=None, **segments
+        self, x, x_scale, weights: ExpertWeights, out_dtype: torch.dtype, rows_bound=(None, None), **segments
     ) -> torch.Tensor:
+        """``rows_bound``: ``(masked_m, expected_m)`` of the row-wise kernels (see
+        :meth:`gemm1_input`); ``segments``: the GEMMs' (:meth:`gemm`)."""
         check_weights(weights, self.scheme)
-        rows_bound = segments.get("masked_m", valid_rows)
-        a, a_scale = self.gemm1_input(x, x_scale, weights, rows_bound)
+        a, a_scale = self.gemm1_input(x, x_scale, weights, *rows_bound)
         gate_up = self.gemm(a, a_scale, weights, 1, self.mid_dtype(weights, out_dtype), **segments)
-        h, h_scale = self.activation(gate_up, weights, rows_bound)
+        h, h_scale = self.activation(gate_up, weights, *rows_bound)
         return self.gemm(h, h_scale, weights, 2, out_dtype, **segments)
 
     # The stages of a forward, public so that benchmarks time exactly what the backend runs.
@@ -126,8 +130,12 @@ class TritonBackend(ExpertsBackend):
         x_scale: torch.Tensor | None,
         weights: ExpertWeights,
         masked_m: torch.Tensor | None,
+        expected_m: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """GEMM1's operand in the scheme's format (quantize, pass through, or requantize)."""
+        """GEMM1's operand in the scheme's format (quantize, pass through, or requantize).
+
+        ``masked_m``: ``[E]`` valid rows per segment of an ``[E, cap, H]`` ``x``;
+        ``expected_m``: the rows per segment the row-wise kernels' grid is sized for."""
         _, _, qz = _kernels()
         scheme = self.scheme
         hidden = x.shape[-1]
@@ -145,18 +153,25 @@ class TritonBackend(ExpertsBackend):
         )
         if native:
             return x, x_scale.float()
+        rows = dict(masked_m=masked_m, expected_m=expected_m if masked_m is not None else None)
         if scheme.act_granularity == "token":
-            return qz.per_token_quant_int8(x, x_scale, masked_m=masked_m)
-        return qz.per_group_quant(x, BLOCK, torch.int8, x_scale, masked_m=masked_m)
+            return qz.per_token_quant_int8(x, x_scale, **rows)
+        return qz.per_group_quant(x, BLOCK, torch.int8, x_scale, **rows)
 
     def activation(
-        self, gate_up: torch.Tensor, weights: ExpertWeights, masked_m: torch.Tensor | None
+        self,
+        gate_up: torch.Tensor,
+        weights: ExpertWeights,
+        masked_m: torch.Tensor | None,
+        expected_m: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``silu(gate) * up``, requantized for a quantized scheme; rows as in :meth:`gemm1_input`."""
         act, _, _ = _kernels()
+        rows = dict(masked_m=masked_m, expected_m=expected_m if masked_m is not None else None)
         if not self.scheme.quantized:
-            return act.silu_and_mul(gate_up, weights.w2.dtype, masked_m=masked_m), None
+            return act.silu_and_mul(gate_up, weights.w2.dtype, **rows), None
         granularity = "token" if self.scheme.act_granularity == "token" else "group"
-        return act.silu_and_mul_quant(gate_up, granularity, BLOCK, torch.int8, masked_m=masked_m)
+        return act.silu_and_mul_quant(gate_up, granularity, BLOCK, torch.int8, **rows)
 
     def mid_dtype(self, weights: ExpertWeights, out_dtype: torch.dtype) -> torch.dtype:
         """GEMM1's output dtype: 16-bit when the layer's output is, else fp32."""

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
-from ..tensors import as_contiguous
+from ..tensors import as_contiguous, check_positive_int
 
 
 def _patch_interpreter_index() -> None:
@@ -126,20 +128,50 @@ def check_scale_input(x: torch.Tensor, x_scale: torch.Tensor) -> None:
         raise ValueError(f"x_scale has {s} columns, which does not divide K={k}")
 
 
-def masked_row_args(
-    masked_m: torch.Tensor | None, shape: torch.Size, device: torch.device
-) -> tuple[torch.Tensor, int]:
-    """Kernel arguments that let row-wise kernels skip rows past ``masked_m`` of ``[E, cap, K]``.
+class RowPlan(NamedTuple):
+    """How a row-wise kernel covers ``m`` rows: kernel arguments and the row count to tune for.
 
-    Returns ``(masked_m as int32, cap)``, or a cached placeholder (never read) and ``cap = 1``
-    when not masked.
+    ``masked``: rows are ``[E, cap]`` segments with valid counts ``masked_m``; ``masked_m``/``cap``: the ``MASKED_M`` and ``CAP`` arguments (a placeholder and 1 without a
+    mask); ``rows``: the rows the launch is chosen for (the expected valid rows of a masked
+    batch with a hint, else all ``m``); ``expected_m``: the hint, rows per segment.
     """
+
+    masked: bool
+    masked_m: torch.Tensor
+    cap: int
+    rows: int
+    expected_m: int | None
+
+    def grid(self, m: int, block_m: int) -> tuple[int, int]:
+        """``(programs along the rows, PROGS)``: one program per ``block_m`` rows, or with a mask
+        ``PROGS`` programs per segment, enough for ``expected_m`` rows (for ``cap`` without a
+        hint); a segment longer than that is looped over by its programs."""
+        if not self.masked:
+            return -(-m // block_m), 1
+        per = -(-self.cap // block_m)
+        if self.expected_m is not None:
+            per = min(per, -(-self.expected_m // block_m))
+        return (m // self.cap) * per, per
+
+
+def row_plan(
+    masked_m: torch.Tensor | None, shape: torch.Size, device: torch.device, expected_m: int | None = None
+) -> RowPlan:
+    """Checked kernel arguments that let a row-wise kernel over ``x`` (``[E, cap, K]`` with
+    ``masked_m``) skip rows past ``masked_m`` and size its grid from ``expected_m`` (rows per
+    expert a masked batch is expected to fill; needs ``masked_m``)."""
+    check_positive_int("expected_m", expected_m, optional=True)
+    m = int(np.prod(shape[:-1])) if len(shape) > 1 else 0
     if masked_m is None:
-        return placeholder(device, torch.int32), 1
+        if expected_m is not None:
+            raise ValueError(f"expected_m={expected_m} sizes the grid of a masked batch; pass masked_m with it")
+        return RowPlan(False, placeholder(device, torch.int32), 1, m, None)
     check_masked_m(masked_m, shape, "x")
     if masked_m.device != torch.device(device):
         masked_m = masked_m.to(device)
-    return as_contiguous(masked_m, torch.int32), shape[1]
+    cap = shape[1]
+    rows = m if expected_m is None else min(m, shape[0] * expected_m)
+    return RowPlan(True, as_contiguous(masked_m, torch.int32), cap, max(1, rows), expected_m)
 
 
 def check_masked_m(masked_m: torch.Tensor, shape: torch.Size, name: str) -> None:

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from ..tensors import as_contiguous
-from .common import check_scale_input, masked_row_args, next_pow2, placeholder
+from .common import RowPlan, check_scale_input, next_pow2, placeholder, row_plan
 
 AMAX_FLOOR = 1e-10
 INT8_QMAX = 127.0
@@ -216,29 +216,52 @@ def store_codes(Q, rows, cols, mask, x, scale, stride_qm, QMAX: tl.constexpr, TO
 
 
 @triton.jit
-def rows_valid(MASKED_M, rows, M, CAP, HAS_MASK: tl.constexpr):
-    """Which rows of ``rows`` exist (< M) and, with ``masked_m``, are below it in their expert."""
-    ok = rows < M
+def row_segment(MASKED_M, M, CAP, PROGS, HAS_MASK: tl.constexpr):
+    """This program's share of the rows: ``(first row of its segment (int64), rows in the
+    segment, its first block, block step)``; the program takes blocks ``first, first + step,
+    ...`` below ``rows / BLOCK_M``.
+
+    Without a mask the ``M`` rows are one segment shared by the whole grid. With ``masked_m``
+    (``[E, CAP, K]`` rows) ``PROGS`` programs share each expert's first ``masked_m[e]`` rows
+    (clamped to ``CAP``), so the grid can follow the expected rows instead of the capacity: a
+    decode batch fills a few rows of each expert's ``CAP``, and launching a program per
+    capacity row costs more than the work when each program needs many registers.
+    """
+    pid = tl.program_id(0)
     if HAS_MASK:
-        n = tl.load(MASKED_M + rows // CAP, mask=ok, other=0)
-        ok = ok & ((rows % CAP) < n)
-    return ok
+        seg = pid // PROGS
+        rows = tl.minimum(tl.load(MASKED_M + seg), CAP)
+        base = seg.to(tl.int64) * CAP
+        first = pid % PROGS
+        step = PROGS
+    else:
+        rows = M
+        base = tl.zeros([], dtype=tl.int64)
+        first = pid
+        step = tl.num_programs(0)
+    return base, rows, first, step
 
 
 @triton.jit
-def _load_tile(
+def load_tile(
     X, XS, rows, row_ok, col0, K, stride_xm, stride_xsm,
-    HAS_XS: tl.constexpr, IN_GROUP: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
+    HAS_XS: tl.constexpr, IN_GROUP: tl.constexpr, SILU: tl.constexpr, GROUP: tl.constexpr,
+    NG: tl.constexpr,
 ):
-    """``[BLOCK_M, NG, GROUP]`` fp32 tile of rows ``rows`` from column ``col0`` (0 past the end).
+    """``[BLOCK_M, NG, GROUP]`` fp32 tile of rows ``rows`` from column ``col0`` (0 past ``K``).
 
-    With ``HAS_XS`` the input is dequantized by its ``IN_GROUP``-column scales.
+    With ``HAS_XS`` the input is dequantized by its ``IN_GROUP``-column scales. With ``SILU``
+    the rows are ``[gate | up]`` of ``2K`` columns and the tile is ``silu(gate) * up``.
     """
     g = col0 // GROUP + tl.arange(0, NG)
     cols = g[None, :, None] * GROUP + tl.arange(0, GROUP)[None, None, :]
     mask = row_ok[:, None, None] & (cols < K)
-    x = tl.load(X + rows[:, None, None] * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_XS:
+    base = X + rows[:, None, None] * stride_xm + cols
+    x = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    if SILU:
+        up = tl.load(base + K, mask=mask, other=0.0).to(tl.float32)
+        x = x / (1.0 + tl.exp(-x)) * up
+    elif HAS_XS:
         xs_row = XS + rows[:, None, None] * stride_xsm
         if IN_GROUP % GROUP == 0:
             # One input scale per GROUP-column chunk: load [BLOCK_M, NG, 1] and broadcast.
@@ -254,21 +277,24 @@ def _load_tile(
 
 
 @triton.jit
-def _per_token_kernel(
+def token_quant_kernel(
     X, XS, Q, S, MASKED_M,
-    M, K, CAP,
+    M, K, CAP, PROGS,
     stride_xm, stride_xsm, stride_qm,
     QMAX: tl.constexpr, HAS_XS: tl.constexpr, HAS_MASK: tl.constexpr, IN_GROUP: tl.constexpr,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SINGLE: tl.constexpr,
+    SILU: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    SINGLE: tl.constexpr,
 ):
+    """One INT8 scale per row of ``X`` (``SILU``: of ``silu(gate) * up``); see :func:`load_tile`."""
     NG: tl.constexpr = BLOCK_K // GROUP
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows_valid(MASKED_M, rows, M, CAP, HAS_MASK)
-    # Masked batches are mostly padding: a program with no valid row does nothing.
-    if tl.max(row_ok.to(tl.int32), 0) > 0:
+    base, n, first, step = row_segment(MASKED_M, M, CAP, PROGS, HAS_MASK)
+    for b in range(first, tl.cdiv(n, BLOCK_M), step):
+        local = b * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = local < n
+        rows = base + local
         if SINGLE:
-            x, cols, mask = _load_tile(
-                X, XS, rows, row_ok, 0, K, stride_xm, stride_xsm, HAS_XS, IN_GROUP, GROUP, NG
+            x, cols, mask = load_tile(
+                X, XS, rows, row_ok, 0, K, stride_xm, stride_xsm, HAS_XS, IN_GROUP, SILU, GROUP, NG
             )
             scale = scale_of(tl.max(amax_bits(x, 2), 1), QMAX)
             tl.store(S + rows, scale, mask=row_ok)
@@ -277,38 +303,41 @@ def _per_token_kernel(
             # Rows too long for registers: amax over BLOCK_K chunks, then a second read (from L2).
             amax = tl.zeros([BLOCK_M], dtype=tl.int32)
             for k0 in range(0, K, BLOCK_K):
-                x, cols, mask = _load_tile(
-                    X, XS, rows, row_ok, k0, K, stride_xm, stride_xsm, HAS_XS, IN_GROUP, GROUP, NG
+                x, cols, mask = load_tile(
+                    X, XS, rows, row_ok, k0, K, stride_xm, stride_xsm, HAS_XS, IN_GROUP, SILU, GROUP, NG
                 )
                 amax = tl.maximum(amax, tl.max(amax_bits(x, 2), 1))
             scale = scale_of(amax, QMAX)
             tl.store(S + rows, scale, mask=row_ok)
             for k0 in range(0, K, BLOCK_K):
-                x, cols, mask = _load_tile(
-                    X, XS, rows, row_ok, k0, K, stride_xm, stride_xsm, HAS_XS, IN_GROUP, GROUP, NG
+                x, cols, mask = load_tile(
+                    X, XS, rows, row_ok, k0, K, stride_xm, stride_xsm, HAS_XS, IN_GROUP, SILU, GROUP, NG
                 )
                 store_codes(Q, rows, cols, mask, x, scale[:, None, None], stride_qm, QMAX, False)
 
 
 @triton.jit
-def _per_group_kernel(
+def group_quant_kernel(
     X, XS, Q, S, MASKED_M,
-    M, K, CAP,
+    M, K, CAP, PROGS,
     stride_xm, stride_xsm, stride_qm, stride_sm,
     QMAX: tl.constexpr, TO_E4M3: tl.constexpr, HAS_XS: tl.constexpr, HAS_MASK: tl.constexpr,
-    IN_GROUP: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    IN_GROUP: tl.constexpr, SILU: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
+    """One scale per 1 x ``GROUP`` of ``X`` (``SILU``: of ``silu(gate) * up``)."""
     NG: tl.constexpr = BLOCK_K // GROUP
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows_valid(MASKED_M, rows, M, CAP, HAS_MASK)
-    # Masked batches are mostly padding: a program with no valid row does nothing.
-    if tl.max(row_ok.to(tl.int32), 0) > 0:
-        col0 = tl.program_id(1) * BLOCK_K
-        x, cols, mask = _load_tile(
-            X, XS, rows, row_ok, col0, K, stride_xm, stride_xsm, HAS_XS, IN_GROUP, GROUP, NG
+    base, n, first, step = row_segment(MASKED_M, M, CAP, PROGS, HAS_MASK)
+    col0 = tl.program_id(1) * BLOCK_K
+    g = col0 // GROUP + tl.arange(0, NG)
+    for b in range(first, tl.cdiv(n, BLOCK_M), step):
+        local = b * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = local < n
+        rows = base + local
+        x, cols, mask = load_tile(
+            X, XS, rows, row_ok, col0, K, stride_xm, stride_xsm, HAS_XS, IN_GROUP, SILU, GROUP, NG
         )
         scale = scale_of(amax_bits(x, 2), QMAX)  # [BLOCK_M, NG]
-        g = col0 // GROUP + tl.arange(0, NG)
         tl.store(S + rows[:, None] * stride_sm + g[None, :], scale,
                  mask=row_ok[:, None] & (g[None, :] * GROUP < K))
         store_codes(Q, rows, cols, mask, x, scale[:, :, None], stride_qm, QMAX, TO_E4M3)
@@ -332,17 +361,23 @@ def _check_input(x: torch.Tensor, x_scale: torch.Tensor | None) -> None:
         check_scale_input(x, x_scale)
 
 
-def _scale_view(
-    x_scale: torch.Tensor | None, k: int, device: torch.device
-) -> tuple[torch.Tensor, int]:
-    """2-D fp32 view of input scales and how many columns each scale covers.
-
-    Without input scales: a cached placeholder (the kernel never reads it) and 1.
-    """
+def _scale_view(x_scale: torch.Tensor | None, k: int) -> tuple[torch.Tensor | None, int]:
+    """2-D fp32 view of input scales and how many columns each scale covers (``None``, 1
+    without input scales)."""
     if x_scale is None:
-        return placeholder(device, torch.float32), 1
+        return None, 1
     xs = as_contiguous(x_scale.reshape(-1, x_scale.shape[-1]), torch.float32)
     return xs, k // xs.shape[1]
+
+
+def _operands(x, x_scale, masked_m, expected_m):
+    """Checked ``(x2 [M, K], input scales [M, S] or None, columns per input scale, x.shape,
+    row plan)`` of a quantizer call."""
+    _check_input(x, x_scale)
+    plan = row_plan(masked_m, x.shape, x.device, expected_m)
+    x2 = _rows_view(x, "x")
+    xs2, in_group = _scale_view(x_scale, x2.shape[1])
+    return x2, xs2, in_group, x.shape, plan
 
 
 def per_token_quant_int8(
@@ -350,6 +385,7 @@ def per_token_quant_int8(
     x_scale: torch.Tensor | None = None,
     *,
     masked_m: torch.Tensor | None = None,
+    expected_m: int | None = None,
     launch: Launch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One INT8 scale per row.
@@ -359,35 +395,43 @@ def per_token_quant_int8(
         x_scale: optional ``[..., S]`` fp32 scales of an already quantized ``x`` (``S`` divides K).
         masked_m: optional ``[E]`` int32 valid rows per expert when ``x`` is ``[E, cap, K]``;
             rows past it are skipped and their outputs left unwritten.
+        expected_m: with ``masked_m``, the rows per expert the batch is expected to fill: the
+            grid and the launch follow it instead of ``cap`` (any ``masked_m`` is still covered).
         launch: tile and warps of the kernel (checked); ``None``: :func:`token_launch`.
 
     Returns:
         ``q [..., K]`` int8 and ``scale [..., 1]`` fp32.
     """
-    _check_input(x, x_scale)
-    shape = x.shape
-    x2 = _rows_view(x, "x")
-    m, k = x2.shape
-    q = torch.empty((m, k), dtype=torch.int8, device=x.device)
-    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    return token_quant(*_operands(x, x_scale, masked_m, expected_m), launch, silu=False)
+
+
+def token_quant(x2, xs2, in_group: int, shape, plan: RowPlan, launch: Launch | None, *, silu: bool):
+    """Launch :func:`token_quant_kernel` over the rows of ``x2`` (``[M, 2K]`` with ``silu``,
+    else ``[M, K]``; input scales ``xs2`` or ``None``); returns ``q`` and ``scale`` with the
+    leading dims of ``shape``."""
+    m = x2.shape[0]
+    k = x2.shape[1] // 2 if silu else x2.shape[1]
+    q = torch.empty((m, k), dtype=torch.int8, device=x2.device)
+    s = torch.empty((m, 1), dtype=torch.float32, device=x2.device)
+    out_shape = (*shape[:-1], k)
     if m == 0 or k == 0:
         s.fill_(AMAX_FLOOR / INT8_QMAX)
         q.zero_()
-        return q.reshape(shape), s.reshape(*shape[:-1], 1)
-    xs2, in_group = _scale_view(x_scale, k, x.device)
-    mm, cap = masked_row_args(masked_m, shape, x.device)
+        return q.reshape(out_shape), s.reshape(*shape[:-1], 1)
     if launch is None:
-        launch = token_launch(m, k, x.device)
+        launch = token_launch(plan.rows, k, x2.device)
     else:
         check_launch(launch)
-    _per_token_kernel[(triton.cdiv(m, launch.block_m),)](
-        x2, xs2, q, s, mm, m, k, cap,
-        x2.stride(0), xs2.stride(0), q.stride(0),
-        QMAX=INT8_QMAX, HAS_XS=x_scale is not None, HAS_MASK=masked_m is not None,
-        IN_GROUP=in_group, GROUP=min(128, launch.block_k), BLOCK_M=launch.block_m,
+    grid, progs = plan.grid(m, launch.block_m)
+    xs = placeholder(x2.device, torch.float32) if xs2 is None else xs2  # never read without scales
+    token_quant_kernel[(grid,)](
+        x2, xs, q, s, plan.masked_m, m, k, plan.cap, progs,
+        x2.stride(0), xs.stride(0), q.stride(0),
+        QMAX=INT8_QMAX, HAS_XS=xs2 is not None, HAS_MASK=plan.masked,
+        IN_GROUP=in_group, SILU=silu, GROUP=min(128, launch.block_k), BLOCK_M=launch.block_m,
         BLOCK_K=launch.block_k, SINGLE=launch.block_k >= k, num_warps=launch.num_warps,
-    )
-    return q.reshape(shape), s.reshape(*shape[:-1], 1)
+    )  # fmt: skip
+    return q.reshape(out_shape), s.reshape(*shape[:-1], 1)
 
 
 def per_group_quant(
@@ -397,6 +441,7 @@ def per_group_quant(
     x_scale: torch.Tensor | None = None,
     *,
     masked_m: torch.Tensor | None = None,
+    expected_m: int | None = None,
     launch: Launch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale per 1 x ``group_size`` group, INT8 (qmax 127) or FP8 e4m3 (qmax 448).
@@ -406,40 +451,51 @@ def per_group_quant(
         group_size: a power of two, at least 16.
         dtype: ``torch.int8`` or ``torch.float8_e4m3fn``.
         x_scale: optional ``[..., S]`` fp32 scales of an already quantized ``x``.
-        masked_m: as in :func:`per_token_quant_int8`.
+        masked_m, expected_m: as in :func:`per_token_quant_int8`.
         launch: tile and warps of the kernel (checked); ``None``: :func:`group_launch`.
 
     Returns:
         ``q [..., K]`` of ``dtype`` and ``scale [..., K / group_size]`` fp32.
     """
-    _check_input(x, x_scale)
+    x2, xs2, in_group, shape, plan = _operands(x, x_scale, masked_m, expected_m)
+    return group_quant(x2, xs2, in_group, shape, plan, group_size, dtype, launch, silu=False)
+
+
+def check_group_args(k: int, group_size: int, dtype: torch.dtype, name: str = "x's last dim K") -> None:
+    """A group quantizer's arguments: ``dtype`` int8 or e4m3, ``group_size`` a power of two
+    >= 16 dividing ``k``."""
     if dtype not in (torch.int8, torch.float8_e4m3fn):
         raise TypeError(f"dtype={dtype}; allowed: torch.int8, torch.float8_e4m3fn")
     if group_size < 16 or group_size & (group_size - 1):
         raise ValueError(f"group_size={group_size}; must be a power of two >= 16")
-    shape = x.shape
-    k = shape[-1] if x.dim() else 0
     if k % group_size:
-        raise ValueError(f"x's last dim K={k} is not a multiple of group_size={group_size}")
-    x2 = _rows_view(x, "x")
+        raise ValueError(f"{name}={k} is not a multiple of group_size={group_size}")
+
+
+def group_quant(
+    x2, xs2, in_group: int, shape, plan: RowPlan, group_size: int, dtype: torch.dtype,
+    launch: Launch | None, *, silu: bool,
+):
+    """Launch :func:`group_quant_kernel` over the rows of ``x2`` (as in :func:`token_quant`)."""
     m = x2.shape[0]
+    k = x2.shape[1] // 2 if silu else x2.shape[1]
+    check_group_args(k, group_size, dtype, "I" if silu else "x's last dim K")
     groups = k // group_size
-    q = torch.empty((m, k), dtype=dtype, device=x.device)
-    s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    q = torch.empty((m, k), dtype=dtype, device=x2.device)
+    s = torch.empty((m, groups), dtype=torch.float32, device=x2.device)
     if m and groups:
-        xs2, in_group = _scale_view(x_scale, k, x.device)
-        mm, cap = masked_row_args(masked_m, shape, x.device)
         if launch is None:
-            launch = group_launch(m, k, group_size, x.device)
+            launch = group_launch(plan.rows, k, group_size, x2.device)
         else:
             check_launch(launch, group_size)
-        qmax = INT8_QMAX if dtype == torch.int8 else E4M3_QMAX
-        grid = (triton.cdiv(m, launch.block_m), triton.cdiv(k, launch.block_k))
-        _per_group_kernel[grid](
-            x2, xs2, q, s, mm, m, k, cap,
-            x2.stride(0), xs2.stride(0), q.stride(0), s.stride(0),
-            QMAX=qmax, TO_E4M3=dtype != torch.int8, HAS_XS=x_scale is not None,
-            HAS_MASK=masked_m is not None, IN_GROUP=in_group, GROUP=group_size,
-            BLOCK_M=launch.block_m, BLOCK_K=launch.block_k, num_warps=launch.num_warps,
-        )
-    return q.reshape(shape), s.reshape(*shape[:-1], groups)
+        grid, progs = plan.grid(m, launch.block_m)
+        xs = placeholder(x2.device, torch.float32) if xs2 is None else xs2  # never read without scales
+        group_quant_kernel[(grid, triton.cdiv(k, launch.block_k))](
+            x2, xs, q, s, plan.masked_m, m, k, plan.cap, progs,
+            x2.stride(0), xs.stride(0), q.stride(0), s.stride(0),
+            QMAX=INT8_QMAX if dtype == torch.int8 else E4M3_QMAX, TO_E4M3=dtype != torch.int8,
+            HAS_XS=xs2 is not None, HAS_MASK=plan.masked, IN_GROUP=in_group,
+            SILU=silu, GROUP=group_size, BLOCK_M=launch.block_m, BLOCK_K=launch.block_k,
+            num_warps=launch.num_warps,
+        )  # fmt: skip
+    return q.reshape(*shape[:-1], k), s.reshape(*shape[:-1], groups)
