@@ -24,7 +24,8 @@ def _ranks(alt):
     return ranks
 
 
-ARGS = argparse.Namespace(prefill_tokens=4096, decode_tokens=128, iters=20, warmup=3, backend="auto", num_sms=None)
+ARGS = argparse.Namespace(prefill_tokens=4096, decode_tokens=128, iters=20, warmup=3, rounds=5, backend="auto",
+                          num_sms=None)  # fmt: skip
 
 
 def test_ratio_is_slowest_rank_against_slowest_rank():
@@ -52,7 +53,27 @@ def test_grouped_mm_error_is_reported_not_used():
     assert "no kernel" in bench_layer._table(s)
 
 
-@pytest.mark.parametrize("arg", ["--iters=0", "--warmup=-1", "--prefill-tokens=0", "--decode-tokens=0", "--num-sms=63"])
+def test_interleaved_ratio_is_slowest_rank_against_slowest_rank():
+    ranks = _ranks(None)
+    for r, (b, i) in zip(ranks, [(7.0, 4.5), (7.1, 4.4)]):
+        r["interleaved"] = {"prefill": {"bf16": {"layer_ms": b, "rounds_ms": [b]}, "int8_channel": {"layer_ms": i, "rounds_ms": [i]}}}
+    s = bench_layer._summary(ranks, ARGS)
+    assert s["ratios"]["int8_channel/prefill_interleaved"] == pytest.approx(7.1 / 4.5)
+    assert "int8_channel 4.500 ms (1.58x bf16)" in bench_layer._table(s)
+
+
+def test_interleaved_turns_rotate_and_take_medians(monkeypatch):
+    calls = []
+    times = iter([1.0, 5.0, 2.0, 4.0, 3.0, 6.0])
+    monkeypatch.setattr(bench_layer, "_time_loop", lambda fn, *a: (calls.append(fn()), next(times))[1])
+    got = bench_layer._interleaved({"a": lambda: "a", "b": lambda: "b"}, 10, 1, 3, None)
+    assert calls == ["a", "b", "b", "a", "a", "b"]
+    assert got["a"]["rounds_ms"] == [1.0, 4.0, 3.0] and got["a"]["layer_ms"] == 3.0
+    assert got["b"]["layer_ms"] == 5.0
+
+
+@pytest.mark.parametrize("arg", ["--iters=0", "--warmup=-1", "--rounds=-1", "--prefill-tokens=0", "--decode-tokens=0",
+                                 "--num-sms=63"])
 def test_counts_are_checked(arg, capsys):
     with pytest.raises(SystemExit):
         bench_layer._parse([arg])

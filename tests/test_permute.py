@@ -182,18 +182,29 @@ def test_slot_layout_counts_segments_on_the_device(r, k, e, alignment, seed, poi
 
 @pytest.mark.parametrize("alignment", [1, 16])
 def test_slot_layout_across_many_scan_steps(alignment, poisoned, monkeypatch):
-    """The histogram pass and the position pass both carried over 16 steps of 1024 slots."""
+    """The counting pass (a histogram when padded) and the position pass both carried over 16
+    steps of 1024 slots."""
     monkeypatch.setattr(permute, "SLOT_BLOCK", 1024)
     _check_device_layout(_ids(2049, 8, 7, 9), 7, alignment)
 
 
-def test_slot_layout_foreign_ids_and_empty_experts(poisoned):
+@pytest.mark.parametrize(
+    "e,alignment,offsets,pos,rows",
+    [
+        (4, 2, [0, 4, 4, 4, 6], [[-1, 0], [1, -1], [-1, -1], [2, 4], [-1, -1]], [0, 0, 0, -1, 3, -1]),
+        # unpadded: each expert's start counted from the smaller ids (no histogram)
+        (4, 1, [0, 3, 3, 3, 4], [[-1, 0], [1, -1], [-1, -1], [2, 3], [-1, -1]], [0, 0, 0, 3]),
+        # the last expert, which publishes the total, owns no slot
+        (5, 1, [0, 3, 3, 3, 4, 4], [[-1, 0], [1, -1], [-1, -1], [2, 3], [-1, -1]], [0, 0, 0, 3]),
+    ],
+)
+def test_slot_layout_foreign_ids_and_empty_experts(e, alignment, offsets, pos, rows, poisoned):
     ids = torch.tensor([[7, 0], [0, -1], [9, 9], [0, 3], [-1, -1]])  # ids >= E, -1, empty experts
-    offsets, slot_pos, m_indices, counts = (t.cpu() for t in permute.slot_layout(ids.to(DEVICE), 4, 2))
-    assert offsets.tolist() == [0, 4, 4, 4, 6]
-    assert slot_pos.tolist() == [[-1, 0], [1, -1], [-1, -1], [2, 4], [-1, -1]]
-    assert m_indices.tolist() == [0, 0, 0, -1, 3, -1] + [-1] * (permute.max_rows(5, 2, 4, 2) - 6)
-    assert counts.tolist() == [3, 0, 0, 1]
+    got_offsets, slot_pos, m_indices, counts = (t.cpu() for t in permute.slot_layout(ids.to(DEVICE), e, alignment))
+    assert got_offsets.tolist() == offsets
+    assert slot_pos.tolist() == pos
+    assert m_indices.tolist() == rows + [-1] * (permute.max_rows(5, 2, e, alignment) - len(rows))
+    assert counts.tolist() == [3, 0, 0, 1] + [0] * (e - 4)
 
 
 def test_slot_layout_rejects_bad_arguments():

@@ -6,7 +6,7 @@ Same semantics as the torch functions in :mod:`epmoe.layouts`:
   token order inside each expert's segment (what the torch path's stable sort gives), and the
   expert of every row (``-1`` on padding) — one launch, no sort, no host synchronisation when
   the segment sizes are already known on the host (DeepEP reports them); :func:`slot_layout`
-  does the same with the sizes counted on the device (the same launch, a histogram pass first),
+  does the same with the sizes counted on the device (the same launch, a counting pass first),
   for a layout sized for the worst case when nobody waited for the counts;
 * :func:`scatter_rows` copies each received token's row to every row position ``slot_pos[r, j]``
   (the data movement of ``to_contiguous`` / ``to_masked``); untouched rows are zero (scale 1).
@@ -40,30 +40,52 @@ def _slot_positions_kernel(
     e = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     if SIZES_ON_DEVICE:
-        # Every program counts every expert's slots first, so it knows its own segment without a
-        # second launch or a host round trip; program 0 publishes the offsets and marks the rows
-        # past the last segment (spare room of the worst-case allocation) as belonging to none.
-        # Foreign ids land in bin E (E_PAD > E), which no segment uses: tl.histogram's mask
-        # argument is newer than the oldest Triton this package supports.
-        hist = tl.zeros([E_PAD], dtype=tl.int32)
-        for s0 in range(0, N_SLOTS, BLOCK):
-            slot = s0 + offs
-            ids = tl.load(IDS + slot, mask=slot < N_SLOTS, other=-1)
-            local = (ids >= 0) & (ids < E)
-            hist += tl.histogram(tl.where(local, ids, E).to(tl.int32), E_PAD)
-        bins = tl.arange(0, E_PAD)
-        hist = tl.where(bins < E, hist, 0)
-        padded = (hist + ALIGN - 1) // ALIGN * ALIGN
-        ends = tl.cumsum(padded, 0)
-        end = tl.sum(tl.where(bins == e, ends, 0), 0).to(tl.int64)
-        start = end - tl.sum(tl.where(bins == e, padded, 0), 0).to(tl.int64)
-        if e == 0:
-            tl.store(OFFS + bins, ends - padded, mask=bins < E)
-            total = tl.sum(padded, 0)
-            tl.store(OFFS + E, total)
-            for r0 in range(total, M_ROWS, BLOCK):
-                row = r0 + offs
-                tl.store(MIDX + row, tl.full([BLOCK], -1, tl.int32), mask=row < M_ROWS)
+        if ALIGN == 1:
+            # Unpadded segments: expert e starts after the local slots of smaller ids, so two
+            # counts (cheap reductions, where a histogram pass cost ~35 us on the H200) place it;
+            # each program publishes its own offset, the last one the total and marks the spare
+            # rows (past the last segment) as belonging to none.
+            below = tl.zeros([], dtype=tl.int32)
+            mine = tl.zeros([], dtype=tl.int32)
+            for s0 in range(0, N_SLOTS, BLOCK):
+                slot = s0 + offs
+                ids = tl.load(IDS + slot, mask=slot < N_SLOTS, other=-1)
+                below += tl.sum(((ids >= 0) & (ids < e)).to(tl.int32), 0)
+                mine += tl.sum((ids == e).to(tl.int32), 0)
+            start = below.to(tl.int64)
+            end = start + mine
+            tl.store(OFFS + e, below)
+            if e == E - 1:
+                total = below + mine
+                tl.store(OFFS + E, total)
+                for r0 in range(total, M_ROWS, BLOCK):
+                    row = r0 + offs
+                    tl.store(MIDX + row, tl.full([BLOCK], -1, tl.int32), mask=row < M_ROWS)
+        else:
+            # Padded segments: every program counts every expert's slots first (a histogram), so
+            # it knows its own segment without a second launch or a host round trip; program 0
+            # publishes the offsets and marks the spare rows. Foreign ids land in bin E
+            # (E_PAD > E), which no segment uses: tl.histogram's mask argument is newer than the
+            # oldest Triton this package supports.
+            hist = tl.zeros([E_PAD], dtype=tl.int32)
+            for s0 in range(0, N_SLOTS, BLOCK):
+                slot = s0 + offs
+                ids = tl.load(IDS + slot, mask=slot < N_SLOTS, other=-1)
+                local = (ids >= 0) & (ids < E)
+                hist += tl.histogram(tl.where(local, ids, E).to(tl.int32), E_PAD)
+            bins = tl.arange(0, E_PAD)
+            hist = tl.where(bins < E, hist, 0)
+            padded = (hist + ALIGN - 1) // ALIGN * ALIGN
+            ends = tl.cumsum(padded, 0)
+            end = tl.sum(tl.where(bins == e, ends, 0), 0).to(tl.int64)
+            start = end - tl.sum(tl.where(bins == e, padded, 0), 0).to(tl.int64)
+            if e == 0:
+                tl.store(OFFS + bins, ends - padded, mask=bins < E)
+                total = tl.sum(padded, 0)
+                tl.store(OFFS + E, total)
+                for r0 in range(total, M_ROWS, BLOCK):
+                    row = r0 + offs
+                    tl.store(MIDX + row, tl.full([BLOCK], -1, tl.int32), mask=row < M_ROWS)
     else:
         start = tl.load(OFFS + e).to(tl.int64)
         end = tl.load(OFFS + e + 1).to(tl.int64)
