@@ -24,8 +24,8 @@ def _ranks(alt):
     return ranks
 
 
-ARGS = argparse.Namespace(prefill_tokens=4096, decode_tokens=128, iters=20, warmup=3, rounds=5, backend="auto",
-                          num_sms=None)  # fmt: skip
+ARGS = argparse.Namespace(prefill_tokens=4096, decode_tokens=128, iters=20, warmup=3, rounds=5, sustained=8,
+                          backend="auto", num_sms=None)  # fmt: skip
 
 
 def test_ratio_is_slowest_rank_against_slowest_rank():
@@ -57,9 +57,13 @@ def test_interleaved_ratio_is_slowest_rank_against_slowest_rank():
     ranks = _ranks(None)
     for r, (b, i) in zip(ranks, [(7.0, 4.5), (7.1, 4.4)]):
         r["interleaved"] = {"prefill": {"bf16": {"layer_ms": b, "rounds_ms": [b]}, "int8_channel": {"layer_ms": i, "rounds_ms": [i]}}}
+        r["sustained"] = {"prefill": {"bf16": {"layer_ms": b + 0.5}, "int8_channel": {"layer_ms": i + 0.1}}}
     s = bench_layer._summary(ranks, ARGS)
     assert s["ratios"]["int8_channel/prefill_interleaved"] == pytest.approx(7.1 / 4.5)
-    assert "int8_channel 4.500 ms (1.58x bf16)" in bench_layer._table(s)
+    assert s["ratios"]["int8_channel/prefill_sustained"] == pytest.approx(7.6 / 4.6)
+    table = bench_layer._table(s)
+    assert "interleaved throughput" in table and "int8_channel 4.500 ms (1.58x bf16)" in table
+    assert "sustained throughput" in table and "int8_channel 4.600 ms (1.65x bf16)" in table
 
 
 def test_interleaved_turns_rotate_and_take_medians(monkeypatch):
@@ -72,7 +76,7 @@ def test_interleaved_turns_rotate_and_take_medians(monkeypatch):
     assert got["b"]["layer_ms"] == 5.0
 
 
-@pytest.mark.parametrize("arg", ["--iters=0", "--warmup=-1", "--rounds=-1", "--prefill-tokens=0", "--decode-tokens=0",
+@pytest.mark.parametrize("arg", ["--iters=0", "--warmup=-1", "--rounds=-1", "--sustained=-1", "--prefill-tokens=0", "--decode-tokens=0",
                                  "--num-sms=63"])
 def test_counts_are_checked(arg, capsys):
     with pytest.raises(SystemExit):

@@ -53,6 +53,9 @@ def _parse(argv):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=5,
                    help="rounds of the interleaved throughput comparison (0: skip it)")
+    p.add_argument("--sustained", type=int, default=0,
+                   help="windows of --iters forwards each for the sustained prefill throughput, per scheme "
+                        "(0: skip it)")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--plot", default=None, help="write a PNG plot here")
     p.add_argument("--port", type=int, default=0)
@@ -66,7 +69,7 @@ def _parse(argv):
     bad = [s for s in args.schemes.split(",") if s not in SCHEMES]
     if bad:
         p.error(f"--schemes {bad} unknown; allowed: {list(SCHEMES)}")
-    for name, least in (("iters", 1), ("warmup", 0), ("rounds", 0), ("prefill_tokens", 1), ("decode_tokens", 1)):
+    for name, least in (("iters", 1), ("warmup", 0), ("rounds", 0), ("sustained", 0), ("prefill_tokens", 1), ("decode_tokens", 1)):
         if getattr(args, name) < least:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)}; must be >= {least}")
     return args
@@ -346,6 +349,32 @@ def _interleaved(forwards, iters, warmup, rounds, device):
     return {n: {"layer_ms": statistics.median(v), "rounds_ms": v} for n, v in samples.items()}
 
 
+def _sustained(forwards, per_window, windows, device):
+    """Per scheme, ``windows`` windows of ``per_window`` back-to-back forwards, one scheme after
+    the other with no pause: what a layer serving one scheme under constant load runs at once
+    the GPU's clocks have settled. CUDA events at the window boundaries only (the host never
+    waits inside); returns each window's mean ms and the median of the second half's, plus the
+    SM clock (MHz) and temperature (C) after the last window when NVML is readable."""
+    out = {}
+    for name, fn in forwards.items():
+        _barrier(device)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(windows + 1)]
+        events[0].record()
+        for w in range(windows):
+            for _ in range(per_window):
+                fn()
+            events[w + 1].record()
+        torch.cuda.synchronize()
+        ms = [a.elapsed_time(b) / per_window for a, b in zip(events, events[1:])]
+        out[name] = {"window_ms": ms, "layer_ms": statistics.median(ms[len(ms) // 2:])}
+        for key, fn in (("sm_clock_mhz", "clock_rate"), ("temperature_c", "temperature")):
+            try:
+                out[name][key] = getattr(torch.cuda, fn)(device)
+            except Exception:  # noqa: BLE001 - NVML (and these torch helpers) are optional
+                pass
+    return out
+
+
 def _no_host_sync(layer, bounded, x, ids, w, ref, iters, warmup, device):
     """Whole prefill layer with the host waiting for DeepEP's receive counts (``layer``) and
     without (``bounded``: ``normal_max_tokens_per_rank`` set), in alternating rounds (medians of
@@ -585,6 +614,8 @@ def _rank_main(rank, args, port, out_path):
         if args.rounds:
             res["interleaved"] = {phase: _interleaved(fns, args.iters, args.warmup, args.rounds, device)
                                   for phase, fns in turns.items()}  # fmt: skip
+        if args.sustained:
+            res["sustained"] = {"prefill": _sustained(turns["prefill"], args.iters, args.sustained, device)}
         turns.clear()
         res["ll_int8_payload"] = _ll_int8_study(owner, xd, idd, device, args.iters, args.warmup)
     except Exception:  # noqa: BLE001 - reported in the JSON; the peer is killed by the parent
@@ -606,7 +637,8 @@ def _summary(ranks, args):
     out = dict(
         config=dict(num_experts=E, top_k=K, hidden=H, intermediate=I, world_size=WORLD,
                     prefill_tokens=args.prefill_tokens, decode_tokens=args.decode_tokens,
-                    iters=args.iters, warmup=args.warmup, rounds=args.rounds, backend_requested=args.backend,
+                    iters=args.iters, warmup=args.warmup, rounds=args.rounds, sustained_windows=args.sustained,
+                    backend_requested=args.backend,
                     deepep_normal_num_sms=args.num_sms,
                     device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                     torch=torch.__version__),
@@ -627,14 +659,15 @@ def _summary(ranks, args):
         for scheme, rows in nosync.items():
             if all(rows):
                 out["ratios"][f"{scheme}/prefill_no_host_sync"] = slow_b / max(n["layer_ms"] for n in rows)
-    inter = [r.get("interleaved") for r in ranks]
-    if all(inter):
-        for phase, per in inter[0].items():
-            if "bf16" in per:
-                slow_b = max(i[phase]["bf16"]["layer_ms"] for i in inter)
-                for scheme in per:
-                    slow = max(i[phase][scheme]["layer_ms"] for i in inter)
-                    out["ratios"][f"{scheme}/{phase}_interleaved"] = slow_b / slow
+    for kind in ("interleaved", "sustained"):
+        got = [r.get(kind) for r in ranks]
+        if all(got):
+            for phase, per in got[0].items():
+                if "bf16" in per:
+                    slow_b = max(g[phase]["bf16"]["layer_ms"] for g in got)
+                    for scheme in per:
+                        slow = max(g[phase][scheme]["layer_ms"] for g in got)
+                        out["ratios"][f"{scheme}/{phase}_{kind}"] = slow_b / slow
     # The BF16 prefill layer with torch._grouped_mm experts instead of the backend's: its time
     # minus the backend's experts pass plus grouped_mm's, both measured on the same batch.
     alt = [r["schemes"].get("bf16", {}).get("prefill", {}).get("bf16_grouped_mm") for r in ranks]
@@ -696,14 +729,15 @@ def _table(summary) -> str:
                 lines.append(f"prefill without host sync (normal_max_tokens_per_rank), {scheme}, rank {r['rank']}: "
                              f"{n['layer_ms']:.3f} ms ({ratio:.2f}x bf16) vs {n['sync_ms']:.3f} ms with it "
                              f"(rel. diff {n['rel_diff_vs_sync']:.1e})")  # fmt: skip
-    inter = summary["ranks"][0].get("interleaved") or {}
-    for phase, per in inter.items():
-        what = "bounded prefill (normal_max_tokens_per_rank)" if phase == "prefill" else "low-latency decode"
-        lines.append(
-            f"interleaved throughput, {what}, {summary['config']['rounds']} rounds, slower rank: "
-            + ", ".join(f"{s} {max(r['interleaved'][phase][s]['layer_ms'] for r in summary['ranks']):.3f} ms "
-                        f"({summary['ratios'].get(f'{s}/{phase}_interleaved', float('nan')):.2f}x bf16)" for s in per)
-        )  # fmt: skip
+    for kind, how in (("interleaved", f"{summary['config'].get('rounds')} rounds of turns"),
+                      ("sustained", f"{summary['config'].get('sustained_windows')} windows back to back, second half")):
+        for phase, per in (summary["ranks"][0].get(kind) or {}).items():
+            what = "bounded prefill (normal_max_tokens_per_rank)" if phase == "prefill" else "low-latency decode"
+            lines.append(
+                f"{kind} throughput, {what}, {how}, slower rank: "
+                + ", ".join(f"{s} {max(r[kind][phase][s]['layer_ms'] for r in summary['ranks']):.3f} ms "
+                            f"({summary['ratios'].get(f'{s}/{phase}_{kind}', float('nan')):.2f}x bf16)" for s in per)
+            )  # fmt: skip
     for r in summary["ranks"]:
         a = r["schemes"].get("bf16", {}).get("prefill", {}).get("bf16_grouped_mm")
         if a and "error" in a:
