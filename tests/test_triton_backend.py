@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -86,13 +87,15 @@ def test_contiguous_matches_torch_backend(scheme, acc, routing, align):
 
 @pytest.mark.parametrize("scheme,acc", SCHEME_ACC)
 @pytest.mark.parametrize(
-    "routing,align,fmt",
-    [("uneven", 1, None), ("uneven", 1, "native"), ("uneven", 1, "fp8_groups"), ("uneven", 8, None), ("no_tokens", 1, None)],
+    "routing,align,fmt,hint",
+    [("uneven", 1, None, 6), ("uneven", 1, None, 1), ("uneven", 1, "native", 6), ("uneven", 1, "fp8_groups", 6),
+     ("uneven", 8, None, 6), ("no_tokens", 1, None, 6)],
 )
-def test_contiguous_with_device_sizes_matches_exact_batch(scheme, acc, routing, align, fmt):
+def test_contiguous_with_device_sizes_matches_exact_batch(scheme, acc, routing, align, fmt, hint):
     """A batch whose segment sizes stayed on the device (spare rows past the last segment, here
     poisoned with NaN / extreme codes) gives the exact batch's outputs on every used row: float,
-    native INT8 and requantized FP8 inputs, padded segments, no local slot at all."""
+    native INT8 and requantized FP8 inputs, padded segments, no local slot at all; with a hint of
+    one row per expert the row-wise kernels loop over the rows past it."""
     ids = ROUTINGS[routing]
     x = _x(ids.shape[0])
     xs = None
@@ -108,7 +111,7 @@ def test_contiguous_with_device_sizes_matches_exact_batch(scheme, acc, routing, 
     backend = TritonBackend(sch, accumulator=acc)
     prepared = backend.prepare_weights(weights)
     exact = to_contiguous(x.to(DEVICE), xs, ids.to(DEVICE), E, align)
-    spare = _to_contiguous_kernels(x.to(DEVICE), xs, ids.to(DEVICE), E, align, None, expected_m=6)
+    spare = _to_contiguous_kernels(x.to(DEVICE), xs, ids.to(DEVICE), E, align, None, expected_m=hint)
     m = exact.x.shape[0]
     assert spare.x.shape[0] > m
     if spare.x.dtype == torch.float8_e4m3fn:
@@ -126,9 +129,10 @@ def test_contiguous_with_device_sizes_matches_exact_batch(scheme, acc, routing, 
 
 @pytest.mark.parametrize("scheme,acc", SCHEME_ACC)
 @pytest.mark.parametrize("routing", ["uneven", "one_expert"])
-@pytest.mark.parametrize("hint", [None, 1], ids=["own_hint", "hint_1"])
+@pytest.mark.parametrize("hint", [None, 1, 0, np.int64(2)], ids=["own_hint", "hint_1", "hint_0", "hint_np"])
 def test_masked_matches_torch_backend(scheme, acc, routing, hint):
-    """``hint_1``: kernels sized for one row per expert loop over the rest."""
+    """``hint_1``: kernels sized for one row per expert loop over the rest; a hint of 0 or a
+    NumPy integer is taken as a hint (at least 1), as the masked GEMMs always did."""
     ids = ROUTINGS[routing]
     x = _x(ids.shape[0])
     batch, _ = to_masked(x.to(DEVICE), None, ids.to(DEVICE), E, capacity=24)

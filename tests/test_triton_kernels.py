@@ -929,6 +929,21 @@ def test_expected_m_needs_masked_m_and_a_positive_int(call):
         run(masked_m=torch.tensor([1, 2], dtype=torch.int32, device=DEVICE), expected_m=0)
 
 
+@pytest.mark.parametrize(
+    "kw,err,match",
+    [
+        (dict(granularity="block"), ValueError, "granularity='block'; allowed: 'token', 'group'"),
+        (dict(granularity="token", dtype=torch.float8_e4m3fn), TypeError, "with granularity='token'; allowed: int8"),
+        (dict(granularity="group", dtype=torch.float16), TypeError, "dtype=torch.float16; allowed: torch.int8"),
+        (dict(granularity="group", group_size=100), ValueError, "group_size=100; must be a power of two >= 16"),
+        (dict(granularity="group", group_size=256), ValueError, "I=128 is not a multiple of group_size=256"),
+    ],
+)
+def test_silu_and_mul_quant_argument_errors(kw, err, match):
+    with pytest.raises(err, match=match):
+        activation.silu_and_mul_quant(torch.randn(3, 256, device=DEVICE), **kw)
+
+
 def test_row_grid_follows_the_hint():
     from epmoe.kernels.common import row_plan
 

@@ -73,7 +73,7 @@ class TritonBackend(ExpertsBackend):
         slab = (lambda t: None if t is None else t.unsqueeze(0))  # noqa: E731
         out = self._run(
             batch.x.unsqueeze(0), slab(batch.x_scale), weights, out_dtype,
-            rows_bound=(batch.valid_rows, batch.expected_m * batch.num_experts),
+            rows_bound=(batch.valid_rows, max(1, batch.expected_m * batch.num_experts)),
             expert_offsets=batch.expert_offsets, expected_m=batch.expected_m,
         )
         return out.squeeze(0)
@@ -82,9 +82,11 @@ class TritonBackend(ExpertsBackend):
         self, batch: MaskedBatch, weights: ExpertWeights, out_dtype: torch.dtype
     ) -> torch.Tensor:
         masked_m = batch.masked_m.to(device=batch.x.device, dtype=torch.int32)
+        # A hint is only a hint: any integer-like value is taken, at least 1 (as DeepGEMM does).
+        hint = None if batch.expected_m is None else max(1, int(batch.expected_m))
         return self._run(
-            batch.x, batch.x_scale, weights, out_dtype, rows_bound=(masked_m, batch.expected_m),
-            masked_m=masked_m, expected_m=batch.expected_m,
+            batch.x, batch.x_scale, weights, out_dtype, rows_bound=(masked_m, hint),
+            masked_m=masked_m, expected_m=hint,
         )  # fmt: skip
 
     def _run(

@@ -22,7 +22,6 @@ from .quantize import (
     Launch,
     _rows_per_prog,
     _warps,
-    check_group_args,
     check_launch,
     group_quant,
     load_tile,
@@ -138,8 +137,6 @@ def silu_and_mul_quant(
         raise ValueError(f"granularity={granularity!r}; allowed: 'token', 'group'")
     if granularity == "token" and dtype != torch.int8:
         raise TypeError(f"dtype={dtype} with granularity='token'; allowed: int8 (token), int8 or e4m3 (group)")
-    if granularity == "group":
-        check_group_args(inter, group_size, dtype, "I")
     plan = row_plan(masked_m, gate_up.shape, gate_up.device, expected_m)
     if granularity == "token":
         return token_quant(x2, None, 1, gate_up.shape, plan, launch, silu=True)

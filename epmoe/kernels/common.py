@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -161,7 +162,7 @@ def row_plan(
     ``masked_m``) skip rows past ``masked_m`` and size its grid from ``expected_m`` (rows per
     expert a masked batch is expected to fill; needs ``masked_m``)."""
     check_positive_int("expected_m", expected_m, optional=True)
-    m = int(np.prod(shape[:-1])) if len(shape) > 1 else 0
+    m = math.prod(shape[:-1]) if len(shape) > 1 else 0  # np.prod costs ~4 us of host time
     if masked_m is None:
         if expected_m is not None:
             raise ValueError(f"expected_m={expected_m} sizes the grid of a masked batch; pass masked_m with it")

@@ -461,7 +461,7 @@ def per_group_quant(
     return group_quant(x2, xs2, in_group, shape, plan, group_size, dtype, launch, silu=False)
 
 
-def check_group_args(k: int, group_size: int, dtype: torch.dtype, name: str = "x's last dim K") -> None:
+def _check_group_args(k: int, group_size: int, dtype: torch.dtype, name: str = "x's last dim K") -> None:
     """A group quantizer's arguments: ``dtype`` int8 or e4m3, ``group_size`` a power of two
     >= 16 dividing ``k``."""
     if dtype not in (torch.int8, torch.float8_e4m3fn):
@@ -479,7 +479,7 @@ def group_quant(
     """Launch :func:`group_quant_kernel` over the rows of ``x2`` (as in :func:`token_quant`)."""
     m = x2.shape[0]
     k = x2.shape[1] // 2 if silu else x2.shape[1]
-    check_group_args(k, group_size, dtype, "I" if silu else "x's last dim K")
+    _check_group_args(k, group_size, dtype, "I" if silu else "x's last dim K")
     groups = k // group_size
     q = torch.empty((m, k), dtype=dtype, device=x2.device)
     s = torch.empty((m, groups), dtype=torch.float32, device=x2.device)
