@@ -135,8 +135,11 @@ class ExpertsBackend(ABC):
             )
 
     def prepare_weights(self, weights: ExpertWeights) -> ExpertWeights:
-        """Hook for a backend-specific weight layout, called once after weights change."""
-        return weights
+        """Hook for a backend-specific weight layout, called once after weights change. The
+        default checks them against the scheme and makes them contiguous (what the Triton,
+        DeepGEMM — K-major e4m3 with contiguous 128x128 fp32 scales — and CUTLASS kernels read)."""
+        check_weights(weights, self.scheme)
+        return weights.contiguous()
 
     @abstractmethod
     def run_contiguous(

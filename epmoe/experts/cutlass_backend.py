@@ -33,7 +33,7 @@ import torch
 from .. import devices
 from ..layouts import ContiguousBatch, MaskedBatch
 from ..quant.schemes import BLOCK
-from .base import ExpertsBackend, ExpertWeights, check_weights, fp8_gemm_input
+from .base import ExpertsBackend, ExpertWeights, fp8_gemm_input
 from .fp8_selection import (
     cutlass_decision,
     cutlass_warning,
@@ -315,10 +315,6 @@ class CutlassBackend(ExpertsBackend):
         if decision.warn:
             _warn_once(cutlass_warning(decision))
         return decision.ok, decision.reason
-
-    def prepare_weights(self, weights: ExpertWeights) -> ExpertWeights:
-        check_weights(weights, self.scheme)
-        return weights.contiguous()
 
     def warmup(self, weights: ExpertWeights, max_m: int = 0) -> None:
         """Build the extension (first use) so no compile happens inside a timed or captured region."""

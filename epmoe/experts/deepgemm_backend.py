@@ -31,7 +31,7 @@ import torch
 
 from ..layouts import ContiguousBatch, MaskedBatch
 from ..quant.schemes import BLOCK, QuantScheme
-from .base import ExpertsBackend, ExpertWeights, check_weights, fp8_gemm_input
+from .base import ExpertsBackend, ExpertWeights, fp8_gemm_input
 from .fp8_selection import deepgemm_decision, machine_facts
 
 log = logging.getLogger("epmoe")
@@ -241,11 +241,6 @@ class DeepGemmBackend(ExpertsBackend):
         if fn is None:
             return False, f"this deep_gemm has no {layout} FP8 grouped GEMM"
         return True, f"{reason} ({api.names[layout]})"
-
-    def prepare_weights(self, weights: ExpertWeights) -> ExpertWeights:
-        check_weights(weights, self.scheme)
-        # DeepGEMM on SM90 wants K-major e4m3 weights and contiguous fp32 128x128 scales (SFB).
-        return weights.contiguous()
 
     # ------------------------------------------------------------------------------- forward
     def run_contiguous(

@@ -57,10 +57,6 @@ class TritonBackend(ExpertsBackend):
             return False, "on CPU the triton backend needs TRITON_INTERPRET=1 (interpreter, slow)"
         return False, f"triton kernels do not run on device type {device.type!r}"
 
-    def prepare_weights(self, weights: ExpertWeights) -> ExpertWeights:
-        check_weights(weights, self.scheme)
-        return weights.contiguous()
-
     def run_contiguous(
         self, batch: ContiguousBatch, weights: ExpertWeights, out_dtype: torch.dtype
     ) -> torch.Tensor:
