@@ -76,6 +76,37 @@ def test_interleaved_turns_rotate_and_take_medians(monkeypatch):
     assert got["b"]["layer_ms"] == 5.0
 
 
+class _FakeEvent:
+    """A CUDA event stand-in whose clock is a counter of forwards run (1 ms each, 2 ms for 'b')."""
+
+    now = 0.0
+
+    def __init__(self, enable_timing=False):
+        self.t = None
+
+    def record(self):
+        self.t = _FakeEvent.now
+
+    def elapsed_time(self, other):
+        return other.t - self.t
+
+
+def test_sustained_windows_and_second_half_median(monkeypatch):
+    monkeypatch.setattr(bench_layer.torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(bench_layer.torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(bench_layer, "_barrier", lambda device: None)
+    slow = iter([1.0] * 3 * 2 + [3.0] * 3 * 2)  # scheme b: first two windows 1 ms/forward, then 3
+
+    def fwd(ms):
+        def run():
+            _FakeEvent.now += ms if ms else next(slow)
+        return run
+
+    got = bench_layer._sustained({"a": fwd(1.0), "b": fwd(None)}, 3, 4, "cpu")
+    assert got["a"]["window_ms"] == [1.0] * 4 and got["a"]["layer_ms"] == 1.0
+    assert got["b"]["window_ms"] == [1.0, 1.0, 3.0, 3.0] and got["b"]["layer_ms"] == 3.0
+
+
 @pytest.mark.parametrize("arg", ["--iters=0", "--warmup=-1", "--rounds=-1", "--sustained=-1", "--prefill-tokens=0", "--decode-tokens=0",
                                  "--num-sms=63"])
 def test_counts_are_checked(arg, capsys):
