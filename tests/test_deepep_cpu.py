@@ -368,3 +368,57 @@ def test_num_sms_ignored_where_normal_mode_cannot_run_is_said(fake_deep_ep, monk
     with caplog.at_level("WARNING", logger="epmoe"):
         buf.get()
     assert "num_sms=64) has no effect on 16 ranks" in caplog.text
+
+
+# ------------------------------------------------------------------------------ low-latency wiring
+class _FakeLowLatencyBuffer(_FakeBuffer):
+    """Records what low-latency dispatch and combine were given; returns a masked batch of the
+    right shape (every token's rows land nowhere: counts are zero) and a combine of ``t`` rows."""
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_tokens, num_experts, use_fp8=False, **kw):
+        self.ll_dispatch = dict(x=x, ids=topk_idx, tokens=num_max_tokens, experts=num_experts, use_fp8=use_fp8, kw=kw)
+        e_loc = num_experts // 2
+        recv = torch.zeros(e_loc, num_max_tokens * 2, x.shape[1], dtype=torch.bfloat16)
+        if use_fp8:
+            recv = (recv.to(torch.float8_e4m3fn), torch.ones(e_loc, num_max_tokens * 2, x.shape[1] // 128))
+        return recv, torch.zeros(e_loc, dtype=torch.int32), ("handle",), None, None
+
+    def low_latency_combine(self, y, topk_idx, topk_weights, handle, **kw):
+        self.ll_combine = dict(y=y, ids=topk_idx, weights=topk_weights, handle=handle, kw=kw)
+        return torch.zeros(topk_idx.shape[0], y.shape[-1], dtype=torch.bfloat16), None, None
+
+
+@pytest.mark.parametrize("t", [5, 0])
+@pytest.mark.parametrize("payload", ["float", "fp8_group"])
+def test_low_latency_dispatch_and_combine_wiring(fake_deep_ep, t, payload):
+    """What deepep_low_latency hands DeepEP: BF16 rows, int64 ids, the planned capacity, the
+    payload's FP8 flag, no async or hook; an empty batch travels as one token that selects no
+    expert. Combine gets the same ids and fp32 weights and returns the batch's own rows."""
+    fake_deep_ep.Buffer = _FakeLowLatencyBuffer
+    cfg = DispatchConfig(num_experts=16, hidden_size=2048, top_k=2, world_size=2, max_tokens_per_rank=6,
+                         low_latency_payload=payload)  # fmt: skip
+    disp = dd.DeepEPLowLatencyDispatcher(cfg)
+    ids = torch.randint(0, 16, (t, 2), dtype=torch.int32)
+    w = torch.rand(t, 2, dtype=torch.float64)
+    d = disp.dispatch(torch.randn(t, 2048), ids, w)
+    buf = _FakeBuffer.made[-1]
+    sent = buf.ll_dispatch
+    assert sent["x"].dtype == torch.bfloat16 and sent["x"].shape == (max(t, 1), 2048)
+    assert sent["ids"].dtype == torch.int64 and sent["ids"].shape == (max(t, 1), 2)
+    if t == 0:
+        assert (sent["ids"] == -1).all()
+    else:
+        assert torch.equal(sent["ids"], ids.long())
+    assert sent["tokens"] == disp.buffer.plan.ll_max_tokens == dd.low_latency_tokens(6, 2)
+    assert sent["experts"] == 16 and sent["use_fp8"] == (payload == "fp8_group")
+    assert sent["kw"] == dict(async_finish=False, return_recv_hook=False)
+    assert d.layout == "masked" and d.combine_applies_weights and d.num_tokens == t
+    assert (d.x_scale is not None) == (payload == "fp8_group")
+    assert d.expected_m == dd.expected_rows_per_expert(max(t, 1), 2, 2, 16)
+    y = torch.zeros(8, disp.buffer.plan.ll_max_tokens * 2, 2048, dtype=torch.bfloat16)
+    out = disp.combine(y, d)
+    got = buf.ll_combine
+    assert got["ids"] is sent["ids"] and got["weights"].dtype == torch.float32 and got["handle"] == ("handle",)
+    assert got["weights"].shape == (max(t, 1), 2) and got["kw"] == dict(async_finish=False, return_recv_hook=False)
+    assert out.shape == (t, 2048)
+    disp.buffer.close()

@@ -650,22 +650,23 @@ class DeepEPLowLatencyDispatcher(_DeepEPBase):
 
     def _dispatch(self, buf, x, topk_ids, topk_weights) -> Dispatched:
         t = x.shape[0]
-        x, topk_ids, topk_weights = pad_empty_batch(x, topk_ids, topk_weights)
-        topk_ids = as_contiguous(topk_ids, torch.int64)
-        topk_weights = as_contiguous(topk_weights, torch.float32)
-        # DeepEP takes BF16 and casts to FP8 (1x128 scales) inside its kernel when asked.
-        xb = as_contiguous(x, torch.bfloat16)
-        use_fp8 = self.cfg.low_latency_payload == "fp8_group"
-        plan = self.buffer.plan
+        if not t:
+            x, topk_ids, topk_weights = pad_empty_batch(x, topk_ids, topk_weights)
+        cfg = self.cfg
+        use_fp8 = cfg.low_latency_payload == "fp8_group"
+        ids = as_contiguous(topk_ids, torch.int64)
+        # Only what the launch needs comes before it: in eager decode the GPU waits for this host
+        # work. DeepEP takes BF16 and casts to FP8 (1x128 scales) inside its kernel when asked.
         recv, count, handle, _, _ = buf.low_latency_dispatch(
-            xb, topk_ids, plan.ll_max_tokens, self.cfg.num_experts,
+            as_contiguous(x, torch.bfloat16), ids, self.buffer.plan.ll_max_tokens, cfg.num_experts,
             use_fp8=use_fp8, async_finish=False, return_recv_hook=False,
         )  # fmt: skip
+        weights = as_contiguous(topk_weights, torch.float32)
         rx, rs = recv if use_fp8 else (recv, None)
         return Dispatched(
-            x=rx, x_scale=rs, handle=("low_latency", handle, t, topk_ids, topk_weights),
+            x=rx, x_scale=rs, handle=("low_latency", handle, t, ids, weights),
             num_tokens=t, masked_m=count,
-            expected_m=expected_rows_per_expert(max(t, 1), self.cfg.world_size, self.cfg.top_k, self.cfg.num_experts),
+            expected_m=expected_rows_per_expert(max(t, 1), cfg.world_size, cfg.top_k, cfg.num_experts),
             combine_applies_weights=True,
         )  # fmt: skip
 
