@@ -723,7 +723,7 @@ def test_tune_candidates_with_tma():
                 assert c.smem_bytes(2 if kmode == "bf16" else 1) <= tune.SMEM_BYTES
                 assert kmode != "int8_block" or 128 % c.block_k == 0
     # `epmoe tune` can regenerate every shipped H200 TMA entry of the tuned buckets.
-    table = json.loads((configs.PACKAGE_DIR / "NVIDIA_H200.json").read_text())["configs"]
+    table = _shipped_table()["configs"]
     checked = 0
     for mode, shapes in table.items():
         for buckets in shapes.values():
@@ -735,72 +735,69 @@ def test_tune_candidates_with_tma():
     assert checked >= 6
 
 
-def test_get_config_reads_tma_entries(tmp_path, monkeypatch):
-    name = configs.device_name(DEVICE)
-    entry = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3,
-             "TMA": True, "PERSISTENT": True}
-    data = {"device": name, "configs": {"int8_channel_int32": {"N=4096,K=7168": {"512": entry}}}}
-    (tmp_path / configs.config_filename(name)).write_text(json.dumps(data))
+@pytest.fixture
+def config_dir(tmp_path, monkeypatch):
+    """A config table directory for this device: write ``{"configs": ...}`` (or a whole table)
+    through the returned function; the table cache is cleared before and after."""
+
+    def write(data):
+        name = configs.device_name(DEVICE)
+        (tmp_path / configs.config_filename(name)).write_text(json.dumps(dict(data, device=name)))
+
     monkeypatch.setenv("EPMOE_CONFIG_DIR", str(tmp_path))
     configs.load_table.cache_clear()
-    try:
-        cfg = configs.get_config("int8_channel", 4096, 7168, 300, device=DEVICE, accumulator="int32")
-        assert cfg.tma and cfg.persistent and cfg.to_dict() == dict(entry, SWAP_AB=False)
-        # the fp32-accumulator lookup does not see the int32 entry
-        assert not configs.get_config("int8_channel", 4096, 7168, 300, device=DEVICE, accumulator="fp32").tma
-    finally:
-        monkeypatch.delenv("EPMOE_CONFIG_DIR")
-        configs.load_table.cache_clear()
+    yield write
+    monkeypatch.delenv("EPMOE_CONFIG_DIR")
+    configs.load_table.cache_clear()
 
 
-def test_int32_entries_override_bucket_by_bucket(tmp_path, monkeypatch):
-    name = configs.device_name(DEVICE)
+def _shipped_table() -> dict:
+    return json.loads((configs.PACKAGE_DIR / "NVIDIA_H200.json").read_text())
+
+
+def test_get_config_reads_tma_entries(config_dir):
+    entry = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3,
+             "TMA": True, "PERSISTENT": True}
+    config_dir({"configs": {"int8_channel_int32": {"N=4096,K=7168": {"512": entry}}}})
+    cfg = configs.get_config("int8_channel", 4096, 7168, 300, device=DEVICE, accumulator="int32")
+    assert cfg.tma and cfg.persistent and cfg.to_dict() == dict(entry, SWAP_AB=False)
+    # the fp32-accumulator lookup does not see the int32 entry
+    assert not configs.get_config("int8_channel", 4096, 7168, 300, device=DEVICE, accumulator="fp32").tma
+
+
+def test_int32_entries_override_bucket_by_bucket(config_dir):
     small = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "SWAP_AB": True, "num_warps": 4, "num_stages": 4}
     big = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 256, "GROUP_M": 8, "SWAP_AB": False, "num_warps": 8, "num_stages": 3}
     big32 = dict(big, BLOCK_N=256, BLOCK_K=128, num_stages=4, TMA=True)
-    data = {"device": name, "configs": {
+    config_dir({"configs": {
         "int8_channel": {"N=4096,K=7168": {"8": small, "2048": big}},
         "int8_channel_int32": {"N=4096,K=7168": {"2048": big32}},  # only the large bucket tuned
-    }}
-    (tmp_path / configs.config_filename(name)).write_text(json.dumps(data))
-    monkeypatch.setenv("EPMOE_CONFIG_DIR", str(tmp_path))
-    configs.load_table.cache_clear()
-    try:
-        get = lambda m, acc: configs.get_config("int8_channel", 4096, 7168, m, device=DEVICE, accumulator=acc).to_dict()  # noqa: E731
-        assert get(8, "int32") == small  # not the int32 table's only (large) bucket
-        assert get(2048, "int32") == big32
-        assert get(2048, "fp32") == big
-    finally:
-        monkeypatch.delenv("EPMOE_CONFIG_DIR")
-        configs.load_table.cache_clear()
+    }})
+    get = lambda m, acc: configs.get_config("int8_channel", 4096, 7168, m, device=DEVICE, accumulator=acc).to_dict()  # noqa: E731
+    assert get(8, "int32") == small  # not the int32 table's only (large) bucket
+    assert get(2048, "int32") == big32
+    assert get(2048, "fp32") == big
 
 
-def test_get_config_picks_the_bucket_pick_bucket_picks(tmp_path, monkeypatch):
+def test_get_config_picks_the_bucket_pick_bucket_picks(config_dir):
     """get_config's pre-sorted lookup gives, at every bucket edge and between, the entry
     pick_bucket chooses from the raw table (the shipped H200 file, under this device's name)."""
-    shipped = json.loads((configs.PACKAGE_DIR / "NVIDIA_H200.json").read_text())
-    name = configs.device_name(DEVICE)
-    (tmp_path / configs.config_filename(name)).write_text(json.dumps(dict(shipped, device=name)))
-    monkeypatch.setenv("EPMOE_CONFIG_DIR", str(tmp_path))
-    configs.load_table.cache_clear()
-    try:
-        checked = 0
-        for mode, shapes in shipped["configs"].items():
-            if mode == configs.INT32_ACC_MODE:
-                continue
-            for shape, buckets in shapes.items():
-                n, k = (int(p.split("=")[1]) for p in shape.split(","))
-                edges = sorted(int(b) for b in buckets)
-                for m in {0.5, *edges, *(b + 0.5 for b in edges), *(b - 1 for b in edges), 10 * edges[-1]}:
-                    want = configs.GemmConfig.from_dict(configs.pick_bucket(buckets, m))
-                    if mode == "int8_block" and 128 % want.block_k:
-                        want = dataclasses.replace(want, block_k=128)
-                    assert configs.get_config(mode, n, k, m, device=DEVICE) == want, (mode, shape, m)
-                    checked += 1
-        assert checked > 50
-    finally:
-        monkeypatch.delenv("EPMOE_CONFIG_DIR")
-        configs.load_table.cache_clear()
+    shipped = _shipped_table()
+    config_dir(shipped)
+    checked = 0
+    for mode, shapes in shipped["configs"].items():
+        if mode == configs.INT32_ACC_MODE:
+            continue
+        for shape, buckets in shapes.items():
+            n, k = (int(p.split("=")[1]) for p in shape.split(","))
+            edges = sorted(int(b) for b in buckets)
+            for m in {0.5, *edges, *(b + 0.5 for b in edges), *(b - 1 for b in edges), 10 * edges[-1]}:
+                want = configs.GemmConfig.from_dict(configs.pick_bucket(buckets, m))
+                if mode == "int8_block" and 128 % want.block_k:
+                    want = dataclasses.replace(want, block_k=128)
+                assert configs.get_config(mode, n, k, m, device=DEVICE) == want, (mode, shape, m)
+                checked += 1
+    assert checked > 50
 
 
 # ---------------------------------------------------------------- activation

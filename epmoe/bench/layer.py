@@ -382,14 +382,16 @@ def _no_host_sync(layer, bounded, x, ids, w, ref, iters, warmup, device):
     without (``bounded``: ``normal_max_tokens_per_rank`` set), in alternating rounds (medians of
     the per-round means), plus the relative difference of their outputs."""
     out = bounded(x, topk_ids=ids, topk_weights=w)
-    times: dict[str, list[float]] = {"sync_ms": [], "layer_ms": []}
-    for i in range(DC_ROUNDS):
-        pair = (("sync_ms", layer), ("layer_ms", bounded))
-        for name, lay in pair if i % 2 == 0 else pair[::-1]:
-            times[name].append(_time_loop(lambda: lay(x, topk_ids=ids, topk_weights=w), iters, warmup, device))
-    res = {k: statistics.median(v) for k, v in times.items()}
-    res["rel_diff_vs_sync"] = float((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30))
+    turns = {name: (lambda lay=lay: lay(x, topk_ids=ids, topk_weights=w))
+             for name, lay in (("sync_ms", layer), ("layer_ms", bounded))}  # fmt: skip
+    res = {k: v["layer_ms"] for k, v in _interleaved(turns, iters, warmup, DC_ROUNDS, device).items()}
+    res["rel_diff_vs_sync"] = _rel_diff(out, ref)
     return res
+
+
+def _rel_diff(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``|out - ref| / |ref|`` (Frobenius norms, fp32)."""
+    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30))
 
 
 def _bf16_grouped_mm(layer, x_in, ids, w, iters, warmup, device):
@@ -413,7 +415,7 @@ def _bf16_grouped_mm(layer, x_in, ids, w, iters, warmup, device):
     ours = layer.backend.run_contiguous(batch, wts, x_in.dtype)
     ref = grouped_mm()
     rows = batch.x.shape[0]
-    err = float((ours.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30))
+    err = _rel_diff(ours, ref)
     out = {
         "rows": rows,
         "backend_experts_ms": _time_loop(
@@ -583,7 +585,7 @@ def _rank_main(rank, args, port, out_path):
                 row["phases_ms"] = tm.result_ms()
                 row["phases_sum_ms"] = sum(row["phases_ms"].values())
                 row["output_abs_sum"] = float(ref.float().abs().sum())  # compares runs and configs
-                row["split_vs_layer_rel_err"] = float((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30))
+                row["split_vs_layer_rel_err"] = _rel_diff(out, ref)
                 row["bytes"] = _bytes(ids, rank, _payload_row_bytes(layer.payload), mode)
                 # Alternating rounds, medians: neither side always runs first on a warmer GPU.
                 rounds = []

@@ -372,14 +372,19 @@ class DeepEPBuffer:
         self.needs.append(needs)
 
     # -- allocation
+    def _normal_sms(self, world: int) -> int | None:
+        """The SM count the normal-mode kernels get on ``world`` ranks: ``num_sms`` where DeepEP's
+        recommended chunk sizes are known, else ``None`` (DeepEP's default config)."""
+        return self.num_sms if world in _NORMAL_CHUNKS["dispatch"] else None
+
     def _hints(self, deep_ep, world: int):
         buffer_cls = deep_ep.Buffer
-        if self.num_sms is not None and world not in _NORMAL_CHUNKS["dispatch"]:
+        if self.num_sms is not None and self._normal_sms(world) is None:
             log.warning(
                 "DeepEPBuffer(num_sms=%d) has no effect on %d ranks (normal mode runs on %s ranks only)",
                 self.num_sms, world, sorted(_NORMAL_CHUNKS["dispatch"]),
             )  # fmt: skip
-        if self.num_sms is None or world not in _NORMAL_CHUNKS["dispatch"]:
+        if self._normal_sms(world) is None:
             self.dispatch_config = buffer_cls.get_dispatch_config(world)
             self.combine_config = buffer_cls.get_combine_config(world)
         else:
@@ -438,7 +443,7 @@ class DeepEPBuffer:
             "(max_tokens_per_rank=%d, hidden=%d, experts=%d), normal-mode SMs %s",
             len(self.needs), plan.num_nvl_bytes / 1e6, plan.num_rdma_bytes / 1e6,
             plan.low_latency_mode, plan.ll_max_tokens, plan.ll_hidden_size, plan.ll_num_experts,
-            self.num_sms if self.num_sms is not None and world in _NORMAL_CHUNKS["dispatch"] else "DeepEP's default",
+            self._normal_sms(world) or "DeepEP's default",
         )  # fmt: skip
         return self._buffer
 

@@ -116,11 +116,14 @@ class TritonBackend(ExpertsBackend):
         w, w_scale = (weights.w13, weights.w13_scale) if which == 1 else (weights.w2, weights.w2_scale)
         kw = dict(mode=self.scheme.name, a_scale=a_scale, b_scale=w_scale, accumulator=self.accumulator,
                   out_dtype=out_dtype, expected_m=expected_m)  # fmt: skip
-        if masked_m is None:
-            flat = (lambda t: None if t is None else t.reshape(-1, t.shape[-1]))  # noqa: E731
-            out = gg.grouped_gemm_contiguous(flat(a), w, expert_offsets, **{**kw, "a_scale": flat(a_scale)})
-            return out.view(*a.shape[:-1], out.shape[-1])
-        return gg.grouped_gemm_masked(a, w, masked_m, **kw)
+        if masked_m is not None:
+            return gg.grouped_gemm_masked(a, w, masked_m, **kw)
+        if a.dim() == 2:
+            return gg.grouped_gemm_contiguous(a, w, expert_offsets, **kw)
+        # The [1, M, K] slab of a batch with spare rows: the GEMM runs on its rows.
+        flat = (lambda t: None if t is None else t.reshape(-1, t.shape[-1]))  # noqa: E731
+        out = gg.grouped_gemm_contiguous(flat(a), w, expert_offsets, **{**kw, "a_scale": flat(a_scale)})
+        return out.view(*a.shape[:-1], out.shape[-1])
 
     def gemm1_input(
         self,

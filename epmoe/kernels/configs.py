@@ -115,7 +115,9 @@ def device_name(device: torch.device | str | None = None) -> str:
     device = torch.device(device) if device is not None else None
     if device is not None and device.type != "cuda":
         return "cpu"
-    if not torch.cuda.is_available():
+    # is_initialized() is a flag read (true for any CUDA tensor's device); is_available() costs
+    # microseconds, and this runs for every GEMM's config lookup.
+    if not (torch.cuda.is_initialized() or torch.cuda.is_available()):
         return "cpu"
     return devices.name(device)
 
@@ -245,7 +247,7 @@ def fit_shared_memory(cfg: GemmConfig, elem_bytes: int, device) -> GemmConfig:
 
 
 def _smem_limit(device) -> int:
-    if not torch.cuda.is_available():
+    if not (torch.cuda.is_initialized() or torch.cuda.is_available()):  # see device_name
         return 1 << 30
     d = torch.device(device) if device is not None else torch.device("cuda")
     if d.type != "cuda":
