@@ -25,7 +25,7 @@ from .layouts import MaskedBatch, gather_weighted, to_contiguous
 from .quant.payload import choose_payloads
 from .quant.schemes import BLOCK, get_scheme
 from .routing import check_routing_config, select_experts
-from .tensors import capturing
+from .tensors import as_contiguous, capturing
 
 log = logging.getLogger("epmoe")
 
@@ -490,9 +490,12 @@ class DeepEPMoELayer(nn.Module):
         self._check_values(router_logits, topk_ids)
         if router_logits is not None:
             topk_ids, topk_weights = self.route(router_logits)
-        dispatched = self.dispatcher.dispatch(hidden_states, topk_ids.long(), topk_weights.float())
+        # as_contiguous: no-op conversions cost microseconds of host time, which eager decode pays.
+        ids, weights = as_contiguous(topk_ids, torch.int64), as_contiguous(topk_weights, torch.float32)
+        dispatched = self.dispatcher.dispatch(hidden_states, ids, weights)
         y = self._run_experts(dispatched, hidden_states.dtype)
-        return self.dispatcher.combine(y, dispatched).to(hidden_states.dtype)
+        out = self.dispatcher.combine(y, dispatched)
+        return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
 
     def _weights(self) -> ExpertWeights:
         weights = self.expert_weights()

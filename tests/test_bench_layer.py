@@ -107,6 +107,41 @@ def test_sustained_windows_and_second_half_median(monkeypatch):
     assert got["b"]["window_ms"] == [1.0, 1.0, 3.0, 3.0] and got["b"]["layer_ms"] == 3.0
 
 
+def test_pipelined_pairs_run_back_to_back_with_per_call_medians(monkeypatch):
+    """One barrier before the timed pairs and none between them; each call's own events; medians."""
+    monkeypatch.setattr(bench_layer.torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(bench_layer.torch.cuda, "synchronize", lambda *a: None)
+    barriers = []
+    monkeypatch.setattr(bench_layer, "_barrier", lambda device: barriers.append(_FakeEvent.now))
+    d_ms, c_ms = iter([9.0, 9.0, 1.0, 2.0, 3.0, 2.0]), iter([9.0, 9.0, 5.0, 4.0, 6.0, 4.0])  # 2 warm-up pairs
+    seen = []
+
+    def dispatch():
+        _FakeEvent.now += next(d_ms)
+        return "handle"
+
+    def combine(arg):
+        seen.append(arg)
+        _FakeEvent.now += next(c_ms)
+
+    _FakeEvent.now = 0.0
+    got = bench_layer._time_pipelined(dispatch, combine, 4, 2, "cpu", between=lambda h: (h, "y"))
+    assert barriers == [36.0]  # after the warm-up, before the timed pairs only
+    assert got == {"dispatch_pipelined_ms": 2.0, "combine_pipelined_ms": 4.5}
+    assert seen == [("handle", "y")] * 6
+
+
+def test_pipelined_overheads_are_reported():
+    s = bench_layer._summary(_ranks(None), ARGS)
+    row = s["ranks"][0]["schemes"]["int8_channel"]["prefill"]
+    row["deepep_ms"].update(dispatch_pipelined_ms=0.2, combine_pipelined_ms=0.25)
+    row["layer_dc_ms"].update(dispatch_pipelined_ms=0.202, combine_pipelined_ms=0.25)
+    row.update(dispatch_pipelined_overhead_pct=1.0, combine_pipelined_overhead_pct=0.0)
+    table = bench_layer._table(s)
+    assert ("pipelined (DeepEP's own method), int8_channel prefill, rank 0: dispatch DeepEP 0.2000 ms, layer "
+            "0.2020 ms (+1.0%); combine DeepEP 0.2500 ms, layer 0.2500 ms (+0.0%)") in table
+
+
 @pytest.mark.parametrize("arg", ["--iters=0", "--warmup=-1", "--rounds=-1", "--sustained=-1", "--prefill-tokens=0", "--decode-tokens=0",
                                  "--num-sms=63"])
 def test_counts_are_checked(arg, capsys):

@@ -281,6 +281,10 @@ class _FakeDispatchBuffer(_FakeBuffer):
             ids = torch.cat([ids, ids.new_full((pad, ids.shape[1]), -1)])
         return x, ids, kw["topk_weights"], ([] if worst else [3, 5]), "handle", None
 
+    def combine(self, y, handle, config=None):
+        self.combined = dict(y=y, handle=handle)
+        return y, None, None
+
 
 @pytest.mark.parametrize("cap", [None, 64])
 def test_normal_dispatch_waits_for_counts_only_without_a_bound(fake_deep_ep, cap):
@@ -297,6 +301,24 @@ def test_normal_dispatch_waits_for_counts_only_without_a_bound(fake_deep_ep, cap
         assert d.expected_m == dd.expected_rows_per_expert(3, 2, 2, 4)
         with pytest.raises(ValueError, match="batch of 65 tokens exceeds normal_max_tokens_per_rank=64 on rank 0"):
             disp.send(torch.randn(65, 256), None, torch.zeros(65, 2, dtype=torch.int64), torch.rand(65, 2))
+    disp.buffer.close()
+
+
+@pytest.mark.parametrize("t", [3, 0])
+def test_normal_combine_returns_the_batch_rows(fake_deep_ep, t):
+    """Combine hands DeepEP the handle and BF16 rows and returns the batch's own rows: the combined
+    tensor itself, or the dummy row of an empty batch dropped."""
+    fake_deep_ep.Buffer = _FakeDispatchBuffer
+    disp = dd.DeepEPNormalDispatcher(DispatchConfig(num_experts=4, hidden_size=256, top_k=2, world_size=2))
+    d = disp.send(torch.randn(t, 256), None, torch.zeros(t, 2, dtype=torch.int64), torch.rand(t, 2))
+    y = torch.randn(d.x.shape[0], 256, dtype=torch.float32)
+    out = disp.combine(y, d)
+    buf = _FakeBuffer.made[-1]
+    assert buf.combined["handle"] == "handle" and buf.combined["y"].dtype == torch.bfloat16
+    assert out.shape == (t, 256) and (out is buf.combined["y"]) == (t > 0)
+    # A payload that needs scales is refused (after the layout, which is local to the rank).
+    with pytest.raises(TypeError, match="torch.int8 payload needs its scales"):
+        disp.send(torch.zeros(2, 256, dtype=torch.int8), None, torch.zeros(2, 2, dtype=torch.int64), torch.rand(2, 2))
     disp.buffer.close()
 
 

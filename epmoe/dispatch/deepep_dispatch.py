@@ -577,20 +577,24 @@ class DeepEPNormalDispatcher(_DeepEPBase):
                 "under capture); use deepep_low_latency or deepep_auto for captured batches"
             )
         t = x.shape[0]
-        buf = self.buffer.get()
         if t == 0:
             x, topk_ids, topk_weights = pad_empty_batch(x, topk_ids, topk_weights)
             if x_scale is not None:
                 x_scale = x_scale.new_ones((1, x_scale.shape[1]))
+        buf = self.buffer.get()
         topk_ids = as_contiguous(topk_ids, torch.int64)
-        topk_weights = as_contiguous(topk_weights, torch.float32)
+        # The layout kernel goes first: with the GPU idle (eager prefill) host work before it
+        # delays the whole dispatch, while the work below overlaps the kernel. The kernel is local
+        # to this rank, so a payload error raised after it leaves no peer waiting.
         num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, _ = (
             buf.get_dispatch_layout(topk_ids, self.cfg.num_experts)
         )
+        payload = normal_payload(x, x_scale)
+        topk_weights = as_contiguous(topk_weights, torch.float32)
         cfg = self.cfg
         worst = cfg.world_size * cfg.normal_max_tokens_per_rank if bounded else 0
         recv_x, recv_ids, recv_w, padded_rows, handle, _ = buf.dispatch(
-            normal_payload(x, x_scale),
+            payload,
             topk_idx=topk_ids,
             topk_weights=topk_weights,
             num_tokens_per_rank=num_tokens_per_rank,
@@ -619,7 +623,7 @@ class DeepEPNormalDispatcher(_DeepEPBase):
             as_contiguous(y, torch.bfloat16), handle, config=self.buffer.combine_config
         )
         self.buffer.mark_normal_used()
-        return out[:t]
+        return out if out.shape[0] == t else out[:t]  # a slice costs microseconds of host time
 
 
 class DeepEPLowLatencyDispatcher(_DeepEPBase):
