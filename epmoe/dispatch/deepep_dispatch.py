@@ -570,12 +570,6 @@ class DeepEPNormalDispatcher(_DeepEPBase):
         ``cfg.normal_max_tokens_per_rank`` (checked by the caller), so DeepEP allocates the worst
         case and the host does not wait for the receive counts. ``hint_tokens``: tokens per rank
         the rows-per-expert hint assumes."""
-        if capturing(x.device):
-            raise RuntimeError(
-                "deepep_normal is not CUDA-graph capturable here (without normal_max_tokens_per_rank "
-                "the host waits for the receive counts; the bounded path has not been validated "
-                "under capture); use deepep_low_latency or deepep_auto for captured batches"
-            )
         t = x.shape[0]
         if t == 0:
             x, topk_ids, topk_weights = pad_empty_batch(x, topk_ids, topk_weights)
@@ -585,10 +579,17 @@ class DeepEPNormalDispatcher(_DeepEPBase):
         topk_ids = as_contiguous(topk_ids, torch.int64)
         # The layout kernel goes first: with the GPU idle (eager prefill) host work before it
         # delays the whole dispatch, while the work below overlaps the kernel. The kernel is local
-        # to this rank, so a payload error raised after it leaves no peer waiting.
+        # to this rank and DeepEP joins its stream back, so raising after it (under capture, or
+        # for a bad payload) leaves no peer waiting.
         num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, _ = (
             buf.get_dispatch_layout(topk_ids, self.cfg.num_experts)
         )
+        if capturing(x.device):
+            raise RuntimeError(
+                "deepep_normal is not CUDA-graph capturable here (without normal_max_tokens_per_rank "
+                "the host waits for the receive counts; the bounded path has not been validated "
+                "under capture); use deepep_low_latency or deepep_auto for captured batches"
+            )
         payload = normal_payload(x, x_scale)
         topk_weights = as_contiguous(topk_weights, torch.float32)
         cfg = self.cfg

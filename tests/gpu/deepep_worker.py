@@ -7,7 +7,8 @@ modes up front, so the buffer is allocated once and NVSHMEM initialized once):
    rank with zero tokens), compared with a float64 single-process reference over all experts;
 2. CUDA-graph capture and replay of the layer in low-latency mode;
 3. auto mode with one rank over the low-latency capacity (must go normal on all ranks, log once,
-   and return to low-latency for the next batch that fits).
+   and return to low-latency for the next batch that fits);
+4. normal-mode dispatch refused under CUDA-graph capture, with the layer still correct after.
 
 Low-latency mode takes only some hidden sizes, so the shapes here are H = 2048 (the smallest).
 Each result is one JSON line in ``out_path.<rank>``, written as soon as it is known.
@@ -116,6 +117,8 @@ def run_all(rank, world, port, dispatches, schemes, backends, out_path):
         # Auto mode with one rank over the capacity.
         emit(dict(kind="auto_over_capacity", **_auto_test(device, buf, weights, exact, rank, counter)))
         dist.barrier()
+        emit(dict(kind="normal_capture", **_normal_capture_test(device, buf, weights, exact, rank)))
+        dist.barrier()
     except Exception:
         emit(dict(kind="error", error=traceback.format_exc()))
         f.close()
@@ -200,6 +203,29 @@ def _graph_test(scheme, device, buf, weights, exact, rank):
         result["replays"].append(cmp)
     del graph
     return result
+
+
+def _normal_capture_test(device, buf, weights, exact, rank):
+    """deepep_normal's dispatch under capture raises its own error (after DeepEP's local layout
+    kernel, before anything crosses ranks), and the layer runs correctly afterwards."""
+    layer = _layer("bf16", "auto", "deepep_normal", device, buf, weights)
+    x, ids, w = _batch(20 + rank, 30, rank)
+    xin, ids_d, w_d = x.to(device, torch.bfloat16), ids.to(device), w.to(device)
+    layer(xin, topk_ids=ids_d, topk_weights=w_d)  # compile, allocate
+    torch.cuda.synchronize()
+    messages = []
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            layer.dispatcher.dispatch(xin, ids_d, w_d)
+    except Exception as exc:  # noqa: BLE001 - what the user sees, and what it wraps
+        while exc is not None:
+            messages.append(f"{type(exc).__name__}: {exc}")
+            exc = exc.__context__
+    torch.cuda.synchronize()
+    dist.barrier()
+    out = layer(xin, topk_ids=ids_d, topk_weights=w_d)
+    torch.cuda.synchronize()
+    return dict(messages=messages, **_compare(out, xin, ids, w, "bf16", weights, exact))
 
 
 def _auto_test(device, buf, weights, exact, rank, counter):

@@ -139,3 +139,12 @@ def test_auto_over_capacity_runs_normal_and_logs_once(results):
             if b["tokens"]:
                 assert b["err_emulated"] < b["tol_emulated"], r
                 assert b["err_exact"] < b["bound"], r
+
+
+def test_normal_mode_refuses_capture_and_recovers(results):
+    _no_errors(results)
+    rows = [r for r in results["rows"] if r.get("kind") == "normal_capture"]
+    assert {r["rank"] for r in rows} == {0, 1}, rows
+    for r in rows:
+        assert r["messages"] and "deepep_normal is not CUDA-graph capturable" in r["messages"][0], r
+        assert r["err_emulated"] < r["tol_emulated"] and r["err_exact"] < r["bound"], r
