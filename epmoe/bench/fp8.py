@@ -14,6 +14,11 @@ calls (median of repeats):
   GEMM2): ``DeepGemmBackend.run_contiguous`` / ``run_masked``, the same four launches with raw
   DeepGEMM calls (``direct``), and ``CutlassBackend.run_contiguous``.
 
+With ``--rounds R`` the same calls are also timed in turns: per round each runs ``--iters`` calls
+back to back, in an order rotated every round, medians over rounds (rows ``<impl>@turns``). Under
+sustained load the H200 runs at its power cap, where a kernel's clock depends on what ran before;
+turns give every implementation the same state on average.
+
 TFLOP/s count only valid rows (``2 * E*m * N * K`` per GEMM). Targets (issue 5): ``deepgemm`` within
 5% of ``direct``; ``cutlass`` within 10% of ``direct`` for m >= 512. DeepGEMM compiles each shape
 on first use and the CUTLASS extension builds on first use; both are done (untimed) before timing.
@@ -49,6 +54,18 @@ def _time(fn, iters: int, repeats: int) -> float:
     return statistics.median(samples)
 
 
+def _turns(fns: dict, iters: int, rounds: int) -> dict:
+    """Median ms per call of each ``fns`` value over ``rounds`` rounds of turns (``iters`` calls
+    each, order rotated every round)."""
+    names = list(fns)
+    samples: dict = {n: [] for n in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for n in names[k:] + names[:k]:
+            samples[n].append(_time(fns[n], iters, 1))
+    return {n: statistics.median(v) for n, v in samples.items()}
+
+
 def _weights(e: int, n: int, k: int, dev, seed: int):
     """Random e4m3 weights [E, N, K] and fp32 block scales, built per expert to bound memory."""
     g = torch.Generator(device=dev).manual_seed(seed)
@@ -69,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--masked-max-m", type=int, default=128, help="also time masked GEMMs up to this m")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=0, help="also time the contiguous calls in R rounds of turns")
     p.add_argument("--json", default="fp8_bench.json")
     args = p.parse_args(argv)
 
@@ -124,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(f"m={m:5d} {gemm:8s} {impl:16s} {ms_:9.3f} ms {row['tflops']:8.1f} TFLOP/s", flush=True)
 
+    dims = {"gemm1": (2 * inter, h), "gemm2": (h, inter), "experts": (3 * inter, h)}
     for m in ms:
+        turn_fns = {}  # (gemm, impl) -> the contiguous call, for --rounds
         g = torch.Generator(device=dev).manual_seed(m)
         # ---- contiguous, padded to DeepGEMM's alignment ----
         align = dg.deep_gemm_api().alignment if dg else BLOCK
@@ -170,11 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                 ]  # fmt: skip
             for gemm, impl, fn, n, k in cases:
                 t = _time(fn, args.iters, args.repeats)
-                if gemm == "experts":
-                    record(m, gemm, impl, t, 3 * inter, h)  # 2I*H + H*I = 3*I*H per row
-                else:
-                    record(m, gemm, impl, t, n, k)
-            del d1, d2
+                turn_fns[(gemm, impl)] = fn
+                record(m, gemm, impl, t, *dims[gemm])  # experts: 2I*H + H*I = 3*I*H per row
         # ---- contiguous without padding (cutlass) ----
         if cut:
             x = x_pad.reshape(e, per, h)[:, :m].reshape(-1, h).contiguous()
@@ -192,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("gemm2", lambda: cut.grouped_gemm(ch, csh, w2, s2, offsets, o2), h, inter),
                 ("experts", lambda: cut_backend.run_contiguous(batch, weights, torch.bfloat16), 3 * inter, h),
             ):
+                turn_fns[(gemm, "cutlass")] = fn
                 record(m, gemm, "cutlass", _time(fn, args.iters, args.repeats), n, k)
             if not cut._use_sgl():  # both tile configurations, to tune cutlass_backend.PINGPONG_MAX_ROWS
                 for cfg, label in ((cut.CONFIG_COOP, "cutlass-coop"), (cut.CONFIG_PINGPONG, "cutlass-pingpong")):
@@ -200,6 +218,13 @@ def main(argv: list[str] | None = None) -> int:
                         ("gemm2", lambda c=cfg: cut.grouped_gemm(ch, csh, w2, s2, offsets, o2, c), h, inter),
                     ):
                         record(m, gemm, label, _time(fn, args.iters, args.repeats), n, k)
+        if args.rounds and turn_fns:
+            for (gemm, impl), t in _turns(turn_fns, args.iters, args.rounds).items():
+                record(m, gemm, f"{impl}@turns", t, *dims[gemm])
+        turn_fns.clear()
+        if dg:
+            del d1, d2
+        if cut:
             del x, o1, o2, ca, ch
         del x_pad, a, hq
         # ---- masked (decode sizes) ----
@@ -237,14 +262,15 @@ def main(argv: list[str] | None = None) -> int:
     print("\nratios (time / direct DeepGEMM contiguous; targets: deepgemm <= 1.05, cutlass <= 1.10 for m >= 512)")
     for m in ms:
         for gemm in ("gemm1", "gemm2", "experts"):
-            base = by.get((m, gemm, "direct"))
-            if not base:
-                continue
-            impls_ = ("deepgemm", "cutlass", "cutlass-coop", "cutlass-pingpong")
-            parts = [f"{impl}={by[(m, gemm, impl)] / base:.3f}" for impl in impls_ if (m, gemm, impl) in by]
-            print(f"m={m:5d} {gemm:8s} " + " ".join(parts))
+            for sfx in ("", "@turns"):
+                base = by.get((m, gemm, "direct" + sfx))
+                if not base:
+                    continue
+                impls_ = [i + sfx for i in ("deepgemm", "cutlass", "cutlass-coop", "cutlass-pingpong")]
+                parts = [f"{impl}={by[(m, gemm, impl)] / base:.3f}" for impl in impls_ if (m, gemm, impl) in by]
+                print(f"m={m:5d} {gemm:8s} " + " ".join(parts))
     meta = dict(device=torch.cuda.get_device_name(dev), torch=torch.__version__, cuda=torch.version.cuda,
-                experts=e, hidden=h, inter=inter, iters=args.iters, repeats=args.repeats,
+                experts=e, hidden=h, inter=inter, iters=args.iters, repeats=args.repeats, rounds=args.rounds,
                 wall_s=round(time.perf_counter() - t_start, 1))  # fmt: skip
     with open(args.json, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
