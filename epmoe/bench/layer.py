@@ -9,7 +9,9 @@ rank), one shared :class:`~epmoe.dispatch.deepep_dispatch.DeepEPBuffer`:
   gather, combine), calling the pieces the layer composes; GEMM1 / activation / GEMM2 are split
   through the Triton backend's own stage methods (other backends: one ``experts`` phase);
 * bytes sent per rank, remote and local; DeepEP's own dispatch / combine time for the same payload
-  (``deep_ep.Buffer`` called directly) next to the layer's;
+  (``deep_ep.Buffer`` called directly) next to the layer's, timed two ways: each call alone after
+  a barrier (host time before the first launch counts in full), and pipelined as DeepEP's own
+  tests time them (pairs back to back, an event around each call);
 * low-latency INT8 payload study: BF16 dispatch then INT8 quantization, against FP8 dispatch then
   INT8 requantization (time, and error against the exact activations in float64).
 
