@@ -41,8 +41,22 @@ def capability_rows(device: torch.device) -> list[tuple[str, str, str]]:
     return rows
 
 
+INFO_DISPATCH_NOTE = (
+    "dispatchers: as offered to a 2-rank EP group on this machine at DeepSeek-V3 sizes "
+    "(256 experts, top-8, hidden 7168); in one process only 'local' runs"
+)
+
+
 def info_main(argv: list[str] | None = None) -> int:
+    import argparse
+
     from . import __version__
+
+    argparse.ArgumentParser(
+        prog="epmoe info",
+        description="What this machine can run: every backend x scheme and every dispatcher, with "
+        "'available' or the reason it is not.",
+    ).parse_args(argv)
 
     try:
         import triton
@@ -56,7 +70,10 @@ def info_main(argv: list[str] | None = None) -> int:
         cap = torch.cuda.get_device_capability()
         print(f" ({torch.cuda.get_device_name()}, sm_{cap[0]}{cap[1]}, CUDA {torch.version.cuda})", end="")
     print()
-    for kind, name, status in capability_rows(device):
+    rows = capability_rows(device)
+    for i, (kind, name, status) in enumerate(rows):
+        if kind == "dispatcher" and rows[i - 1][0] != "dispatcher":
+            print(INFO_DISPATCH_NOTE)
         print(f"{kind:<10} {name:<36} {status}")
     return 0
 
@@ -68,15 +85,24 @@ def _run(module: str, func: str, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: epmoe <command> [args]\n\ncommands:")
+        asked = not argv or argv[0] in ("-h", "--help")
+        out = sys.stdout if asked else sys.stderr
+        if not asked:
+            print(f"epmoe: unknown command {argv[0]!r}; allowed: {list(COMMANDS)}", file=out)
+        print("usage: epmoe <command> [args]  (epmoe <command> --help for its options)\n\ncommands:", file=out)
         for name, (_, _, help_text) in COMMANDS.items():
-            print(f"  {name:<9} {help_text}")
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+            print(f"  {name:<9} {help_text}", file=out)
+        return 0 if asked else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "bench":
-        if not rest or rest[0] not in BENCHES:
-            print(f"usage: epmoe bench {{{'|'.join(BENCHES)}}} [args]")
-            return 2
+        sub = rest[0] if rest else None
+        if sub not in BENCHES:
+            asked = sub in ("-h", "--help")
+            out = sys.stdout if asked else sys.stderr
+            if sub is not None and not asked:
+                print(f"epmoe bench: unknown benchmark {sub!r}; allowed: {list(BENCHES)}", file=out)
+            print(f"usage: epmoe bench {{{'|'.join(BENCHES)}}} [args]", file=out)
+            return 0 if asked else 2
         return _run(*BENCHES[rest[0]], rest[1:])
     module, func, _ = COMMANDS[cmd]
     return _run(module, func, rest)

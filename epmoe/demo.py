@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"epmoe demo: {args.experts} experts, top-{args.top_k} in {args.groups} groups, "
         f"H={args.hidden}, I={args.intermediate}, EP={args.ranks} on {args.device}, "
-        f"{args.tokens} tokens per rank",
+        f"{args.tokens} tokens per rank; activations and bf16-scheme weights in "
+        f"{'bfloat16' if args.device == 'cuda' else 'float32 (bfloat16 on a GPU)'}",
         flush=True,
     )
     with tempfile.TemporaryDirectory() as out_dir:

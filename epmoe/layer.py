@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import os
 import re
 from collections.abc import Iterable
@@ -25,7 +26,7 @@ from .layouts import MaskedBatch, gather_weighted, to_contiguous
 from .quant.payload import choose_payloads
 from .quant.schemes import BLOCK, get_scheme
 from .routing import check_routing_config, select_experts
-from .tensors import as_contiguous, capturing
+from .tensors import as_contiguous, capturing, check_positive_int
 
 log = logging.getLogger("epmoe")
 
@@ -48,12 +49,37 @@ def _resolve_group(group) -> tuple[object, int, int]:
 
 def _default_device(device) -> torch.device:
     """The layer's device with its index filled in (``"cuda"`` means the current CUDA device)."""
+    asked = device
     device = torch.device(device) if device is not None else None
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device={asked!r}: CUDA is not available here (torch {torch.__version__}, "
+                f"built with CUDA {torch.version.cuda}); use device='cpu'"
+            )
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        elif device.index >= torch.cuda.device_count():
+            raise ValueError(f"device={asked!r}: this process sees {torch.cuda.device_count()} CUDA device(s)")
     return device
+
+
+def _check_tensor(name: str, value) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(value).__name__}")
+
+
+def _check_finite(named: list[tuple[str, torch.Tensor]]) -> None:
+    """Raise ``ValueError`` naming the first tensor with a NaN or Inf (one host sync for all)."""
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in named:
+        by_device.setdefault(t.device, []).append((name, torch.isfinite(t).all()))
+    for flags in by_device.values():
+        for (name, _), good in zip(flags, torch.stack([f for _, f in flags]).tolist()):
+            if not good:
+                raise ValueError(f"{name} holds NaN or Inf; scales and the correction bias must be finite")
 
 
 class DeepEPMoELayer(nn.Module):
@@ -129,10 +155,20 @@ class DeepEPMoELayer(nn.Module):
     ) -> None:
         super().__init__()
         self.scheme = get_scheme(quant)
+        num_experts, top_k, hidden_size, intermediate_size, max_tokens_per_rank = (
+            check_positive_int(name, value) for name, value in (
+                ("num_experts", num_experts), ("top_k", top_k), ("hidden_size", hidden_size),
+                ("intermediate_size", intermediate_size), ("max_tokens_per_rank", max_tokens_per_rank),
+            )
+        )  # fmt: skip
         check_routing_config(num_experts, top_k, scoring_func, num_expert_group, topk_group)
+        if (
+            not isinstance(routed_scaling_factor, numbers.Real)
+            or not math.isfinite(routed_scaling_factor)
+            or routed_scaling_factor <= 0
+        ):
+            raise ValueError(f"routed_scaling_factor={routed_scaling_factor!r} must be a finite number > 0")
         for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
             if self.scheme.needs_block_alignment and value % BLOCK:
                 raise ValueError(
                     f"{name}={value} must be a multiple of {BLOCK} for quant={quant!r} "
@@ -142,8 +178,6 @@ class DeepEPMoELayer(nn.Module):
             raise ValueError(f"params_dtype={params_dtype}; allowed: {list(INPUT_DTYPES)}")
         if not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) or timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be a finite number of seconds > 0")
-        if not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 1:
-            raise ValueError(f"max_tokens_per_rank={max_tokens_per_rank!r} must be a positive integer")
         if low_latency_int8_payload not in LOW_LATENCY_INT8_PAYLOADS:
             raise ValueError(
                 f"low_latency_int8_payload={low_latency_int8_payload!r}; allowed: "
@@ -229,7 +263,11 @@ class DeepEPMoELayer(nn.Module):
         wdtype = self.scheme.qdtype or self.params_dtype
 
         def param(*shape, dtype):
-            return nn.Parameter(torch.zeros(shape, dtype=dtype, device=self.device), requires_grad=False)
+            # Never-loaded values are NaN where the dtype has one (float weights, every scale, the
+            # bias): an expert left out of a load turns its tokens' outputs into NaN instead of
+            # plausible zeros (int8 weights stay 0; their NaN scales carry it).
+            fill = float("nan") if dtype.is_floating_point else 0
+            return nn.Parameter(torch.full(shape, fill, dtype=dtype, device=self.device), requires_grad=False)
 
         self.w13_weight = param(e, 2 * i, h, dtype=wdtype)
         self.w2_weight = param(e, h, i, dtype=wdtype)
@@ -273,10 +311,12 @@ class DeepEPMoELayer(nn.Module):
                 ("w2_scale", w2_scale, self.w2_weight_scale),
             ]
         for name, src, dst in items:  # check everything before copying anything
+            _check_tensor(name, src)
             expected = (self.num_experts, *dst.shape[1:])
             if tuple(src.shape) != expected:
                 raise ValueError(f"{name} has shape {tuple(src.shape)}; expected {list(expected)}")
             self._check_dtype(name, src, dst)
+        _check_finite([(name, src[sl]) for name, src, _ in items if "scale" in name])
         for _, src, dst in items:
             dst.copy_(src[sl])
 
@@ -289,9 +329,11 @@ class DeepEPMoELayer(nn.Module):
         # A plain float parameter takes plain float values only: e4m3 codes copied without their
         # scales would load silently wrong.
         if dst.dtype not in (torch.int8, torch.float8_e4m3fn) and src.dtype not in _VALUE_DTYPES:
+            quantized = src.dtype in (torch.int8, torch.float8_e4m3fn) and "scale" not in name
             raise TypeError(
                 f"{name} has dtype {src.dtype}; quant={self.scheme.name!r} takes "
-                f"{[str(d) for d in _VALUE_DTYPES]} here (quantized checkpoints need the matching quant=)"
+                f"{[str(d) for d in _VALUE_DTYPES]} here"
+                + (" (quantized checkpoints need the matching quant=)" if quantized else "")
             )
 
     @torch.no_grad()
@@ -319,6 +361,7 @@ class DeepEPMoELayer(nn.Module):
         copies: dict[tuple, tuple[str, torch.Tensor, torch.Tensor]] = {}
         i, h = self.intermediate_size, self.hidden_size
         for name, tensor in named_tensors:
+            _check_tensor(name, tensor)
             if _BIAS_NAME.search(name):
                 if self.e_score_correction_bias is None:
                     if strict:
@@ -362,6 +405,8 @@ class DeepEPMoELayer(nn.Module):
                 raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected {list(expected)}")
             self._check_dtype(name, tensor, dst)
             self._plan_copy(copies, (expert, proj, kind.startswith("weight_scale")), name, dst, tensor)
+        # Scales and the bias multiply everything they touch: a NaN there is a broken checkpoint.
+        _check_finite([(name, src) for slot, (name, _, src) in copies.items() if slot == ("bias",) or slot[-1] is True])
         for _, dst, src in copies.values():
             dst.copy_(src)
         return {name for name, _, _ in copies.values()}
@@ -395,6 +440,9 @@ class DeepEPMoELayer(nn.Module):
                 f"hidden_states must be a [T, hidden_size={self.hidden_size}] tensor; got "
                 f"{tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__}"
             )
+        for name, tensor in (("router_logits", router_logits), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if tensor is not None and not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor or None; got {type(tensor).__name__}")
         t, h = hidden_states.shape
         if h != self.hidden_size:
             raise ValueError(f"hidden_states has hidden size {h}; the layer has hidden_size={self.hidden_size}")
@@ -425,19 +473,25 @@ class DeepEPMoELayer(nn.Module):
         if not topk_weights.is_floating_point():
             raise TypeError(f"topk_weights has dtype {topk_weights.dtype}; expected floating point")
 
-    def _check_values(self, router_logits, topk_ids) -> None:
+    def _check_values(self, router_logits, topk_ids, topk_weights) -> None:
         """Value checks that need a host sync; skipped while a CUDA graph is being captured."""
         if not self.validate or capturing(self.device):
             return
         check_logits = router_logits is not None and router_logits.numel() > 0
+        check_bias = check_logits and self.e_score_correction_bias is not None
         check_ids = topk_ids is not None and topk_ids.numel() > 0
+        check_weights = check_ids
         check_dups = check_ids and "masked" in self.dispatcher.layouts and topk_ids.shape[1] > 1
         # Every statistic goes into one tensor, read back once: one host sync, not one per check.
         stats = []
         if check_logits:
             stats.append(torch.isfinite(router_logits).all().long())
+        if check_bias:
+            stats.append(torch.isfinite(self.e_score_correction_bias).all().long())
         if check_ids:
             stats += [topk_ids.min().long(), topk_ids.max().long()]
+        if check_weights:
+            stats.append(torch.isfinite(topk_weights).all().long())
         if check_dups:
             # Fixed-capacity dispatch sizes each expert's slab for one row per token and rank:
             # a token naming an expert twice would overflow it. The first such row, or T if none.
@@ -446,20 +500,29 @@ class DeepEPMoELayer(nn.Module):
             stats.append(torch.where((s[:, 1:] == s[:, :-1]).any(dim=1), rows, s.shape[0]).min())
         if not stats:
             return
-        values = torch.stack(stats).tolist()  # all on self.device (_check_inputs)
-        if check_logits and not values.pop(0):
+        values = iter(torch.stack(stats).tolist())  # all on self.device (_check_inputs)
+        if check_logits and not next(values):
             raise ValueError("router_logits contain NaN or Inf; routing on them is undefined")
+        if check_bias and not next(values):
+            raise ValueError(
+                "e_score_correction_bias holds NaN or Inf: it was never loaded (load_weights with the "
+                "checkpoint's mlp.gate.e_score_correction_bias, e.g. iter_expert_weights(..., "
+                "correction_bias=True)) or was loaded with non-finite values"
+            )
         if check_ids:
-            lo, hi = values[0], values[1]
+            lo, hi = next(values), next(values)
             if lo < 0 or hi >= self.num_experts:
                 bad = lo if lo < 0 else hi
                 raise ValueError(f"topk_ids contains expert id {bad}, outside [0, {self.num_experts})")
-        if check_dups and values[2] < topk_ids.shape[0]:
-            t = values[2]
-            raise ValueError(
-                f"topk_ids row {t} names an expert more than once ({topk_ids[t].tolist()}); "
-                f"dispatch={self.dispatcher.name!r} needs distinct experts per token"
-            )
+        if check_weights and not next(values):
+            raise ValueError("topk_weights contain NaN or Inf; the weighted sum over experts is undefined")
+        if check_dups:
+            t = next(values)
+            if t < topk_ids.shape[0]:
+                raise ValueError(
+                    f"topk_ids row {t} names an expert more than once ({topk_ids[t].tolist()}); "
+                    f"dispatch={self.dispatcher.name!r} needs distinct experts per token"
+                )
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[T, E]`` logits -> ``(topk_ids [T, k] int64, topk_weights [T, k] fp32)``."""
@@ -487,7 +550,7 @@ class DeepEPMoELayer(nn.Module):
             that token's output non-finite and leaves the other tokens' outputs unchanged.
         """
         self._check_inputs(hidden_states, router_logits, topk_ids, topk_weights)
-        self._check_values(router_logits, topk_ids)
+        self._check_values(router_logits, topk_ids, topk_weights)
         if router_logits is not None:
             topk_ids, topk_weights = self.route(router_logits)
         # as_contiguous: no-op conversions cost microseconds of host time, which eager decode pays.

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import numbers
+
+import numpy as np
 import torch
 
 
@@ -12,13 +15,14 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
-def check_positive_int(name: str, value, *, optional: bool = False) -> None:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` is an int >= 1 (or ``None`` when
-    ``optional``); ``bool`` is not taken for an int."""
+def check_positive_int(name: str, value, *, optional: bool = False) -> int | None:
+    """``value`` as an ``int``; raises ``ValueError`` naming ``name`` unless it is an integer >= 1
+    (or ``None`` when ``optional``). NumPy integers count, ``bool`` does not."""
     if optional and value is None:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        return None
+    if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive integer" + (" or None" if optional else ""))
+    return int(value)
 
 
 def as_contiguous(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -166,6 +166,12 @@ BAD_CONSTRUCT = [
     (dict(top_k=9), ValueError, r"top_k=9 must be an integer in \[1, num_experts=8\]"),
     (dict(low_latency_int8_payload="int4"), ValueError, "low_latency_int8_payload='int4'"),
     (dict(params_dtype=torch.int8), ValueError, "params_dtype=torch.int8"),
+    (dict(hidden_size=True), ValueError, "hidden_size=True must be a positive integer"),
+    (dict(intermediate_size=0), ValueError, "intermediate_size=0 must be a positive integer"),
+    (dict(max_tokens_per_rank=2.0), ValueError, "max_tokens_per_rank=2.0 must be a positive integer"),
+    (dict(routed_scaling_factor=float("nan")), ValueError, "routed_scaling_factor=nan must be a finite number > 0"),
+    (dict(routed_scaling_factor=-1.0), ValueError, "routed_scaling_factor=-1.0 must be a finite number > 0"),
+    (dict(routed_scaling_factor="2"), ValueError, "routed_scaling_factor='2' must be a finite number > 0"),
 ]
 
 
@@ -195,6 +201,10 @@ def test_bad_forward_inputs():
         (lambda: layer(x, topk_ids=ids + E, topk_weights=w), ValueError, rf"expert id {E}, outside \[0, {E}\)"),
         (lambda: layer(x, topk_ids=ids - 1, topk_weights=w), ValueError, r"expert id -1, outside"),
         (lambda: layer(x, torch.full((5, E), float("nan"))), ValueError, "router_logits contain NaN or Inf"),
+        (lambda: layer(x, topk_ids=ids, topk_weights=w * float("nan")), ValueError, "topk_weights contain NaN or Inf"),
+        (lambda: layer(x, torch.randn(5, E).numpy()), TypeError, "router_logits must be a torch.Tensor or None; got ndarray"),
+        (lambda: layer(x, [[0.0] * E] * 5), TypeError, "router_logits must be a torch.Tensor or None; got list"),
+        (lambda: layer(x, topk_ids=ids.tolist(), topk_weights=w), TypeError, "topk_ids must be a torch.Tensor or None; got list"),
     ]
     for call, exc, match in cases:
         with pytest.raises(exc, match=match):
@@ -222,6 +232,73 @@ def test_bad_weights():
         layer.load_weights([("experts.1.gate_proj.weight_scale", s13[1, :3])])
     with pytest.raises(TypeError, match="has dtype torch.float8_e4m3fn; quant='int8_channel' stores torch.int8"):
         layer.load_weights([("experts.1.gate_proj.weight", q13[1, :I].float().to(torch.float8_e4m3fn))])
+    with pytest.raises(TypeError, match="w2 must be a torch.Tensor; got ndarray"):
+        layer.load_experts(q13, q2.numpy(), s13, s2)
+    with pytest.raises(TypeError, match="experts.1.down_proj.weight must be a torch.Tensor; got list"):
+        layer.load_weights([("experts.1.down_proj.weight", q2[1].tolist())])
+    # A scale of the wrong dtype gets no hint about quantized checkpoints (it is not a weight).
+    with pytest.raises(TypeError, match=r"weight_scale has dtype torch.int32; quant='int8_channel' takes .*float64'\] here$"):
+        layer.load_weights([("experts.1.gate_proj.weight_scale", s13[1, :I].int())])
+    # Scales multiply everything: a NaN in one is refused before anything is copied.
+    bad = s2.clone()
+    bad[3, 5] = float("nan")
+    with pytest.raises(ValueError, match="w2_scale holds NaN or Inf"):
+        layer.load_experts(q13, q2, s13, bad)
+    with pytest.raises(ValueError, match="experts.3.down_proj.weight_scale holds NaN or Inf"):
+        layer.load_weights([("experts.3.down_proj.weight", q2[3]), ("experts.3.down_proj.weight_scale", bad[3])])
+    assert layer.w2_weight_scale.isnan().all()  # nothing was copied
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "int8_channel", "fp8_block"])
+def test_experts_never_loaded_give_nan_not_zeros(scheme):
+    """An expert left out of a load turns its tokens' outputs into NaN; other tokens are exact."""
+    layer = DeepEPMoELayer(E, K, H, I, quant=scheme, params_dtype=torch.float32, device="cpu",
+                           dispatch="local", backend="torch")  # fmt: skip
+    stored, (w13, w2) = make_weights(E, H, I, scheme)
+    q13, q2, s13, s2 = stored
+    g = I if s13 is None or s13.shape[1] == 2 * I else I // 128  # scale rows of gate_proj
+    names = []
+    for e in range(E // 2):  # experts 0-3 only, as a partial checkpoint would hold
+        names += [(f"experts.{e}.gate_proj.weight", q13[e, :I]), (f"experts.{e}.up_proj.weight", q13[e, I:]),
+                  (f"experts.{e}.down_proj.weight", q2[e])]  # fmt: skip
+        if s13 is not None:
+            names += [(f"experts.{e}.gate_proj.weight_scale_inv", s13[e, :g]),
+                      (f"experts.{e}.up_proj.weight_scale_inv", s13[e, g:]),
+                      (f"experts.{e}.down_proj.weight_scale_inv", s2[e])]  # fmt: skip
+    layer.load_weights(names)
+    x = torch.randn(6, H)
+    ids = torch.tensor([[0, 1, 2], [1, 2, 3], [0, 3, 5], [4, 5, 6], [2, 3, 1], [7, 0, 1]])
+    w = torch.rand(6, K)
+    out = layer(x, topk_ids=ids, topk_weights=w)
+    uses_unloaded = (ids >= E // 2).any(dim=1)
+    assert out[uses_unloaded].isnan().all(dim=1).all()
+    ok = ~uses_unloaded
+    assert rel_err(out[ok], moe_reference(x[ok], ids[ok], w[ok], w13, w2, scheme)) < 1e-3
+
+
+def test_correction_bias_never_loaded_is_refused_at_the_first_routed_batch():
+    layer, _ = build("bf16", dispatch="local", backend="torch", scoring_func="sigmoid", use_correction_bias=True)
+    x = torch.randn(4, H)
+    with pytest.raises(ValueError, match="e_score_correction_bias holds NaN or Inf: it was never loaded"):
+        layer(x, torch.randn(4, E))
+    layer(x, topk_ids=torch.zeros(4, K, dtype=torch.int64) + torch.arange(K), topk_weights=torch.ones(4, K))  # no routing
+    with pytest.raises(ValueError, match="mlp.gate.e_score_correction_bias holds NaN or Inf"):
+        layer.load_weights([("mlp.gate.e_score_correction_bias", torch.full((E,), float("inf")))])
+    layer.load_weights([("mlp.gate.e_score_correction_bias", torch.zeros(E))])
+    assert layer(x, torch.randn(4, E)).isfinite().all()
+
+
+def test_sizes_take_numpy_integers():
+    import numpy as np
+
+    layer = DeepEPMoELayer(np.int64(E), np.int32(K), np.int64(H), np.int64(I), device="cpu", dispatch="local")
+    assert (layer.num_experts, layer.top_k, layer.hidden_size) == (E, K, H) and type(layer.hidden_size) is int
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cuda_device_without_cuda_is_refused():
+    with pytest.raises(ValueError, match="device='cuda': CUDA is not available here"):
+        DeepEPMoELayer(E, K, H, I, device="cuda")
 
 
 def test_duplicate_experts_refused_for_fixed_capacity_dispatch():
@@ -241,7 +318,7 @@ def test_load_weights_refuses_a_second_layer_in_one_call():
     b = ("model.layers.4.mlp.experts.0.gate_proj.weight", stored[0][0, :I] + 1)
     with pytest.raises(ValueError, match="layers.4.mlp.experts.0.gate_proj.weight fills the same slot as model.layers.3"):
         layer.load_weights([a, b])
-    assert (layer.w13_weight == 0).all()  # nothing was copied: every tensor is checked first
+    assert layer.w13_weight.isnan().all()  # nothing was copied: every tensor is checked first
 
 
 def test_load_weights_refuses_fp8_codes_into_a_float_layer():

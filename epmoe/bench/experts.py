@@ -53,6 +53,10 @@ class Case:
     accuracy: float | None = None
 
 
+CPU_MAX_BYTES = 2 << 30
+"""Largest problem (fp32 weights + the largest batch) the CPU fallback accepts."""
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="epmoe bench experts", description=__doc__.split("\n\n")[0])
     p.add_argument("--m", default="8,32,128,512,2048", help="rows per expert, comma separated")
@@ -430,6 +434,18 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu":
         import os
 
+        # fp32 temporaries of the weights and of the largest batch: the DeepSeek-V3 defaults need
+        # ~30 GB, which a CPU machine runs out of long before any number means anything.
+        need = 4 * args.experts * args.hidden * (3 * args.intermediate + max(args.m))
+        if need > CPU_MAX_BYTES:
+            print(
+                f"epmoe bench experts: no CUDA device, and --experts {args.experts} --hidden {args.hidden} "
+                f"--intermediate {args.intermediate} --m {max(args.m)} need ~{need / 2**30:.0f} GiB on the CPU "
+                f"(limit {CPU_MAX_BYTES / 2**30:.0f} GiB); pass small sizes for a smoke run, e.g. "
+                "--experts 4 --hidden 256 --intermediate 128 --m 8",
+                file=sys.stderr,
+            )
+            return 2
         os.environ.setdefault("TRITON_INTERPRET", "1")
         print("no CUDA device: timing on CPU with the Triton interpreter (numbers are not meaningful)")
     t_start = time.time()
