@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .dispatch.deepep_dispatch import DeepEPBuffer
 from .layer import DeepEPMoELayer
 from .quant import SCHEMES, get_scheme, quantize_weight
 from .reference import moe_float64
@@ -58,6 +59,9 @@ def _rank_main(rank: int, args, port: int, out_dir: str) -> None:
     x = torch.randn(args.tokens, args.hidden, generator=g).to(dtype)
     logits = torch.randn(args.tokens, args.experts, generator=g)
     rows = []
+    # One DeepEP buffer for every layer of the group (allocated only if DeepEP is chosen), freed
+    # before the group goes away.
+    deepep_buffer = DeepEPBuffer()
     for name in args.schemes:
         scheme = get_scheme(name)
         try:
@@ -65,7 +69,7 @@ def _rank_main(rank: int, args, port: int, out_dir: str) -> None:
                 args.experts, args.top_k, args.hidden, args.intermediate, quant=name,
                 device=device, params_dtype=dtype, scoring_func="sigmoid",
                 num_expert_group=args.groups, topk_group=args.topk_groups,
-                routed_scaling_factor=2.5, use_correction_bias=True,
+                routed_scaling_factor=2.5, use_correction_bias=True, deepep_buffer=deepep_buffer,
             )  # fmt: skip
         except (RuntimeError, ValueError) as exc:  # this machine or these sizes cannot run it
             rows.append(dict(scheme=name, skipped=str(exc)))
@@ -99,6 +103,7 @@ def _rank_main(rank: int, args, port: int, out_dir: str) -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(rows, f)
     dist.barrier()
+    deepep_buffer.close()  # collective, like its allocation
     dist.destroy_process_group()
 
 

@@ -44,7 +44,7 @@ class SharedExperts(nn.Module):
 
 class DeepseekV3MoE(nn.Module):
     def __init__(self, cfg: MoEConfig, quant: str = "int8_channel", group=None, device=None,
-                 dtype=torch.bfloat16):  # fmt: skip
+                 dtype=torch.bfloat16, deepep_buffer=None):  # fmt: skip
         super().__init__()
         self.cfg = cfg
         # The router runs in fp32 on every rank (it is tiny and its ties matter).
@@ -54,7 +54,7 @@ class DeepseekV3MoE(nn.Module):
             cfg.moe_intermediate_size, quant=quant, group=group, device=device,
             params_dtype=dtype, scoring_func="sigmoid", num_expert_group=cfg.n_group,
             topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
-            use_correction_bias=True,
+            use_correction_bias=True, deepep_buffer=deepep_buffer,
         )  # fmt: skip
         self.shared_experts = SharedExperts(cfg, dtype).to(device)
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from deepseek_moe_block import DeepseekV3MoE, MoEConfig, random_checkpoint
+from epmoe.dispatch.deepep_dispatch import DeepEPBuffer
 
 
 def main():
@@ -35,7 +36,9 @@ def main():
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     dtype = torch.bfloat16 if use_cuda else torch.float32
     cfg = MoEConfig()
-    block = DeepseekV3MoE(cfg, quant=args.quant, device=device, dtype=dtype)
+    # One DeepEP buffer for all MoE layers of the group (allocated only if DeepEP is chosen).
+    deepep_buffer = DeepEPBuffer()
+    block = DeepseekV3MoE(cfg, quant=args.quant, device=device, dtype=dtype, deepep_buffer=deepep_buffer)
     block.experts.load_weights((n, t.to(device)) for n, t in random_checkpoint(cfg, args.quant))
     torch.manual_seed(rank)
     x = torch.randn(args.tokens, cfg.hidden_size, device=device, dtype=dtype)
@@ -52,6 +55,7 @@ def main():
     if rank == 0:
         print(f"{dist.get_world_size()} ranks, {args.tokens} tokens/rank, {args.quant}: {ms:.2f} ms/forward, "
               f"out {tuple(y.shape)} finite={bool(torch.isfinite(y).all())}")
+    deepep_buffer.close()  # collective, like its allocation
     dist.destroy_process_group()
 
 
