@@ -75,7 +75,8 @@ def _check_finite(named: list[tuple[str, torch.Tensor]]) -> None:
     """Raise ``ValueError`` naming the first tensor with a NaN or Inf (one host sync for all)."""
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for name, t in named:
-        by_device.setdefault(t.device, []).append((name, torch.isfinite(t).all()))
+        if t.device.type != "meta":  # shapes only: nothing to check
+            by_device.setdefault(t.device, []).append((name, torch.isfinite(t).all()))
     for flags in by_device.values():
         for (name, _), good in zip(flags, torch.stack([f for _, f in flags]).tolist()):
             if not good:
@@ -247,6 +248,7 @@ class DeepEPMoELayer(nn.Module):
         # The backend's view of the weights, rebuilt whenever a weight tensor is replaced or
         # written (keyed on storage and version counter), not per batch.
         self._prepared: tuple[tuple, ExpertWeights] | None = None
+        self._bias_checked: tuple | None = None  # (storage, version) of the bias last found finite
         for line in dlines + blines:
             log.info("rank %d: %s", self.rank, line)
         log.info(
@@ -361,7 +363,6 @@ class DeepEPMoELayer(nn.Module):
         copies: dict[tuple, tuple[str, torch.Tensor, torch.Tensor]] = {}
         i, h = self.intermediate_size, self.hidden_size
         for name, tensor in named_tensors:
-            _check_tensor(name, tensor)
             if _BIAS_NAME.search(name):
                 if self.e_score_correction_bias is None:
                     if strict:
@@ -370,6 +371,7 @@ class DeepEPMoELayer(nn.Module):
                             "(pass use_correction_bias=True, or strict=False to skip it)"
                         )
                     continue
+                _check_tensor(name, tensor)
                 if tuple(tensor.shape) != (self.num_experts,):
                     raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected [{self.num_experts}]")
                 self._plan_copy(copies, ("bias",), name, self.e_score_correction_bias, tensor.float())
@@ -389,6 +391,7 @@ class DeepEPMoELayer(nn.Module):
             local = expert - self.first_expert
             if not 0 <= local < self.num_local_experts:
                 continue
+            _check_tensor(name, tensor)
             rows = {"gate_proj": slice(0, i), "up_proj": slice(i, 2 * i), "down_proj": slice(0, h)}[proj]
             n, k = (i, h) if proj != "down_proj" else (h, i)
             if kind == "weight":
@@ -478,7 +481,6 @@ class DeepEPMoELayer(nn.Module):
         if not self.validate or capturing(self.device):
             return
         check_logits = router_logits is not None and router_logits.numel() > 0
-        check_bias = check_logits and self.e_score_correction_bias is not None
         check_ids = topk_ids is not None and topk_ids.numel() > 0
         check_weights = check_ids
         check_dups = check_ids and "masked" in self.dispatcher.layouts and topk_ids.shape[1] > 1
@@ -486,8 +488,6 @@ class DeepEPMoELayer(nn.Module):
         stats = []
         if check_logits:
             stats.append(torch.isfinite(router_logits).all().long())
-        if check_bias:
-            stats.append(torch.isfinite(self.e_score_correction_bias).all().long())
         if check_ids:
             stats += [topk_ids.min().long(), topk_ids.max().long()]
         if check_weights:
@@ -503,12 +503,6 @@ class DeepEPMoELayer(nn.Module):
         values = iter(torch.stack(stats).tolist())  # all on self.device (_check_inputs)
         if check_logits and not next(values):
             raise ValueError("router_logits contain NaN or Inf; routing on them is undefined")
-        if check_bias and not next(values):
-            raise ValueError(
-                "e_score_correction_bias holds NaN or Inf: it was never loaded (load_weights with the "
-                "checkpoint's mlp.gate.e_score_correction_bias, e.g. iter_expert_weights(..., "
-                "correction_bias=True)) or was loaded with non-finite values"
-            )
         if check_ids:
             lo, hi = next(values), next(values)
             if lo < 0 or hi >= self.num_experts:
@@ -526,9 +520,29 @@ class DeepEPMoELayer(nn.Module):
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[T, E]`` logits -> ``(topk_ids [T, k] int64, topk_weights [T, k] fp32)``."""
+        self._check_bias()
         return select_experts(
             router_logits, self.top_k, correction_bias=self.e_score_correction_bias, **self.routing
         )
+
+    def _check_bias(self) -> None:
+        """Refuse a correction bias with NaN / Inf (never loaded, or a broken checkpoint): it would
+        route every token to the same experts with finite, wrong outputs. Checked once per bias
+        tensor and version (one host sync after each load, none per batch), whatever ``validate``
+        and the batch size, so every rank of a group raises at the same batch."""
+        bias = self.e_score_correction_bias
+        if bias is None or bias.device.type == "meta":
+            return
+        key = (bias.data_ptr(), bias._version)
+        if key == self._bias_checked or capturing(self.device):
+            return
+        if not bool(torch.isfinite(bias).all()):
+            raise ValueError(
+                "e_score_correction_bias holds NaN or Inf: it was never loaded (load_weights with the "
+                "checkpoint's mlp.gate.e_score_correction_bias, e.g. iter_expert_weights(..., "
+                "correction_bias=True)) or was loaded with non-finite values"
+            )
+        self._bias_checked = key
 
     def forward(
         self,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from epmoe.bench import fp8
 
 
@@ -13,3 +15,10 @@ def test_turns_rotate_and_take_medians(monkeypatch):
     assert [c[0] for c in calls] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
     assert all(c[1:] == (20, 1) for c in calls)  # each turn: one window of --iters calls
     assert got == {"a": 2.0, "b": 5.0, "c": 8.0}
+
+
+@pytest.mark.parametrize("arg", ["--rounds=-1", "--iters=0", "--repeats=0"])
+def test_counts_are_checked(arg, capsys):
+    with pytest.raises(SystemExit):
+        fp8.main([arg])
+    assert arg.split("=")[0] in capsys.readouterr().err

@@ -131,6 +131,14 @@ def test_pipelined_pairs_run_back_to_back_with_per_call_medians(monkeypatch):
     assert seen == [("handle", "y")] * 6
 
 
+def test_overheads_are_layer_over_deepep_minus_one():
+    raw = dict(dispatch_ms=0.2, combine_ms=0.25, dispatch_pipelined_ms=0.1, combine_pipelined_ms=0.5)
+    ours = dict(dispatch_ms=0.21, combine_ms=0.25, dispatch_pipelined_ms=0.099, combine_pipelined_ms=0.51)
+    got = bench_layer._overheads(raw, ours)
+    assert got == pytest.approx(dict(dispatch_overhead_pct=5.0, combine_overhead_pct=0.0,
+                                     dispatch_pipelined_overhead_pct=-1.0, combine_pipelined_overhead_pct=2.0))
+
+
 def test_pipelined_overheads_are_reported():
     s = bench_layer._summary(_ranks(None), ARGS)
     row = s["ranks"][0]["schemes"]["int8_channel"]["prefill"]

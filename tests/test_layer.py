@@ -276,9 +276,14 @@ def test_experts_never_loaded_give_nan_not_zeros(scheme):
     assert rel_err(out[ok], moe_reference(x[ok], ids[ok], w[ok], w13, w2, scheme)) < 1e-3
 
 
-def test_correction_bias_never_loaded_is_refused_at_the_first_routed_batch():
-    layer, _ = build("bf16", dispatch="local", backend="torch", scoring_func="sigmoid", use_correction_bias=True)
+@pytest.mark.parametrize("validate", [True, False])
+def test_correction_bias_never_loaded_is_refused_at_the_first_routed_batch(validate):
+    layer, _ = build("bf16", dispatch="local", backend="torch", scoring_func="sigmoid", use_correction_bias=True,
+                     validate=validate)  # fmt: skip
     x = torch.randn(4, H)
+    # Every rank raises at the same batch: one with no tokens too (its peers would wait otherwise).
+    with pytest.raises(ValueError, match="e_score_correction_bias holds NaN or Inf: it was never loaded"):
+        layer(x[:0], torch.randn(0, E))
     with pytest.raises(ValueError, match="e_score_correction_bias holds NaN or Inf: it was never loaded"):
         layer(x, torch.randn(4, E))
     layer(x, topk_ids=torch.zeros(4, K, dtype=torch.int64) + torch.arange(K), topk_weights=torch.ones(4, K))  # no routing
@@ -286,6 +291,21 @@ def test_correction_bias_never_loaded_is_refused_at_the_first_routed_batch():
         layer.load_weights([("mlp.gate.e_score_correction_bias", torch.full((E,), float("inf")))])
     layer.load_weights([("mlp.gate.e_score_correction_bias", torch.zeros(E))])
     assert layer(x, torch.randn(4, E)).isfinite().all()
+    with torch.no_grad():
+        layer.e_score_correction_bias[3] = float("nan")  # an in-place write is checked again
+    with pytest.raises(ValueError, match="e_score_correction_bias holds NaN or Inf"):
+        layer.route(torch.randn(4, E))
+
+
+def test_load_weights_skips_unrelated_entries_of_any_type_when_not_strict():
+    layer, _ = build("bf16", dispatch="local", backend="torch")
+    assert layer.load_weights([("mlp.gate._extra_state", b"opaque"), ("lm_head.weight", [1, 2])], strict=False) == set()
+
+
+def test_meta_layer_loads_meta_tensors():
+    layer = DeepEPMoELayer(E, K, H, I, quant="int8_channel", device="meta", dispatch="local", backend="torch")
+    stored, _ = make_weights(E, H, I, "int8_channel")
+    layer.load_experts(*[t.to("meta") for t in stored])  # shapes only: no value checks
 
 
 def test_sizes_take_numpy_integers():

@@ -75,6 +75,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.m = [int(v) for v in args.m.split(",") if v]
     except ValueError:
         p.error(f"--m must be comma-separated integers; got {args.m!r}")
+    if not args.m or min(args.m) < 1:
+        p.error(f"--m needs one or more row counts >= 1; got {args.m}")
     args.backends = [b for b in args.backends.split(",") if b]
     unknown = set(args.backends) - set(BUILTIN)
     if unknown:

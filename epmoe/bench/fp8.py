@@ -89,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=0, help="also time the contiguous calls in R rounds of turns")
     p.add_argument("--json", default="fp8_bench.json")
     args = p.parse_args(argv)
+    for name in ("iters", "repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name}={getattr(args, name)} must be >= 1")
+    if args.rounds < 0:
+        p.error(f"--rounds={args.rounds} must be >= 0 (0: no turns)")
 
     from ..experts.base import ExpertWeights
     from ..kernels import activation, quantize

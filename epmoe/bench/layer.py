@@ -368,6 +368,13 @@ def _layer_dc(layer, x_in, ids, w, iters, warmup, device):
     return times
 
 
+def _overheads(raw: dict, ours: dict) -> dict:
+    """``<phase>_overhead_pct`` = layer / DeepEP - 1, in percent, for dispatch and combine timed
+    isolated and pipelined."""
+    phases = ("dispatch", "combine", "dispatch_pipelined", "combine_pipelined")
+    return {f"{p}_overhead_pct": 100.0 * (ours[f"{p}_ms"] - raw[f"{p}_ms"]) / raw[f"{p}_ms"] for p in phases}
+
+
 def _interleaved(forwards, iters, warmup, rounds, device):
     """Per scheme, the median over ``rounds`` of the mean forward time of ``iters`` back-to-back
     forwards (:func:`_time_loop`). Within a round the schemes take turns, in an order rotated
@@ -633,8 +640,7 @@ def _rank_main(rank, args, port, out_path):
                         "dispatch_pipelined_ms", "combine_pipelined_ms")  # fmt: skip
                 raw, ours = ({k: statistics.median(r[side][k] for r in rounds) for k in keys} for side in (0, 1))
                 row["deepep_ms"], row["layer_dc_ms"] = raw, ours
-                for p in ("dispatch", "combine", "dispatch_pipelined", "combine_pipelined"):
-                    row[f"{p}_overhead_pct"] = 100.0 * (ours[f"{p}_ms"] - raw[f"{p}_ms"]) / raw[f"{p}_ms"]
+                row.update(_overheads(raw, ours))
                 if mode == "normal":
                     row["no_host_sync"] = _no_host_sync(layer, lb, x, ids, w, ref, args.iters, args.warmup, device)
                 if mode == "low_latency":

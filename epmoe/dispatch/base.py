@@ -113,7 +113,9 @@ class DispatchConfig:
     low_latency_payload: str = "float"
 
     def __post_init__(self) -> None:
-        check_positive_int("normal_max_tokens_per_rank", self.normal_max_tokens_per_rank, optional=True)
+        self.normal_max_tokens_per_rank = check_positive_int(
+            "normal_max_tokens_per_rank", self.normal_max_tokens_per_rank, optional=True
+        )
 
     @property
     def num_local_experts(self) -> int:
