@@ -78,31 +78,33 @@ def info_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _usage(word: str | None, unknown: str, allowed: list[str], lines: list[str]) -> int:
+    """The usage ``lines`` for ``word``: asked for (``-h`` / ``--help``) on stdout, exit code 0;
+    otherwise on stderr, after naming an unknown ``word`` (``None``: nothing given), exit code 2."""
+    asked = word in ("-h", "--help")
+    out = sys.stdout if asked else sys.stderr
+    if word is not None and not asked:
+        print(f"{unknown} {word!r}; allowed: {allowed}", file=out)
+    for line in lines:
+        print(line, file=out)
+    return 0 if asked else 2
+
+
 def _run(module: str, func: str, argv: list[str]) -> int:
     return int(getattr(importlib.import_module(module), func)(argv) or 0)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        asked = not argv or argv[0] in ("-h", "--help")
-        out = sys.stdout if asked else sys.stderr
-        if not asked:
-            print(f"epmoe: unknown command {argv[0]!r}; allowed: {list(COMMANDS)}", file=out)
-        print("usage: epmoe <command> [args]  (epmoe <command> --help for its options)\n\ncommands:", file=out)
-        for name, (_, _, help_text) in COMMANDS.items():
-            print(f"  {name:<9} {help_text}", file=out)
-        return 0 if asked else 2
+    if not argv or argv[0] not in COMMANDS:
+        lines = ["usage: epmoe <command> [args]  (epmoe <command> --help for its options)\n\ncommands:"]
+        lines += [f"  {name:<9} {help_text}" for name, (_, _, help_text) in COMMANDS.items()]
+        return _usage(argv[0] if argv else "-h", "epmoe: unknown command", list(COMMANDS), lines)
     cmd, rest = argv[0], argv[1:]
     if cmd == "bench":
-        sub = rest[0] if rest else None
-        if sub not in BENCHES:
-            asked = sub in ("-h", "--help")
-            out = sys.stdout if asked else sys.stderr
-            if sub is not None and not asked:
-                print(f"epmoe bench: unknown benchmark {sub!r}; allowed: {list(BENCHES)}", file=out)
-            print(f"usage: epmoe bench {{{'|'.join(BENCHES)}}} [args]", file=out)
-            return 0 if asked else 2
+        if not rest or rest[0] not in BENCHES:
+            usage = [f"usage: epmoe bench {{{'|'.join(BENCHES)}}} [args]"]
+            return _usage(rest[0] if rest else None, "epmoe bench: unknown benchmark", list(BENCHES), usage)
         return _run(*BENCHES[rest[0]], rest[1:])
     module, func, _ = COMMANDS[cmd]
     return _run(module, func, rest)

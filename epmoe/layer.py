@@ -72,10 +72,13 @@ def _check_tensor(name: str, value) -> None:
 
 
 def _check_finite(named: list[tuple[str, torch.Tensor]]) -> None:
-    """Raise ``ValueError`` naming the first tensor with a NaN or Inf (one host sync for all)."""
+    """Raise ``ValueError`` naming the first scale or correction bias among ``named`` with a NaN or
+    Inf (one host sync for all): they multiply everything they touch, so a NaN there is a broken
+    checkpoint. Weights are not checked (a pass over every weight on each load)."""
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for name, t in named:
-        if t.device.type != "meta":  # shapes only: nothing to check
+        multiplier = "scale" in name or _BIAS_NAME.search(name)
+        if multiplier and t.device.type != "meta":  # meta: shapes only, nothing to check
             by_device.setdefault(t.device, []).append((name, torch.isfinite(t).all()))
     for flags in by_device.values():
         for (name, _), good in zip(flags, torch.stack([f for _, f in flags]).tolist()):
@@ -318,7 +321,7 @@ class DeepEPMoELayer(nn.Module):
             if tuple(src.shape) != expected:
                 raise ValueError(f"{name} has shape {tuple(src.shape)}; expected {list(expected)}")
             self._check_dtype(name, src, dst)
-        _check_finite([(name, src[sl]) for name, src, _ in items if "scale" in name])
+        _check_finite([(name, src[sl]) for name, src, _ in items])
         for _, src, dst in items:
             dst.copy_(src[sl])
 
@@ -408,8 +411,7 @@ class DeepEPMoELayer(nn.Module):
                 raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected {list(expected)}")
             self._check_dtype(name, tensor, dst)
             self._plan_copy(copies, (expert, proj, kind.startswith("weight_scale")), name, dst, tensor)
-        # Scales and the bias multiply everything they touch: a NaN there is a broken checkpoint.
-        _check_finite([(name, src) for slot, (name, _, src) in copies.items() if slot == ("bias",) or slot[-1] is True])
+        _check_finite([(name, src) for name, _, src in copies.values()])
         for _, dst, src in copies.values():
             dst.copy_(src)
         return {name for name, _, _ in copies.values()}

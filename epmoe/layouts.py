@@ -26,6 +26,7 @@ import torch
 
 from .tensors import check_positive_int
 
+
 def kernel_permute():
     """The Triton row-movement kernels, imported only where a GPU runs them."""
     from .kernels import permute

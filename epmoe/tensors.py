@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numbers
 
-import numpy as np
 import torch
 
 
@@ -20,7 +19,7 @@ def check_positive_int(name: str, value, *, optional: bool = False) -> int | Non
     (or ``None`` when ``optional``). NumPy integers count, ``bool`` does not."""
     if optional and value is None:
         return None
-    if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)) or value < 1:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive integer" + (" or None" if optional else ""))
     return int(value)
 

@@ -35,6 +35,8 @@ import time
 
 import torch
 
+from .turns import in_turns
+
 BLOCK = 128
 
 
@@ -55,14 +57,9 @@ def _time(fn, iters: int, repeats: int) -> float:
 
 
 def _turns(fns: dict, iters: int, rounds: int) -> dict:
-    """Median ms per call of each ``fns`` value over ``rounds`` rounds of turns (``iters`` calls
-    each, order rotated every round)."""
-    names = list(fns)
-    samples: dict = {n: [] for n in names}
-    for r in range(rounds):
-        k = r % len(names)
-        for n in names[k:] + names[:k]:
-            samples[n].append(_time(fns[n], iters, 1))
+    """Median ms per call of each ``fns`` value over ``rounds`` rounds of turns
+    (:func:`~epmoe.bench.turns.in_turns`), ``iters`` calls a turn."""
+    samples = in_turns(fns, rounds, lambda fn: _time(fn, iters, 1))
     return {n: statistics.median(v) for n, v in samples.items()}
 
 

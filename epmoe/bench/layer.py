@@ -33,6 +33,8 @@ import traceback
 
 import torch
 
+from .turns import in_turns
+
 E, K, H, I = 256, 8, 7168, 2048
 WORLD = 2
 SCHEMES = ("bf16", "int8_channel", "int8_channel_int32", "int8_block")
@@ -377,18 +379,9 @@ def _overheads(raw: dict, ours: dict) -> dict:
 
 def _interleaved(forwards, iters, warmup, rounds, device):
     """Per scheme, the median over ``rounds`` of the mean forward time of ``iters`` back-to-back
-    forwards (:func:`_time_loop`). Within a round the schemes take turns, in an order rotated
-    every round, so that each meets the GPU in the same state on average: under sustained load
-    the H200's clocks fall (loops of 10 / 30 / 100 prefill forwards ran 6.78 / 7.08 / 7.54 ms per
-    BF16 forward), and a scheme timed after a long run of others would pay for their heat. With a
-    round count that is not a multiple of the scheme count some schemes lead one round more;
-    the median absorbs that."""
-    names = list(forwards)
-    samples: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        k = r % len(names)
-        for n in names[k:] + names[:k]:
-            samples[n].append(_time_loop(forwards[n], iters, warmup, device))
+    forwards (:func:`_time_loop`), the schemes taking turns (:func:`~epmoe.bench.turns.in_turns`):
+    loops of 10 / 30 / 100 prefill forwards ran 6.78 / 7.08 / 7.54 ms per BF16 forward."""
+    samples = in_turns(forwards, rounds, lambda fn: _time_loop(fn, iters, warmup, device))
     return {n: {"layer_ms": statistics.median(v), "rounds_ms": v} for n, v in samples.items()}
 
 

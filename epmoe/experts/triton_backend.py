@@ -32,6 +32,12 @@ def _kernels():
     return activation, grouped_gemm, quantize
 
 
+def _row_args(masked_m: torch.Tensor | None, expected_m: int | None) -> dict:
+    """The row-wise kernels' ``masked_m`` / ``expected_m`` (a rows-per-segment hint sizes their
+    grid only over a masked batch, so it is dropped without one)."""
+    return dict(masked_m=masked_m, expected_m=expected_m if masked_m is not None else None)
+
+
 class TritonBackend(ExpertsBackend):
     name = "triton"
     schemes = frozenset({"bf16", "int8_channel", "int8_block"})
@@ -154,7 +160,7 @@ class TritonBackend(ExpertsBackend):
         )
         if native:
             return x, x_scale.float()
-        rows = dict(masked_m=masked_m, expected_m=expected_m if masked_m is not None else None)
+        rows = _row_args(masked_m, expected_m)
         if scheme.act_granularity == "token":
             return qz.per_token_quant_int8(x, x_scale, **rows)
         return qz.per_group_quant(x, BLOCK, torch.int8, x_scale, **rows)
@@ -168,7 +174,7 @@ class TritonBackend(ExpertsBackend):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``silu(gate) * up``, requantized for a quantized scheme; rows as in :meth:`gemm1_input`."""
         act, _, _ = _kernels()
-        rows = dict(masked_m=masked_m, expected_m=expected_m if masked_m is not None else None)
+        rows = _row_args(masked_m, expected_m)
         if not self.scheme.quantized:
             return act.silu_and_mul(gate_up, weights.w2.dtype, **rows), None
         granularity = "token" if self.scheme.act_granularity == "token" else "group"
