@@ -25,6 +25,7 @@ from .quantize import (
     check_launch,
     group_quant,
     load_tile,
+    row_block,
     row_segment,
     token_quant,
 )
@@ -40,9 +41,7 @@ def _silu_mul_kernel(
     base, n, first, step = row_segment(MASKED_M, M, CAP, PROGS, HAS_MASK)
     col0 = tl.program_id(1) * BLOCK_K
     for b in range(first, tl.cdiv(n, BLOCK_M), step):
-        local = b * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = local < n
-        rows = base + local
+        rows, row_ok = row_block(base, n, b, BLOCK_M)
         h, cols, mask = load_tile(
             X, X, rows, row_ok, col0, I, stride_xm, 0, False, 1, True, GROUP, BLOCK_K // GROUP
         )

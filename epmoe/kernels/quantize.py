@@ -243,6 +243,14 @@ def row_segment(MASKED_M, M, CAP, PROGS, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
+def row_block(base, n, b, BLOCK_M: tl.constexpr):
+    """Rows of block ``b`` of a segment of ``n`` rows starting at ``base`` (see
+    :func:`row_segment`), and which of them exist."""
+    local = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    return base + local, local < n
+
+
+@triton.jit
 def load_tile(
     X, XS, rows, row_ok, col0, K, stride_xm, stride_xsm,
     HAS_XS: tl.constexpr, IN_GROUP: tl.constexpr, SILU: tl.constexpr, GROUP: tl.constexpr,
@@ -289,9 +297,7 @@ def token_quant_kernel(
     NG: tl.constexpr = BLOCK_K // GROUP
     base, n, first, step = row_segment(MASKED_M, M, CAP, PROGS, HAS_MASK)
     for b in range(first, tl.cdiv(n, BLOCK_M), step):
-        local = b * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = local < n
-        rows = base + local
+        rows, row_ok = row_block(base, n, b, BLOCK_M)
         if SINGLE:
             x, cols, mask = load_tile(
                 X, XS, rows, row_ok, 0, K, stride_xm, stride_xsm, HAS_XS, IN_GROUP, SILU, GROUP, NG
@@ -331,9 +337,7 @@ def group_quant_kernel(
     col0 = tl.program_id(1) * BLOCK_K
     g = col0 // GROUP + tl.arange(0, NG)
     for b in range(first, tl.cdiv(n, BLOCK_M), step):
-        local = b * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = local < n
-        rows = base + local
+        rows, row_ok = row_block(base, n, b, BLOCK_M)
         x, cols, mask = load_tile(
             X, XS, rows, row_ok, col0, K, stride_xm, stride_xsm, HAS_XS, IN_GROUP, SILU, GROUP, NG
         )
