@@ -66,12 +66,21 @@ def _check_against_stable_sort(ids, e, alignment):
     assert counts.tolist() == ref.num_rows
 
 
+@pytest.fixture(params=["blocks", "steps"])
+def small_blocks(request, monkeypatch):
+    """Steps of 128 slots (the fewest the launcher allows), so that a few thousand slots cross
+    many boundaries: of blocks (one step each), or of steps (three blocks of several steps). The
+    histogram table is read two rows at a time."""
+    monkeypatch.setattr(permute, "SLOT_STEP", 128)
+    monkeypatch.setattr(permute, "SLOT_PROGRAMS", 1 << 30 if request.param == "blocks" else 3)
+    monkeypatch.setattr(permute, "SLOT_TILE", 64)
+
+
 @pytest.mark.parametrize("alignment", [1, 128])
-def test_slot_positions_across_many_scan_steps(alignment, poisoned, monkeypatch):
-    """The running count carried from one scan step to the next: 16 steps of 1024 slots (the
-    shipped step is 16384 slots, more than any other case here)."""
-    monkeypatch.setattr(permute, "SLOT_BLOCK", 1024)
-    _check_against_stable_sort(_ids(2049, 8, 7, 5), 7, alignment)
+def test_slot_positions_across_many_blocks(alignment, poisoned, small_blocks):
+    """The counts of the blocks before, and the running count from one step to the next: 4104
+    slots in 33 blocks of one step (the last 8 slots long), or in 3 blocks of 11 steps."""
+    _check_against_stable_sort(_ids(513, 8, 7, 5), 7, alignment)
 
 
 def test_slot_positions_foreign_ids_beyond_range_and_empty_experts(poisoned):
@@ -181,20 +190,106 @@ def test_slot_layout_counts_segments_on_the_device(r, k, e, alignment, seed, poi
 
 
 @pytest.mark.parametrize("alignment", [1, 16])
-def test_slot_layout_across_many_scan_steps(alignment, poisoned, monkeypatch):
-    """The counting pass (a histogram when padded) and the position pass both carried over 16
-    steps of 1024 slots."""
-    monkeypatch.setattr(permute, "SLOT_BLOCK", 1024)
-    _check_device_layout(_ids(2049, 8, 7, 9), 7, alignment)
+def test_slot_layout_across_many_blocks(alignment, poisoned, small_blocks):
+    """The segments counted from 33 (or 3) block histograms."""
+    _check_device_layout(_ids(513, 8, 7, 9), 7, alignment)
+
+
+def _with_foreign(ids, e, share, g):
+    """``ids`` with about ``share`` of the slots foreign: -1, E, E + 1 (under the kernel's
+    power-of-two padding of E, when E is not a power of two), 2 * E + 7 (past it) or 2^33 + 1
+    (1 if cut to 32 bits)."""
+    other = torch.tensor([-1, e, e + 1, 2 * e + 7, 2**33 + 1])[torch.randint(0, 5, ids.shape, generator=g)]
+    return torch.where(torch.rand(ids.shape, generator=g) < share, other, ids)
+
+
+def _runs(n, e, run, seed):
+    """``[n, 1]`` ids in runs of ``run`` slots per expert (so runs cross block and step
+    boundaries), every expert again after the last, about one slot in four foreign."""
+    g = torch.Generator().manual_seed(seed)
+    return _with_foreign((torch.arange(n) // run) % e, e, 0.25, g).reshape(n, 1)
+
+
+@pytest.mark.parametrize("alignment", [1, 128])
+@pytest.mark.parametrize("n,run", [(1003, 50), (1003, 300), (130, 1)])
+def test_slot_kernels_with_runs_across_block_boundaries(n, run, alignment, poisoned, small_blocks):
+    """An expert's run split between steps and blocks (a run of 300 spans three blocks); slot
+    counts that are no multiple of the block nor of the step."""
+    ids = _runs(n, 6, run, n + run)
+    _check_against_stable_sort(ids, 6, alignment)
+    _check_device_layout(ids, 6, alignment)
+    # Rank order, checked directly: every expert's slots take its segment's rows one after the
+    # other, in slot order.
+    offsets, slot_pos, _, counts = (t.cpu() for t in permute.slot_layout(ids.to(DEVICE), 6, alignment))
+    for e in range(6):
+        rows = slot_pos.reshape(-1)[ids.reshape(-1) == e]
+        assert rows.tolist() == list(range(int(offsets[e]), int(offsets[e]) + int(counts[e])))
+
+
+@pytest.mark.parametrize("alignment", [1, 128])
+@pytest.mark.parametrize("r,k,e", [(97, 8, 5), (80, 8, 130), (64, 8, 256), (300, 8, 128)])
+def test_slot_kernels_with_many_or_odd_expert_counts(r, k, e, alignment, poisoned):
+    """E not a power of two (the kernel pads it to one: ids between E and the padding are
+    foreign), E = 256, and E = 128 with alignment 128 and about half the slots foreign (the
+    shape of a real rank's receive, scaled down), at the launcher's own block sizes."""
+    g = torch.Generator().manual_seed(r + e)
+    ids = _with_foreign(torch.randint(0, e, (r, k), generator=g), e, 0.5, g)
+    _check_against_stable_sort(ids, e, alignment)
+    _check_device_layout(ids, e, alignment)
+
+
+def test_slot_kernels_with_no_slots(poisoned):
+    """A rank that received nothing: empty segments, every (padding) row unused."""
+    ids = torch.zeros(0, 8, dtype=torch.int64)
+    offsets, slot_pos, m_indices, counts = (t.cpu() for t in permute.slot_layout(ids.to(DEVICE), 3, 4))
+    assert offsets.tolist() == [0, 0, 0, 0] and slot_pos.shape == (0, 8)
+    assert m_indices.tolist() == [-1] * 9 and counts.tolist() == [0, 0, 0]
+    zeros = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    slot_pos, m_indices, counts = (t.cpu() for t in permute.slot_positions(ids.to(DEVICE), zeros, 0))
+    assert slot_pos.shape == (0, 8) and m_indices.numel() == 0 and counts.tolist() == [0, 0, 0]
+
+
+def _rows_per_expert(ids, offsets, num_rows):
+    """slot_positions' outputs for any int offsets, expert by expert: the expert's slots in slot
+    order take the rows of its segment from the start, as many as fit (the rest -1)."""
+    flat = ids.reshape(-1)
+    slot_pos = torch.full_like(flat, -1)
+    m_indices = torch.full((num_rows,), -1, dtype=torch.int32)
+    counts = []
+    for e in range(offsets.numel() - 1):
+        slots = (flat == e).nonzero().flatten()
+        start, end = int(offsets[e]), int(offsets[e + 1])
+        fit = min(slots.numel(), max(end - start, 0))
+        slot_pos[slots[:fit]] = torch.arange(start, start + fit)
+        m_indices[start : start + fit] = e
+        counts.append(slots.numel())
+    return slot_pos.reshape(ids.shape), m_indices, counts
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_slot_positions_with_roomy_and_short_segments_across_blocks(dtype, poisoned, small_blocks):
+    """Given segments with spare room (padding rows, some longer than a marking store) and one
+    too short for its slots, spread over many blocks, int32 or int64 offsets."""
+    ids = _runs(1003, 4, 40, 3)
+    counts = [int((ids == e).sum()) for e in range(4)]
+    room = [counts[0] + 3, counts[1] + 1500, counts[2] - 20, counts[3]]
+    offsets = torch.tensor([0] + room, dtype=dtype).cumsum(0).to(dtype)
+    m = int(offsets[-1])
+    res = permute.slot_positions(ids.to(DEVICE), offsets.to(DEVICE), m)
+    slot_pos, m_indices, got_counts = (t.cpu() for t in res)
+    want_pos, want_rows, want_counts = _rows_per_expert(ids, offsets, m)
+    assert torch.equal(slot_pos, want_pos)
+    assert torch.equal(m_indices, want_rows)
+    assert got_counts.tolist() == want_counts == counts
 
 
 @pytest.mark.parametrize(
     "e,alignment,offsets,pos,rows",
     [
         (4, 2, [0, 4, 4, 4, 6], [[-1, 0], [1, -1], [-1, -1], [2, 4], [-1, -1]], [0, 0, 0, -1, 3, -1]),
-        # unpadded: each expert's start counted from the smaller ids (no histogram)
+        # unpadded
         (4, 1, [0, 3, 3, 3, 4], [[-1, 0], [1, -1], [-1, -1], [2, 3], [-1, -1]], [0, 0, 0, 3]),
-        # the last expert, which publishes the total, owns no slot
+        # the last expert owns no slot
         (5, 1, [0, 3, 3, 3, 4, 4], [[-1, 0], [1, -1], [-1, -1], [2, 3], [-1, -1]], [0, 0, 0, 3]),
     ],
 )

@@ -19,6 +19,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from epmoe.kernels import activation, configs, grouped_gemm, permute, quantize  # noqa: E402
 from epmoe.layouts import gather_weighted as torch_gather_weighted  # noqa: E402
 from epmoe.layouts import to_contiguous  # noqa: E402
@@ -376,6 +379,22 @@ def test_interpreter_fma_is_fused():
     a = np.array([1 + 2.0**-20], np.float32)
     p = (a * a).astype(np.float32)
     assert float(_exact_fma(a, a, -p)[0]) == (1 + 2.0**-20) ** 2 - float(p[0])
+
+
+@triton.jit
+def _sort_rows(X, Y, DESCENDING: tl.constexpr):
+    offs = tl.arange(0, 4)[:, None] * 128 + tl.arange(0, 128)[None, :]
+    tl.store(Y + offs, tl.sort(tl.load(X + offs), descending=DESCENDING))
+
+
+def test_sort_sorts_along_the_last_dimension():
+    """tl.sort, which the slot kernel ranks with (NumPy's sort in the interpreter, where the
+    bitonic network would take seconds), against torch.sort."""
+    x = torch.randint(-1000, 1000, (4, 128), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    for descending in (False, True):
+        y = torch.empty_like(x, device=DEVICE)
+        _sort_rows[(1,)](x.to(DEVICE), y, DESCENDING=descending)
+        assert torch.equal(y.cpu(), torch.sort(x, dim=1, descending=descending).values)
 
 
 # ---------------------------------------------------------------- grouped GEMM

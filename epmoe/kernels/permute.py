@@ -4,10 +4,11 @@ Same semantics as the torch functions in :mod:`epmoe.layouts`:
 
 * :func:`slot_positions` gives every (token, top-k slot) its row in the contiguous layout, in
   token order inside each expert's segment (what the torch path's stable sort gives), and the
-  expert of every row (``-1`` on padding) — one launch, no sort, no host synchronisation when
-  the segment sizes are already known on the host (DeepEP reports them); :func:`slot_layout`
-  does the same with the sizes counted on the device (the same launch, a counting pass first),
-  for a layout sized for the worst case when nobody waited for the counts;
+  expert of every row (``-1`` on padding) — no host synchronisation when the segment sizes are
+  already known on the host (DeepEP reports them); :func:`slot_layout` does the same with the
+  sizes counted on the device, for a layout sized for the worst case when nobody waited for the
+  counts. Both are two launches over blocks of slots: each block's expert histogram, then each
+  block sorts its slots by expert and places them after those of the blocks before it;
 * :func:`scatter_rows` copies each received token's row to every row position ``slot_pos[r, j]``
   (the data movement of ``to_contiguous`` / ``to_masked``); untouched rows are zero (scale 1).
 * :func:`gather_weighted` sums, per received token, its valid slots' rows times the top-k weights
@@ -24,93 +25,119 @@ import triton.language as tl
 from ..tensors import check_positive_int
 from .common import next_pow2
 
-SLOT_BLOCK = 16384
-"""Slots one step of :func:`slot_positions`' scan covers (16 warps at this size)."""
+SLOT_STEP = 512
+"""Slots a program sorts at once: a power of two >= 128, so that each of the 4 warps' threads
+holds its own ids (older Tritons' tl.histogram counts an element once per thread holding it)."""
+
+SLOT_PROGRAMS = 128
+"""Blocks of slots (programs of each slot kernel) to aim for, about one per SM: every program reads
+the whole ``[blocks, E]`` histogram table, so past this a block takes more steps instead."""
+
+SLOT_TILE = 4096
+"""Elements of the ``[rows, E]`` tiles a program handles at once: reads of the histogram table,
+marks of padding rows."""
+
+SLOT_ROWS = 1024
+"""Rows of ``m_indices`` one store marks unused (padding, spare rows)."""
+
+
+@triton.jit
+def _local_histogram(ids, E, E_PAD: tl.constexpr):
+    # Slots per local expert. Foreign ids are counted in bin 0 and taken out again: tl.histogram's
+    # mask argument is newer than the oldest Triton this package supports, and on the GPU a value
+    # past the bins lands in the bin of its low bits.
+    local = (ids >= 0) & (ids < E)
+    hist = tl.histogram(tl.where(local, ids, 0).to(tl.int32), E_PAD)
+    return tl.where(tl.arange(0, E_PAD) == 0, hist - tl.sum(tl.where(local, 0, 1), 0), hist)
+
+
+@triton.jit
+def _slot_histogram_kernel(IDS, HIST, N_SLOTS, E, BLOCK, STEP: tl.constexpr, E_PAD: tl.constexpr):
+    # Row b of HIST: the slots of block b per expert.
+    b = tl.program_id(0)
+    hist = tl.zeros([E_PAD], dtype=tl.int32)
+    for s in range(b * BLOCK, b * BLOCK + BLOCK, STEP):
+        slot = s + tl.arange(0, STEP)
+        hist += _local_histogram(tl.load(IDS + slot, mask=slot < N_SLOTS, other=-1), E, E_PAD)
+    tl.store(HIST + b * E_PAD + tl.arange(0, E_PAD), hist)
 
 
 @triton.jit
 def _slot_positions_kernel(
-    IDS, OFFS, POS, MIDX, COUNTS, N_SLOTS, E, M_ROWS,
-    BLOCK: tl.constexpr, SIZES_ON_DEVICE: tl.constexpr, ALIGN: tl.constexpr, E_PAD: tl.constexpr,
+    IDS, HIST, SHIFT, OFFS, POS, MIDX, COUNTS, N_SLOTS, E, M_ROWS, NUM_BLOCKS, BLOCK,
+    STEP: tl.constexpr, ROWS: tl.constexpr, ROW_STEP: tl.constexpr,
+    SIZES_ON_DEVICE: tl.constexpr, ALIGN: tl.constexpr, E_PAD: tl.constexpr,
 ):
-    # One program per expert scans every slot: E * R * k id reads, from L2 after the first
-    # program, and each slot / row is written by exactly one program (no fill kernels). The scan
-    # is a chain of BLOCK-wide steps (each waits for the previous running count), so the launch
-    # uses wide blocks and many warps: few, parallel steps. Counts fit int32 (slots < 2^31).
-    e = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
+    # Program b places the slots of block b. Each program sums the whole histogram table itself
+    # (tens of KB from L2) instead of waiting for a third launch: the expert totals give the
+    # segments, the blocks before b where b's slots start inside them. Counts fit int32.
+    b = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    bins = tl.arange(0, E_PAD)
+    expert = bins < E
+    lane = tl.arange(0, STEP)
+    # The first step's ids are loaded first: their latency hides behind the table's.
+    ids = tl.load(IDS + b * BLOCK + lane, mask=b * BLOCK + lane < N_SLOTS, other=-1)
+    total = tl.zeros([E_PAD], dtype=tl.int32)
+    before = tl.zeros([E_PAD], dtype=tl.int32)
+    for t0 in range(0, NUM_BLOCKS, ROWS):
+        blk = (t0 + tl.arange(0, ROWS))[:, None]
+        h = tl.load(HIST + blk * E_PAD + bins[None, :], mask=blk < NUM_BLOCKS, other=0)
+        total += tl.sum(h, 0)
+        before += tl.sum(tl.where(blk < b, h, 0), 0)
     if SIZES_ON_DEVICE:
-        if ALIGN == 1:
-            # Unpadded segments: expert e starts after the local slots of smaller ids, so two
-            # counts (cheap reductions, where a histogram pass cost ~35 us on the H200) place it;
-            # each program publishes its own offset, the last one the total and marks the spare
-            # rows (past the last segment) as belonging to none.
-            below = tl.zeros([], dtype=tl.int32)
-            mine = tl.zeros([], dtype=tl.int32)
-            for s0 in range(0, N_SLOTS, BLOCK):
-                slot = s0 + offs
-                ids = tl.load(IDS + slot, mask=slot < N_SLOTS, other=-1)
-                below += tl.sum(((ids >= 0) & (ids < e)).to(tl.int32), 0)
-                mine += tl.sum((ids == e).to(tl.int32), 0)
-            start = below.to(tl.int64)
-            end = start + mine
-            tl.store(OFFS + e, below)
-            if e == E - 1:
-                total = below + mine
-                tl.store(OFFS + E, total)
-                for r0 in range(total, M_ROWS, BLOCK):
-                    row = r0 + offs
-                    tl.store(MIDX + row, tl.full([BLOCK], -1, tl.int32), mask=row < M_ROWS)
-        else:
-            # Padded segments: every program counts every expert's slots first (a histogram), so
-            # it knows its own segment without a second launch or a host round trip; program 0
-            # publishes the offsets and marks the spare rows. Foreign ids land in bin E
-            # (E_PAD > E), which no segment uses: tl.histogram's mask argument is newer than the
-            # oldest Triton this package supports.
-            hist = tl.zeros([E_PAD], dtype=tl.int32)
-            for s0 in range(0, N_SLOTS, BLOCK):
-                slot = s0 + offs
-                ids = tl.load(IDS + slot, mask=slot < N_SLOTS, other=-1)
-                local = (ids >= 0) & (ids < E)
-                hist += tl.histogram(tl.where(local, ids, E).to(tl.int32), E_PAD)
-            bins = tl.arange(0, E_PAD)
-            hist = tl.where(bins < E, hist, 0)
-            padded = (hist + ALIGN - 1) // ALIGN * ALIGN
-            ends = tl.cumsum(padded, 0)
-            end = tl.sum(tl.where(bins == e, ends, 0), 0).to(tl.int64)
-            start = end - tl.sum(tl.where(bins == e, padded, 0), 0).to(tl.int64)
-            if e == 0:
-                tl.store(OFFS + bins, ends - padded, mask=bins < E)
-                total = tl.sum(padded, 0)
-                tl.store(OFFS + E, total)
-                for r0 in range(total, M_ROWS, BLOCK):
-                    row = r0 + offs
-                    tl.store(MIDX + row, tl.full([BLOCK], -1, tl.int32), mask=row < M_ROWS)
+        room = (total + ALIGN - 1) // ALIGN * ALIGN
+        ends = tl.cumsum(room, 0)
+        starts = ends - room
+        used = tl.sum(room, 0)
+        if b == 0:
+            tl.store(OFFS + bins, starts, mask=expert)
+            tl.store(OFFS + E, used)
     else:
-        start = tl.load(OFFS + e).to(tl.int64)
-        end = tl.load(OFFS + e + 1).to(tl.int64)
-    running = tl.zeros([], dtype=tl.int32)
-    for s0 in range(0, N_SLOTS, BLOCK):
-        slot = s0 + offs
-        in_range = slot < N_SLOTS
-        ids = tl.load(IDS + slot, mask=in_range, other=-1)
-        hit = ids == e
-        inclusive = tl.cumsum(hit.to(tl.int32), 0)
-        pos = start + (running + inclusive - 1).to(tl.int64)
-        # A segment shorter than its rows (inconsistent sizes) must not write past its end; the
-        # slots that do not fit get -1 (not local), so no later kernel follows a stale position.
-        fits = hit & (pos < end)
-        tl.store(POS + slot, tl.where(fits, pos, -1), mask=hit)
-        tl.store(MIDX + pos, e.to(tl.int32) + tl.zeros([BLOCK], dtype=tl.int32), mask=fits)
-        if e == 0:
-            foreign = in_range & ((ids < 0) | (ids >= E))
-            tl.store(POS + slot, tl.full([BLOCK], -1, tl.int64), mask=foreign)
-        running += tl.sum(hit.to(tl.int32), 0)
-    tl.store(COUNTS + e, running)
-    for r0 in range(0, end - start, BLOCK):
-        row = start + r0 + offs
-        pad = (row >= start + running) & (row < end)
-        tl.store(MIDX + row, tl.full([BLOCK], -1, tl.int32), mask=pad)
+        starts = tl.load(OFFS + bins, mask=expert, other=0)
+        ends = tl.load(OFFS + 1 + bins, mask=expert, other=0)
+        used = tl.load(OFFS + E)
+    if b == 0:
+        tl.store(COUNTS + bins, total, mask=expert)
+
+    # STEP slots at a time, each expert's next free row carried from step to step. Sorted by
+    # (expert, slot), the step's slots of expert e follow one another in slot order after the
+    # `first[e]` slots of smaller experts, so sorted lane p takes row nxt[e] - first[e] + p.
+    # That per-expert shift goes through this program's row of SHIFT, the one way to look up a
+    # vector by a tensor of indices in every supported Triton (tl.gather is newer).
+    nxt = starts + before
+    for s in range(b * BLOCK, b * BLOCK + BLOCK, STEP):
+        hist = _local_histogram(ids, E, E_PAD)
+        key = tl.sort(tl.where((ids >= 0) & (ids < E), ids, E_PAD).to(tl.int32) * STEP + lane)
+        # The next step's ids are loaded now, so their latency hides behind this step's work.
+        ids = tl.load(IDS + s + STEP + lane, mask=s + STEP + lane < N_SLOTS, other=-1)
+        tl.debug_barrier()  # every thread has read the previous step's shifts
+        tl.store(SHIFT + b * E_PAD + bins, nxt + hist - tl.cumsum(hist, 0))
+        tl.debug_barrier()  # and sees these
+        e = key // STEP
+        fits = e < E
+        row = tl.load(SHIFT + b * E_PAD + e, mask=fits, other=0) + lane
+        # A segment shorter than its slots (inconsistent offsets) must not be written past its
+        # end; the slots that do not fit get -1 (not local), so no later kernel follows a stale
+        # row. Counted segments always fit.
+        if not SIZES_ON_DEVICE:
+            fits &= row < tl.load(OFFS + 1 + e, mask=fits, other=0)
+        slot = s + key % STEP
+        tl.store(POS + slot, tl.where(fits, row, -1), mask=slot < N_SLOTS)
+        tl.store(MIDX + row, e, mask=fits)
+        nxt += hist
+
+    # Rows no slot takes belong to no expert: each program marks the padding of experts
+    # b, b + nprog, ... (all of them at once, ROWS rows each a store) and its share of the spare
+    # rows past the last segment.
+    filled = starts + total
+    pad = tl.where(expert & (bins % nprog == b), ends - filled, 0)
+    for r0 in range(0, tl.max(pad, 0), ROWS):
+        row = (r0 + tl.arange(0, ROWS))[None, :]
+        tl.store(MIDX + filled[:, None] + row, tl.full([E_PAD, ROWS], -1, tl.int32), mask=row < pad[:, None])
+    for r0 in range(used + b * ROW_STEP, M_ROWS, nprog * ROW_STEP):
+        row = r0 + tl.arange(0, ROW_STEP)
+        tl.store(MIDX + row, tl.full([ROW_STEP], -1, tl.int32), mask=row < M_ROWS)
 
 
 @triton.jit
@@ -239,13 +266,21 @@ def _launch_slots(topk_ids, offsets, slot_pos, m_indices, counts, alignment: int
     if e == 0:
         slot_pos.fill_(-1)
         return
+    n = r * k
     ids = topk_ids.reshape(-1).contiguous()
-    block = max(16, min(next_pow2(r * k), SLOT_BLOCK))
-    _slot_positions_kernel[(e,)](
-        ids, offsets, slot_pos, m_indices, counts, r * k, e, m_indices.numel(),
-        BLOCK=block, SIZES_ON_DEVICE=sizes_on_device, ALIGN=alignment,
-        E_PAD=max(16, next_pow2(e + 1)) if sizes_on_device else 16,
-        num_warps=max(1, min(16, block // 512)),
+    # At least 32 bins: older Tritons' tl.histogram wants a bin per lane of a warp.
+    e_pad = max(32, next_pow2(e))
+    step = min(SLOT_STEP, max(128, next_pow2(n)))
+    block = step * max(1, triton.cdiv(n, step * SLOT_PROGRAMS))
+    blocks = max(1, triton.cdiv(n, block))
+    # Scratch sized by the shapes only, so the launches stay capturable in a CUDA graph.
+    hist = torch.empty((blocks, e_pad), dtype=torch.int32, device=ids.device)
+    shift = torch.empty((blocks, e_pad), dtype=torch.int64, device=ids.device)
+    _slot_histogram_kernel[(blocks,)](ids, hist, n, e, block, STEP=step, E_PAD=e_pad, num_warps=4)
+    _slot_positions_kernel[(blocks,)](
+        ids, hist, shift, offsets, slot_pos, m_indices, counts, n, e, m_indices.numel(), blocks, block,
+        STEP=step, ROWS=max(1, SLOT_TILE // e_pad), ROW_STEP=SLOT_ROWS,
+        SIZES_ON_DEVICE=sizes_on_device, ALIGN=alignment, E_PAD=e_pad, num_warps=4,
     )
 
 
