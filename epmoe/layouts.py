@@ -103,13 +103,14 @@ class MaskedBatch:
         return self.x.shape[0]
 
 
-def _local_slots(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Flat indices ``r * k + j`` of valid slots, ordered by (expert, token) — a stable sort."""
-    flat = topk_ids.reshape(-1)
+def _local_slots(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat indices ``r * k + j`` of valid slots, ordered by (expert, token) — a stable sort —
+    and their experts, int64 whatever the ids' dtype (narrow ids index wrongly: uint8 as a mask)."""
+    flat = topk_ids.reshape(-1).long()
     valid = (flat >= 0) & (flat < num_experts)
     key = torch.where(valid, flat, torch.full_like(flat, num_experts))
-    order = torch.sort(key, stable=True).indices
-    return order[: int(valid.sum())]
+    order = torch.sort(key, stable=True).indices[: int(valid.sum())]
+    return order, flat[order]
 
 
 def to_contiguous(
@@ -216,8 +217,7 @@ def _to_contiguous_torch(x, x_scale, topk_ids, num_experts, alignment) -> Contig
     """The reference (and CPU) scatter: a stable sort by expert, one host sync for the counts."""
     r, k = topk_ids.shape
     device = x.device
-    slots = _local_slots(topk_ids, num_experts)
-    experts = topk_ids.reshape(-1)[slots]
+    slots, experts = _local_slots(topk_ids, num_experts)
     counts = torch.bincount(experts, minlength=num_experts)[:num_experts]
     num_rows = counts.tolist()
     offsets_list = _segment_offsets(_round_up(num_rows, alignment))
@@ -288,8 +288,7 @@ def to_masked(
         ``capacity`` rows.
     """
     r, k = topk_ids.shape
-    slots = _local_slots(topk_ids, num_experts)
-    experts = topk_ids.reshape(-1)[slots]
+    slots, experts = _local_slots(topk_ids, num_experts)
     counts = torch.bincount(experts, minlength=num_experts)[:num_experts]
     if slots.numel() and int(counts.max()) > capacity:
         raise ValueError(

@@ -324,6 +324,10 @@ def _plumbing_case():
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter on CPU")
 @pytest.mark.parametrize("name", ["deepgemm", "cutlass"])
+# GEMM1 leaves padding rows unwritten (as DeepGEMM does), so SiLU * up may meet arbitrary bits
+# there and NumPy warns; the gather never reads those rows, which the result check covers.
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 def test_backend_plumbing_contiguous(monkeypatch, name):
     from reference import moe_reference, rel_err
 

@@ -59,6 +59,21 @@ def test_masked_layout_matches_contiguous(scheme):
     torch.testing.assert_close(out_contig, out_masked, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32])
+def test_layouts_take_any_integer_ids(dtype):
+    """Narrow ids give the same layouts as int64 ones (uint8 ids used as an index would be a
+    boolean mask)."""
+    x, ids, _ = make_case("random", 0, E, K, H)
+    ids[0, 1] = E + 2  # a slot owned by another rank, representable in every dtype here
+    narrow = ids.to(dtype)
+    assert torch.equal(narrow.long(), ids)
+    want, got = to_contiguous(x, None, ids, E, alignment=8), to_contiguous(x, None, narrow, E, alignment=8)
+    for name in ("x", "expert_offsets", "m_indices", "slot_pos"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    (mw, pw), (mg, pg) = to_masked(x, None, ids, E, capacity=x.shape[0]), to_masked(x, None, narrow, E, capacity=x.shape[0])
+    assert torch.equal(mg.x, mw.x) and torch.equal(mg.masked_m, mw.masked_m) and torch.equal(pg, pw)
+
+
 def test_contiguous_layout_invariants():
     x, ids, _ = make_case("random", 0, E, K, H)
     ids[0, 1] = -1  # a slot owned by another rank

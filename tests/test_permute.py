@@ -238,6 +238,41 @@ def test_slot_kernels_with_many_or_odd_expert_counts(r, k, e, alignment, poisone
     _check_device_layout(ids, e, alignment)
 
 
+@pytest.mark.parametrize(
+    "dtype,e", [(torch.int32, 128), (torch.int16, 384), (torch.int8, 100), (torch.uint8, 200)]
+)
+def test_slot_kernels_take_any_integer_ids(dtype, e, poisoned):
+    """Ids of any integer dtype, including narrow ones whose range cannot hold the kernels'
+    markers (-1 fill, the padded expert count), and E = 384 (more bins than a table tile)."""
+    g = torch.Generator().manual_seed(e)
+    ids = torch.randint(0, e, (90, 8), generator=g)
+    ids = torch.where(torch.rand(ids.shape, generator=g) < 0.3, torch.full_like(ids, e + 3), ids)
+    if dtype.is_signed:
+        ids = torch.where(torch.rand(ids.shape, generator=g) < 0.2, torch.full_like(ids, -1), ids)
+    ids = ids.to(dtype)
+    assert torch.equal(ids.long().to(dtype), ids)  # the test's ids fit the dtype
+    _check_against_stable_sort(ids, e, 128)
+    _check_device_layout(ids, e, 1)
+
+
+def test_slot_kernels_take_non_contiguous_ids(poisoned):
+    ids = _with_foreign(torch.randint(0, 9, (8, 70), generator=torch.Generator().manual_seed(3)), 9, 0.4,
+                        torch.Generator().manual_seed(4)).t()  # fmt: skip
+    assert not ids.is_contiguous()
+    _check_against_stable_sort(ids, 9, 4)
+    _check_device_layout(ids, 9, 1)
+
+
+def test_slot_positions_never_write_at_or_past_num_rows(poisoned):
+    """Offsets that end past ``num_rows`` (a caller's inconsistency): rows at or past it are never
+    written (the output is only ``num_rows`` long) and the slots that would land there get -1."""
+    ids = torch.tensor([[0, 1], [1, 0], [1, 1], [0, 0]])
+    offsets = torch.tensor([0, 4, 8], dtype=torch.int32, device=DEVICE)
+    slot_pos, m_indices, counts = (t.cpu() for t in permute.slot_positions(ids.to(DEVICE), offsets, 6))
+    assert m_indices.tolist() == [0, 0, 0, 0, 1, 1] and counts.tolist() == [4, 4]
+    assert slot_pos.tolist() == [[0, 4], [5, 1], [-1, -1], [2, 3]]
+
+
 def test_slot_kernels_with_no_slots(poisoned):
     """A rank that received nothing: empty segments, every (padding) row unused."""
     ids = torch.zeros(0, 8, dtype=torch.int64)

@@ -11,28 +11,43 @@ import torch
 from ..tensors import as_contiguous, check_positive_int
 
 
+def _extend_interpreter_hook(hook: str, attr: str, value) -> None:
+    """Make the interpreter's ``hook`` (which patches a ``triton.language`` object for
+    interpretation) also set ``attr`` to ``value`` on that object; once, and not at all where the
+    hook does not exist. Triton 3.6 passes a scope that records the patches; older interpreters
+    patch in place."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, hook, None)
+    if original is None or attr in getattr(original, "_epmoe_attrs", ()):
+        return
+
+    def patched(target, *scope):
+        original(target, *scope)
+        if scope:
+            scope[0].set_attr(target, attr, value)
+        else:
+            setattr(target, attr, value)
+
+    patched._epmoe_attrs = (*getattr(original, "_epmoe_attrs", ()), attr)
+    setattr(interpreter, hook, patched)
+
+
 def _patch_interpreter_index() -> None:
     """Let Triton 3.6's interpreter use runtime scalars as loop bounds under NumPy >= 2.4.
 
     The interpreter holds scalars as 1-element arrays and converts them with ``int(array)``,
     which NumPy 2.4 rejects ("only 0-dimensional arrays can be converted"). This applies the
     upstream fix (triton-lang/triton#9172) to the interpreter only; compiled kernels are
-    unaffected. A Triton that already has the fix is left alone.
+    unaffected.
     """
-    try:
-        from triton.runtime import interpreter
-    except ImportError:
-        return
-    original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None or getattr(original, "_epmoe_fixed", False):
-        return
 
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+    def index(self):
+        return int(np.asarray(self.handle.data).reshape(-1)[0])
 
-    patched._epmoe_fixed = True
-    interpreter._patch_lang_tensor = patched
+    _extend_interpreter_hook("_patch_lang_tensor", "__index__", index)
 
 
 def _exact_fma(x: np.ndarray, y: np.ndarray, z: np.ndarray) -> np.ndarray:
@@ -98,9 +113,6 @@ def _patch_interpreter_sort() -> None:
         from triton.runtime import interpreter
     except ImportError:
         return
-    original = getattr(interpreter, "_patch_lang_core", None)
-    if original is None or getattr(original, "_epmoe_fixed", False):
-        return
 
     def sort(x, dim=None, descending=False):
         dim, descending = (getattr(v, "value", v) for v in (dim, descending))
@@ -110,12 +122,7 @@ def _patch_interpreter_sort() -> None:
             data = np.flip(data, axis=-1)
         return tl.tensor(interpreter.TensorHandle(np.ascontiguousarray(data), x.handle.dtype), x.type)
 
-    def patched(lang, scope):
-        original(lang, scope)
-        scope.set_attr(lang, "sort", sort)
-
-    patched._epmoe_fixed = True
-    interpreter._patch_lang_core = patched
+    _extend_interpreter_hook("_patch_lang_core", "sort", sort)
 
 
 _patch_interpreter_index()

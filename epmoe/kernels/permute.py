@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..tensors import check_positive_int
+from ..tensors import as_contiguous, check_positive_int
 from .common import next_pow2
 
 SLOT_STEP = 512
@@ -38,17 +38,22 @@ SLOT_TILE = 4096
 marks of padding rows."""
 
 SLOT_ROWS = 1024
-"""Rows of ``m_indices`` one store marks unused (padding, spare rows)."""
+"""Spare rows of ``m_indices`` (past the last segment) one store marks unused."""
 
 
 @triton.jit
-def _local_histogram(ids, E, E_PAD: tl.constexpr):
-    # Slots per local expert. Foreign ids are counted in bin 0 and taken out again: tl.histogram's
-    # mask argument is newer than the oldest Triton this package supports, and on the GPU a value
-    # past the bins lands in the bin of its low bits.
+def _local_ids(ids, E, E_PAD: tl.constexpr):
+    """``(int32 expert of each local id, else E_PAD; slots per local expert)``.
+
+    Locality is tested on the ids' own dtype (a wide id must not wrap into range) and the int32
+    conversion comes after it (a narrow dtype cannot hold E_PAD). Foreign ids are counted in bin 0
+    and taken out again: tl.histogram's mask argument is newer than the oldest Triton this package
+    supports, and on the GPU a value past the bins lands in the bin of its low bits."""
     local = (ids >= 0) & (ids < E)
-    hist = tl.histogram(tl.where(local, ids, 0).to(tl.int32), E_PAD)
-    return tl.where(tl.arange(0, E_PAD) == 0, hist - tl.sum(tl.where(local, 0, 1), 0), hist)
+    expert = tl.where(local, ids.to(tl.int32), 0)
+    hist = tl.histogram(expert, E_PAD)
+    hist = tl.where(tl.arange(0, E_PAD) == 0, hist - tl.sum(tl.where(local, 0, 1), 0), hist)
+    return tl.where(local, expert, E_PAD), hist
 
 
 @triton.jit
@@ -58,14 +63,14 @@ def _slot_histogram_kernel(IDS, HIST, N_SLOTS, E, BLOCK, STEP: tl.constexpr, E_P
     hist = tl.zeros([E_PAD], dtype=tl.int32)
     for s in range(b * BLOCK, b * BLOCK + BLOCK, STEP):
         slot = s + tl.arange(0, STEP)
-        hist += _local_histogram(tl.load(IDS + slot, mask=slot < N_SLOTS, other=-1), E, E_PAD)
+        hist += _local_ids(tl.load(IDS + slot, mask=slot < N_SLOTS, other=-1), E, E_PAD)[1]
     tl.store(HIST + b * E_PAD + tl.arange(0, E_PAD), hist)
 
 
 @triton.jit
 def _slot_positions_kernel(
     IDS, HIST, SHIFT, OFFS, POS, MIDX, COUNTS, N_SLOTS, E, M_ROWS, NUM_BLOCKS, BLOCK,
-    STEP: tl.constexpr, ROWS: tl.constexpr, ROW_STEP: tl.constexpr,
+    STEP: tl.constexpr, TILE_ROWS: tl.constexpr, ROW_STEP: tl.constexpr,
     SIZES_ON_DEVICE: tl.constexpr, ALIGN: tl.constexpr, E_PAD: tl.constexpr,
 ):
     # Program b places the slots of block b. Each program sums the whole histogram table itself
@@ -80,8 +85,8 @@ def _slot_positions_kernel(
     ids = tl.load(IDS + b * BLOCK + lane, mask=b * BLOCK + lane < N_SLOTS, other=-1)
     total = tl.zeros([E_PAD], dtype=tl.int32)
     before = tl.zeros([E_PAD], dtype=tl.int32)
-    for t0 in range(0, NUM_BLOCKS, ROWS):
-        blk = (t0 + tl.arange(0, ROWS))[:, None]
+    for t0 in range(0, NUM_BLOCKS, TILE_ROWS):
+        blk = (t0 + tl.arange(0, TILE_ROWS))[:, None]
         h = tl.load(HIST + blk * E_PAD + bins[None, :], mask=blk < NUM_BLOCKS, other=0)
         total += tl.sum(h, 0)
         before += tl.sum(tl.where(blk < b, h, 0), 0)
@@ -107,8 +112,8 @@ def _slot_positions_kernel(
     # vector by a tensor of indices in every supported Triton (tl.gather is newer).
     nxt = starts + before
     for s in range(b * BLOCK, b * BLOCK + BLOCK, STEP):
-        hist = _local_histogram(ids, E, E_PAD)
-        key = tl.sort(tl.where((ids >= 0) & (ids < E), ids, E_PAD).to(tl.int32) * STEP + lane)
+        slot_expert, hist = _local_ids(ids, E, E_PAD)
+        key = tl.sort(slot_expert * STEP + lane)
         # The next step's ids are loaded now, so their latency hides behind this step's work.
         ids = tl.load(IDS + s + STEP + lane, mask=s + STEP + lane < N_SLOTS, other=-1)
         tl.debug_barrier()  # every thread has read the previous step's shifts
@@ -121,20 +126,22 @@ def _slot_positions_kernel(
         # end; the slots that do not fit get -1 (not local), so no later kernel follows a stale
         # row. Counted segments always fit.
         if not SIZES_ON_DEVICE:
-            fits &= row < tl.load(OFFS + 1 + e, mask=fits, other=0)
+            fits &= (row < tl.load(OFFS + 1 + e, mask=fits, other=0)) & (row < M_ROWS)
         slot = s + key % STEP
         tl.store(POS + slot, tl.where(fits, row, -1), mask=slot < N_SLOTS)
         tl.store(MIDX + row, e, mask=fits)
         nxt += hist
 
     # Rows no slot takes belong to no expert: each program marks the padding of experts
-    # b, b + nprog, ... (all of them at once, ROWS rows each a store) and its share of the spare
-    # rows past the last segment.
+    # b, b + nprog, ... (all of them at once, TILE_ROWS rows each a store) and its share of the
+    # spare rows past the last segment.
     filled = starts + total
     pad = tl.where(expert & (bins % nprog == b), ends - filled, 0)
-    for r0 in range(0, tl.max(pad, 0), ROWS):
-        row = (r0 + tl.arange(0, ROWS))[None, :]
-        tl.store(MIDX + filled[:, None] + row, tl.full([E_PAD, ROWS], -1, tl.int32), mask=row < pad[:, None])
+    for r0 in range(0, tl.max(pad, 0), TILE_ROWS):
+        row = (r0 + tl.arange(0, TILE_ROWS))[None, :]
+        row_at = filled[:, None] + row
+        unused = (row < pad[:, None]) & (row_at < M_ROWS)
+        tl.store(MIDX + row_at, tl.full([E_PAD, TILE_ROWS], -1, tl.int32), mask=unused)
     for r0 in range(used + b * ROW_STEP, M_ROWS, nprog * ROW_STEP):
         row = r0 + tl.arange(0, ROW_STEP)
         tl.store(MIDX + row, tl.full([ROW_STEP], -1, tl.int32), mask=row < M_ROWS)
@@ -184,10 +191,12 @@ def slot_positions(
 
     Args:
         topk_ids: ``[R, k]`` int local expert ids; ids outside ``[0, E)`` are other ranks' slots.
-        expert_offsets: ``[E + 1]`` int32/int64 on the device of ``topk_ids``; segment ``e`` must
-            have room for expert ``e``'s slots (slots past the room are dropped: their
-            ``slot_pos`` is ``-1`` and no row is written for them).
-        num_rows: ``M = expert_offsets[-1]`` (known on the host by the caller).
+        expert_offsets: ``[E + 1]`` int32/int64 on the device of ``topk_ids``, from 0 (rows
+            before ``expert_offsets[0]`` are never written); segment ``e`` must have room for
+            expert ``e``'s slots (slots past the room are dropped: their ``slot_pos`` is ``-1``
+            and no row is written for them).
+        num_rows: ``M = expert_offsets[-1]`` (known on the host by the caller); nothing is
+            written at or past row ``M``, and rows past ``expert_offsets[-1]`` get ``-1``.
 
     Returns:
         ``slot_pos [R, k]`` int64 (``-1`` for foreign slots), ``m_indices [M]`` int32 (``-1`` on
@@ -267,7 +276,9 @@ def _launch_slots(topk_ids, offsets, slot_pos, m_indices, counts, alignment: int
         slot_pos.fill_(-1)
         return
     n = r * k
-    ids = topk_ids.reshape(-1).contiguous()
+    # Narrow ids widen to int32: the kernels' -1 fill and their foreign-expert marker need it.
+    ids = topk_ids.reshape(-1)
+    ids = as_contiguous(ids, None if ids.dtype in (torch.int32, torch.int64) else torch.int32)
     # At least 32 bins: older Tritons' tl.histogram wants a bin per lane of a warp.
     e_pad = max(32, next_pow2(e))
     step = min(SLOT_STEP, max(128, next_pow2(n)))
@@ -279,7 +290,7 @@ def _launch_slots(topk_ids, offsets, slot_pos, m_indices, counts, alignment: int
     _slot_histogram_kernel[(blocks,)](ids, hist, n, e, block, STEP=step, E_PAD=e_pad, num_warps=4)
     _slot_positions_kernel[(blocks,)](
         ids, hist, shift, offsets, slot_pos, m_indices, counts, n, e, m_indices.numel(), blocks, block,
-        STEP=step, ROWS=max(1, SLOT_TILE // e_pad), ROW_STEP=SLOT_ROWS,
+        STEP=step, TILE_ROWS=max(1, SLOT_TILE // e_pad), ROW_STEP=SLOT_ROWS,
         SIZES_ON_DEVICE=sizes_on_device, ALIGN=alignment, E_PAD=e_pad, num_warps=4,
     )
 
