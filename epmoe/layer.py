@@ -66,9 +66,10 @@ def _default_device(device) -> torch.device:
     return device
 
 
-def _check_tensor(name: str, value) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor; got {type(value).__name__}")
+def _check_tensor(name: str, value, *, optional: bool = False) -> None:
+    if not isinstance(value, torch.Tensor) and not (optional and value is None):
+        allowed = "a torch.Tensor or None" if optional else "a torch.Tensor"
+        raise TypeError(f"{name} must be {allowed}; got {type(value).__name__}")
 
 
 def _check_finite(named: list[tuple[str, torch.Tensor]]) -> None:
@@ -446,8 +447,7 @@ class DeepEPMoELayer(nn.Module):
                 f"{tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__}"
             )
         for name, tensor in (("router_logits", router_logits), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
-            if tensor is not None and not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor or None; got {type(tensor).__name__}")
+            _check_tensor(name, tensor, optional=True)
         t, h = hidden_states.shape
         if h != self.hidden_size:
             raise ValueError(f"hidden_states has hidden size {h}; the layer has hidden_size={self.hidden_size}")
@@ -484,16 +484,13 @@ class DeepEPMoELayer(nn.Module):
             return
         check_logits = router_logits is not None and router_logits.numel() > 0
         check_ids = topk_ids is not None and topk_ids.numel() > 0
-        check_weights = check_ids
         check_dups = check_ids and "masked" in self.dispatcher.layouts and topk_ids.shape[1] > 1
         # Every statistic goes into one tensor, read back once: one host sync, not one per check.
         stats = []
         if check_logits:
             stats.append(torch.isfinite(router_logits).all().long())
-        if check_ids:
-            stats += [topk_ids.min().long(), topk_ids.max().long()]
-        if check_weights:
-            stats.append(torch.isfinite(topk_weights).all().long())
+        if check_ids:  # the weights come with the ids
+            stats += [topk_ids.min().long(), topk_ids.max().long(), torch.isfinite(topk_weights).all().long()]
         if check_dups:
             # Fixed-capacity dispatch sizes each expert's slab for one row per token and rank:
             # a token naming an expert twice would overflow it. The first such row, or T if none.
@@ -506,12 +503,12 @@ class DeepEPMoELayer(nn.Module):
         if check_logits and not next(values):
             raise ValueError("router_logits contain NaN or Inf; routing on them is undefined")
         if check_ids:
-            lo, hi = next(values), next(values)
+            lo, hi, weights_finite = next(values), next(values), next(values)
             if lo < 0 or hi >= self.num_experts:
                 bad = lo if lo < 0 else hi
                 raise ValueError(f"topk_ids contains expert id {bad}, outside [0, {self.num_experts})")
-        if check_weights and not next(values):
-            raise ValueError("topk_weights contain NaN or Inf; the weighted sum over experts is undefined")
+            if not weights_finite:
+                raise ValueError("topk_weights contain NaN or Inf; the weighted sum over experts is undefined")
         if check_dups:
             t = next(values)
             if t < topk_ids.shape[0]:
