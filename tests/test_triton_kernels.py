@@ -7,6 +7,7 @@ Interpreter caveat: it truncates when converting to bf16, so inputs are fp16/fp3
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import json
 import math
@@ -1039,3 +1040,47 @@ def test_config_lookup_buckets():
     assert 128 % cfg.block_k == 0
     with pytest.raises(ValueError, match="BLOCK_M"):
         configs.GemmConfig.from_dict({"BLOCK_M": 24, "BLOCK_N": 64, "BLOCK_K": 64})
+
+
+def test_grouped_gemm_tma_leaves_the_callers_triton_allocator():
+    """The TMA kernel builds its A descriptors on the device, in global scratch from an allocator
+    set for the launch only: it runs with no allocator set (Triton's default raises) and with one
+    the caller set, which it neither calls nor replaces."""
+    from triton.runtime import _allocation
+
+    counts = [5, 0, 19]
+    cfg = configs.GemmConfig(16, 32, 64, 1, tma=True, persistent=True, num_stages=2)
+    calls = []
+
+    def callers_allocator(size, alignment, stream):
+        calls.append(size)
+        raise RuntimeError("the caller's allocator was used")
+
+    def body():
+        run, offsets, a64, b64 = _contiguous_run("int8_channel", "int32", counts, cfg, n=32, k=64, align=1)
+        plain = run(cfg)
+        triton.set_allocator(callers_allocator)
+        again = run(cfg)
+        assert _allocation._allocator.get() is callers_allocator
+        return plain, again, offsets, a64, b64
+
+    plain, again, offsets, a64, b64 = contextvars.copy_context().run(body)
+    assert calls == []
+    assert torch.equal(plain, again)
+    for e in range(len(counts)):
+        rows = slice(offsets[e], offsets[e + 1])
+        assert torch.allclose(plain[rows].double(), a64[rows] @ b64[e].t(), rtol=1e-5, atol=1e-5)
+
+
+def test_with_scratch_allocator_sets_a_torch_allocator_for_the_launch_only():
+    from triton.runtime import _allocation
+
+    def launch():
+        buf = _allocation._allocator.get()(384, 128, None)
+        return buf
+
+    before = _allocation._allocator.get()
+    buf = grouped_gemm.with_scratch_allocator(DEVICE, launch)
+    assert isinstance(buf, torch.Tensor) and buf.numel() == 384 and buf.dtype == torch.int8
+    assert buf.device.type == DEVICE.type
+    assert _allocation._allocator.get() is before

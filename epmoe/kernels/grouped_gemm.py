@@ -22,14 +22,14 @@ nothing, no host sync is needed (CUDA-graph safe), and a masked batch whose capa
 its rows launches only as many programs as ``expected_m`` suggests. Program ids are swizzled in
 groups of ``GROUP_M`` M tiles so that concurrently running programs share A and B panels in L2.
 
-TMA variant (``GemmConfig.tma``, sm_90+): :func:`_grouped_gemm_tma_kernel` reads A and B tiles
-through host-side tensor descriptors (A over the flat ``[rows, K]``, B over ``[E*N, K]``), walks a
-flattened (M tile, N tile) space with the same swizzle, optionally persistent (one program per
-SM). A one-program prologue kernel writes each expert's first tile index, which the main kernel
-binary-searches per tile (no host sync; empty experts own no tiles). The output store stays a
-masked pointer store (a TMA store would overwrite neighbouring experts' rows). Operands that
-break TMA's 16-byte alignment rules fall back to the pointer kernel
-(:func:`tma_fallback_reason`); the TMA kernel has no ``SWAP_AB`` variant.
+TMA variant (``GemmConfig.tma``, sm_90+): :func:`_grouped_gemm_tma_kernel` reads B tiles through a
+host-side tensor descriptor over ``[E*N, K]`` and A tiles through a descriptor built on the device
+per tile that ends at the tile's expert's last row, walks a flattened (M tile, N tile) space with
+the same swizzle, optionally persistent (one program per SM). A one-program prologue kernel writes
+each expert's first tile index, which the main kernel binary-searches per tile (no host sync; empty
+experts own no tiles). The output store stays a masked pointer store (a TMA store would overwrite
+neighbouring experts' rows). Operands that break TMA's 16-byte alignment rules fall back to the
+pointer kernel (:func:`tma_fallback_reason`); the TMA kernel has no ``SWAP_AB`` variant.
 
 For decode-sized batches (a few rows per expert) the kernel is bound by reading the weights; the
 configs then use a 16-row tile (or ``SWAP_AB``: the weight tile becomes the MMA's M side so that
@@ -38,6 +38,7 @@ Hopper's wgmma, whose M is at least 64, still applies) and long K steps.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 
 import torch
@@ -257,7 +258,7 @@ def _write_tile_table(SEG, TB, E, CAP, MASKED: tl.constexpr, E_PAD: tl.constexpr
 
 @triton.jit(do_not_specialize=["CAP", "NUM_PROGRAMS"])
 def _grouped_gemm_tma_kernel(
-    a_desc, b_desc, C, AS, BS, SEG, TB,
+    A, b_desc, C, AS, BS, SEG, TB,
     E, N, K, CAP, NUM_PROGRAMS,
     stride_cm, stride_asm, stride_bse, stride_bsn, stride_bsk,
     MODE: tl.constexpr, MASKED: tl.constexpr, E_PAD: tl.constexpr, LOG_E: tl.constexpr, FP32_IEEE: tl.constexpr,
@@ -266,13 +267,15 @@ def _grouped_gemm_tma_kernel(
 ):
     """:func:`_grouped_gemm_kernel` with TMA-fed operands, over a flattened (M tile, N tile) space.
 
-    ``a_desc`` covers the flat ``[rows, K]`` activations, ``b_desc`` the weights as ``[E*N, K]``.
-    A tile that starts inside an expert's segment may run past its end: those rows come from the
-    next expert (or are TMA's zero fill past the last row) and are computed but never stored; the
-    same holds for weight rows past ``N`` within an expert. K past the end is zero-filled, so no
-    K masks are needed. Each program walks tiles ``pid, pid + NUM_PROGRAMS, ...`` of the
-    ``GROUP_M``-swizzled tile space: one tile per program for the plain launch, several for the
-    persistent one (``NUM_PROGRAMS`` = the SM count).
+    ``A`` is the flat contiguous ``[rows, K]`` activations, ``b_desc`` covers the weights as
+    ``[E*N, K]``. A tile that starts inside an expert's segment may run past its end: its A descriptor ends
+    at the segment's last row, so those rows are TMA's zero fill rather than the next expert's rows.
+    They are computed but never stored either way; zeros make the tensor cores draw less power, and
+    under the H200's power cap the prefill GEMM1 alone ran 3.3 % (INT8) and 1.4 % (BF16) faster
+    (docs/perf-notes.md, item 19). Weight rows past ``N`` within an expert are computed and never
+    stored. K past the end is zero-filled, so no K masks are needed. Each program walks tiles ``pid,
+    pid + NUM_PROGRAMS, ...`` of the ``GROUP_M``-swizzled tile space: one tile per program for the
+    plain launch, several for the persistent one (``NUM_PROGRAMS`` = the SM count).
 
     The expert of an M tile is a binary search over ``TB`` (:func:`_write_tile_table`) with
     scalar loads, which keeps the per-tile lookup out of the expert-count-wide vectors of the
@@ -316,6 +319,9 @@ def _grouped_gemm_tma_kernel(
         local = m0 + offs_bm
         m_ok = local < length
         rows = start + tl.where(m_ok, local, 0)
+        a_desc = tl.make_tensor_descriptor(
+            A, shape=[(start + length).to(tl.int32), K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K]
+        )
 
         cols_b = tl.minimum(n0 + offs_bn, N - 1)
         acc = _zero_acc(BLOCK_M, BLOCK_N, False, MODE == 2)
@@ -468,21 +474,22 @@ def _launch(a, b, out, a_scale, b_scale, seg, e, cap, grid_m, mode, accumulator,
     if cfg.tma and tma_fallback_reason(a, b, cfg) is None:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        # Host-side descriptors travel by value in the kernel's parameters (a CUtensorMap), so a
-        # captured CUDA graph replays them like pointer arguments and no scratch allocator is needed.
-        a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, block_k])
+        # The weights' descriptor is built on the host: it travels by value in the kernel's
+        # parameters (a CUtensorMap), so a captured CUDA graph replays it like a pointer argument.
         b_desc = TensorDescriptor.from_tensor(b.view(e * n, k), [cfg.block_n, block_k])
         programs = grid_m * num_pid_n
         if cfg.persistent:
             programs = min(programs, num_sms(a.device))
         table = torch.empty(common["E_PAD"] + 1, dtype=torch.int32, device=a.device)
-        _grouped_gemm_tma_kernel[(programs,)](
-            a_desc, b_desc, out, as_, bs, seg, table,
+        launch = functools.partial(
+            _grouped_gemm_tma_kernel[(programs,)],
+            a, b_desc, out, as_, bs, seg, table,
             e, n, k, cap, programs,
             out.stride(0), as_.stride(0), bs.stride(0), bs.stride(1), bs.stride(2),
             LOG_E=common["E_PAD"].bit_length() - 1, FLATTEN=cfg.flatten,
             **common,
         )
+        with_scratch_allocator(a.device, launch)
         return
     # The pointer kernel runs the same tiles; the TMA-only options have no meaning here (and a TMA
     # config never has SWAP_AB: GemmConfig.validate).
@@ -495,6 +502,19 @@ def _launch(a, b, out, a_scale, b_scale, seg, e, cap, grid_m, mode, accumulator,
     )
 
 
+def with_scratch_allocator(device: torch.device, launch):
+    """Runs ``launch()`` with a Triton allocator that takes the device-side descriptors' global
+    scratch from torch's caching allocator (on the current stream, so a CUDA graph capture keeps
+    it in the graph's pool). It is set in a copy of the caller's context only: an allocator the
+    caller set stays as it was."""
+    return contextvars.copy_context().run(_launch_with_allocator, device, launch)
+
+
+def _launch_with_allocator(device, launch):
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+    return launch()
+
+
 def tma_fallback_reason(a: torch.Tensor, b: torch.Tensor, cfg: GemmConfig) -> str | None:
     """Why a call with config ``cfg`` runs the pointer kernel: ``None`` when the TMA kernel applies.
 
@@ -505,7 +525,7 @@ def tma_fallback_reason(a: torch.Tensor, b: torch.Tensor, cfg: GemmConfig) -> st
     if not cfg.tma:
         return "the config has TMA off"
     if not _has_tensor_descriptors():
-        return f"triton {triton.__version__} has no host-side tensor descriptors"
+        return f"triton {triton.__version__} lacks host-side or device-side tensor descriptors"
     if a.device.type == "cuda":
         if devices.capability(a.device)[0] < 9:
             return "TMA needs compute capability 9.0 or newer"
@@ -529,7 +549,10 @@ def _has_tensor_descriptors() -> bool:
         from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
     except ImportError:
         return False
-    return hasattr(tl, "tensor_descriptor")
+    # Host-side descriptors for the weights; device-side ones (and an allocator for their scratch)
+    # for the activations.
+    return all((hasattr(tl, "tensor_descriptor"), hasattr(tl, "make_tensor_descriptor"),
+                hasattr(triton, "set_allocator")))
 
 
 def num_sms(device: torch.device) -> int:
