@@ -477,7 +477,7 @@ def test_grouped_gemm_masked(mode, acc, expected_m):
         config=configs.GemmConfig(16, 64, 64, 4, False, 4, 2), out=out,
     )
     res = out.cpu().double()
-    for e, n in enumerate(masked.tolist()):
+    for e, n in enumerate(masked.clamp(0, cap).tolist()):
         ref = a64[e * cap : e * cap + n] @ b64[e].t()
         assert torch.allclose(res[e, :n], ref, rtol=2e-3, atol=2e-3 * max(1.0, float(ref.abs().max())) if ref.numel() else 1.0)
         assert torch.isnan(res[e, n:]).all(), "rows past masked_m must not be written"
@@ -601,9 +601,12 @@ def test_grouped_gemm_tma_contiguous(mode, acc, cfg):
 @pytest.mark.parametrize("mode,acc", MODE_ACC)
 @pytest.mark.parametrize("expected_m", [None, 1])
 @pytest.mark.parametrize("cfg", TMA_CONFIGS[:3], ids=TMA_IDS[:3])
-def test_grouped_gemm_tma_masked(mode, acc, expected_m, cfg):
+@pytest.mark.parametrize("counts", [[5, 0, 40, 17], [50, -3, 40, 17]], ids=["in_range", "clamped"])
+def test_grouped_gemm_tma_masked(mode, acc, expected_m, cfg, counts):
+    """Counts above the capacity are clamped to it and negative ones are empty: the A descriptor
+    of a tile ends at the clamped count, inside the expert's slab."""
     cap = 40
-    masked = torch.tensor([5, 0, 40, 17], dtype=torch.int32)
+    masked = torch.tensor(counts, dtype=torch.int32)
     a, b, sa, sb, a64, b64 = _operands(mode, E * cap)
     a3 = a.reshape(E, cap, K)
     sa3 = None if sa is None else sa.reshape(E, cap, -1)
@@ -615,7 +618,7 @@ def test_grouped_gemm_tma_masked(mode, acc, expected_m, cfg):
         accumulator=acc, out_dtype=torch.float16, expected_m=expected_m, config=cfg, out=out,
     )
     res = out.cpu().double()
-    for e, n in enumerate(masked.tolist()):
+    for e, n in enumerate(masked.clamp(0, cap).tolist()):
         ref = a64[e * cap : e * cap + n] @ b64[e].t()
         assert torch.allclose(res[e, :n], ref, rtol=2e-3, atol=2e-3 * max(1.0, float(ref.abs().max())) if ref.numel() else 1.0)
         assert torch.isnan(res[e, n:]).all(), "rows past masked_m must not be written"
@@ -1070,6 +1073,34 @@ def test_grouped_gemm_tma_leaves_the_callers_triton_allocator():
     for e in range(len(counts)):
         rows = slice(offsets[e], offsets[e + 1])
         assert torch.allclose(plain[rows].double(), a64[rows] @ b64[e].t(), rtol=1e-5, atol=1e-5)
+
+
+def test_tma_launch_runs_under_the_scratch_allocator(monkeypatch):
+    """The interpreter never asks for global scratch, so on CPU this checks the launcher itself:
+    the kernel is launched while a torch allocator is set, and the caller's is back after."""
+    from triton.runtime import _allocation
+
+    seen = []
+
+    class Stub:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(_allocation._allocator.get()(256, 128, None))
+            return launch
+
+    monkeypatch.setattr(grouped_gemm, "_grouped_gemm_tma_kernel", Stub())
+    before = _allocation._allocator.get()
+    cfg = configs.GemmConfig(16, 32, 64, 1, tma=True, persistent=True, num_stages=2)
+    a = torch.randint(-127, 128, (24, 64), dtype=torch.int8, device=DEVICE)
+    b = torch.randint(-127, 128, (2, 32, 64), dtype=torch.int8, device=DEVICE)
+    grouped_gemm.grouped_gemm_contiguous(
+        a, b, torch.tensor([0, 10, 24], dtype=torch.int32, device=DEVICE), mode="int8_channel",
+        a_scale=torch.ones(24, 1, device=DEVICE), b_scale=torch.ones(2, 32, 1, device=DEVICE),
+        accumulator="int32", config=cfg,
+    )
+    assert len(seen) == 1 and seen[0].dtype == torch.int8 and seen[0].numel() == 256
+    assert seen[0].device.type == DEVICE.type
+    assert _allocation._allocator.get() is before
 
 
 def test_with_scratch_allocator_sets_a_torch_allocator_for_the_launch_only():

@@ -23,13 +23,14 @@ its rows launches only as many programs as ``expected_m`` suggests. Program ids 
 groups of ``GROUP_M`` M tiles so that concurrently running programs share A and B panels in L2.
 
 TMA variant (``GemmConfig.tma``, sm_90+): :func:`_grouped_gemm_tma_kernel` reads B tiles through a
-host-side tensor descriptor over ``[E*N, K]`` and A tiles through a descriptor built on the device
-per tile that ends at the tile's expert's last row, walks a flattened (M tile, N tile) space with
-the same swizzle, optionally persistent (one program per SM). A one-program prologue kernel writes
-each expert's first tile index, which the main kernel binary-searches per tile (no host sync; empty
-experts own no tiles). The output store stays a masked pointer store (a TMA store would overwrite
-neighbouring experts' rows). Operands that break TMA's 16-byte alignment rules fall back to the
-pointer kernel (:func:`tma_fallback_reason`); the TMA kernel has no ``SWAP_AB`` variant.
+host-side tensor descriptor over ``[E*N, K]`` and A tiles through a descriptor it builds per tile,
+``[start + length, K]`` over the flat rows, so that it ends at the tile's expert's last row. It
+walks a flattened (M tile, N tile) space with the same swizzle, optionally persistent (one program
+per SM). Every program first writes each expert's first tile index (:func:`_write_tile_table`) and
+binary-searches it per tile (no host sync; empty experts own no tiles). The output store stays a
+masked pointer store (a TMA store would overwrite neighbouring experts' rows). Operands that break
+TMA's 16-byte alignment rules fall back to the pointer kernel (:func:`tma_fallback_reason`); the
+TMA kernel has no ``SWAP_AB`` variant.
 
 For decode-sized batches (a few rows per expert) the kernel is bound by reading the weights; the
 configs then use a 16-row tile (or ``SWAP_AB``: the weight tile becomes the MMA's M side so that
@@ -256,10 +257,10 @@ def _write_tile_table(SEG, TB, E, CAP, MASKED: tl.constexpr, E_PAD: tl.constexpr
     tl.debug_barrier()
 
 
-@triton.jit(do_not_specialize=["CAP", "NUM_PROGRAMS"])
+@triton.jit(do_not_specialize=["M", "CAP", "NUM_PROGRAMS"])
 def _grouped_gemm_tma_kernel(
     A, b_desc, C, AS, BS, SEG, TB,
-    E, N, K, CAP, NUM_PROGRAMS,
+    M, E, N, K, CAP, NUM_PROGRAMS,
     stride_cm, stride_asm, stride_bse, stride_bsn, stride_bsk,
     MODE: tl.constexpr, MASKED: tl.constexpr, E_PAD: tl.constexpr, LOG_E: tl.constexpr, FP32_IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -267,15 +268,17 @@ def _grouped_gemm_tma_kernel(
 ):
     """:func:`_grouped_gemm_kernel` with TMA-fed operands, over a flattened (M tile, N tile) space.
 
-    ``A`` is the flat contiguous ``[rows, K]`` activations, ``b_desc`` covers the weights as
-    ``[E*N, K]``. A tile that starts inside an expert's segment may run past its end: its A descriptor ends
-    at the segment's last row, so those rows are TMA's zero fill rather than the next expert's rows.
-    They are computed but never stored either way; zeros make the tensor cores draw less power, and
-    under the H200's power cap the prefill GEMM1 alone ran 3.3 % (INT8) and 1.4 % (BF16) faster
-    (docs/perf-notes.md, item 19). Weight rows past ``N`` within an expert are computed and never
-    stored. K past the end is zero-filled, so no K masks are needed. Each program walks tiles ``pid,
-    pid + NUM_PROGRAMS, ...`` of the ``GROUP_M``-swizzled tile space: one tile per program for the
-    plain launch, several for the persistent one (``NUM_PROGRAMS`` = the SM count).
+    ``A`` is the flat contiguous ``[M, K]`` activations, ``b_desc`` covers the weights as
+    ``[E*N, K]``. A tile that starts inside an expert's segment may run past its end. Its A
+    descriptor ends at the segment's last row, so those rows are TMA's zero fill rather than the
+    next expert's rows (contiguous layout) or the expert's unused rows past ``masked_m`` (masked
+    layout). They are computed but never stored either way; zeros make the tensor cores draw less
+    power, and under the H200's power cap the prefill GEMM1 alone ran 3.3 % (INT8) and 1.4 %
+    (BF16) faster (docs/perf-notes.md, item 19). Weight rows past ``N`` within an expert are
+    computed and never stored. K past the end is zero-filled, so no K masks are needed. Each
+    program walks tiles ``pid, pid + NUM_PROGRAMS, ...`` of the ``GROUP_M``-swizzled tile space:
+    one tile per program for the plain launch, several for the persistent one (``NUM_PROGRAMS`` =
+    the SM count).
 
     The expert of an M tile is a binary search over ``TB`` (:func:`_write_tile_table`) with
     scalar loads, which keeps the per-tile lookup out of the expert-count-wide vectors of the
@@ -319,9 +322,9 @@ def _grouped_gemm_tma_kernel(
         local = m0 + offs_bm
         m_ok = local < length
         rows = start + tl.where(m_ok, local, 0)
-        a_desc = tl.make_tensor_descriptor(
-            A, shape=[(start + length).to(tl.int32), K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K]
-        )
+        # Bounded by A's rows too: offsets past them (malformed input) must not move TMA's reads.
+        a_end = tl.minimum(start + length, M).to(tl.int32)
+        a_desc = tl.make_tensor_descriptor(A, shape=[a_end, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
 
         cols_b = tl.minimum(n0 + offs_bn, N - 1)
         acc = _zero_acc(BLOCK_M, BLOCK_N, False, MODE == 2)
@@ -484,7 +487,7 @@ def _launch(a, b, out, a_scale, b_scale, seg, e, cap, grid_m, mode, accumulator,
         launch = functools.partial(
             _grouped_gemm_tma_kernel[(programs,)],
             a, b_desc, out, as_, bs, seg, table,
-            e, n, k, cap, programs,
+            a.shape[0], e, n, k, cap, programs,
             out.stride(0), as_.stride(0), bs.stride(0), bs.stride(1), bs.stride(2),
             LOG_E=common["E_PAD"].bit_length() - 1, FLATTEN=cfg.flatten,
             **common,
@@ -506,7 +509,12 @@ def with_scratch_allocator(device: torch.device, launch):
     """Runs ``launch()`` with a Triton allocator that takes the device-side descriptors' global
     scratch from torch's caching allocator (on the current stream, so a CUDA graph capture keeps
     it in the graph's pool). It is set in a copy of the caller's context only: an allocator the
-    caller set stays as it was."""
+    caller set stays as it was.
+
+    ``device`` is the operands' device; like every Triton launch in this package, the launch
+    expects it to be the current device (Triton launches on the current device and stream). Torch's blocks are 512-byte aligned, more than the 128 bytes
+    Triton asks for. The scratch is freed when the launch returns: torch hands a freed block only
+    to later work on the same stream, which runs after the kernel."""
     return contextvars.copy_context().run(_launch_with_allocator, device, launch)
 
 
