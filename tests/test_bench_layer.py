@@ -169,3 +169,25 @@ def test_no_host_sync_ratio_is_slowest_rank_against_slowest_rank():
     s = bench_layer._summary(ranks, ARGS)
     assert s["ratios"]["int8_channel/prefill_no_host_sync"] == pytest.approx(8.1 / 4.8)
     assert "prefill without host sync" in bench_layer._table(s)
+
+
+def test_plot_segments_keep_one_color_per_phase_across_panels():
+    """Decode has no scatter or gather: its GEMM1 must still be drawn in prefill's GEMM1 color,
+    the one the legend names, and the segments must stack in the layer's order."""
+    prefill = {"quantize": 0.2, "dispatch": 0.4, "scatter": 0.3, "gemm1": 2.0, "gemm2": 1.2, "gather": 0.2,
+               "combine": 0.3}
+    decode = {"quantize": 0.03, "dispatch": 0.1, "gemm1": 1.0, "gemm2": 0.5, "combine": 0.05}
+    rank = {"schemes": {s: {"prefill": {"phases_ms": prefill, "layer_ms": 4.5, "tokens": 4096},
+                            "decode": {"phases_ms": decode, "layer_ms": 1.6, "tokens": 128}}
+                        for s in ("bf16", "int8_channel")}}  # fmt: skip
+    colors = {}
+    for phase, times in (("prefill", prefill), ("decode", decode)):
+        names, segments = bench_layer._stacked_phases(rank, phase)
+        assert names == ["bf16", "int8_channel"]
+        assert [p for p, *_ in segments] == [p for p in bench_layer.PHASES if p in times]
+        for p, vals, bottom, color in segments:
+            assert colors.setdefault(p, color) == color, f"{p} changes color between panels"
+            assert vals == [times[p]] * 2
+        tops = [b[0] + v[0] for _, v, b, _ in segments]
+        assert tops[-1] == pytest.approx(sum(times.values()))
+    assert len(set(colors.values())) == len(colors)

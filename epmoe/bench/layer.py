@@ -810,6 +810,22 @@ def _table(summary) -> str:
     return "\n".join(lines)
 
 
+def _stacked_phases(rank_summary: dict, phase: str) -> tuple[list[str], list[tuple[str, list, list, str]]]:
+    """Schemes of one panel and its bar segments ``(layer phase, heights, bottoms, color)``.
+
+    A layer phase keeps its color in every panel (decode has no scatter or gather: colors taken
+    in turn from the cycle would shift there and contradict the legend)."""
+    names = [s for s in rank_summary["schemes"] if phase in rank_summary["schemes"][s]]
+    bottom = [0.0] * len(names)
+    segments = []
+    for i, p in enumerate(PHASES):
+        vals = [rank_summary["schemes"][s][phase]["phases_ms"].get(p, 0.0) for s in names]
+        if any(vals):
+            segments.append((p, vals, bottom, f"C{i}"))
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    return names, segments
+
+
 def _plot(summary, path):
     import matplotlib
 
@@ -819,18 +835,14 @@ def _plot(summary, path):
     r0 = summary["ranks"][0]
     fig, axes = plt.subplots(1, 2, figsize=(14, 5))
     for ax, phase in zip(axes, ("prefill", "decode")):
-        names = [s for s in r0["schemes"] if phase in r0["schemes"][s]]
-        bottom = [0.0] * len(names)
-        for p in PHASES:
-            vals = [r0["schemes"][s][phase]["phases_ms"].get(p, 0.0) for s in names]
-            if any(vals):
-                ax.bar(names, vals, bottom=bottom, label=p)
-                bottom = [b + v for b, v in zip(bottom, vals)]
+        names, segments = _stacked_phases(r0, phase)
+        for p, vals, bottom, color in segments:
+            ax.bar(names, vals, bottom=bottom, label=p, color=color)
         ax.plot(names, [r0["schemes"][s][phase]["layer_ms"] for s in names], "k_", markersize=40,
                 label="whole layer")  # fmt: skip
         ax.set_title(f"{phase} ({r0['schemes'][names[0]][phase]['tokens']} tokens/rank), rank 0")
         ax.set_ylabel("ms")
-    axes[0].legend(fontsize=8)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
