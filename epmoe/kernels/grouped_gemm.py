@@ -512,9 +512,10 @@ def with_scratch_allocator(device: torch.device, launch):
     caller set stays as it was.
 
     ``device`` is the operands' device; like every Triton launch in this package, the launch
-    expects it to be the current device (Triton launches on the current device and stream). Torch's blocks are 512-byte aligned, more than the 128 bytes
-    Triton asks for. The scratch is freed when the launch returns: torch hands a freed block only
-    to later work on the same stream, which runs after the kernel."""
+    expects it to be the current device (Triton launches on the current device and stream).
+    Torch's blocks are 512-byte aligned, more than the 128 bytes Triton asks for. The scratch is
+    freed when the launch returns: torch hands a freed block only to later work on the same
+    stream, which runs after the kernel."""
     return contextvars.copy_context().run(_launch_with_allocator, device, launch)
 
 
