@@ -255,6 +255,16 @@ def test_cutlass_backend_refuses_masked_layout():
     assert not ok and "int8_block" in reason
 
 
+def test_cutlass_offsets_must_be_row_blocks():
+    from epmoe.experts.cutlass_backend import ROW_BLOCK, check_block_offsets
+
+    check_block_offsets(torch.tensor([0, 0, ROW_BLOCK, 3 * ROW_BLOCK], dtype=torch.int32))
+    for bad in ([0, 1, 128], [0, 128, 129], [64, 128, 256]):
+        with pytest.raises(ValueError, match=f"multiples of {ROW_BLOCK}") as info:
+            check_block_offsets(torch.tensor(bad, dtype=torch.int32))
+        assert str(bad) in str(info.value)
+
+
 # ------------------------------------------------- backend plumbing with stand-in GEMMs (CPU)
 def _dequant(q, s):
     from epmoe.quant.reference import dequantize_rows
@@ -291,8 +301,11 @@ def _fake_deep_gemm():
     )  # fmt: skip
 
 
-def _fake_grouped_gemm(a, a_scale, b, b_scale, expert_offsets, out=None, config=None):
+def _fake_grouped_gemm(a, a_scale, b, b_scale, expert_offsets, out=None):
+    from epmoe.experts.cutlass_backend import check_block_offsets
     from epmoe.quant.reference import dequantize_weight
+
+    check_block_offsets(expert_offsets)  # what the real kernel needs of the layout it is given
 
     x = _dequant(a, a_scale)
     w = dequantize_weight(b, b_scale)
@@ -340,7 +353,7 @@ def test_backend_plumbing_contiguous(monkeypatch, name):
     monkeypatch.setattr(cb, "grouped_gemm", _fake_grouped_gemm)
     weights, (w13, w2), x, ids, w = _plumbing_case()
     backend = (dgb.DeepGemmBackend if name == "deepgemm" else cb.CutlassBackend)(weights.scheme)
-    assert backend.alignment == (128 if name == "deepgemm" else 1)
+    assert backend.alignment == 128
     weights = backend.prepare_weights(weights)
     ref = moe_reference(x, ids, w, w13, w2, "fp8_block")
     for payload in ("float", "fp8"):

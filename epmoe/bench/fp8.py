@@ -8,8 +8,8 @@ calls (median of repeats):
 
 * ``gemm1`` ``[E*m, H] x [H, 2I]`` and ``gemm2`` ``[E*m, I] x [I, H]``:
   ``direct`` = the raw ``deep_gemm`` call (contiguous layout, segments padded to 128),
-  ``deepgemm`` = the backend's wrapper of that call, ``cutlass`` = the CUTLASS grouped GEMM
-  (unpadded segments); for m <= 128 also the masked GEMMs (``direct-masked``, ``deepgemm-masked``).
+  ``deepgemm`` = the backend's wrapper of that call, ``cutlass`` = the CUTLASS GEMM on the same
+  padded layout; for m <= 128 also the masked GEMMs (``direct-masked``, ``deepgemm-masked``).
 * ``experts``: the whole experts pass from bf16 activations (quantize, GEMM1, SiLU*up + requant,
   GEMM2): ``DeepGemmBackend.run_contiguous`` / ``run_masked``, the same four launches with raw
   DeepGEMM calls (``direct``), and ``CutlassBackend.run_contiguous``.
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         turn_fns = {}  # (gemm, impl) -> the contiguous call, for --rounds
         g = torch.Generator(device=dev).manual_seed(m)
         # ---- contiguous, padded to DeepGEMM's alignment ----
-        align = dg.deep_gemm_api().alignment if dg else BLOCK
+        align = dg.deep_gemm_api().alignment if dg else BLOCK  # cutlass: BLOCK as well
         per = -(-m // align) * align
         m_indices = torch.full((e, per), -1, dtype=torch.int32, device=dev)
         m_indices[:, :m] = torch.arange(e, dtype=torch.int32, device=dev)[:, None]
@@ -194,32 +194,17 @@ def main(argv: list[str] | None = None) -> int:
                 t = _time(fn, args.iters, args.repeats)
                 turn_fns[(gemm, impl)] = fn
                 record(m, gemm, impl, t, *dims[gemm])  # experts: 2I*H + H*I = 3*I*H per row
-        # ---- contiguous without padding (cutlass) ----
+        # ---- the same padded layout (cutlass: segments aligned to 128 rows, as DeepGEMM's) ----
         if cut:
-            x = x_pad.reshape(e, per, h)[:, :m].reshape(-1, h).contiguous()
-            offsets = torch.arange(0, e * m + 1, m, dtype=torch.int32, device=dev)
-            mi = torch.arange(e, dtype=torch.int32, device=dev).repeat_interleave(m)
-            batch = ContiguousBatch(x, None, offsets, mi, torch.empty(0, 1, device=dev), [m] * e)
-            ca = a.reshape(e, per, h)[:, :m].reshape(-1, h).contiguous()
-            csa = sa.reshape(e, per, -1)[:, :m].reshape(e * m, -1).contiguous()
-            ch = hq.reshape(e, per, inter)[:, :m].reshape(-1, inter).contiguous()
-            csh = sh.reshape(e, per, -1)[:, :m].reshape(e * m, -1).contiguous()
-            o1 = torch.empty((e * m, 2 * inter), dtype=torch.bfloat16, device=dev)
-            o2 = torch.empty((e * m, h), dtype=torch.bfloat16, device=dev)
+            o1 = torch.empty((e * per, 2 * inter), dtype=torch.bfloat16, device=dev)
+            o2 = torch.empty((e * per, h), dtype=torch.bfloat16, device=dev)
             for gemm, fn, n, k in (
-                ("gemm1", lambda: cut.grouped_gemm(ca, csa, w13, s13, offsets, o1), 2 * inter, h),
-                ("gemm2", lambda: cut.grouped_gemm(ch, csh, w2, s2, offsets, o2), h, inter),
-                ("experts", lambda: cut_backend.run_contiguous(batch, weights, torch.bfloat16), 3 * inter, h),
+                ("gemm1", lambda: cut.grouped_gemm(a, sa, w13, s13, offsets_pad, o1), 2 * inter, h),
+                ("gemm2", lambda: cut.grouped_gemm(hq, sh, w2, s2, offsets_pad, o2), h, inter),
+                ("experts", lambda: cut_backend.run_contiguous(batch_pad, weights, torch.bfloat16), 3 * inter, h),
             ):
                 turn_fns[(gemm, "cutlass")] = fn
                 record(m, gemm, "cutlass", _time(fn, args.iters, args.repeats), n, k)
-            if not cut._use_sgl():  # both tile configurations, to tune cutlass_backend.PINGPONG_MAX_ROWS
-                for cfg, label in ((cut.CONFIG_COOP, "cutlass-coop"), (cut.CONFIG_PINGPONG, "cutlass-pingpong")):
-                    for gemm, fn, n, k in (
-                        ("gemm1", lambda c=cfg: cut.grouped_gemm(ca, csa, w13, s13, offsets, o1, c), 2 * inter, h),
-                        ("gemm2", lambda c=cfg: cut.grouped_gemm(ch, csh, w2, s2, offsets, o2, c), h, inter),
-                    ):
-                        record(m, gemm, label, _time(fn, args.iters, args.repeats), n, k)
         if args.rounds and turn_fns:
             for (gemm, impl), t in _turns(turn_fns, args.iters, args.rounds).items():
                 record(m, gemm, f"{impl}@turns", t, *dims[gemm])
@@ -227,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         if dg:
             del d1, d2
         if cut:
-            del x, o1, o2, ca, ch
+            del o1, o2
         del x_pad, a, hq
         # ---- masked (decode sizes) ----
         if dg and m <= args.masked_max_m:
@@ -268,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                 base = by.get((m, gemm, "direct" + sfx))
                 if not base:
                     continue
-                impls_ = [i + sfx for i in ("deepgemm", "cutlass", "cutlass-coop", "cutlass-pingpong")]
+                impls_ = [i + sfx for i in ("deepgemm", "cutlass")]
                 parts = [f"{impl}={by[(m, gemm, impl)] / base:.3f}" for impl in impls_ if (m, gemm, impl) in by]
                 print(f"m={m:5d} {gemm:8s} " + " ".join(parts))
     meta = dict(device=torch.cuda.get_device_name(dev), torch=torch.__version__, cuda=torch.version.cuda,

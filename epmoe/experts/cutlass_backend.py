@@ -8,14 +8,15 @@ rule is :func:`epmoe.experts.fp8_selection.cutlass_decision`). One forward is
 
 The GEMMs come from sgl-kernel's ``fp8_blockwise_scaled_grouped_mm`` when sgl-kernel imports,
 matches the running torch and has that op with the 18-argument signature; otherwise from the
-project's own CUTLASS kernel (``epmoe/csrc/fp8_blockwise_grouped_gemm*``), compiled on first use
+project's own CUTLASS kernel (``epmoe/csrc/fp8_block_contiguous_gemm*``), compiled on first use
 with :func:`torch.utils.cpp_extension.load` against the CUTLASS headers of the ``nvidia-cutlass``
 PyPI package (or ``EPMOE_CUTLASS_DIR``) and cached under ``EPMOE_CACHE_DIR`` (default
 ``~/.cache/epmoe``).
 
-The kernel takes each expert's rows straight from ``expert_offsets`` (built into per-group problem
-sizes, pointers, strides and scale layouts on the GPU; no host sync), so segments need no padding:
-:attr:`CutlassBackend.alignment` is 1. An expert without rows is a group with M = 0.
+The project's kernel runs the whole layout as one CUTLASS problem whose batch index is the expert
+of each 128-row block (a table built on the GPU from ``expert_offsets``; no host sync), so every
+segment is padded to 128 rows: :attr:`CutlassBackend.alignment` is 128, as DeepGEMM's. An expert
+without rows has an empty segment and gets no tiles.
 """
 
 from __future__ import annotations
@@ -44,16 +45,10 @@ from .fp8_selection import (
 log = logging.getLogger("epmoe")
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = (
-    "fp8_blockwise_grouped_gemm_binding.cpp",
-    "fp8_blockwise_grouped_gemm.cu",
-    "fp8_blockwise_grouped_gemm_pingpong.cu",
-)
-HEADERS = ("fp8_blockwise_grouped_gemm.cuh",)
-CONFIG_COOP, CONFIG_PINGPONG = 0, 1
-PINGPONG_MAX_ROWS = 64
-"""Average rows per expert at or below which the 64-row ping-pong tile is used (env
-``EPMOE_CUTLASS_CONFIG=coop|pingpong`` forces one)."""
+SOURCES = ("fp8_block_contiguous_gemm_binding.cpp", "fp8_block_contiguous_gemm.cu")
+HEADERS = ("fp8_block_contiguous_gemm.cuh",)
+ROW_BLOCK = 128
+"""Rows of a tile of the project's kernel: every expert segment starts and ends on a multiple."""
 
 NVCC_FLAGS = (
     "-gencode=arch=compute_90a,code=sm_90a",
@@ -133,7 +128,7 @@ def _build_key(include: Path) -> str:
 @functools.lru_cache(maxsize=1)
 def load_extension(verbose: bool = False):
     """Build (first use) and load the CUTLASS extension; returns its op namespace
-    (``torch.ops.epmoe_cutlass_fp8_<hash>``) with ``fp8_grouped_gemm`` and ``workspace_size``.
+    (``torch.ops.epmoe_cutlass_fp8_<hash>``) with ``fp8_contiguous_gemm`` and ``workspace_size``.
 
     A library already in the cache directory is loaded without invoking the compiler.
 
@@ -228,13 +223,17 @@ def _use_sgl() -> bool:
     return os.environ.get("EPMOE_CUTLASS_IMPL", "auto") != "epmoe" and sgl_kernel_op() is not None
 
 
-def _config_for(rows: int, groups: int) -> int:
-    forced = os.environ.get("EPMOE_CUTLASS_CONFIG")
-    if forced:
-        if forced not in ("coop", "pingpong"):
-            raise ValueError(f"EPMOE_CUTLASS_CONFIG={forced!r}; allowed: 'coop', 'pingpong'")
-        return CONFIG_COOP if forced == "coop" else CONFIG_PINGPONG
-    return CONFIG_PINGPONG if rows <= PINGPONG_MAX_ROWS * max(groups, 1) else CONFIG_COOP
+def check_block_offsets(expert_offsets: torch.Tensor) -> None:
+    """Refuse segments that do not start on a multiple of :data:`ROW_BLOCK` rows (the project's
+    kernel would mix two experts in one tile). Offsets on the GPU are checked there, without a
+    host sync: a bad batch stops the stream with this message instead of returning wrong rows."""
+    bad = expert_offsets.remainder(ROW_BLOCK) != 0
+    msg = f"expert_offsets must be multiples of {ROW_BLOCK} (segments padded to {ROW_BLOCK} rows)"
+    if expert_offsets.device.type == "cpu":
+        if bool(bad.any()):
+            raise ValueError(f"{msg}; got {expert_offsets.tolist()}")
+    else:
+        torch._assert_async(~bad.any(), msg)
 
 
 def grouped_gemm(
@@ -244,7 +243,6 @@ def grouped_gemm(
     b_scale: torch.Tensor,
     expert_offsets: torch.Tensor,
     out: torch.Tensor | None = None,
-    config: int | None = None,
 ) -> torch.Tensor:
     """``out[offsets[e]:offsets[e+1]] = (a * a_scale)[rows] @ (b[e] * b_scale[e])^T`` in bf16.
 
@@ -252,9 +250,12 @@ def grouped_gemm(
         a: ``[M, K]`` e4m3, contiguous.
         a_scale: ``[M, K/128]`` fp32 (made contiguous row-major here).
         b: ``[E, N, K]`` e4m3 contiguous; ``b_scale`` ``[E, N/128, K/128]`` fp32.
-        expert_offsets: ``[E+1]`` int32 row offsets (any segment lengths, zero allowed).
-        out: optional ``[M, N]`` bf16 output; rows outside every segment are left unwritten.
-        config: kernel configuration (0 coop, 1 ping-pong), default by rows per expert.
+        expert_offsets: ``[E+1]`` int32 row offsets, multiples of 128 (empty segments allowed);
+            checked by :func:`check_block_offsets`.
+        out: optional ``[M, N]`` bf16 output; rows at or past ``offsets[E]`` are left unwritten.
+
+    Returns:
+        ``out``, ``[M, N]`` bf16.
     """
     m, _ = a.shape
     e, n, _ = b.shape
@@ -267,9 +268,8 @@ def grouped_gemm(
     if _use_sgl():
         _sgl_grouped_gemm(out, a, a_scale, b, b_scale, offsets)
         return out
-    ext = load_extension()
-    cfg = _config_for(m, e) if config is None else config
-    ext.fp8_grouped_gemm(out, a.contiguous(), a_scale, b, b_scale, offsets, cfg, 0, 1)
+    check_block_offsets(offsets)
+    load_extension().fp8_contiguous_gemm(out, a.contiguous(), a_scale, b, b_scale, offsets)
     return out
 
 
@@ -303,7 +303,11 @@ class CutlassBackend(ExpertsBackend):
     schemes = frozenset({"fp8_block"})
     layouts = frozenset({"contiguous"})
 
-    # alignment: the base's 1. Per-group problem sizes come from the offsets; TMA takes any rows.
+    @property
+    def alignment(self) -> int:
+        """Rows each expert segment is padded to: the project's kernel gives each 128-row block of
+        the layout to one expert."""
+        return ROW_BLOCK
 
     @classmethod
     def available(cls, device: torch.device) -> tuple[bool, str]:

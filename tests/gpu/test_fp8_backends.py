@@ -162,18 +162,39 @@ def test_deepgemm_masked_gemm_takes_mn_major_scales():
 
 @needs_cutlass
 @pytest.mark.parametrize("e", [8, 128])
-@pytest.mark.parametrize("align", [1, 128])
-def test_cutlass_grouped_gemm(e, align):
-    from epmoe.experts.cutlass_backend import grouped_gemm
+def test_cutlass_grouped_gemm(e):
+    from epmoe.experts.cutlass_backend import ROW_BLOCK, _use_sgl, grouped_gemm, load_extension
 
     wq, ws, wf = make_operands(e)
     counts = odd_counts(e, seed=e + 2)
-    offsets, m_indices, spans = contiguous_layout(counts, align)
-    xq, xs, xf = quant_rows(m_indices.numel(), seed=e + 2)
+    offsets, m_indices, spans = contiguous_layout(counts, ROW_BLOCK)
+    spare = 3 * ROW_BLOCK + 5  # rows past the last segment: no expert, never written
+    xq, xs, xf = quant_rows(m_indices.numel() + spare, seed=e + 2)
     ref = reference_contiguous(xf, wf, spans)
-    for config in (0, 1):  # cooperative 128-row tiles, ping-pong 64-row tiles
-        out = grouped_gemm(xq, xs, wq, ws, offsets, config=config)
-        check_rows(out, ref, spans)
+    out = torch.full((xq.shape[0], N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    grouped_gemm(xq, xs, wq, ws, offsets, out)
+    check_rows(out, ref, spans)
+    assert torch.isnan(out[m_indices.numel():]).all()
+    if not _use_sgl():  # both raster orders and a swizzle of the tile schedule
+        ext = load_extension()
+        for raster, swizzle in ((0, 1), (1, 4)):
+            out2 = torch.empty_like(out)
+            ext.fp8_contiguous_gemm(out2, xq, xs.float().contiguous(), wq, ws, offsets, raster, swizzle)
+            torch.testing.assert_close(out2[: m_indices.numel()], out[: m_indices.numel()], rtol=0, atol=0)
+
+
+@needs_cutlass
+def test_cutlass_refuses_unaligned_offsets():
+    from epmoe.experts.cutlass_backend import _use_sgl, check_block_offsets, grouped_gemm
+
+    with pytest.raises(ValueError, match="multiples of 128"):
+        check_block_offsets(torch.tensor([0, 128, 200], dtype=torch.int32))
+    check_block_offsets(torch.tensor([0, 128, 128, 384], dtype=torch.int32))
+    if not _use_sgl():  # the GPU-side check passes aligned offsets without stopping the stream
+        wq, ws, _ = make_operands(2)
+        xq, xs, _ = quant_rows(256, seed=3)
+        grouped_gemm(xq, xs, wq, ws, torch.tensor([0, 128, 256], dtype=torch.int32, device="cuda"))
+        torch.cuda.synchronize()
 
 
 @needs_cutlass
@@ -188,9 +209,13 @@ def test_cutlass_all_experts_empty_and_workspace_from_problem():
     if not _use_sgl():
         ext = load_extension()
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        sizes = {g: ext.workspace_size(0, g, sms) for g in (8, 128)}
-        print("CUTLASS workspace bytes by groups:", sizes)
-        assert all(v > 0 for v in sizes.values())
+        sizes = {}
+        for m in (128, 4096):
+            xq, xs, _ = quant_rows(m, seed=m)
+            out = torch.empty((m, N), dtype=torch.bfloat16, device="cuda")
+            sizes[m] = ext.workspace_size(out, xq, xs.float().contiguous(), wq, ws, sms)
+        print("CUTLASS workspace bytes by rows:", sizes)
+        assert all(v >= 0 for v in sizes.values())
 
 
 # ----------------------------------------------------------------------------- layer level

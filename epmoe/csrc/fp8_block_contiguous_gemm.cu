@@ -1,0 +1,24 @@
+// The one configuration built: cooperative 128x128x128 tiles (two consumer warpgroups share a
+// 128-row block), 1x2 clusters (the A tile multicast to both CTAs). See
+// fp8_block_contiguous_gemm.cuh for the operands and the schedule.
+#include "fp8_block_contiguous_gemm.cuh"
+
+namespace epmoe {
+
+using CoopConfig = Fp8ContiguousGemmConfig<Shape<_128, _128, _128>, Shape<_1, _2, _1>>;
+
+void fp8_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
+                              const at::Tensor& b, const at::Tensor& b_scale,
+                              const at::Tensor& offsets, int64_t raster_along_n,
+                              int64_t max_swizzle) {
+  run_fp8_contiguous_gemm<CoopConfig>(out, a, a_scale, b, b_scale, offsets, raster_along_n,
+                                      max_swizzle);
+}
+
+int64_t fp8_contiguous_gemm_coop_workspace(at::Tensor& out, const at::Tensor& a,
+                                           const at::Tensor& a_scale, const at::Tensor& b,
+                                           const at::Tensor& b_scale, int64_t sm_count) {
+  return workspace_size_for<CoopConfig>(out, a, a_scale, b, b_scale, sm_count);
+}
+
+}  // namespace epmoe

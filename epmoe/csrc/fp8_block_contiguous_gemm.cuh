@@ -1,0 +1,329 @@
+// FP8 e4m3 GEMM with 1x128 activation scales and 128x128 weight scales on Hopper (sm_90a), over
+// epmoe's contiguous expert layout with segments aligned to 128 rows.
+//
+//   out[offsets[e]:offsets[e+1]] = (A * SFA)[rows] @ (B[e] * SFB[e])^T      (bf16 out, fp32 accum)
+//
+// A      [M, K]   float8_e4m3fn row-major; offsets[e] and every segment length are multiples of 128
+// SFA    [M, K/128] fp32 row-major: one multiplier per 1x128 group of A
+// B      [E, N, K] float8_e4m3fn contiguous (each expert's weight is N x K, K-major)
+// SFB    [E, N/128, K/128] fp32 contiguous: one multiplier per 128x128 block of B
+// out    [M, N]   bf16 row-major; rows at or past offsets[E] are not written
+//
+// The whole layout is ONE CUTLASS problem (M, N, K, L = E) for the Hopper TMA warp-specialized
+// cooperative kernel with FP8 block scaling (KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum,
+// Sm90BlockwiseScaleConfig<1, 128, 128, K-major, K-major>). A, SFA and out have a static zero
+// stride in L, so one TMA descriptor serves every expert's rows; only B and SFB move with L. The
+// tile scheduler below gives each 128-row block of A the batch index of its expert, from a table
+// built on the GPU from the offsets (no host synchronisation).
+//
+// Why not CUTLASS's ptr-array grouped kernel: it rewrites and fences the TMA descriptors of A, B
+// and D in global memory whenever a CTA moves to another group, which with many experts is every
+// tile. On an H200 that cost it 7-17 % against this kernel (docs/fp8.md, session 10).
+#pragma once
+
+#include <cstdint>
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/detail/blockwise_scale_layout.hpp"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/dispatch_policy.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/gemm/kernel/tile_scheduler.hpp"
+#include "cutlass/kernel_hardware_info.h"
+
+namespace epmoe {
+
+using namespace cute;
+
+constexpr int kRowBlock = 128;  // segment alignment = the tile's M
+
+#define EPMOE_CHECK_CUTLASS(status, what)                                                          \
+  TORCH_CHECK((status) == cutlass::Status::kSuccess, "epmoe CUTLASS FP8 contiguous GEMM: ", what,  \
+              " failed: ", cutlassGetStatusString(status))
+
+struct ExpertBlockSchedulerTag {};
+
+// CUTLASS's static persistent schedule over the (M blocks x N blocks) of one batch, with the batch
+// index of a tile read from block_expert[M block]; a block of no expert (-1: rows past the last
+// segment) is skipped. Clusters are 1 x n, so the CTAs of a cluster share the M block and skip
+// together (their A tile is multicast).
+class ExpertBlockTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
+  using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
+
+ public:
+  using WorkTileInfo = typename Base::WorkTileInfo;
+  struct Arguments : Base::Arguments {
+    const int32_t* block_expert = nullptr;  // [num_m_blocks] expert of each 128-row block, or -1
+    int32_t num_m_blocks = 0;
+  };
+  struct Params : Base::Params {
+    const int32_t* block_expert = nullptr;
+    int32_t num_m_blocks = 0;
+  };
+
+  template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
+  static Params to_underlying_arguments(ProblemShapeMNKL problem_shape_mnkl, TileShape tile_shape,
+                                        ClusterShape cluster_shape,
+                                        cutlass::KernelHardwareInfo const& hw_info,
+                                        Arguments const& arguments, void* workspace = nullptr,
+                                        const uint32_t epilogue_subtile = 1,
+                                        uint32_t ktile_start_alignment_count = 1u) {
+    Params p;
+    static_cast<Base::Params&>(p) = Base::to_underlying_arguments(
+        one_batch(problem_shape_mnkl), tile_shape, cluster_shape, hw_info, arguments, workspace,
+        epilogue_subtile, ktile_start_alignment_count);
+    p.block_expert = arguments.block_expert;
+    p.num_m_blocks = arguments.num_m_blocks;
+    return p;
+  }
+
+  template <class ProblemShapeMNKL, class BlockShape, class ClusterShape>
+  static dim3 get_grid_shape(Params const& params, ProblemShapeMNKL problem_shape_mnkl,
+                             BlockShape cta_shape, ClusterShape cluster_shape,
+                             cutlass::KernelHardwareInfo hw_info, Arguments arguments,
+                             bool truncate_by_problem_size = true) {
+    return Base::get_grid_shape(params, one_batch(problem_shape_mnkl), cta_shape, cluster_shape,
+                                hw_info, arguments, truncate_by_problem_size);
+  }
+
+  CUTLASS_HOST_DEVICE ExpertBlockTileScheduler() {}
+
+  CUTLASS_DEVICE explicit ExpertBlockTileScheduler(Params const& params) : params_(params) {
+#if defined(__CUDA_ARCH__)
+    if (params.raster_order_ == RasterOrder::AlongN) {
+      linear_idx_ = uint64_t(blockIdx.x) + uint64_t(blockIdx.y) * uint64_t(gridDim.x);
+    } else {
+      linear_idx_ = uint64_t(blockIdx.x) * uint64_t(gridDim.y) + uint64_t(blockIdx.y);
+    }
+    grid_size_ = uint64_t(gridDim.x) * uint64_t(gridDim.y) * uint64_t(gridDim.z);
+#endif
+  }
+
+  template <class ClusterShape>
+  CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
+    return get_current_work();
+  }
+
+  CUTLASS_DEVICE WorkTileInfo get_current_work() {
+    linear_idx_ = next_expert_tile(linear_idx_);
+    return work_at(linear_idx_);
+  }
+
+  CUTLASS_DEVICE void advance_to_next_work(uint32_t advance_count = 1) {
+    linear_idx_ += grid_size_ * uint64_t(advance_count);
+  }
+
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo) {
+    advance_to_next_work();
+    return cute::make_tuple(get_current_work(), true);
+  }
+
+  template <class TileSchedulerPipeline, class TileSchedulerPipelineState>
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo work, TileSchedulerPipeline&,
+                                      TileSchedulerPipelineState) {
+    return fetch_next_work(work);
+  }
+
+  CUTLASS_DEVICE bool is_last_tile(WorkTileInfo&, uint32_t advance_count = 1) const {
+    return !work_at(next_expert_tile(linear_idx_ + grid_size_ * uint64_t(advance_count))).is_valid();
+  }
+
+ private:
+  template <class ProblemShapeMNKL>
+  static auto one_batch(ProblemShapeMNKL s) {
+    return make_shape(get<0>(s), get<1>(s), get<2>(s), 1);
+  }
+
+  // This CTA's first linear index at or after idx whose M block has an expert (or one past the
+  // problem, which work_at reports as invalid).
+  CUTLASS_DEVICE uint64_t next_expert_tile(uint64_t idx) const {
+    for (;; idx += grid_size_) {
+      WorkTileInfo w = work_at(idx);
+      if (!w.is_valid() || w.L_idx >= 0) return idx;
+    }
+  }
+
+  // The base class's mapping of a linear index to (m, n) over one batch; L_idx = the expert of
+  // the M block, or -1.
+  CUTLASS_DEVICE WorkTileInfo work_at(uint64_t idx) const {
+    if (idx >= params_.blocks_per_problem_) return WorkTileInfo::invalid_work_tile();
+    uint64_t blk = params_.divmod_cluster_shape_minor_.divide(idx);
+    auto [m, n] = Base::get_work_idx_m_and_n(
+        blk, params_.divmod_cluster_shape_major_, params_.divmod_cluster_shape_minor_,
+        params_.divmod_cluster_blk_major_, params_.log_swizzle_size_, params_.raster_order_);
+    int32_t e = m < params_.num_m_blocks ? params_.block_expert[m] : -1;
+    return {m, n, e, true};
+  }
+
+  Params params_;
+  uint64_t linear_idx_ = 0;
+  uint64_t grid_size_ = 1;
+};
+
+}  // namespace epmoe
+
+namespace cutlass::gemm::kernel::detail {
+template <class TileShape, class ClusterShape, uint32_t SchedulerPipelineStageCount>
+struct TileSchedulerSelector<epmoe::ExpertBlockSchedulerTag, arch::Sm90, TileShape, ClusterShape,
+                             SchedulerPipelineStageCount> {
+  using Scheduler = epmoe::ExpertBlockTileScheduler;
+};
+}  // namespace cutlass::gemm::kernel::detail
+
+namespace epmoe {
+
+// One kernel configuration: tile and cluster shape (the tile's M must be kRowBlock).
+template <class TileShape_, class ClusterShape_>
+struct Fp8ContiguousGemmConfig {
+  static_assert(size<0>(TileShape_{}) == kRowBlock, "a tile's rows are one aligned block");
+  static_assert(size<0>(ClusterShape_{}) == 1, "the CTAs of a cluster must share the M block");
+  using ProblemShape = Shape<int, int, int, int>;  // (M, N, K, L = experts)
+  using ElementA = cutlass::float_e4m3_t;
+  using ElementB = cutlass::float_e4m3_t;
+  using ElementC = void;  // no source operand: D = A @ B^T
+  using ElementD = cutlass::bfloat16_t;
+  using ElementAccumulator = float;
+  using ElementCompute = float;
+
+  // The expert selects B and SFB only; A, SFA and D are one tensor each (static zero L stride).
+  using StrideA = cute::Stride<int64_t, cute::_1, cute::_0>;
+  using StrideB = cute::Stride<int64_t, cute::_1, int64_t>;
+  using StrideD = cute::Stride<int64_t, cute::_1, cute::_0>;
+
+  static constexpr int AlignmentA = 128 / cutlass::sizeof_bits<ElementA>::value;
+  static constexpr int AlignmentB = 128 / cutlass::sizeof_bits<ElementB>::value;
+  static constexpr int AlignmentD = 128 / cutlass::sizeof_bits<ElementD>::value;
+
+  using TileShape = TileShape_;
+  using ClusterShape = ClusterShape_;
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K,
+                                                                cute::GMMA::Major::K>;
+  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator, ElementCompute,
+      ElementC, StrideD, AlignmentD, ElementD, StrideD, AlignmentD,
+      cutlass::epilogue::TmaWarpSpecializedCooperative,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, ElementCompute, ElementC,
+                                                   ElementCompute>>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA,
+      cute::tuple<StrideA, LayoutSFA>, AlignmentA, ElementB, cute::tuple<StrideB, LayoutSFB>,
+      AlignmentB, ElementAccumulator, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum>::CollectiveOp;
+
+  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
+                                                          CollectiveEpilogue,
+                                                          ExpertBlockSchedulerTag>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+};
+
+// block_expert[b] = the e with offsets[e] <= 128 b < offsets[e + 1], else -1 (one thread a block).
+__global__ void block_expert_kernel(int num_blocks, int num_experts,
+                                    const int32_t* __restrict__ offsets, int32_t* block_expert) {
+  const int b = blockIdx.x * blockDim.x + threadIdx.x;
+  if (b >= num_blocks) return;
+  const int64_t row = int64_t(b) * kRowBlock;
+  int lo = 0, hi = num_experts;  // the first e with offsets[e + 1] > row
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (offsets[mid + 1] > row) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  block_expert[b] = (lo < num_experts && offsets[lo] <= row) ? lo : -1;
+}
+
+template <class Cfg>
+typename Cfg::Gemm::Arguments make_arguments(at::Tensor& out, const at::Tensor& a,
+                                             const at::Tensor& a_scale, const at::Tensor& b,
+                                             const at::Tensor& b_scale, const int32_t* block_expert,
+                                             int sm_count, int64_t raster_along_n,
+                                             int64_t max_swizzle) {
+  const int num_experts = static_cast<int>(b.size(0));
+  const int n = static_cast<int>(b.size(1));
+  const int k = static_cast<int>(b.size(2));
+  const int m = static_cast<int>(a.size(0));
+  typename Cfg::StrideA stride_a{static_cast<int64_t>(k), cute::_1{}, cute::_0{}};
+  typename Cfg::StrideB stride_b{static_cast<int64_t>(k), cute::_1{}, static_cast<int64_t>(n) * k};
+  typename Cfg::StrideD stride_d{static_cast<int64_t>(n), cute::_1{}, cute::_0{}};
+  // SFA is read with cp.async (not TMA), so a run-time zero stride in L is allowed.
+  auto sfa = Cfg::ScaleConfig::tile_atom_to_shape_SFA(make_shape(m, n, k, num_experts));
+  typename Cfg::LayoutSFA layout_sfa(
+      sfa.shape(), make_stride(get<0>(sfa.stride()), get<1>(sfa.stride()), int32_t(0)));
+  auto layout_sfb = Cfg::ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, n, k, num_experts));
+
+  cutlass::KernelHardwareInfo hw_info;
+  hw_info.device_id = a.get_device();
+  hw_info.sm_count = sm_count;
+  typename Cfg::Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGemm,
+      {m, n, k, num_experts},
+      {reinterpret_cast<const typename Cfg::ElementA*>(a.data_ptr()), stride_a,
+       reinterpret_cast<const typename Cfg::ElementB*>(b.data_ptr()), stride_b,
+       a_scale.data_ptr<float>(), layout_sfa, b_scale.data_ptr<float>(), layout_sfb},
+      {{}, nullptr, stride_d, reinterpret_cast<typename Cfg::ElementD*>(out.data_ptr()), stride_d},
+      hw_info};
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+  using RasterOrder = decltype(args.scheduler.raster_order);
+  args.scheduler.raster_order = raster_along_n ? RasterOrder::AlongN : RasterOrder::AlongM;
+  args.scheduler.max_swizzle_size = static_cast<int>(max_swizzle);
+  args.scheduler.block_expert = block_expert;
+  args.scheduler.num_m_blocks = (m + kRowBlock - 1) / kRowBlock;
+  return args;
+}
+
+// Runs the GEMM for configuration Cfg. Shapes were checked by the caller; M > 0.
+template <class Cfg>
+void run_fp8_contiguous_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
+                             const at::Tensor& b, const at::Tensor& b_scale,
+                             const at::Tensor& offsets, int64_t raster_along_n,
+                             int64_t max_swizzle) {
+  using Gemm = typename Cfg::Gemm;
+  auto stream = at::cuda::getCurrentCUDAStream(a.get_device());
+  const int num_blocks = static_cast<int>((a.size(0) + kRowBlock - 1) / kRowBlock);
+  auto block_expert = at::empty({num_blocks}, a.options().dtype(at::kInt));
+  const int threads = 128;
+  block_expert_kernel<<<(num_blocks + threads - 1) / threads, threads, 0, stream>>>(
+      num_blocks, static_cast<int>(b.size(0)), offsets.data_ptr<int32_t>(),
+      block_expert.data_ptr<int32_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  const int sm_count = at::cuda::getDeviceProperties(a.get_device())->multiProcessorCount;
+  auto args = make_arguments<Cfg>(out, a, a_scale, b, b_scale, block_expert.data_ptr<int32_t>(),
+                                  sm_count, raster_along_n, max_swizzle);
+  Gemm gemm;
+  EPMOE_CHECK_CUTLASS(gemm.can_implement(args), "can_implement");
+  const size_t workspace_bytes = Gemm::get_workspace_size(args);
+  auto workspace = at::empty({static_cast<int64_t>(workspace_bytes > 0 ? workspace_bytes : 1)},
+                             a.options().dtype(at::kByte));
+  EPMOE_CHECK_CUTLASS(gemm.initialize(args, workspace.data_ptr(), stream), "initialize");
+  EPMOE_CHECK_CUTLASS(gemm.run(stream), "run");
+}
+
+// Bytes of workspace GemmKernel::get_workspace_size asks for on this problem (no launch).
+template <class Cfg>
+int64_t workspace_size_for(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
+                           const at::Tensor& b, const at::Tensor& b_scale, int64_t sm_count) {
+  auto args = make_arguments<Cfg>(out, a, a_scale, b, b_scale, nullptr,
+                                  static_cast<int>(sm_count), 1, 1);
+  return static_cast<int64_t>(Cfg::Gemm::get_workspace_size(args));
+}
+
+}  // namespace epmoe

@@ -1,0 +1,93 @@
+// Torch-op registration of the FP8 block-scaled contiguous GEMM (see fp8_block_contiguous_gemm.cuh).
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+#include <ATen/ATen.h>
+
+namespace epmoe {
+void fp8_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
+                              const at::Tensor& b, const at::Tensor& b_scale,
+                              const at::Tensor& offsets, int64_t raster_along_n,
+                              int64_t max_swizzle);
+int64_t fp8_contiguous_gemm_coop_workspace(at::Tensor& out, const at::Tensor& a,
+                                           const at::Tensor& a_scale, const at::Tensor& b,
+                                           const at::Tensor& b_scale, int64_t sm_count);
+}  // namespace epmoe
+
+namespace {
+
+void check_operands(const at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
+                    const at::Tensor& b, const at::Tensor& b_scale) {
+  TORCH_CHECK(a.is_cuda() && a_scale.is_cuda() && b.is_cuda() && b_scale.is_cuda() && out.is_cuda(),
+              "fp8_contiguous_gemm: all operands must be CUDA tensors");
+  const auto dev = a.device();
+  for (const at::Tensor* t : {&a_scale, &b, &b_scale, &out}) {
+    TORCH_CHECK(t->device() == dev, "fp8_contiguous_gemm: operands on different devices");
+  }
+  TORCH_CHECK(a.dim() == 2 && a.scalar_type() == at::kFloat8_e4m3fn && a.is_contiguous(),
+              "fp8_contiguous_gemm: a must be a contiguous [M, K] float8_e4m3fn tensor");
+  TORCH_CHECK(b.dim() == 3 && b.scalar_type() == at::kFloat8_e4m3fn && b.is_contiguous(),
+              "fp8_contiguous_gemm: b must be a contiguous [E, N, K] float8_e4m3fn tensor");
+  const int64_t m = a.size(0), k = a.size(1), e = b.size(0), n = b.size(1);
+  TORCH_CHECK(b.size(2) == k, "fp8_contiguous_gemm: a has K=", k, " but b has K=", b.size(2));
+  TORCH_CHECK(k % 128 == 0 && n % 128 == 0, "fp8_contiguous_gemm: N=", n, " and K=", k,
+              " must be multiples of 128");
+  TORCH_CHECK(m < (int64_t(1) << 31) && n * k < (int64_t(1) << 31),
+              "fp8_contiguous_gemm: M=", m, " or N*K=", n * k, " exceeds int32");
+  TORCH_CHECK(a_scale.scalar_type() == at::kFloat && a_scale.is_contiguous() &&
+                  a_scale.dim() == 2 && a_scale.size(0) == m && a_scale.size(1) == k / 128,
+              "fp8_contiguous_gemm: a_scale must be a contiguous fp32 [M, K/128] tensor");
+  TORCH_CHECK(b_scale.scalar_type() == at::kFloat && b_scale.is_contiguous() &&
+                  b_scale.dim() == 3 && b_scale.size(0) == e && b_scale.size(1) == n / 128 &&
+                  b_scale.size(2) == k / 128,
+              "fp8_contiguous_gemm: b_scale must be a contiguous fp32 [E, N/128, K/128] tensor");
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(0) == m && out.size(1) == n,
+              "fp8_contiguous_gemm: out must be a contiguous bf16 [M, N] tensor");
+}
+
+// out[offsets[e]:offsets[e+1]] = dequant(a rows) @ dequant(b[e])^T, written in place. The offsets
+// must be multiples of 128 (checked by the Python caller; the kernel reads them on the device).
+void fp8_contiguous_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& a_scale,
+                         const at::Tensor& b, const at::Tensor& b_scale, const at::Tensor& offsets,
+                         int64_t raster_along_n, int64_t max_swizzle) {
+  check_operands(out, a, a_scale, b, b_scale);
+  TORCH_CHECK(offsets.is_cuda() && offsets.device() == a.device() &&
+                  offsets.scalar_type() == at::kInt && offsets.is_contiguous() &&
+                  offsets.dim() == 1 && offsets.size(0) == b.size(0) + 1,
+              "fp8_contiguous_gemm: expert_offsets must be a contiguous int32 [E+1] CUDA tensor "
+              "on a's device");
+  TORCH_CHECK(max_swizzle >= 1, "fp8_contiguous_gemm: max_swizzle=", max_swizzle, " (allowed >= 1)");
+  if (a.size(0) == 0 || b.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(a.device());
+  epmoe::fp8_contiguous_gemm_coop(out, a, a_scale, b, b_scale, offsets, raster_along_n,
+                                  max_swizzle);
+}
+
+// Bytes of workspace GemmKernel::get_workspace_size asks for on this problem and SM count.
+int64_t workspace_size(at::Tensor out, const at::Tensor& a, const at::Tensor& a_scale,
+                       const at::Tensor& b, const at::Tensor& b_scale, int64_t sm_count) {
+  check_operands(out, a, a_scale, b, b_scale);
+  return epmoe::fp8_contiguous_gemm_coop_workspace(out, a, a_scale, b, b_scale, sm_count);
+}
+
+}  // namespace
+
+// Registered as torch ops (torch.ops.<TORCH_EXTENSION_NAME>.*), not as a Python module, so the
+// library depends on libtorch's C++ ABI only and not on the Python version it was built with.
+// TORCH_LIBRARY stringifies its argument: expand TORCH_EXTENSION_NAME (set by torch's builder) first.
+#define EPMOE_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define EPMOE_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
+
+EPMOE_LIBRARY(TORCH_EXTENSION_NAME, m) {
+  m.def(
+      "fp8_contiguous_gemm(Tensor(a!) out, Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, "
+      "Tensor expert_offsets, int raster_along_n=1, int max_swizzle=1) -> ()");
+  m.def(
+      "workspace_size(Tensor out, Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, "
+      "int sm_count) -> int");
+}
+
+EPMOE_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CUDA, m) {
+  m.impl("fp8_contiguous_gemm", &fp8_contiguous_gemm);
+  m.impl("workspace_size", &workspace_size);
+}
