@@ -10,18 +10,28 @@
 // out    [M, N]   bf16 row-major; rows at or past offsets[E] are not written
 //
 // The whole layout is ONE CUTLASS problem (M, N, K, L = E) for the Hopper TMA warp-specialized
-// cooperative kernel with FP8 block scaling (KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum,
-// Sm90BlockwiseScaleConfig<1, 128, 128, K-major, K-major>). A, SFA and out have a static zero
-// stride in L, so one TMA descriptor serves every expert's rows; only B and SFB move with L. The
-// tile scheduler below gives each 128-row block of A the batch index of its expert, from a table
-// built on the GPU from the offsets (no host synchronisation).
+// cooperative kernel (CUTLASS's FP8 block-scaled collective, Sm90BlockwiseScaleConfig). A and out
+// have a static zero stride in L, so one TMA descriptor serves every expert's rows; B and SFB move
+// with L. The tile scheduler below gives each 128-row block of A the batch index of its expert,
+// from a table built on the GPU from the offsets (no host synchronisation).
 //
+// The mainloop is CUTLASS's with both halves replaced (Sm90Fp8BlockMainloop):
+//  * tiles are 128 x 192 (two 64 x 192 warpgroup MMAs): per FLOP less shared-memory traffic than
+//    128 x 128. A tile then meets two 128-column weight blocks, read as three 64-column groups
+//    (the weight scales repeated along N);
+//  * the promotion multiplies each accumulator element by one per-thread factor
+//    SFA[row] * SFB[group] (2 x 3 registers), where CUTLASS builds accumulator-shaped scale tensors
+//    once a tile has more than one scale group;
+//  * SFA is read MN-major ([K/128, M]) with one TMA per stage, as DeepGEMM reads it, instead of a
+//    cp.async gather of one float per row;
+//  * the pipeline stage is released as soon as its MMAs retire, before the promotion.
 // Why not CUTLASS's ptr-array grouped kernel: it rewrites and fences the TMA descriptors of A, B
 // and D in global memory whenever a CTA moves to another group, which with many experts is every
-// tile. On an H200 that cost it 7-17 % against this kernel (docs/fp8.md, session 10).
+// tile. docs/fp8.md has the measurements (H200, session 10).
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -180,11 +190,175 @@ struct TileSchedulerSelector<epmoe::ExpertBlockSchedulerTag, arch::Sm90, TileSha
 
 namespace epmoe {
 
-// One kernel configuration: tile and cluster shape (the tile's M must be kRowBlock).
-template <class TileShape_, class ClusterShape_>
+// CUTLASS's SM90 FP8 block-scaled collective (Base) with its producer (A, B, SFA by TMA; the weight
+// scales stay with the base's cp.async warp) and consumer halves replaced; see the file comment.
+// Accumulator fragment of a 64 x N GMMA per thread: (2 columns, 2 row halves, N/8 column blocks) at
+// rows lane/4 + 16 warp (+8) and columns 2 (lane % 4) (+1) + 8 block (CuTe's SM90 CLayout_64xN).
+template <class Base>
+struct Sm90Fp8BlockMainloop : Base {
+  using typename Base::MainloopPipeline;
+  using typename Base::Params;
+  using typename Base::PipelineState;
+  using typename Base::SmemLayoutA;
+  using typename Base::SmemLayoutB;
+  using typename Base::SmemLayoutSFA;
+  using typename Base::SmemLayoutSFB;
+  using typename Base::TensorStorage;
+  using typename Base::TiledMma;
+  using typename Base::TileShape;
+  using ClusterShape = typename Base::DispatchPolicy::ClusterShape;
+  static constexpr int kTileN = size<1>(TileShape{});
+  static constexpr int kGroupN = Base::ScaleGranularityN;
+  static constexpr int kGroups = Base::ScaleNsPerTile;
+  static_assert(Base::ScaleGranularityM == 1 && Base::ScaleMsPerTile == size<0>(TileShape{}));
+  static_assert(kGroupN % 8 == 0, "a block of 8 accumulator columns must lie in one scale group");
+  static_assert(Base::IsTmaLoadSFA && !Base::IsTmaLoadSFB,
+                "activation scales by TMA (MN-major), weight scales by the base's cp.async warp");
+
+  // Producer: one elected thread issues the TMA loads of A, B and SFA for each k tile. SFA has a
+  // single batch (every expert's rows are in it), so it is read at batch 0.
+  template <class TensorA, class TensorB, class TensorScaleA, class TensorScaleB, class KTileIterator,
+            class BlockCoord>
+  CUTLASS_DEVICE void load(Params const& params, MainloopPipeline pipeline,
+                           PipelineState smem_pipe_write,
+                           cute::tuple<TensorA, TensorB, TensorScaleA, TensorScaleB> const& inputs,
+                           BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count,
+                           int /*thread_idx*/, uint32_t block_rank_in_cluster,
+                           TensorStorage& shared_tensors) {
+    const int lane_predicate = cute::elect_one_sync();
+    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
+    Tensor sSFA =
+        make_tensor(make_smem_ptr(shared_tensors.smem_SFA.data()), filter_zeros(SmemLayoutSFA{}));
+    constexpr uint32_t cluster_x = get<0>(ClusterShape());
+    const uint2 cluster_id = {block_rank_in_cluster % cluster_x, block_rank_in_cluster / cluster_x};
+    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
+    auto tma_a = params.tma_load_a.get_slice(cluster_id.y);
+    auto tma_b = params.tma_load_b.get_slice(cluster_id.x);
+    auto tma_sfa = params.tma_load_sfa.get_slice(cluster_id.y);
+    Tensor tAgA = tma_a.partition_S(get<0>(inputs)(_, _, m_coord, _, l_coord));
+    Tensor tAsA = tma_a.partition_D(sA);
+    Tensor tBgB = tma_b.partition_S(get<1>(inputs)(_, _, n_coord, _, l_coord));
+    Tensor tBsB = tma_b.partition_D(sB);
+    Tensor tAgSFA = tma_sfa.partition_S(local_tile(
+        get<2>(inputs), make_tile(Int<Base::ScaleMsPerTile>{}, Int<1>{}), make_coord(m_coord, _, 0)));
+    Tensor tAsSFA = tma_sfa.partition_D(sSFA);
+
+    uint16_t mcast_mask_a = 0, mcast_mask_b = 0;
+    auto block_layout = Layout<ClusterShape>{};  // (m, n) -> block id
+    if constexpr (cute::is_same_v<typename Base::GmemTiledCopyA, SM90_TMA_LOAD_MULTICAST>) {
+      for (int n = 0; n < size<1>(block_layout); ++n) {
+        mcast_mask_a |= uint16_t(1) << block_layout(cluster_id.x, n, Int<0>{});
+      }
+    }
+    if constexpr (cute::is_same_v<typename Base::GmemTiledCopyB, SM90_TMA_LOAD_MULTICAST>) {
+      for (int m = 0; m < size<0>(block_layout); ++m) {
+        mcast_mask_b |= uint16_t(1) << block_layout(m, cluster_id.y, Int<0>{});
+      }
+    }
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; k_tile_count > 0; --k_tile_count) {
+      pipeline.producer_acquire(smem_pipe_write);
+      const int stage = smem_pipe_write.index();
+      auto* barrier = pipeline.producer_get_barrier(smem_pipe_write);
+      if (lane_predicate) {
+        copy(params.tma_load_a.with(*barrier, mcast_mask_a), tAgA(_, _, _, *k_tile_iter),
+             tAsA(_, _, _, stage));
+        copy(params.tma_load_b.with(*barrier, mcast_mask_b), tBgB(_, _, _, *k_tile_iter),
+             tBsB(_, _, _, stage));
+        copy(params.tma_load_sfa.with(*barrier, uint16_t(0)), tAgSFA(_, _, _, *k_tile_iter),
+             tAsSFA(_, _, _, stage));
+      }
+      ++k_tile_iter;
+      ++smem_pipe_write;
+    }
+  }
+
+  // Consumer: per k tile, the warpgroup's MMAs into a zeroed partial accumulator, the stage
+  // released, then accum += partial * SFA[row] * SFB[group] with one FMA per element.
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read,
+                          FrgTensorC& accum, int k_tile_count, int thread_idx,
+                          TensorStorage& shared_tensors, Params const& /*params*/) {
+    constexpr int kWarpGroups = size(TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
+    static_assert(size<1>(FrgTensorC{}) == 1 && size<2>(FrgTensorC{}) == 1,
+                  "one 64 x N GMMA atom per warpgroup");
+    static_assert(size(FrgTensorC{}) == kTileN / 2, "64 x N accumulator: N/2 values per thread");
+    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
+    Tensor sSFA =
+        make_tensor(make_smem_ptr(shared_tensors.smem_SFA.data()), filter_zeros(SmemLayoutSFA{}));
+    Tensor sSFB =
+        make_tensor(make_smem_ptr(shared_tensors.smem_SFB.data()), filter_zeros(SmemLayoutSFB{}));
+    const int warp_group = __shfl_sync(0xFFFFFFFF, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
+    TiledMma tiled_mma;
+    auto thread_mma = tiled_mma.get_slice(
+        make_layout(Int<kWarpGroups>{}, Int<cutlass::NumThreadsPerWarpGroup>{})(warp_group));
+    Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));
+    Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));
+    const int t = thread_idx % cutlass::NumThreadsPerWarpGroup;
+    const int row = warp_group * 64 + (t / 32) * 16 + (t % 32) / 4;
+
+    Tensor partial = make_fragment_like(accum);
+    clear(accum);
+    auto token = pipeline.consumer_try_wait(smem_pipe_read);
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; k_tile_count > 0; --k_tile_count) {
+      pipeline.consumer_wait(smem_pipe_read, token);
+      const int stage = smem_pipe_read.index();
+      const float sfa0 = sSFA(row, 0, stage);  // read before the stage is released
+      const float sfa1 = sSFA(row + 8, 0, stage);
+      float sfb[kGroups];
+      CUTLASS_PRAGMA_UNROLL
+      for (int g = 0; g < kGroups; ++g) sfb[g] = sSFB(g, 0, stage);
+
+      cute::warpgroup_fence_operand(partial);
+      cute::warpgroup_arrive();
+      tiled_mma.accumulate_ = cute::GMMA::ScaleOut::Zero;
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < size<2>(tCrA); ++k) {
+        cute::gemm(tiled_mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage), partial);
+        tiled_mma.accumulate_ = cute::GMMA::ScaleOut::One;
+      }
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      cute::warpgroup_fence_operand(partial);
+      pipeline.consumer_release(smem_pipe_read);
+      ++smem_pipe_read;
+      if (k_tile_count > 1) token = pipeline.consumer_try_wait(smem_pipe_read);
+
+      float f0[kGroups], f1[kGroups];
+      CUTLASS_PRAGMA_UNROLL
+      for (int g = 0; g < kGroups; ++g) {
+        f0[g] = sfa0 * sfb[g];
+        f1[g] = sfa1 * sfb[g];
+      }
+      cute::warpgroup_fence_operand(accum);
+      CUTLASS_PRAGMA_UNROLL
+      for (int blk = 0; blk < kTileN / 8; ++blk) {
+        const int g = blk * 8 / kGroupN;
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < 2; ++c) {
+          accum(c + 4 * blk) += partial(c + 4 * blk) * f0[g];
+          accum(c + 2 + 4 * blk) += partial(c + 2 + 4 * blk) * f1[g];
+        }
+      }
+      cute::warpgroup_fence_operand(accum);
+    }
+  }
+
+  // mma released every stage it read.
+  CUTLASS_DEVICE void mma_tail(MainloopPipeline, PipelineState, int) {}
+};
+
+// One kernel configuration: tile and cluster shape (the tile's M must be kRowBlock) and the
+// weight-scale group along N (128 / kGroupN copies of each 128x128 block scale are read).
+template <class TileShape_, class ClusterShape_, int GroupN>
 struct Fp8ContiguousGemmConfig {
   static_assert(size<0>(TileShape_{}) == kRowBlock, "a tile's rows are one aligned block");
   static_assert(size<0>(ClusterShape_{}) == 1, "the CTAs of a cluster must share the M block");
+  static_assert(128 % GroupN == 0 && size<1>(TileShape_{}) % GroupN == 0);
+  static constexpr int kGroupN = GroupN;
   using ProblemShape = Shape<int, int, int, int>;  // (M, N, K, L = experts)
   using ElementA = cutlass::float_e4m3_t;
   using ElementB = cutlass::float_e4m3_t;
@@ -193,7 +367,7 @@ struct Fp8ContiguousGemmConfig {
   using ElementAccumulator = float;
   using ElementCompute = float;
 
-  // The expert selects B and SFB only; A, SFA and D are one tensor each (static zero L stride).
+  // The expert selects B and SFB only; A and D are one tensor each (static zero L stride).
   using StrideA = cute::Stride<int64_t, cute::_1, cute::_0>;
   using StrideB = cute::Stride<int64_t, cute::_1, int64_t>;
   using StrideD = cute::Stride<int64_t, cute::_1, cute::_0>;
@@ -204,7 +378,8 @@ struct Fp8ContiguousGemmConfig {
 
   using TileShape = TileShape_;
   using ClusterShape = ClusterShape_;
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K,
+  // SFA MN-major ([K/128, M], read by TMA), SFB K-major ([E, N/GroupN, K/128]).
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, GroupN, 128, cute::GMMA::Major::MN,
                                                                 cute::GMMA::Major::K>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
@@ -217,13 +392,14 @@ struct Fp8ContiguousGemmConfig {
       cutlass::epilogue::fusion::LinearCombination<ElementD, ElementCompute, ElementC,
                                                    ElementCompute>>::CollectiveOp;
 
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using CutlassMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA,
       cute::tuple<StrideA, LayoutSFA>, AlignmentA, ElementB, cute::tuple<StrideB, LayoutSFB>,
       AlignmentB, ElementAccumulator, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum>::CollectiveOp;
+  using CollectiveMainloop = Sm90Fp8BlockMainloop<CutlassMainloop>;
 
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
                                                           CollectiveEpilogue,
@@ -232,7 +408,7 @@ struct Fp8ContiguousGemmConfig {
 };
 
 // block_expert[b] = the e with offsets[e] <= 128 b < offsets[e + 1], else -1 (one thread a block).
-__global__ void block_expert_kernel(int num_blocks, int num_experts,
+static __global__ void block_expert_kernel(int num_blocks, int num_experts,
                                     const int32_t* __restrict__ offsets, int32_t* block_expert) {
   const int b = blockIdx.x * blockDim.x + threadIdx.x;
   if (b >= num_blocks) return;
@@ -249,10 +425,23 @@ __global__ void block_expert_kernel(int num_blocks, int num_experts,
   block_expert[b] = (lo < num_experts && offsets[lo] <= row) ? lo : -1;
 }
 
+// The scales in the kernel's layouts: SFA MN-major [K/128, M4] (M4 = M rounded up to 4, as TMA
+// wants 16-byte row strides; the extra columns are never applied to a stored row) and SFB with
+// each 128x128 block scale repeated for the 128 / kGroupN column groups, [E, N/kGroupN, K/128].
+// Both are small next to the GEMM (M * K/128 and E * N/kGroupN * K/128 floats).
+template <class Cfg>
+std::pair<at::Tensor, at::Tensor> kernel_scales(const at::Tensor& a_scale, const at::Tensor& b_scale) {
+  const int64_t m = a_scale.size(0), m4 = (m + 3) / 4 * 4;
+  auto sfa = at::empty({a_scale.size(1), m4}, a_scale.options());
+  sfa.narrow(1, 0, m).copy_(a_scale.t());
+  return {sfa, b_scale.repeat_interleave(128 / Cfg::kGroupN, 1)};
+}
+
+// Arguments over the kernel_scales of the operands.
 template <class Cfg>
 typename Cfg::Gemm::Arguments make_arguments(at::Tensor& out, const at::Tensor& a,
-                                             const at::Tensor& a_scale, const at::Tensor& b,
-                                             const at::Tensor& b_scale, const int32_t* block_expert,
+                                             const at::Tensor& sfa, const at::Tensor& b,
+                                             const at::Tensor& sfb, const int32_t* block_expert,
                                              int sm_count, int64_t raster_along_n,
                                              int64_t max_swizzle) {
   const int num_experts = static_cast<int>(b.size(0));
@@ -262,10 +451,9 @@ typename Cfg::Gemm::Arguments make_arguments(at::Tensor& out, const at::Tensor& 
   typename Cfg::StrideA stride_a{static_cast<int64_t>(k), cute::_1{}, cute::_0{}};
   typename Cfg::StrideB stride_b{static_cast<int64_t>(k), cute::_1{}, static_cast<int64_t>(n) * k};
   typename Cfg::StrideD stride_d{static_cast<int64_t>(n), cute::_1{}, cute::_0{}};
-  // SFA is read with cp.async (not TMA), so a run-time zero stride in L is allowed.
-  auto sfa = Cfg::ScaleConfig::tile_atom_to_shape_SFA(make_shape(m, n, k, num_experts));
-  typename Cfg::LayoutSFA layout_sfa(
-      sfa.shape(), make_stride(get<0>(sfa.stride()), get<1>(sfa.stride()), int32_t(0)));
+  // SFA holds every expert's rows in one batch (the mainloop reads it at batch 0).
+  auto layout_sfa =
+      Cfg::ScaleConfig::tile_atom_to_shape_SFA(make_shape(static_cast<int>(sfa.size(1)), n, k, 1));
   auto layout_sfb = Cfg::ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, n, k, num_experts));
 
   cutlass::KernelHardwareInfo hw_info;
@@ -276,7 +464,7 @@ typename Cfg::Gemm::Arguments make_arguments(at::Tensor& out, const at::Tensor& 
       {m, n, k, num_experts},
       {reinterpret_cast<const typename Cfg::ElementA*>(a.data_ptr()), stride_a,
        reinterpret_cast<const typename Cfg::ElementB*>(b.data_ptr()), stride_b,
-       a_scale.data_ptr<float>(), layout_sfa, b_scale.data_ptr<float>(), layout_sfb},
+       sfa.data_ptr<float>(), layout_sfa, sfb.data_ptr<float>(), layout_sfb},
       {{}, nullptr, stride_d, reinterpret_cast<typename Cfg::ElementD*>(out.data_ptr()), stride_d},
       hw_info};
   args.epilogue.thread.alpha = 1.0f;
@@ -306,8 +494,9 @@ void run_fp8_contiguous_gemm(at::Tensor& out, const at::Tensor& a, const at::Ten
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
   const int sm_count = at::cuda::getDeviceProperties(a.get_device())->multiProcessorCount;
-  auto args = make_arguments<Cfg>(out, a, a_scale, b, b_scale, block_expert.data_ptr<int32_t>(),
-                                  sm_count, raster_along_n, max_swizzle);
+  auto [sfa, sfb] = kernel_scales<Cfg>(a_scale, b_scale);
+  auto args = make_arguments<Cfg>(out, a, sfa, b, sfb, block_expert.data_ptr<int32_t>(), sm_count,
+                                  raster_along_n, max_swizzle);
   Gemm gemm;
   EPMOE_CHECK_CUTLASS(gemm.can_implement(args), "can_implement");
   const size_t workspace_bytes = Gemm::get_workspace_size(args);
@@ -321,8 +510,8 @@ void run_fp8_contiguous_gemm(at::Tensor& out, const at::Tensor& a, const at::Ten
 template <class Cfg>
 int64_t workspace_size_for(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
                            const at::Tensor& b, const at::Tensor& b_scale, int64_t sm_count) {
-  auto args = make_arguments<Cfg>(out, a, a_scale, b, b_scale, nullptr,
-                                  static_cast<int>(sm_count), 1, 1);
+  auto [sfa, sfb] = kernel_scales<Cfg>(a_scale, b_scale);
+  auto args = make_arguments<Cfg>(out, a, sfa, b, sfb, nullptr, static_cast<int>(sm_count), 1, 1);
   return static_cast<int64_t>(Cfg::Gemm::get_workspace_size(args));
 }
 
