@@ -24,7 +24,9 @@
 //    once a tile has more than one scale group;
 //  * SFA is read MN-major ([K/128, M]) with one TMA per stage, as DeepGEMM reads it, instead of a
 //    cp.async gather of one float per row;
-//  * the pipeline stage is released as soon as its MMAs retire, before the promotion.
+//  * the pipeline stage is released as soon as its MMAs retire, before the promotion;
+//  * clusters pair two M blocks and multicast their B tile when both belong to one expert (a
+//    second descriptor without multicast serves pairs that straddle two experts).
 // Why not CUTLASS's ptr-array grouped kernel: it rewrites and fences the TMA descriptors of A, B
 // and D in global memory whenever a CTA moves to another group, which with many experts is every
 // tile. docs/fp8.md has the measurements (H200, session 10).
@@ -61,11 +63,23 @@ constexpr int kRowBlock = 128;  // segment alignment = the tile's M
 
 struct ExpertBlockSchedulerTag {};
 
+// The expert of 128-row block m (block_expert[m]), or -1 past the last segment.
+CUTLASS_DEVICE int32_t expert_of_block(const int32_t* block_expert, int num_blocks, int m) {
+  return m < num_blocks ? block_expert[m] : -1;
+}
+
+// With clusters of two M blocks (2 x 1), a block of no expert whose partner has one still runs, so
+// the pair stays in step: with the partner's expert, at the block index plus this offset, where all
+// its rows lie past M (TMA zero-fills its loads and drops its stores).
+CUTLASS_HOST_DEVICE int parked_block_offset(int num_blocks) { return num_blocks + (num_blocks & 1); }
+
 // CUTLASS's static persistent schedule over the (M blocks x N blocks) of one batch, with the batch
-// index of a tile read from block_expert[M block]; a block of no expert (-1: rows past the last
-// segment) is skipped. Clusters are 1 x n, so the CTAs of a cluster share the M block and skip
-// together (their A tile is multicast).
+// index of a tile read from block_expert[M block]. A block of no expert (-1: rows past the last
+// segment) is skipped, or parked (see parked_block_offset) when its cluster partner has an expert.
+// The CTAs of a cluster make the same decisions, so they stay in step.
+template <int ClusterM>
 class ExpertBlockTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
+  static_assert(ClusterM == 1 || ClusterM == 2);
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
 
  public:
@@ -169,7 +183,13 @@ class ExpertBlockTileScheduler : public cutlass::gemm::kernel::detail::Persisten
     auto [m, n] = Base::get_work_idx_m_and_n(
         blk, params_.divmod_cluster_shape_major_, params_.divmod_cluster_shape_minor_,
         params_.divmod_cluster_blk_major_, params_.log_swizzle_size_, params_.raster_order_);
-    int32_t e = m < params_.num_m_blocks ? params_.block_expert[m] : -1;
+    const int32_t e = expert_of_block(params_.block_expert, params_.num_m_blocks, m);
+    if constexpr (ClusterM == 2) {
+      const int32_t partner = expert_of_block(params_.block_expert, params_.num_m_blocks, m ^ 1);
+      if (e < 0 && partner >= 0) {
+        return {m + parked_block_offset(params_.num_m_blocks), n, partner, true};
+      }
+    }
     return {m, n, e, true};
   }
 
@@ -184,7 +204,7 @@ namespace cutlass::gemm::kernel::detail {
 template <class TileShape, class ClusterShape, uint32_t SchedulerPipelineStageCount>
 struct TileSchedulerSelector<epmoe::ExpertBlockSchedulerTag, arch::Sm90, TileShape, ClusterShape,
                              SchedulerPipelineStageCount> {
-  using Scheduler = epmoe::ExpertBlockTileScheduler;
+  using Scheduler = epmoe::ExpertBlockTileScheduler<int(cute::size<0>(ClusterShape{}))>;
 };
 }  // namespace cutlass::gemm::kernel::detail
 
@@ -197,7 +217,6 @@ namespace epmoe {
 template <class Base>
 struct Sm90Fp8BlockMainloop : Base {
   using typename Base::MainloopPipeline;
-  using typename Base::Params;
   using typename Base::PipelineState;
   using typename Base::SmemLayoutA;
   using typename Base::SmemLayoutB;
@@ -214,6 +233,52 @@ struct Sm90Fp8BlockMainloop : Base {
   static_assert(kGroupN % 8 == 0, "a block of 8 accumulator columns must lie in one scale group");
   static_assert(Base::IsTmaLoadSFA && !Base::IsTmaLoadSFB,
                 "activation scales by TMA (MN-major), weight scales by the base's cp.async warp");
+
+  // Clusters of two M blocks multicast the B tile when both blocks have the same expert; a pair
+  // that straddles two experts loads B per CTA with a second descriptor without multicast (same
+  // bytes per stage). Both CTAs decide from the block table, so they agree.
+  static constexpr bool kPairs = size<0>(ClusterShape{}) == 2;
+  static_assert(size<0>(ClusterShape{}) <= 2 && (!kPairs || size<1>(ClusterShape{}) == 1));
+  using TmaBSolo = decltype(make_tma_copy_B_sm90(
+      SM90_TMA_LOAD{},
+      make_tensor(static_cast<typename Base::ElementB const*>(nullptr),
+                  repeat_like(typename Base::StrideB{}, int32_t(0)), typename Base::StrideB{}),
+      SmemLayoutB{}(_, _, _0{}), TileShape{}, Shape<_1, _1, _1>{}));
+  struct Arguments : Base::Arguments {
+    const int32_t* block_expert = nullptr;  // [num_m_blocks], as the tile scheduler's
+    int32_t num_m_blocks = 0;
+  };
+  struct Params : Base::Params {
+    TmaBSolo tma_load_b_solo;
+    const int32_t* block_expert = nullptr;
+    int32_t num_m_blocks = 0;
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args,
+                                        void* workspace) {
+    Params p;
+    static_cast<typename Base::Params&>(p) =
+        Base::to_underlying_arguments(problem_shape, args, workspace);
+    auto [M, N, K, L] = append<4>(problem_shape, 1);
+    Tensor b = make_tensor(reinterpret_cast<typename Base::ElementB const*>(args.ptr_B),
+                           make_layout(make_shape(N, K, L), args.dB));
+    p.tma_load_b_solo = make_tma_copy_B_sm90(SM90_TMA_LOAD{}, b, SmemLayoutB{}(_, _, _0{}),
+                                             TileShape{}, Shape<_1, _1, _1>{});
+    p.block_expert = args.block_expert;
+    p.num_m_blocks = args.num_m_blocks;
+    return p;
+  }
+
+  // Whether the pair holding block m (a scheduler index, parked or not) shares its B tile.
+  CUTLASS_DEVICE static bool pair_shares_b(Params const& p, int m) {
+    if (m >= parked_block_offset(p.num_m_blocks)) m -= parked_block_offset(p.num_m_blocks);
+    auto expert = [&](int b) {
+      const int32_t e = expert_of_block(p.block_expert, p.num_m_blocks, b);
+      return e >= 0 ? e : expert_of_block(p.block_expert, p.num_m_blocks, b ^ 1);
+    };
+    return expert(m & ~1) == expert(m | 1);
+  }
 
   // Producer: one elected thread issues the TMA loads of A, B and SFA for each k tile. SFA has a
   // single batch (every expert's rows are in it), so it is read at batch 0.
@@ -240,6 +305,11 @@ struct Sm90Fp8BlockMainloop : Base {
     Tensor tAsA = tma_a.partition_D(sA);
     Tensor tBgB = tma_b.partition_S(get<1>(inputs)(_, _, n_coord, _, l_coord));
     Tensor tBsB = tma_b.partition_D(sB);
+    auto tma_b_solo = params.tma_load_b_solo.get_slice(0);
+    Tensor tBgB_solo = tma_b_solo.partition_S(get<1>(inputs)(_, _, n_coord, _, l_coord));
+    Tensor tBsB_solo = tma_b_solo.partition_D(sB);
+    bool multicast_b = true;
+    if constexpr (kPairs) multicast_b = pair_shares_b(params, int(m_coord));
     Tensor tAgSFA = tma_sfa.partition_S(local_tile(
         get<2>(inputs), make_tile(Int<Base::ScaleMsPerTile>{}, Int<1>{}), make_coord(m_coord, _, 0)));
     Tensor tAsSFA = tma_sfa.partition_D(sSFA);
@@ -264,8 +334,13 @@ struct Sm90Fp8BlockMainloop : Base {
       if (lane_predicate) {
         copy(params.tma_load_a.with(*barrier, mcast_mask_a), tAgA(_, _, _, *k_tile_iter),
              tAsA(_, _, _, stage));
-        copy(params.tma_load_b.with(*barrier, mcast_mask_b), tBgB(_, _, _, *k_tile_iter),
-             tBsB(_, _, _, stage));
+        if (multicast_b) {
+          copy(params.tma_load_b.with(*barrier, mcast_mask_b), tBgB(_, _, _, *k_tile_iter),
+               tBsB(_, _, _, stage));
+        } else {
+          copy(params.tma_load_b_solo.with(*barrier), tBgB_solo(_, _, _, *k_tile_iter),
+               tBsB_solo(_, _, _, stage));
+        }
         copy(params.tma_load_sfa.with(*barrier, uint16_t(0)), tAgSFA(_, _, _, *k_tile_iter),
              tAsSFA(_, _, _, stage));
       }
@@ -356,7 +431,8 @@ struct Sm90Fp8BlockMainloop : Base {
 template <class TileShape_, class ClusterShape_, int GroupN>
 struct Fp8ContiguousGemmConfig {
   static_assert(size<0>(TileShape_{}) == kRowBlock, "a tile's rows are one aligned block");
-  static_assert(size<0>(ClusterShape_{}) == 1, "the CTAs of a cluster must share the M block");
+  static_assert(size<0>(ClusterShape_{}) == 1 || size<1>(ClusterShape_{}) == 1,
+                "clusters pair M blocks (2 x 1) or N blocks (1 x n), not both");
   static_assert(128 % GroupN == 0 && size<1>(TileShape_{}) % GroupN == 0);
   static constexpr int kGroupN = GroupN;
   using ProblemShape = Shape<int, int, int, int>;  // (M, N, K, L = experts)
@@ -474,6 +550,8 @@ typename Cfg::Gemm::Arguments make_arguments(at::Tensor& out, const at::Tensor& 
   args.scheduler.max_swizzle_size = static_cast<int>(max_swizzle);
   args.scheduler.block_expert = block_expert;
   args.scheduler.num_m_blocks = (m + kRowBlock - 1) / kRowBlock;
+  args.mainloop.block_expert = block_expert;
+  args.mainloop.num_m_blocks = args.scheduler.num_m_blocks;
   return args;
 }
 

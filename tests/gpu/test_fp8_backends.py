@@ -162,11 +162,17 @@ def test_deepgemm_masked_gemm_takes_mn_major_scales():
 
 @needs_cutlass
 @pytest.mark.parametrize("e", [8, 128])
-def test_cutlass_grouped_gemm(e):
+@pytest.mark.parametrize("odd_blocks", [False, True])
+def test_cutlass_grouped_gemm(e, odd_blocks):
+    """Segments of odd lengths padded to 128-row blocks, empty experts, and spare rows after the
+    last segment. With an odd number of blocks in use, the last block's cluster partner has no
+    expert (the kernel pairs M blocks): its rows must stay unwritten too."""
     from epmoe.experts.cutlass_backend import ROW_BLOCK, _use_sgl, grouped_gemm, load_extension
 
     wq, ws, wf = make_operands(e)
     counts = odd_counts(e, seed=e + 2)
+    if sum(-(-c // ROW_BLOCK) for c in counts) % 2 != odd_blocks:
+        counts[-1] += ROW_BLOCK  # one block more
     offsets, m_indices, spans = contiguous_layout(counts, ROW_BLOCK)
     spare = 3 * ROW_BLOCK + 5  # rows past the last segment: no expert, never written
     xq, xs, xf = quant_rows(m_indices.numel() + spare, seed=e + 2)
