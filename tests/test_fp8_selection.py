@@ -258,11 +258,22 @@ def test_cutlass_backend_refuses_masked_layout():
 def test_cutlass_offsets_must_be_row_blocks():
     from epmoe.experts.cutlass_backend import ROW_BLOCK, check_block_offsets
 
-    check_block_offsets(torch.tensor([0, 0, ROW_BLOCK, 3 * ROW_BLOCK], dtype=torch.int32))
-    for bad in ([0, 1, 128], [0, 128, 129], [64, 128, 256]):
-        with pytest.raises(ValueError, match=f"multiples of {ROW_BLOCK}") as info:
-            check_block_offsets(torch.tensor(bad, dtype=torch.int32))
-        assert str(bad) in str(info.value)
+    check_block_offsets(torch.tensor([0, 0, ROW_BLOCK, 3 * ROW_BLOCK], dtype=torch.int32), 3 * ROW_BLOCK + 5)
+    check_block_offsets(torch.tensor([0], dtype=torch.int32), 0)
+    for bad, rows in (([0, 1, 128], 128), ([0, 128, 129], 256), ([64, 128, 256], 256),
+                      ([0, 256, 128], 256), ([-128, 0, 128], 256), ([0, 128, 384], 300)):  # fmt: skip
+        with pytest.raises(ValueError, match=f"non-decreasing multiples of {ROW_BLOCK}") as info:
+            check_block_offsets(torch.tensor(bad, dtype=torch.int32), rows)
+        assert str(bad) in str(info.value) and f"the {rows} rows" in str(info.value)
+
+
+def test_cutlass_grouped_gemm_refuses_too_many_rows():
+    from epmoe.experts import cutlass_backend as cb
+
+    a = torch.empty(1, 128, dtype=torch.float8_e4m3fn).expand(cb.MAX_ROWS, 128)  # one row stored
+    with pytest.raises(ValueError, match=f"fewer than {cb.MAX_ROWS}"):
+        cb.grouped_gemm(a, None, torch.empty(1, 128, 128, dtype=torch.float8_e4m3fn), None,
+                        torch.zeros(2, dtype=torch.int32))  # fmt: skip
 
 
 # ------------------------------------------------- backend plumbing with stand-in GEMMs (CPU)
@@ -305,7 +316,7 @@ def _fake_grouped_gemm(a, a_scale, b, b_scale, expert_offsets, out=None):
     from epmoe.experts.cutlass_backend import check_block_offsets
     from epmoe.quant.reference import dequantize_weight
 
-    check_block_offsets(expert_offsets)  # what the real kernel needs of the layout it is given
+    check_block_offsets(expert_offsets, a.shape[0])  # what the real kernel needs of its layout
 
     x = _dequant(a, a_scale)
     w = dequantize_weight(b, b_scale)

@@ -27,6 +27,7 @@ on first use and the CUTLASS extension builds on first use; both are done (untim
 from __future__ import annotations
 
 import argparse
+import math
 import json
 import os
 import statistics
@@ -149,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         turn_fns = {}  # (gemm, impl) -> the contiguous call, for --rounds
         g = torch.Generator(device=dev).manual_seed(m)
         # ---- contiguous, padded to DeepGEMM's alignment ----
-        align = dg.deep_gemm_api().alignment if dg else BLOCK  # cutlass: BLOCK as well
+        align = dg.deep_gemm_api().alignment if dg else BLOCK
+        align = math.lcm(align, BLOCK) if cut else align  # the cutlass kernel's 128-row blocks
         per = -(-m // align) * align
         m_indices = torch.full((e, per), -1, dtype=torch.int32, device=dev)
         m_indices[:, :m] = torch.arange(e, dtype=torch.int32, device=dev)[:, None]

@@ -7,7 +7,7 @@
 // SFA    [M, K/128] fp32 row-major: one multiplier per 1x128 group of A
 // B      [E, N, K] float8_e4m3fn contiguous (each expert's weight is N x K, K-major)
 // SFB    [E, N/128, K/128] fp32 contiguous: one multiplier per 128x128 block of B
-// out    [M, N]   bf16 row-major; rows at or past offsets[E] are not written
+// out    [M, N]   bf16 row-major; rows outside offsets[0]:offsets[E] are not written
 //
 // The whole layout is ONE CUTLASS problem (M, N, K, L = E) for the Hopper TMA warp-specialized
 // cooperative kernel (CUTLASS's FP8 block-scaled collective, Sm90BlockwiseScaleConfig). A and out

@@ -49,6 +49,10 @@ SOURCES = ("fp8_block_contiguous_gemm_binding.cpp", "fp8_block_contiguous_gemm.c
 HEADERS = ("fp8_block_contiguous_gemm.cuh",)
 ROW_BLOCK = 128
 """Rows of a tile of the project's kernel: every expert segment starts and ends on a multiple."""
+TILE_ORDER = (1, 2)
+"""The persistent tile order of the project's kernel: ``(raster along N, swizzle)``. Along N with
+swizzle 2 was the fastest of five orders in both H200 runs that timed them (runs 64 and 65,
+docs/fp8.md), and along M the slowest."""
 
 NVCC_FLAGS = (
     "-gencode=arch=compute_90a,code=sm_90a",
@@ -223,17 +227,31 @@ def _use_sgl() -> bool:
     return os.environ.get("EPMOE_CUTLASS_IMPL", "auto") != "epmoe" and sgl_kernel_op() is not None
 
 
-def check_block_offsets(expert_offsets: torch.Tensor) -> None:
-    """Refuse segments that do not start on a multiple of :data:`ROW_BLOCK` rows (the project's
-    kernel would mix two experts in one tile). Offsets on the GPU are checked there, without a
-    host sync: a bad batch stops the stream with this message instead of returning wrong rows."""
-    bad = expert_offsets.remainder(ROW_BLOCK) != 0
-    msg = f"expert_offsets must be multiples of {ROW_BLOCK} (segments padded to {ROW_BLOCK} rows)"
-    if expert_offsets.device.type == "cpu":
-        if bool(bad.any()):
-            raise ValueError(f"{msg}; got {expert_offsets.tolist()}")
+MAX_ROWS = 1 << 30
+"""Rows of ``a`` the project's kernel takes: a block past the last segment may run at a row index
+up to about 2 M + 384 (see the .cuh), which must stay an int32 TMA coordinate."""
+
+
+def check_block_offsets(expert_offsets: torch.Tensor, rows: int) -> None:
+    """Refuse offsets the project's kernel cannot take: each a multiple of :data:`ROW_BLOCK` (or the
+    kernel would put two experts in one tile), from 0 up, non-decreasing, the last at most ``rows``.
+
+    Host offsets raise ``ValueError``. Offsets on the GPU are checked there, so that no batch waits
+    on the host: a bad batch raises a device-side assert (at the next synchronisation, and it ends
+    the process's CUDA context) instead of returning wrong rows. The layer's own batches always
+    pass."""
+    o = expert_offsets
+    ok = (o.remainder(ROW_BLOCK) == 0).all() & (o[:1] >= 0).all() & (o[-1:] <= rows).all()
+    if o.numel() > 1:
+        ok = ok & (o[1:] >= o[:-1]).all()
+    if o.device.type == "cpu":
+        if not bool(ok):
+            raise ValueError(
+                f"expert_offsets must be non-decreasing multiples of {ROW_BLOCK} from 0 to at most "
+                f"the {rows} rows of a (segments padded to {ROW_BLOCK} rows); got {o.tolist()}"
+            )
     else:
-        torch._assert_async(~bad.any(), msg)
+        torch._assert_async(ok, f"expert_offsets must be non-decreasing multiples of {ROW_BLOCK}")
 
 
 def grouped_gemm(
@@ -251,25 +269,36 @@ def grouped_gemm(
         a_scale: ``[M, K/128]`` fp32 (made contiguous row-major here).
         b: ``[E, N, K]`` e4m3 contiguous; ``b_scale`` ``[E, N/128, K/128]`` fp32.
         expert_offsets: ``[E+1]`` int32 row offsets, multiples of 128 (empty segments allowed);
-            checked by :func:`check_block_offsets`.
-        out: optional ``[M, N]`` bf16 output; rows at or past ``offsets[E]`` are left unwritten.
+            checked by :func:`check_block_offsets` (sgl-kernel's op, when used, takes any).
+        out: optional ``[M, N]`` bf16 output; rows outside ``offsets[0]:offsets[E]`` are left
+            unwritten.
+
+    Raises:
+        ValueError: ``a`` has ``MAX_ROWS`` rows or more, or host offsets break the rule above.
 
     Returns:
         ``out``, ``[M, N]`` bf16.
     """
     m, _ = a.shape
     e, n, _ = b.shape
+    if m >= MAX_ROWS:
+        raise ValueError(f"a has {m} rows; the CUTLASS kernel takes fewer than {MAX_ROWS}")
     if out is None:
         out = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
     if m == 0 or e == 0:
         return out
+    if "EPMOE_CUTLASS_CONFIG" in os.environ:
+        _warn_once(
+            "EPMOE_CUTLASS_CONFIG is no longer read: the CUTLASS kernel has one configuration "
+            "(128x192 tiles, 2x1 clusters; docs/fp8.md)"
+        )
     a_scale = a_scale.float().contiguous()
     offsets = expert_offsets.to(torch.int32).contiguous()
     if _use_sgl():
         _sgl_grouped_gemm(out, a, a_scale, b, b_scale, offsets)
         return out
-    check_block_offsets(offsets)
-    load_extension().fp8_contiguous_gemm(out, a.contiguous(), a_scale, b, b_scale, offsets)
+    check_block_offsets(offsets, m)
+    load_extension().fp8_contiguous_gemm(out, a.contiguous(), a_scale, b, b_scale, offsets, *TILE_ORDER)
     return out
 
 
@@ -287,8 +316,8 @@ def _sgl_grouped_gemm(out, a, a_scale, b, b_scale, offsets) -> None:
     strides = [torch.full((e,), k, **i64), torch.full((e,), k, **i64), torch.full((e,), n, **i64)]
     layouts = [torch.empty((e, 5), dtype=torch.int32, device=dev) for _ in range(2)]
     # sgl-kernel takes the workspace from the caller and exposes no size query. A CUTLASS SM90
-    # ptr-array grouped GEMM needs one 128-byte TMA descriptor per operand (A, B, C, D) per SM (what
-    # GemmKernel::get_workspace_size returns for epmoe's own kernel: sm_count * 4 * 128); twice that.
+    # ptr-array grouped GEMM (sgl-kernel's) needs one 128-byte TMA descriptor per operand (A, B, C,
+    # D) per SM (GemmKernel::get_workspace_size: sm_count * 4 * 128); twice that.
     sm = devices.sm_count(dev)
     workspace = torch.empty(sm * 8 * 128, dtype=torch.uint8, device=dev)
     sgl_kernel_op()(
@@ -306,8 +335,8 @@ class CutlassBackend(ExpertsBackend):
     @property
     def alignment(self) -> int:
         """Rows each expert segment is padded to: the project's kernel gives each 128-row block of
-        the layout to one expert."""
-        return ROW_BLOCK
+        the layout to one expert; sgl-kernel's op takes any segments."""
+        return 1 if _use_sgl() else ROW_BLOCK
 
     @classmethod
     def available(cls, device: torch.device) -> tuple[bool, str]:
