@@ -50,9 +50,9 @@ HEADERS = ("fp8_block_contiguous_gemm.cuh",)
 ROW_BLOCK = 128
 """Rows of a tile of the project's kernel: every expert segment starts and ends on a multiple."""
 TILE_ORDER = (1, 2)
-"""The persistent tile order of the project's kernel: ``(raster along N, swizzle)``. Along N with
-swizzle 2 was the fastest of five orders in both H200 runs that timed them (runs 64 and 65,
-docs/fp8.md), and along M the slowest."""
+"""The persistent tile order of the project's kernel: ``(raster along N, swizzle)``. On an H200,
+along N with swizzle 2 was the fastest of five orders in run 64 (along M the slowest) and again
+faster than swizzle 1 in run 65 (docs/fp8.md)."""
 
 NVCC_FLAGS = (
     "-gencode=arch=compute_90a,code=sm_90a",
