@@ -27,8 +27,8 @@ on first use and the CUTLASS extension builds on first use; both are done (untim
 from __future__ import annotations
 
 import argparse
-import math
 import json
+import math
 import os
 import statistics
 import sys

@@ -287,11 +287,6 @@ def grouped_gemm(
         out = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
     if m == 0 or e == 0:
         return out
-    if "EPMOE_CUTLASS_CONFIG" in os.environ:
-        _warn_once(
-            "EPMOE_CUTLASS_CONFIG is no longer read: the CUTLASS kernel has one configuration "
-            "(128x192 tiles, 2x1 clusters; docs/fp8.md)"
-        )
     a_scale = a_scale.float().contiguous()
     offsets = expert_offsets.to(torch.int32).contiguous()
     if _use_sgl():
@@ -347,6 +342,11 @@ class CutlassBackend(ExpertsBackend):
         decision = cutlass_decision(capability, cuda, env, installed)
         if decision.warn:
             _warn_once(cutlass_warning(decision))
+        if env_enabled(env) and "EPMOE_CUTLASS_CONFIG" in env:  # read until session 9; said once
+            _warn_once(
+                "EPMOE_CUTLASS_CONFIG is no longer read: the CUTLASS kernel has one configuration "
+                "(128x192 tiles, 2x1 clusters; docs/fp8.md)"
+            )
         return decision.ok, decision.reason
 
     def warmup(self, weights: ExpertWeights, max_m: int = 0) -> None:
