@@ -27,9 +27,10 @@
 //  * the pipeline stage is released as soon as its MMAs retire, before the promotion;
 //  * clusters pair two M blocks and multicast their B tile when both belong to one expert (a
 //    second descriptor without multicast serves pairs that straddle two experts).
+// For short k loops the epilogue is replaced too (Sm90WholeTileEpilogue, DeepGEMM's).
 // Why not CUTLASS's ptr-array grouped kernel: it rewrites and fences the TMA descriptors of A, B
 // and D in global memory whenever a CTA moves to another group, which with many experts is every
-// tile. docs/fp8.md has the measurements (H200, session 10).
+// tile. docs/fp8.md has the measurements (H200, sessions 10 and 11).
 #pragma once
 
 #include <cstdint>
@@ -38,6 +39,8 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+
+#include <cuda_bf16.h>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -426,9 +429,172 @@ struct Sm90Fp8BlockMainloop : Base {
   CUTLASS_DEVICE void mma_tail(MainloopPipeline, PipelineState, int) {}
 };
 
-// One kernel configuration: tile and cluster shape (the tile's M must be kRowBlock) and the
-// weight-scale group along N (128 / kGroupN copies of each 128x128 block scale are read).
-template <class TileShape_, class ClusterShape_, int GroupN>
+// The epilogue as DeepGEMM writes it, in place of CUTLASS's subtiled one: the consumer warps put
+// the whole bf16 tile into shared memory with stmatrix (128-byte swizzle, one 128 x 64 atom per 64
+// columns), meet at one barrier, and three threads issue one TMA store per atom. Nothing waits for
+// those stores until the next tile's epilogue needs the buffer again, so they overlap the next
+// mainloop. CUTLASS's epilogue (Base, built for 128 x 64 subtiles) supplies the arguments, the
+// parameters and the TMA store descriptor of one atom. Its own store syncs twice per 128 x 32
+// subtile: on GEMM2 (K = 2048) its instructions held about 10 % of Nsight Compute's warp samples,
+// DeepGEMM's epilogue about 6 % (docs/fp8.md, session 11). The 48 KB buffer costs one mainloop
+// stage. alpha / beta of Base's arguments are not applied (the GEMM writes A @ B^T).
+template <class Base, class TileShape>
+struct Sm90WholeTileEpilogue {
+  static constexpr int kTileM = size<0>(TileShape{});
+  static constexpr int kTileN = size<1>(TileShape{});
+  static constexpr int kAtomN = 64;  // bf16 columns in one 128-byte swizzle row
+  static constexpr int kAtoms = kTileN / kAtomN;
+  static_assert(kTileN % kAtomN == 0 && kTileM == 128);
+
+  using ElementC = typename Base::ElementC;
+  using StrideC = typename Base::StrideC;
+  using ElementD = typename Base::ElementD;
+  using StrideD = typename Base::StrideD;
+  using GmemTiledCopyC = typename Base::GmemTiledCopyC;
+  using GmemTiledCopyD = typename Base::GmemTiledCopyD;
+  using ThreadEpilogueOp = typename Base::ThreadEpilogueOp;
+  using Arguments = typename Base::Arguments;
+  using Params = typename Base::Params;
+  using LoadPipeline = typename Base::LoadPipeline;
+  using LoadPipelineState = typename Base::LoadPipelineState;
+  using StorePipeline = typename Base::StorePipeline;
+  using StorePipelineState = typename Base::StorePipelineState;
+  using PipelineStorage = typename Base::PipelineStorage;
+  static constexpr bool RequiresTransactionBytes = Base::RequiresTransactionBytes;
+  static_assert(cute::is_void_v<ElementC> && cute::is_same_v<ElementD, cutlass::bfloat16_t>);
+
+  using EpilogueTile = Shape<Int<kTileM>, Int<kAtomN>>;
+  using SmemLayoutD = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<ElementD>{},
+                                             make_shape(Int<kTileM>{}, Int<kAtomN>{}, Int<kAtoms>{}),
+                                             Step<_1, _2, _3>{}));
+  // Base's store descriptor must be the one for an atom of this layout.
+  static_assert(cute::is_same_v<typename Params::TMA_D,
+                                decltype(make_tma_copy(
+                                    SM90_TMA_STORE{},
+                                    make_tensor(make_gmem_ptr<ElementD>(nullptr),
+                                                repeat_like(StrideD{}, int32_t(0)), StrideD{}),
+                                    take<0, 2>(SmemLayoutD{}), EpilogueTile{}, _1{}))>);
+
+  struct TensorStorage {
+    alignas(1024) cute::ArrayEngine<ElementD, cosize_v<SmemLayoutD>> smem_D;
+  };
+  struct SharedStorage {
+    TensorStorage tensors;
+    PipelineStorage pipeline;
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args,
+                                        void* workspace) {
+    return Base::to_underlying_arguments(problem_shape, args, workspace);
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const& problem_shape, Arguments const& args) {
+    return Base::get_workspace_size(problem_shape, args);
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const& problem_shape,
+                                              Arguments const& args, void* workspace,
+                                              cudaStream_t stream,
+                                              cutlass::CudaHostAdapter* adapter = nullptr) {
+    return Base::initialize_workspace(problem_shape, args, workspace, stream, adapter);
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const& problem_shape, Arguments const& args) {
+    return Base::can_implement(problem_shape, args);
+  }
+  template <class TileShapeMNK>
+  CUTLASS_HOST_DEVICE static constexpr int get_load_pipe_increment(TileShapeMNK) {
+    return 1;
+  }
+  template <class TileShapeMNK>
+  CUTLASS_HOST_DEVICE static constexpr int get_store_pipe_increment(TileShapeMNK) {
+    return 1;
+  }
+  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
+    cute::prefetch_tma_descriptor(params.tma_store_d.get_tma_descriptor());
+  }
+
+  CUTLASS_HOST_DEVICE Sm90WholeTileEpilogue(Params const& params, TensorStorage&) : params_(params) {}
+
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
+
+  // No source operand: the kernel never calls load (is_producer_load_needed is false).
+  template <class... Ts>
+  CUTLASS_DEVICE auto load(LoadPipeline, LoadPipelineState state, Ts&&...) {
+    return state;
+  }
+  CUTLASS_DEVICE auto load_tail(LoadPipeline, LoadPipelineState state) { return state; }
+
+  template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class AccEngine,
+            class AccLayout, class TiledMma>
+  CUTLASS_DEVICE auto store(LoadPipeline, LoadPipelineState load_state, StorePipeline,
+                            StorePipelineState store_state, ProblemShapeMNKL problem_shape_mnkl,
+                            TileShapeMNK, TileCoordMNKL tile_coord_mnkl,
+                            cute::Tensor<AccEngine, AccLayout> accumulators, TiledMma,
+                            int thread_idx, TensorStorage& shared_tensors, int = -1) {
+    static_assert(size(TiledMma{}) == 256, "two consumer warpgroups, 64 rows each");
+    static_assert(size(decltype(accumulators){}) == kTileN / 2, "one 64 x N GMMA accumulator");
+    constexpr int kThreads = size(TiledMma{});
+    auto [M, N, K, L] = problem_shape_mnkl;
+    auto [m_coord, n_coord, k_coord, l_coord] = tile_coord_mnkl;
+
+    // The previous tile's TMA stores must have read the buffer before it is written again.
+    if (thread_idx < kAtoms) tma_store_wait<0>();
+    cutlass::arch::NamedBarrier::sync(kThreads, cutlass::arch::ReservedNamedBarriers::EpilogueBarrier);
+
+    // stmatrix .x4: four 8 x 8 matrices, (rows 0-7 | 8-15 of this warp's 16) x (column blocks
+    // 2i | 2i+1); lane l addresses row l % 8 (+8 for matrix 1, 3) of matrix l / 8. In the
+    // 128-byte swizzle a row's 16-byte chunk c sits at c ^ (row % 8).
+    const int warp = thread_idx / 32, lane = thread_idx % 32;
+    const int row = warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
+    uint8_t* smem = reinterpret_cast<uint8_t*>(shared_tensors.smem_D.begin());
+    uint8_t* row_base = smem + row * 128;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kTileN / 8; i += 2) {
+      const int atom = i / 8, chunk = (i % 8) + lane / 16;
+      uint8_t* dst = row_base + atom * (kTileM * 128) + ((chunk ^ (lane % 8)) * 16);
+      auto pack = [&](int v) {
+        __nv_bfloat162 h = __floats2bfloat162_rn(accumulators(v), accumulators(v + 1));
+        return reinterpret_cast<uint32_t const&>(h);
+      };
+      SM90_U32x4_STSM_N::copy(pack(4 * i), pack(4 * i + 2), pack(4 * i + 4), pack(4 * i + 6),
+                              *reinterpret_cast<uint128_t*>(dst));
+    }
+    tma_store_fence();
+    cutlass::arch::NamedBarrier::sync(kThreads, cutlass::arch::ReservedNamedBarriers::EpilogueBarrier);
+
+    if (thread_idx < kAtoms) {
+      Tensor mD = coalesce(params_.tma_store_d.get_tma_tensor(make_shape(M, N, L)),
+                           take<0, 2>(TileShape{}));
+      Tensor gD = local_tile(mD, take<0, 2>(TileShape{}), make_coord(m_coord, n_coord, l_coord));
+      Tensor gD_atoms = flat_divide(gD, EpilogueTile{});  // (128, 64, 1, kAtoms)
+      Tensor sD_atoms = cute::as_position_independent_swizzle_tensor(
+          make_tensor(make_smem_ptr(shared_tensors.smem_D.begin()), SmemLayoutD{}));  // (128, 64, kAtoms)
+      ThrCopy s2g = params_.tma_store_d.get_slice(Int<0>{});
+      Tensor bSG_sD = s2g.partition_S(sD_atoms);
+      Tensor bSG_gD = s2g.partition_D(gD_atoms);
+      copy(params_.tma_store_d, bSG_sD(_, _, _, thread_idx), bSG_gD(_, _, _, 0, thread_idx));
+      tma_store_arrive();
+    }
+    return cute::make_tuple(load_state, store_state);
+  }
+
+  CUTLASS_DEVICE auto store_tail(LoadPipeline, LoadPipelineState load_state, StorePipeline,
+                                 StorePipelineState store_state) {
+    tma_store_wait<0>();  // the smem buffer must outlive the last stores' reads
+    return cute::make_tuple(load_state, store_state);
+  }
+
+ private:
+  Params const& params_;
+};
+
+// One kernel configuration: tile and cluster shape (the tile's M must be kRowBlock), the
+// weight-scale group along N (128 / kGroupN copies of each 128x128 block scale are read) and the
+// epilogue: Sm90WholeTileEpilogue, or CUTLASS's subtiled one, whose smaller buffer leaves room
+// for one more mainloop stage.
+template <class TileShape_, class ClusterShape_, int GroupN, bool WholeTileEpilogue = true>
 struct Fp8ContiguousGemmConfig {
   static_assert(size<0>(TileShape_{}) == kRowBlock, "a tile's rows are one aligned block");
   static_assert(size<0>(ClusterShape_{}) == 1 || size<1>(ClusterShape_{}) == 1,
@@ -460,13 +626,17 @@ struct Fp8ContiguousGemmConfig {
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
 
-  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+  using CutlassEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator, ElementCompute,
-      ElementC, StrideD, AlignmentD, ElementD, StrideD, AlignmentD,
-      cutlass::epilogue::TmaWarpSpecializedCooperative,
+      cute::conditional_t<WholeTileEpilogue, Shape<_128, _64>,
+                          cutlass::epilogue::collective::EpilogueTileAuto>,
+      ElementAccumulator, ElementCompute, ElementC, StrideD, AlignmentD,
+      ElementD, StrideD, AlignmentD, cutlass::epilogue::TmaWarpSpecializedCooperative,
       cutlass::epilogue::fusion::LinearCombination<ElementD, ElementCompute, ElementC,
                                                    ElementCompute>>::CollectiveOp;
+  using CollectiveEpilogue =
+      cute::conditional_t<WholeTileEpilogue, Sm90WholeTileEpilogue<CutlassEpilogue, TileShape>,
+                          CutlassEpilogue>;
 
   using CutlassMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA,

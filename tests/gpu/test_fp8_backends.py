@@ -67,17 +67,17 @@ def odd_counts(e: int, seed: int) -> list[int]:
     return [0 if i % 4 == 1 else c for i, c in enumerate(counts)]
 
 
-def make_operands(e: int, seed: int = 0):
+def make_operands(e: int, seed: int = 0, k: int = K):
     """Quantized weights and the float32 dequantized reference weights (CUDA)."""
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(e, N, K, generator=g) / K**0.5
+    w = torch.randn(e, N, k, generator=g) / k**0.5
     q, s = quantize_weight(w, FP8)
     return q.cuda(), s.cuda(), dequantize_weight(q, s).cuda()
 
 
-def quant_rows(m: int, seed: int):
+def quant_rows(m: int, seed: int, k: int = K):
     g = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(m, K, generator=g)
+    x = torch.randn(m, k, generator=g)
     q, s = quantize_rows(x, torch.float8_e4m3fn, 448.0, 128)  # reference quantizer, not a kernel
     return q.cuda(), s.cuda(), dequantize_rows(q, s).cuda()
 
@@ -161,23 +161,25 @@ def test_deepgemm_masked_gemm_takes_mn_major_scales():
 
 
 @needs_cutlass
-@pytest.mark.parametrize("e", [8, 128])
+@pytest.mark.parametrize("e,k", [(8, K), (128, K), (8, 4352)])
 @pytest.mark.parametrize("odd_blocks", [False, True])
 @pytest.mark.parametrize("spare", [0, 3 * 128 + 5])
-def test_cutlass_grouped_gemm(e, odd_blocks, spare):
+def test_cutlass_grouped_gemm(e, k, odd_blocks, spare):
     """Segments of odd lengths padded to 128-row blocks, empty experts, with and without spare rows
     after the last segment. With an odd number of blocks in use, the last block's cluster partner
     has no expert (the kernel pairs M blocks): it runs parked past M, and spare rows stay
-    unwritten. Every tile order gives the same output."""
+    unwritten. Every tile order gives the same output. K = 4352 takes the kernel's long-K
+    configuration (CUTLASS's epilogue), K = 512 the whole-tile epilogue; N = 512 leaves the last
+    192-column tile one partial and one empty 64-column atom."""
     from epmoe.experts.cutlass_backend import ROW_BLOCK, TILE_ORDER, _use_sgl, grouped_gemm, load_extension
 
-    wq, ws, wf = make_operands(e)
+    wq, ws, wf = make_operands(e, k=k)
     counts = odd_counts(e, seed=e + 2)
     if sum(-(-c // ROW_BLOCK) for c in counts) % 2 != odd_blocks:
         counts[-1] += ROW_BLOCK  # one block more
     offsets, m_indices, spans = contiguous_layout(counts, ROW_BLOCK)
     used = m_indices.numel()
-    xq, xs, xf = quant_rows(used + spare, seed=e + 2)
+    xq, xs, xf = quant_rows(used + spare, seed=e + 2, k=k)
     ref = reference_contiguous(xf, wf, spans)
     out = torch.full((xq.shape[0], N), float("nan"), dtype=torch.bfloat16, device="cuda")
     grouped_gemm(xq, xs, wq, ws, offsets, out)
