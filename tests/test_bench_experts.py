@@ -1,6 +1,8 @@
-"""``epmoe bench experts`` on a machine without a GPU: refuses shapes the CPU cannot hold."""
+"""``epmoe bench experts`` without a GPU: the CPU refuses shapes it cannot hold; --turns on tiny shapes."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -21,3 +23,21 @@ def test_row_counts_are_checked(m, capsys):
     with pytest.raises(SystemExit):
         experts.parse_args(["--m", m])
     assert "--m needs one or more row counts >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback only")
+def test_turns_time_every_whole_pass_again(tmp_path, capsys):
+    """--turns: each backend's whole pass gets a second, interleaved timing next to the first."""
+    out = tmp_path / "b.json"
+    args = ["--experts", "2", "--hidden", "256", "--intermediate", "128", "--m", "4", "--backends",
+            "torch_bf16", "--extra", "epmoe.experts.torch_backend:TorchBackend@int8_channel",
+            "--rep-ms", "1", "--ceiling-size", "64", "--turns", "2", "--json", str(out)]  # fmt: skip
+    assert experts.main(args) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert {r["backend"] for r in rows} == {"torch_bf16", "torch_int8_channel"}
+    for r in rows:
+        assert r["ms"]["total_turns"] > 0
+        assert r["derived"]["total_turns"]["ms"] == r["ms"]["total_turns"]
+    base = next(r for r in rows if r["backend"] == "torch_bf16")
+    assert base["derived"]["total_turns"]["speedup_vs_bf16"] == 1.0
+    assert "whole passes in turns (2 rounds)" in capsys.readouterr().out

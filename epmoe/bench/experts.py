@@ -25,6 +25,7 @@ import importlib
 import json
 import math
 import platform
+import statistics
 import sys
 import time
 import traceback
@@ -32,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+from .turns import in_turns
 
 DATASHEET = {"int8": 1979.0, "bf16": 989.0, "fp8": 1979.0}
 """H200 SXM dense peaks (TOPS / TFLOP/s)."""
@@ -70,6 +73,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rep-ms", type=float, default=200.0, help="do_bench repetition time per measurement")
     p.add_argument("--ceiling-size", type=int, default=8192, help="edge of the ceiling matmuls")
     p.add_argument("--accuracy-experts", type=int, default=2, help="experts checked against float64")
+    p.add_argument(
+        "--turns", type=int, default=0,
+        help="also time every backend's whole pass in turns, this many rounds per m (0: off); "
+        "the fair comparison under the GPU's power cap (epmoe.bench.turns)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     try:
         args.m = [int(v) for v in args.m.split(",") if v]
@@ -327,6 +335,20 @@ def run_case(label: str, m: int, stages: dict, timer, refs: dict) -> Case:
     return case
 
 
+def time_in_turns(cases: list[Case], passes: dict[str, Callable], rounds: int, timer) -> None:
+    """Times the whole pass of every case without an error again, the backends taking turns for
+    ``rounds`` rounds; stores the median as ``ms["total_turns"]``. The first timings run each
+    backend once after the other, so a later one meets a GPU heated by the earlier ones."""
+    ok = {c.backend: passes[c.backend] for c in cases if not c.error and c.backend in passes}
+    if not ok or rounds < 1:
+        return
+    graph = cases[0].m <= GRAPH_MAX_M
+    samples = in_turns(ok, rounds, lambda fn: timer(fn, graph))
+    for c in cases:
+        if c.backend in samples:
+            c.ms["total_turns"] = statistics.median(samples[c.backend])
+
+
 def derive(case: Case, problem: Problem, ceilings: dict, baseline: Case | None) -> dict:
     """TOPS, floor and peak fractions and the speed-up over BF16 of one case."""
     rows = case.m * problem.e
@@ -361,6 +383,10 @@ def derive(case: Case, problem: Problem, ceilings: dict, baseline: Case | None) 
             "frac_floor": total_floor / ms,
             "speedup_vs_bf16": baseline.ms["total"] / ms if baseline and baseline.ms.get("total") else None,
         }
+    ms = case.ms.get("total_turns")
+    if ms:
+        base = baseline.ms.get("total_turns") if baseline else None
+        d["total_turns"] = {"ms": ms, "speedup_vs_bf16": base / ms if base else None}
     return d
 
 
@@ -372,7 +398,8 @@ def table(results: list[dict]) -> str:
     head = (
         f"{'m':>5} {'backend':<28} {'g1 ms':>7} {'g1 TOPS':>7} {'g1 flr':>6} {'g1 pk':>5} {'g1 ds':>5} "
         f"{'act ms':>6} {'g2 ms':>7} {'g2 TOPS':>7} {'g2 flr':>6} {'g2 pk':>5} {'g2 ds':>5} "
-        f"{'tot ms':>7} {'flr':>5} {'xBF16':>5} {'q-in ms':>7} {'flr':>5} {'err':>8}"
+        f"{'tot ms':>7} {'flr':>5} {'xBF16':>5} {'q-in ms':>7} {'flr':>5} {'turns':>7} {'xBF16':>5} "
+        f"{'err':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
@@ -389,14 +416,17 @@ def table(results: list[dict]) -> str:
             f"{fmt(g2.get('frac_peak_measured'), '.2f'):>5} {fmt(g2.get('frac_peak_datasheet'), '.2f'):>5} "
             f"{fmt(tot.get('ms')):>7} {fmt(tot.get('frac_floor'), '.2f'):>5} "
             f"{fmt(tot.get('speedup_vs_bf16'), '.2f'):>5} {fmt(d.get('pass_q', {}).get('ms')):>7} "
-            f"{fmt(d.get('pass_q', {}).get('frac_floor'), '.2f'):>5} {fmt(r['accuracy'], '.2e'):>8}"
+            f"{fmt(d.get('pass_q', {}).get('frac_floor'), '.2f'):>5} "
+            f"{fmt(d.get('total_turns', {}).get('ms')):>7} "
+            f"{fmt(d.get('total_turns', {}).get('speedup_vs_bf16'), '.2f'):>5} {fmt(r['accuracy'], '.2e'):>8}"
         )
     legend = (
         "flr: memory floor (weight bytes / copy bandwidth) / time; pk: fraction of the measured "
         "ceiling (int8 _int_mm or bf16 matmul); ds: of the datasheet peak (1979 int8 / 989 bf16); "
         "xBF16: whole-pass speed-up over torch_bf16; q-in: the pass from INT8 activations (GEMM1, "
-        "activation, GEMM2: as after an INT8 dispatch); err: rel. mean abs error vs float64 "
-        "(unquantized weights)."
+        "activation, GEMM2: as after an INT8 dispatch); turns: the whole pass timed again with the "
+        "backends taking turns (--turns), and its speed-up over torch_bf16; err: rel. mean abs error "
+        "vs float64 (unquantized weights)."
     )
     return "\n".join(lines + [legend])
 
@@ -465,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, m in enumerate(args.m):
         batch = uniform_batch(problem, m, device, dtype, seed=1000 + i)
         refs = reference_rows(problem, batch, args.accuracy_experts)
-        cases = []
+        cases, passes = [], {}
         for name in args.backends:
             print(f"m={m} {name} ...", flush=True)
             if name == "torch_bf16":
@@ -483,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
                     cases.append(Case(name, m, precision_of(name), error=f"{type(exc).__name__}: {exc}"))
                     continue
             cases.append(run_case(name, m, stages, timer, refs))
+            passes[name] = stages["total"]
         for label, backend in extras:
             print(f"m={m} {label} ...", flush=True)
             try:
@@ -493,8 +524,13 @@ def main(argv: list[str] | None = None) -> int:
                     own_refs = reference_rows(problem, own, args.accuracy_experts)
                 total = lambda b=backend, w=w, own=own: b.run_contiguous(own, w, dtype)  # noqa: E731
                 cases.append(run_case(label, m, {"total": total}, timer, own_refs))
+                passes[label] = total
             except Exception as exc:
                 cases.append(Case(label, m, precision_of(label), error=f"{type(exc).__name__}: {exc}"))
+        if args.turns:
+            print(f"m={m} whole passes in turns ({args.turns} rounds) ...", flush=True)
+            time_in_turns(cases, passes, args.turns, timer)
+        del passes
         baseline = next((c for c in cases if c.backend == "torch_bf16" and not c.error), None)
         for c in cases:
             results.append({
