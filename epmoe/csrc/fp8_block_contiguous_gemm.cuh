@@ -33,6 +33,7 @@
 // tile. docs/fp8.md has the measurements (H200, sessions 10 and 11).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <utility>
 
@@ -75,6 +76,13 @@ CUTLASS_DEVICE int32_t expert_of_block(const int32_t* block_expert, int num_bloc
 // the pair stays in step: with the partner's expert, at the block index plus this offset, where all
 // its rows lie past M (TMA zero-fills its loads and drops its stores).
 CUTLASS_HOST_DEVICE int parked_block_offset(int num_blocks) { return num_blocks + (num_blocks & 1); }
+
+// The expert block m runs with in a cluster of two M blocks: its own, else its partner's (m ^ 1),
+// else -1 (the pair has no work).
+CUTLASS_DEVICE int32_t paired_expert_of_block(const int32_t* block_expert, int num_blocks, int m) {
+  const int32_t e = expert_of_block(block_expert, num_blocks, m);
+  return e >= 0 ? e : expert_of_block(block_expert, num_blocks, m ^ 1);
+}
 
 // CUTLASS's static persistent schedule over the (M blocks x N blocks) of one batch, with the batch
 // index of a tile read from block_expert[M block]. A block of no expert (-1: rows past the last
@@ -188,10 +196,8 @@ class ExpertBlockTileScheduler : public cutlass::gemm::kernel::detail::Persisten
         params_.divmod_cluster_blk_major_, params_.log_swizzle_size_, params_.raster_order_);
     const int32_t e = expert_of_block(params_.block_expert, params_.num_m_blocks, m);
     if constexpr (ClusterM == 2) {
-      const int32_t partner = expert_of_block(params_.block_expert, params_.num_m_blocks, m ^ 1);
-      if (e < 0 && partner >= 0) {
-        return {m + parked_block_offset(params_.num_m_blocks), n, partner, true};
-      }
+      const int32_t paired = paired_expert_of_block(params_.block_expert, params_.num_m_blocks, m);
+      if (e < 0 && paired >= 0) return {m + parked_block_offset(params_.num_m_blocks), n, paired, true};
     }
     return {m, n, e, true};
   }
@@ -276,11 +282,8 @@ struct Sm90Fp8BlockMainloop : Base {
   // Whether the pair holding block m (a scheduler index, parked or not) shares its B tile.
   CUTLASS_DEVICE static bool pair_shares_b(Params const& p, int m) {
     if (m >= parked_block_offset(p.num_m_blocks)) m -= parked_block_offset(p.num_m_blocks);
-    auto expert = [&](int b) {
-      const int32_t e = expert_of_block(p.block_expert, p.num_m_blocks, b);
-      return e >= 0 ? e : expert_of_block(p.block_expert, p.num_m_blocks, b ^ 1);
-    };
-    return expert(m & ~1) == expert(m | 1);
+    return paired_expert_of_block(p.block_expert, p.num_m_blocks, m & ~1) ==
+           paired_expert_of_block(p.block_expert, p.num_m_blocks, m | 1);
   }
 
   // Producer: one elected thread issues the TMA loads of A, B and SFA for each k tile. SFA has a
@@ -654,11 +657,21 @@ struct Fp8ContiguousGemmConfig {
 };
 
 // block_expert[b] = the e with offsets[e] <= 128 b < offsets[e + 1], else -1 (one thread a block).
-static __global__ void block_expert_kernel(int num_blocks, int num_experts,
-                                    const int32_t* __restrict__ offsets, int32_t* block_expert) {
-  const int b = blockIdx.x * blockDim.x + threadIdx.x;
-  if (b >= num_blocks) return;
-  const int64_t row = int64_t(b) * kRowBlock;
+// Threads 0..E also check the offsets (non-decreasing multiples of 128 from 0 to at most rows):
+// a bad batch stops with a device-side assert before the GEMM runs, without a host sync.
+static __global__ void block_expert_kernel(int num_blocks, int num_experts, int64_t rows,
+                                           const int32_t* __restrict__ offsets,
+                                           int32_t* block_expert) {
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t <= num_experts) {
+    const int32_t o = offsets[t];
+    CUDA_KERNEL_ASSERT_MSG(o % kRowBlock == 0 && o >= (t == 0 ? 0 : offsets[t - 1]) &&
+                               (t < num_experts || o <= rows),
+                           "expert_offsets must be non-decreasing multiples of 128 from 0 to at "
+                           "most the rows of a");
+  }
+  if (t >= num_blocks) return;
+  const int64_t row = int64_t(t) * kRowBlock;
   int lo = 0, hi = num_experts;  // the first e with offsets[e + 1] > row
   while (lo < hi) {
     const int mid = (lo + hi) / 2;
@@ -668,7 +681,7 @@ static __global__ void block_expert_kernel(int num_blocks, int num_experts,
       lo = mid + 1;
     }
   }
-  block_expert[b] = (lo < num_experts && offsets[lo] <= row) ? lo : -1;
+  block_expert[t] = (lo < num_experts && offsets[lo] <= row) ? lo : -1;
 }
 
 // The scales in the kernel's layouts: SFA MN-major [K/128, M4] (M4 = M rounded up to 4, as TMA
@@ -736,8 +749,10 @@ void run_fp8_contiguous_gemm(at::Tensor& out, const at::Tensor& a, const at::Ten
   const int num_blocks = static_cast<int>((a.size(0) + kRowBlock - 1) / kRowBlock);
   auto block_expert = at::empty({num_blocks}, a.options().dtype(at::kInt));
   const int threads = 128;
-  block_expert_kernel<<<(num_blocks + threads - 1) / threads, threads, 0, stream>>>(
-      num_blocks, static_cast<int>(b.size(0)), offsets.data_ptr<int32_t>(),
+  const int num_experts = static_cast<int>(b.size(0));
+  const int checks = std::max(num_blocks, num_experts + 1);
+  block_expert_kernel<<<(checks + threads - 1) / threads, threads, 0, stream>>>(
+      num_blocks, num_experts, a.size(0), offsets.data_ptr<int32_t>(),
       block_expert.data_ptr<int32_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 

@@ -236,22 +236,21 @@ def check_block_offsets(expert_offsets: torch.Tensor, rows: int) -> None:
     """Refuse offsets the project's kernel cannot take: each a multiple of :data:`ROW_BLOCK` (or the
     kernel would put two experts in one tile), from 0 up, non-decreasing, the last at most ``rows``.
 
-    Host offsets raise ``ValueError``. Offsets on the GPU are checked there, so that no batch waits
-    on the host: a bad batch raises a device-side assert (at the next synchronisation, and it ends
-    the process's CUDA context) instead of returning wrong rows. The layer's own batches always
-    pass."""
+    Host offsets raise ``ValueError``. Offsets on the GPU are checked by the kernel that maps row
+    blocks to experts, ahead of the GEMM, so that no batch waits on the host: a bad batch raises a
+    device-side assert (at the next synchronisation, and it ends the process's CUDA context)
+    instead of returning wrong rows. The layer's own batches always pass."""
     o = expert_offsets
-    ok = (o.remainder(ROW_BLOCK) == 0).all() & (o[:1] >= 0).all() & (o[-1:] <= rows).all()
-    if o.numel() > 1:
-        ok = ok & (o[1:] >= o[:-1]).all()
-    if o.device.type == "cpu":
-        if not bool(ok):
-            raise ValueError(
-                f"expert_offsets must be non-decreasing multiples of {ROW_BLOCK} from 0 to at most "
-                f"the {rows} rows of a (segments padded to {ROW_BLOCK} rows); got {o.tolist()}"
-            )
-    else:
-        torch._assert_async(ok, f"expert_offsets must be non-decreasing multiples of {ROW_BLOCK}")
+    if o.device.type != "cpu":
+        return
+    ok = bool((o.remainder(ROW_BLOCK) == 0).all() & (o[:1] >= 0).all() & (o[-1:] <= rows).all())
+    if ok and o.numel() > 1:
+        ok = bool((o[1:] >= o[:-1]).all())
+    if not ok:
+        raise ValueError(
+            f"expert_offsets must be non-decreasing multiples of {ROW_BLOCK} from 0 to at most "
+            f"the {rows} rows of a (segments padded to {ROW_BLOCK} rows); got {o.tolist()}"
+        )
 
 
 def grouped_gemm(

@@ -208,6 +208,39 @@ def test_cutlass_refuses_unaligned_offsets():
         torch.cuda.synchronize()
 
 
+_BAD_GPU_OFFSETS = """
+import torch
+from epmoe.experts.cutlass_backend import grouped_gemm
+a = torch.zeros(256, 512, device="cuda").to(torch.float8_e4m3fn)
+s = torch.ones(256, 4, device="cuda")
+b = torch.zeros(2, 512, 512, device="cuda").to(torch.float8_e4m3fn)
+bs = torch.ones(2, 4, 4, device="cuda")
+grouped_gemm(a, s, b, bs, torch.tensor({offsets}, dtype=torch.int32, device="cuda"))
+torch.cuda.synchronize()
+print("no error")
+"""
+
+
+@needs_cutlass
+@pytest.mark.parametrize("offsets", [[0, 128, 200], [0, 256, 128], [0, 128, 384]])
+def test_cutlass_bad_gpu_offsets_stop_before_the_gemm(offsets):
+    """Unaligned, decreasing, and past the rows of a: the kernel that maps row blocks to experts
+    stops the batch with a device-side assert (in a child process: it ends the CUDA context)."""
+    import os
+    import subprocess
+    import sys
+
+    from epmoe.experts.cutlass_backend import _use_sgl
+
+    if _use_sgl():
+        pytest.skip("sgl-kernel's op takes any offsets")
+    r = subprocess.run([sys.executable, "-c", _BAD_GPU_OFFSETS.format(offsets=offsets)],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ))  # fmt: skip
+    assert r.returncode != 0 and "no error" not in r.stdout, r.stdout + r.stderr
+    out = r.stdout + r.stderr  # the device-side assert text comes through the device printf
+    assert "expert_offsets must be non-decreasing multiples of 128" in out, out[-2000:]
+
+
 @needs_cutlass
 def test_cutlass_all_experts_empty_and_workspace_from_problem():
     from epmoe.experts.cutlass_backend import _use_sgl, grouped_gemm, load_extension
