@@ -14,7 +14,9 @@ Ceilings measured in the same run: device copy bandwidth, a BF16 8192^3 matmul a
 bytes / copy bandwidth) and of peak (measured ceiling, and the datasheet peak). Accuracy is the
 relative mean absolute error of the pass against float64 math on the unquantized weights, on a
 few experts. Small batches are timed inside CUDA graphs so launch overhead does not hide the
-kernels.
+kernels. The backends are first timed one after the other; ``--turns R`` times every whole pass
+again with the backends taking turns for R rounds (``epmoe.bench.turns``), the fair comparison
+under the GPU's power cap.
 """
 
 from __future__ import annotations
