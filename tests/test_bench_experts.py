@@ -18,6 +18,12 @@ def test_cpu_refuses_the_deepseek_shapes_before_allocating(capsys):
     assert "--experts 4 --hidden 256 --intermediate 128 --m 8" in err
 
 
+def test_negative_turns_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        experts.parse_args(["--turns", "-1"])
+    assert "--turns must be 0 (off) or a number of rounds; got -1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("m", [",", "0,8"])
 def test_row_counts_are_checked(m, capsys):
     with pytest.raises(SystemExit):
@@ -41,3 +47,15 @@ def test_turns_time_every_whole_pass_again(tmp_path, capsys):
     base = next(r for r in rows if r["backend"] == "torch_bf16")
     assert base["derived"]["total_turns"]["speedup_vs_bf16"] == 1.0
     assert "whole passes in turns (2 rounds)" in capsys.readouterr().out
+
+
+def test_a_backend_failing_in_turns_leaves_the_others(capsys):
+    def boom():
+        raise RuntimeError("out of memory")
+
+    cases = [experts.Case("a", 4, "bf16"), experts.Case("b", 4, "int8")]
+    passes = {"a": lambda: None, "b": boom}
+    experts.time_in_turns(cases, passes, 3, lambda fn, graph: (fn(), 2.0)[1])
+    assert cases[0].ms["total_turns"] == 2.0
+    assert "total_turns" not in cases[1].ms
+    assert "RuntimeError: out of memory" in capsys.readouterr().err

@@ -91,6 +91,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(args.backends) - set(BUILTIN)
     if unknown:
         p.error(f"unknown --backends {sorted(unknown)}; allowed: {list(BUILTIN)}")
+    if args.turns < 0:
+        p.error(f"--turns must be 0 (off) or a number of rounds; got {args.turns}")
     return args
 
 
@@ -340,15 +342,29 @@ def run_case(label: str, m: int, stages: dict, timer, refs: dict) -> Case:
 def time_in_turns(cases: list[Case], passes: dict[str, Callable], rounds: int, timer) -> None:
     """Times the whole pass of every case without an error again, the backends taking turns for
     ``rounds`` rounds; stores the median as ``ms["total_turns"]``. The first timings run each
-    backend once after the other, so a later one meets a GPU heated by the earlier ones."""
+    backend once after the other, so a later one meets a GPU heated by the earlier ones. A backend
+    that fails here gets no turns time (the traceback goes to stderr); the others go on."""
     ok = {c.backend: passes[c.backend] for c in cases if not c.error and c.backend in passes}
     if not ok or rounds < 1:
         return
     graph = cases[0].m <= GRAPH_MAX_M
-    samples = in_turns(ok, rounds, lambda fn: timer(fn, graph))
+    failed: set[Callable] = set()
+
+    def measure(fn: Callable) -> float:
+        if fn in failed:
+            return math.nan
+        try:
+            return timer(fn, graph)
+        except Exception:  # one failing backend must not end the run
+            traceback.print_exc(file=sys.stderr)
+            failed.add(fn)
+            return math.nan
+
+    samples = in_turns(ok, rounds, measure)
     for c in cases:
-        if c.backend in samples:
-            c.ms["total_turns"] = statistics.median(samples[c.backend])
+        good = [t for t in samples.get(c.backend, []) if not math.isnan(t)]
+        if good and ok[c.backend] not in failed:
+            c.ms["total_turns"] = statistics.median(good)
 
 
 def derive(case: Case, problem: Problem, ceilings: dict, baseline: Case | None) -> dict:
@@ -515,7 +531,8 @@ def main(argv: list[str] | None = None) -> int:
                     cases.append(Case(name, m, precision_of(name), error=f"{type(exc).__name__}: {exc}"))
                     continue
             cases.append(run_case(name, m, stages, timer, refs))
-            passes[name] = stages["total"]
+            if args.turns:  # else let each backend's buffers go before the next one runs
+                passes[name] = stages["total"]
         for label, backend in extras:
             print(f"m={m} {label} ...", flush=True)
             try:
@@ -526,7 +543,8 @@ def main(argv: list[str] | None = None) -> int:
                     own_refs = reference_rows(problem, own, args.accuracy_experts)
                 total = lambda b=backend, w=w, own=own: b.run_contiguous(own, w, dtype)  # noqa: E731
                 cases.append(run_case(label, m, {"total": total}, timer, own_refs))
-                passes[label] = total
+                if args.turns:
+                    passes[label] = total
             except Exception as exc:
                 cases.append(Case(label, m, precision_of(label), error=f"{type(exc).__name__}: {exc}"))
         if args.turns:

@@ -440,7 +440,7 @@ struct Sm90Fp8BlockMainloop : Base {
 // parameters and the TMA store descriptor of one atom. Its own store syncs twice per 128 x 32
 // subtile: on GEMM2 (K = 2048) its instructions held about 10 % of Nsight Compute's warp samples,
 // DeepGEMM's epilogue about 6 % (docs/fp8.md, session 11). The 48 KB buffer costs one mainloop
-// stage. alpha / beta of Base's arguments are not applied (the GEMM writes A @ B^T).
+// stage. alpha / beta must be 1 / 0 (can_implement refuses others): the GEMM writes A @ B^T.
 template <class Base, class TileShape>
 struct Sm90WholeTileEpilogue {
   static constexpr int kTileM = size<0>(TileShape{});
@@ -504,7 +504,10 @@ struct Sm90WholeTileEpilogue {
   }
   template <class ProblemShape>
   static bool can_implement(ProblemShape const& problem_shape, Arguments const& args) {
-    return Base::can_implement(problem_shape, args);
+    // This epilogue writes the accumulators as they are: refuse a scaling it would drop.
+    return args.thread.alpha == 1.0f && args.thread.beta == 0.0f &&
+           args.thread.alpha_ptr == nullptr && args.thread.beta_ptr == nullptr &&
+           Base::can_implement(problem_shape, args);
   }
   template <class TileShapeMNK>
   CUTLASS_HOST_DEVICE static constexpr int get_load_pipe_increment(TileShapeMNK) {
@@ -546,8 +549,8 @@ struct Sm90WholeTileEpilogue {
     if (thread_idx < kAtoms) tma_store_wait<0>();
     cutlass::arch::NamedBarrier::sync(kThreads, cutlass::arch::ReservedNamedBarriers::EpilogueBarrier);
 
-    // stmatrix .x4: four 8 x 8 matrices, (rows 0-7 | 8-15 of this warp's 16) x (column blocks
-    // 2i | 2i+1); lane l addresses row l % 8 (+8 for matrix 1, 3) of matrix l / 8. In the
+    // stmatrix .x4: four 8 x 8 matrices, (rows 0-7 | 8-15 of this warp's 16) x (8-column blocks
+    // i | i+1, i even); lane l addresses row l % 8 (+8 for matrix 1, 3) of matrix l / 8. In the
     // 128-byte swizzle a row's 16-byte chunk c sits at c ^ (row % 8).
     const int warp = thread_idx / 32, lane = thread_idx % 32;
     const int row = warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
@@ -597,7 +600,7 @@ struct Sm90WholeTileEpilogue {
 // weight-scale group along N (128 / kGroupN copies of each 128x128 block scale are read) and the
 // epilogue: Sm90WholeTileEpilogue, or CUTLASS's subtiled one, whose smaller buffer leaves room
 // for one more mainloop stage.
-template <class TileShape_, class ClusterShape_, int GroupN, bool WholeTileEpilogue = true>
+template <class TileShape_, class ClusterShape_, int GroupN, bool WholeTileEpilogue>
 struct Fp8ContiguousGemmConfig {
   static_assert(size<0>(TileShape_{}) == kRowBlock, "a tile's rows are one aligned block");
   static_assert(size<0>(ClusterShape_{}) == 1 || size<1>(ClusterShape_{}) == 1,
@@ -657,18 +660,22 @@ struct Fp8ContiguousGemmConfig {
 };
 
 // block_expert[b] = the e with offsets[e] <= 128 b < offsets[e + 1], else -1 (one thread a block).
-// Threads 0..E also check the offsets (non-decreasing multiples of 128 from 0 to at most rows):
-// a bad batch stops with a device-side assert before the GEMM runs, without a host sync.
+// Threads 0..E also check the offsets (non-decreasing multiples of 128, at least 0, at most rows):
+// a bad batch stops with a device-side assert before the GEMM runs, without a host sync; the
+// offending index and values are printed first.
 static __global__ void block_expert_kernel(int num_blocks, int num_experts, int64_t rows,
                                            const int32_t* __restrict__ offsets,
                                            int32_t* block_expert) {
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t <= num_experts) {
-    const int32_t o = offsets[t];
-    CUDA_KERNEL_ASSERT_MSG(o % kRowBlock == 0 && o >= (t == 0 ? 0 : offsets[t - 1]) &&
-                               (t < num_experts || o <= rows),
-                           "expert_offsets must be non-decreasing multiples of 128 from 0 to at "
-                           "most the rows of a");
+    const int32_t o = offsets[t], previous = t == 0 ? 0 : offsets[t - 1];
+    const bool ok = o % kRowBlock == 0 && o >= previous && (t < num_experts || o <= rows);
+    if (!ok) {
+      printf("epmoe: expert_offsets[%d] = %d (the one before: %d; rows of a: %lld)\n", t, o,
+             previous, static_cast<long long>(rows));
+    }
+    CUDA_KERNEL_ASSERT_MSG(ok, "expert_offsets must be non-decreasing multiples of 128, at least 0 "
+                               "and at most the rows of a");
   }
   if (t >= num_blocks) return;
   const int64_t row = int64_t(t) * kRowBlock;

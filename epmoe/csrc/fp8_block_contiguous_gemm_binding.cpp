@@ -46,7 +46,8 @@ void check_operands(const at::Tensor& out, const at::Tensor& a, const at::Tensor
 }
 
 // out[offsets[e]:offsets[e+1]] = dequant(a rows) @ dequant(b[e])^T, written in place. The offsets
-// must be multiples of 128 (checked by the Python caller; the kernel reads them on the device).
+// must be non-decreasing multiples of 128 within the rows of a; they stay on the device, where the
+// kernel that maps row blocks to experts checks them (a device-side assert on a bad batch).
 void fp8_contiguous_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& a_scale,
                          const at::Tensor& b, const at::Tensor& b_scale, const at::Tensor& offsets,
                          int64_t raster_along_n, int64_t max_swizzle) {

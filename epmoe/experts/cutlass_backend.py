@@ -234,7 +234,7 @@ up to about 2 M + 384 (see the .cuh), which must stay an int32 TMA coordinate.""
 
 def check_block_offsets(expert_offsets: torch.Tensor, rows: int) -> None:
     """Refuse offsets the project's kernel cannot take: each a multiple of :data:`ROW_BLOCK` (or the
-    kernel would put two experts in one tile), from 0 up, non-decreasing, the last at most ``rows``.
+    kernel would put two experts in one tile), at least 0, non-decreasing, the last at most ``rows``.
 
     Host offsets raise ``ValueError``. Offsets on the GPU are checked by the kernel that maps row
     blocks to experts, ahead of the GEMM, so that no batch waits on the host: a bad batch raises a
@@ -248,7 +248,7 @@ def check_block_offsets(expert_offsets: torch.Tensor, rows: int) -> None:
         ok = bool((o[1:] >= o[:-1]).all())
     if not ok:
         raise ValueError(
-            f"expert_offsets must be non-decreasing multiples of {ROW_BLOCK} from 0 to at most "
+            f"expert_offsets must be non-decreasing multiples of {ROW_BLOCK}, at least 0 and at most "
             f"the {rows} rows of a (segments padded to {ROW_BLOCK} rows); got {o.tolist()}"
         )
 
@@ -268,7 +268,8 @@ def grouped_gemm(
         a_scale: ``[M, K/128]`` fp32 (made contiguous row-major here).
         b: ``[E, N, K]`` e4m3 contiguous; ``b_scale`` ``[E, N/128, K/128]`` fp32.
         expert_offsets: ``[E+1]`` int32 row offsets, multiples of 128 (empty segments allowed);
-            checked by :func:`check_block_offsets` (sgl-kernel's op, when used, takes any).
+            on the host they are checked by :func:`check_block_offsets` and copied to ``a``'s
+            device, on the GPU the kernel checks them (sgl-kernel's op, when used, takes any).
         out: optional ``[M, N]`` bf16 output; rows outside ``offsets[0]:offsets[E]`` are left
             unwritten.
 
@@ -292,6 +293,7 @@ def grouped_gemm(
         _sgl_grouped_gemm(out, a, a_scale, b, b_scale, offsets)
         return out
     check_block_offsets(offsets, m)
+    offsets = offsets.to(a.device)
     load_extension().fp8_contiguous_gemm(out, a.contiguous(), a_scale, b, b_scale, offsets, *TILE_ORDER)
     return out
 

@@ -170,7 +170,7 @@ def test_cutlass_grouped_gemm(e, k, odd_blocks, spare):
     has no expert (the kernel pairs M blocks): it runs parked past M, and spare rows stay
     unwritten. Every tile order gives the same output. K = 4352 takes the kernel's long-K
     configuration (CUTLASS's epilogue), K = 512 the whole-tile epilogue; N = 512 leaves the last
-    192-column tile one partial and one empty 64-column atom."""
+    192-column tile 128 columns: two full 64-column atoms and one past N."""
     from epmoe.experts.cutlass_backend import ROW_BLOCK, TILE_ORDER, _use_sgl, grouped_gemm, load_extension
 
     wq, ws, wf = make_operands(e, k=k)
