@@ -362,9 +362,8 @@ def time_in_turns(cases: list[Case], passes: dict[str, Callable], rounds: int, t
 
     samples = in_turns(ok, rounds, measure)
     for c in cases:
-        good = [t for t in samples.get(c.backend, []) if not math.isnan(t)]
-        if good and ok[c.backend] not in failed:
-            c.ms["total_turns"] = statistics.median(good)
+        if c.backend in ok and ok[c.backend] not in failed:
+            c.ms["total_turns"] = statistics.median(samples[c.backend])
 
 
 def derive(case: Case, problem: Problem, ceilings: dict, baseline: Case | None) -> dict:

@@ -345,8 +345,8 @@ class CutlassBackend(ExpertsBackend):
             _warn_once(cutlass_warning(decision))
         if env_enabled(env) and "EPMOE_CUTLASS_CONFIG" in env:  # read until session 9; said once
             _warn_once(
-                "EPMOE_CUTLASS_CONFIG is no longer read: the CUTLASS kernel has one configuration "
-                "(128x192 tiles, 2x1 clusters; docs/fp8.md)"
+                "EPMOE_CUTLASS_CONFIG is no longer read: the CUTLASS kernel picks its configuration "
+                "itself (128x192 tiles, 2x1 clusters, the epilogue by K; docs/fp8.md)"
             )
         return decision.ok, decision.reason
 
