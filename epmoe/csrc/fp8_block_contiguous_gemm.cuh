@@ -55,169 +55,11 @@
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
 #include "cutlass/kernel_hardware_info.h"
 
+#include "contiguous_gemm_common.cuh"
+
 namespace epmoe {
 
 using namespace cute;
-
-constexpr int kRowBlock = 128;  // segment alignment = the tile's M
-
-#define EPMOE_CHECK_CUTLASS(status, what)                                                          \
-  TORCH_CHECK((status) == cutlass::Status::kSuccess, "epmoe CUTLASS FP8 contiguous GEMM: ", what,  \
-              " failed: ", cutlassGetStatusString(status))
-
-struct ExpertBlockSchedulerTag {};
-
-// The expert of 128-row block m (block_expert[m]), or -1 past the last segment.
-CUTLASS_DEVICE int32_t expert_of_block(const int32_t* block_expert, int num_blocks, int m) {
-  return m < num_blocks ? block_expert[m] : -1;
-}
-
-// With clusters of two M blocks (2 x 1), a block of no expert whose partner has one still runs, so
-// the pair stays in step: with the partner's expert, at the block index plus this offset, where all
-// its rows lie past M (TMA zero-fills its loads and drops its stores).
-CUTLASS_HOST_DEVICE int parked_block_offset(int num_blocks) { return num_blocks + (num_blocks & 1); }
-
-// The expert block m runs with in a cluster of two M blocks: its own, else its partner's (m ^ 1),
-// else -1 (the pair has no work).
-CUTLASS_DEVICE int32_t paired_expert_of_block(const int32_t* block_expert, int num_blocks, int m) {
-  const int32_t e = expert_of_block(block_expert, num_blocks, m);
-  return e >= 0 ? e : expert_of_block(block_expert, num_blocks, m ^ 1);
-}
-
-// CUTLASS's static persistent schedule over the (M blocks x N blocks) of one batch, with the batch
-// index of a tile read from block_expert[M block]. A block of no expert (-1: rows past the last
-// segment) is skipped, or parked (see parked_block_offset) when its cluster partner has an expert.
-// The CTAs of a cluster make the same decisions, so they stay in step.
-template <int ClusterM>
-class ExpertBlockTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
-  static_assert(ClusterM == 1 || ClusterM == 2);
-  using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
-
- public:
-  using WorkTileInfo = typename Base::WorkTileInfo;
-  struct Arguments : Base::Arguments {
-    const int32_t* block_expert = nullptr;  // [num_m_blocks] expert of each 128-row block, or -1
-    int32_t num_m_blocks = 0;
-  };
-  struct Params : Base::Params {
-    const int32_t* block_expert = nullptr;
-    int32_t num_m_blocks = 0;
-  };
-
-  template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
-  static Params to_underlying_arguments(ProblemShapeMNKL problem_shape_mnkl, TileShape tile_shape,
-                                        ClusterShape cluster_shape,
-                                        cutlass::KernelHardwareInfo const& hw_info,
-                                        Arguments const& arguments, void* workspace = nullptr,
-                                        const uint32_t epilogue_subtile = 1,
-                                        uint32_t ktile_start_alignment_count = 1u) {
-    Params p;
-    static_cast<Base::Params&>(p) = Base::to_underlying_arguments(
-        one_batch(problem_shape_mnkl), tile_shape, cluster_shape, hw_info, arguments, workspace,
-        epilogue_subtile, ktile_start_alignment_count);
-    p.block_expert = arguments.block_expert;
-    p.num_m_blocks = arguments.num_m_blocks;
-    return p;
-  }
-
-  template <class ProblemShapeMNKL, class BlockShape, class ClusterShape>
-  static dim3 get_grid_shape(Params const& params, ProblemShapeMNKL problem_shape_mnkl,
-                             BlockShape cta_shape, ClusterShape cluster_shape,
-                             cutlass::KernelHardwareInfo hw_info, Arguments arguments,
-                             bool truncate_by_problem_size = true) {
-    return Base::get_grid_shape(params, one_batch(problem_shape_mnkl), cta_shape, cluster_shape,
-                                hw_info, arguments, truncate_by_problem_size);
-  }
-
-  CUTLASS_HOST_DEVICE ExpertBlockTileScheduler() {}
-
-  CUTLASS_DEVICE explicit ExpertBlockTileScheduler(Params const& params) : params_(params) {
-#if defined(__CUDA_ARCH__)
-    if (params.raster_order_ == RasterOrder::AlongN) {
-      linear_idx_ = uint64_t(blockIdx.x) + uint64_t(blockIdx.y) * uint64_t(gridDim.x);
-    } else {
-      linear_idx_ = uint64_t(blockIdx.x) * uint64_t(gridDim.y) + uint64_t(blockIdx.y);
-    }
-    grid_size_ = uint64_t(gridDim.x) * uint64_t(gridDim.y) * uint64_t(gridDim.z);
-#endif
-  }
-
-  template <class ClusterShape>
-  CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
-    return get_current_work();
-  }
-
-  CUTLASS_DEVICE WorkTileInfo get_current_work() {
-    linear_idx_ = next_expert_tile(linear_idx_);
-    return work_at(linear_idx_);
-  }
-
-  CUTLASS_DEVICE void advance_to_next_work(uint32_t advance_count = 1) {
-    linear_idx_ += grid_size_ * uint64_t(advance_count);
-  }
-
-  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo) {
-    advance_to_next_work();
-    return cute::make_tuple(get_current_work(), true);
-  }
-
-  template <class TileSchedulerPipeline, class TileSchedulerPipelineState>
-  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo work, TileSchedulerPipeline&,
-                                      TileSchedulerPipelineState) {
-    return fetch_next_work(work);
-  }
-
-  CUTLASS_DEVICE bool is_last_tile(WorkTileInfo&, uint32_t advance_count = 1) const {
-    return !work_at(next_expert_tile(linear_idx_ + grid_size_ * uint64_t(advance_count))).is_valid();
-  }
-
- private:
-  template <class ProblemShapeMNKL>
-  static auto one_batch(ProblemShapeMNKL s) {
-    return make_shape(get<0>(s), get<1>(s), get<2>(s), 1);
-  }
-
-  // This CTA's first linear index at or after idx whose M block has an expert (or one past the
-  // problem, which work_at reports as invalid).
-  CUTLASS_DEVICE uint64_t next_expert_tile(uint64_t idx) const {
-    for (;; idx += grid_size_) {
-      WorkTileInfo w = work_at(idx);
-      if (!w.is_valid() || w.L_idx >= 0) return idx;
-    }
-  }
-
-  // The base class's mapping of a linear index to (m, n) over one batch; L_idx = the expert of
-  // the M block, or -1.
-  CUTLASS_DEVICE WorkTileInfo work_at(uint64_t idx) const {
-    if (idx >= params_.blocks_per_problem_) return WorkTileInfo::invalid_work_tile();
-    uint64_t blk = params_.divmod_cluster_shape_minor_.divide(idx);
-    auto [m, n] = Base::get_work_idx_m_and_n(
-        blk, params_.divmod_cluster_shape_major_, params_.divmod_cluster_shape_minor_,
-        params_.divmod_cluster_blk_major_, params_.log_swizzle_size_, params_.raster_order_);
-    const int32_t e = expert_of_block(params_.block_expert, params_.num_m_blocks, m);
-    if constexpr (ClusterM == 2) {
-      const int32_t paired = paired_expert_of_block(params_.block_expert, params_.num_m_blocks, m);
-      if (e < 0 && paired >= 0) return {m + parked_block_offset(params_.num_m_blocks), n, paired, true};
-    }
-    return {m, n, e, true};
-  }
-
-  Params params_;
-  uint64_t linear_idx_ = 0;
-  uint64_t grid_size_ = 1;
-};
-
-}  // namespace epmoe
-
-namespace cutlass::gemm::kernel::detail {
-template <class TileShape, class ClusterShape, uint32_t SchedulerPipelineStageCount>
-struct TileSchedulerSelector<epmoe::ExpertBlockSchedulerTag, arch::Sm90, TileShape, ClusterShape,
-                             SchedulerPipelineStageCount> {
-  using Scheduler = epmoe::ExpertBlockTileScheduler<int(cute::size<0>(ClusterShape{}))>;
-};
-}  // namespace cutlass::gemm::kernel::detail
-
-namespace epmoe {
 
 // CUTLASS's SM90 FP8 block-scaled collective (Base) with its producer (A, B, SFA by TMA; the weight
 // scales stay with the base's cp.async warp) and consumer halves replaced; see the file comment.
@@ -659,37 +501,6 @@ struct Fp8ContiguousGemmConfig {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 };
 
-// block_expert[b] = the e with offsets[e] <= 128 b < offsets[e + 1], else -1 (one thread a block).
-// Threads 0..E also check the offsets (non-decreasing multiples of 128, at least 0, at most rows):
-// a bad batch stops with a device-side assert before the GEMM runs, without a host sync; the
-// offending index and values are printed first.
-static __global__ void block_expert_kernel(int num_blocks, int num_experts, int64_t rows,
-                                           const int32_t* __restrict__ offsets,
-                                           int32_t* block_expert) {
-  const int t = blockIdx.x * blockDim.x + threadIdx.x;
-  if (t <= num_experts) {
-    const int32_t o = offsets[t], previous = t == 0 ? 0 : offsets[t - 1];
-    const bool ok = o % kRowBlock == 0 && o >= previous && (t < num_experts || o <= rows);
-    if (!ok) {
-      printf("epmoe: expert_offsets[%d] = %d (the one before: %d; rows of a: %lld)\n", t, o,
-             previous, static_cast<long long>(rows));
-    }
-    CUDA_KERNEL_ASSERT_MSG(ok, "expert_offsets must be non-decreasing multiples of 128, at least 0 "
-                               "and at most the rows of a");
-  }
-  if (t >= num_blocks) return;
-  const int64_t row = int64_t(t) * kRowBlock;
-  int lo = 0, hi = num_experts;  // the first e with offsets[e + 1] > row
-  while (lo < hi) {
-    const int mid = (lo + hi) / 2;
-    if (offsets[mid + 1] > row) {
-      hi = mid;
-    } else {
-      lo = mid + 1;
-    }
-  }
-  block_expert[t] = (lo < num_experts && offsets[lo] <= row) ? lo : -1;
-}
 
 // The scales in the kernel's layouts: SFA MN-major [K/128, M4] (M4 = M rounded up to 4, as TMA
 // wants 16-byte row strides; the extra columns are never applied to a stored row) and SFB with
@@ -753,15 +564,7 @@ void run_fp8_contiguous_gemm(at::Tensor& out, const at::Tensor& a, const at::Ten
                              int64_t max_swizzle) {
   using Gemm = typename Cfg::Gemm;
   auto stream = at::cuda::getCurrentCUDAStream(a.get_device());
-  const int num_blocks = static_cast<int>((a.size(0) + kRowBlock - 1) / kRowBlock);
-  auto block_expert = at::empty({num_blocks}, a.options().dtype(at::kInt));
-  const int threads = 128;
-  const int num_experts = static_cast<int>(b.size(0));
-  const int checks = std::max(num_blocks, num_experts + 1);
-  block_expert_kernel<<<(checks + threads - 1) / threads, threads, 0, stream>>>(
-      num_blocks, num_experts, a.size(0), offsets.data_ptr<int32_t>(),
-      block_expert.data_ptr<int32_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  auto block_expert = block_expert_table(a, offsets);
 
   const int sm_count = at::cuda::getDeviceProperties(a.get_device())->multiProcessorCount;
   auto [sfa, sfb] = kernel_scales<Cfg>(a_scale, b_scale);

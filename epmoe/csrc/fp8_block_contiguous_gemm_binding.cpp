@@ -1,4 +1,5 @@
-// Torch-op registration of the FP8 block-scaled contiguous GEMM (see fp8_block_contiguous_gemm.cuh).
+// Torch-op registration of the CUTLASS GEMMs over the contiguous layout: FP8 block-scaled
+// (fp8_block_contiguous_gemm.cuh) and INT8 channel-scaled (int8_channel_contiguous_gemm.cu).
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -11,6 +12,9 @@ void fp8_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a, const at::Te
 int64_t fp8_contiguous_gemm_coop_workspace(at::Tensor& out, const at::Tensor& a,
                                            const at::Tensor& a_scale, const at::Tensor& b,
                                            const at::Tensor& b_scale, int64_t sm_count);
+void int8_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
+                               const at::Tensor& b, const at::Tensor& b_scale,
+                               const at::Tensor& offsets);
 }  // namespace epmoe
 
 namespace {
@@ -64,6 +68,43 @@ void fp8_contiguous_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& 
                                   max_swizzle);
 }
 
+// out[offsets[e]:offsets[e+1]] = (a rows @ b[e]^T) * a_scale[rows] * b_scale[e], bf16, int32 K sum;
+// offsets as in fp8_contiguous_gemm (checked on the device).
+void int8_contiguous_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& a_scale,
+                          const at::Tensor& b, const at::Tensor& b_scale,
+                          const at::Tensor& offsets) {
+  TORCH_CHECK(a.is_cuda() && a_scale.is_cuda() && b.is_cuda() && b_scale.is_cuda() && out.is_cuda() &&
+                  offsets.is_cuda(),
+              "int8_contiguous_gemm: all operands must be CUDA tensors");
+  const auto dev = a.device();
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&a_scale, &b, &b_scale, &out, &offsets}) {
+    TORCH_CHECK(t->device() == dev, "int8_contiguous_gemm: operands on different devices");
+  }
+  TORCH_CHECK(a.dim() == 2 && a.scalar_type() == at::kChar && a.is_contiguous(),
+              "int8_contiguous_gemm: a must be a contiguous [M, K] int8 tensor");
+  TORCH_CHECK(b.dim() == 3 && b.scalar_type() == at::kChar && b.is_contiguous(),
+              "int8_contiguous_gemm: b must be a contiguous [E, N, K] int8 tensor");
+  const int64_t m = a.size(0), k = a.size(1), e = b.size(0), n = b.size(1);
+  TORCH_CHECK(b.size(2) == k, "int8_contiguous_gemm: a has K=", k, " but b has K=", b.size(2));
+  TORCH_CHECK(k % 16 == 0 && n % 8 == 0, "int8_contiguous_gemm: K=", k, " must be a multiple of 16 and N=",
+              n, " of 8 (TMA rows of 16 bytes)");
+  TORCH_CHECK(m < (int64_t(1) << 31) && n * k < (int64_t(1) << 31),
+              "int8_contiguous_gemm: M=", m, " or N*K=", n * k, " exceeds int32");
+  TORCH_CHECK(a_scale.scalar_type() == at::kFloat && a_scale.is_contiguous() && a_scale.numel() == m,
+              "int8_contiguous_gemm: a_scale must be a contiguous fp32 tensor of M=", m, " values");
+  TORCH_CHECK(b_scale.scalar_type() == at::kFloat && b_scale.is_contiguous() && b_scale.numel() == e * n,
+              "int8_contiguous_gemm: b_scale must be a contiguous fp32 tensor of E*N=", e * n, " values");
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(0) == m && out.size(1) == n,
+              "int8_contiguous_gemm: out must be a contiguous bf16 [M, N] tensor");
+  TORCH_CHECK(offsets.scalar_type() == at::kInt && offsets.is_contiguous() && offsets.dim() == 1 &&
+                  offsets.size(0) == e + 1,
+              "int8_contiguous_gemm: expert_offsets must be a contiguous int32 [E+1] tensor");
+  if (m == 0 || e == 0) return;
+  const c10::cuda::CUDAGuard guard(a.device());
+  epmoe::int8_contiguous_gemm_coop(out, a, a_scale, b, b_scale, offsets);
+}
+
 // Bytes of workspace GemmKernel::get_workspace_size asks for on this problem and SM count.
 int64_t workspace_size(at::Tensor out, const at::Tensor& a, const at::Tensor& a_scale,
                        const at::Tensor& b, const at::Tensor& b_scale, int64_t sm_count) {
@@ -86,9 +127,13 @@ EPMOE_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def(
       "workspace_size(Tensor out, Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, "
       "int sm_count) -> int");
+  m.def(
+      "int8_contiguous_gemm(Tensor(a!) out, Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, "
+      "Tensor expert_offsets) -> ()");
 }
 
 EPMOE_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CUDA, m) {
   m.impl("fp8_contiguous_gemm", &fp8_contiguous_gemm);
   m.impl("workspace_size", &workspace_size);
+  m.impl("int8_contiguous_gemm", &int8_contiguous_gemm);
 }

@@ -45,8 +45,12 @@ from .fp8_selection import (
 log = logging.getLogger("epmoe")
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = ("fp8_block_contiguous_gemm_binding.cpp", "fp8_block_contiguous_gemm.cu")
-HEADERS = ("fp8_block_contiguous_gemm.cuh",)
+SOURCES = (
+    "fp8_block_contiguous_gemm_binding.cpp",
+    "fp8_block_contiguous_gemm.cu",
+    "int8_channel_contiguous_gemm.cu",
+)
+HEADERS = ("contiguous_gemm_common.cuh", "fp8_block_contiguous_gemm.cuh")
 ROW_BLOCK = 128
 """Rows of a tile of the project's kernel: every expert segment starts and ends on a multiple."""
 TILE_ORDER = (1, 2)
@@ -292,9 +296,57 @@ def grouped_gemm(
     if _use_sgl():
         _sgl_grouped_gemm(out, a, a_scale, b, b_scale, offsets)
         return out
-    check_block_offsets(offsets, m)
-    offsets = offsets.to(a.device)
+    offsets = _kernel_offsets(offsets, m, a.device)
     load_extension().fp8_contiguous_gemm(out, a.contiguous(), a_scale, b, b_scale, offsets, *TILE_ORDER)
+    return out
+
+
+def _kernel_offsets(expert_offsets: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
+    """The project's kernels' offsets: int32 on ``device``, checked first when on the host."""
+    offsets = expert_offsets.to(torch.int32).contiguous()
+    check_block_offsets(offsets, rows)
+    return offsets.to(device)
+
+
+def int8_grouped_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out[offsets[e]:offsets[e+1]] = (a[rows] @ b[e]^T) * a_scale[rows] * b_scale[e]^T`` in bf16,
+    the K sum exact in int32 (the project's INT8 kernel; sgl-kernel has no such grouped op).
+
+    Args:
+        a: ``[M, K]`` int8, contiguous; ``K`` a multiple of 16.
+        a_scale: ``[M, 1]`` (or ``[M]``) fp32 per-row multipliers.
+        b: ``[E, N, K]`` int8 contiguous; ``N`` a multiple of 8.
+        b_scale: ``[E, N, 1]`` (or ``[E, N]``) fp32 per-output-channel multipliers.
+        expert_offsets: ``[E+1]`` int32 row offsets, multiples of 128, as in :func:`grouped_gemm`.
+        out: optional ``[M, N]`` bf16 output; rows outside ``offsets[0]:offsets[E]`` are left
+            unwritten.
+
+    Raises:
+        ValueError: ``a`` has ``MAX_ROWS`` rows or more, or host offsets break the rule of
+            :func:`check_block_offsets`.
+
+    Returns:
+        ``out``, ``[M, N]`` bf16.
+    """
+    m, _ = a.shape
+    e, n, _ = b.shape
+    if m >= MAX_ROWS:
+        raise ValueError(f"a has {m} rows; the CUTLASS kernel takes fewer than {MAX_ROWS}")
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
+    if m == 0 or e == 0:
+        return out
+    offsets = _kernel_offsets(expert_offsets, m, a.device)
+    load_extension().int8_contiguous_gemm(
+        out, a.contiguous(), a_scale.float().contiguous(), b, b_scale.float().contiguous(), offsets
+    )
     return out
 
 
