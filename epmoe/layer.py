@@ -230,7 +230,8 @@ class DeepEPMoELayer(nn.Module):
         )
         dispatcher_cls, dlines = select_dispatcher(dispatch, cfg)
         backend_cls, blines = select_backend(
-            backend, self.scheme, dispatcher_cls.layouts, self.device, hidden_size, intermediate_size
+            backend, self.scheme, dispatcher_cls.layouts, self.device, hidden_size, intermediate_size,
+            accumulator,
         )
         self.backend = backend_cls(self.scheme, accumulator=accumulator)
         cfg.alignment = self.backend.alignment

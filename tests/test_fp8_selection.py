@@ -113,7 +113,7 @@ def test_auto_without_variable_prefers_deepgemm():
 def test_auto_warning_and_forced_error_texts():
     d = cutlass_decision((8, 0), "12.4", ON, HEADERS)
     assert fs.cutlass_warning(d) == (
-        "cutlass FP8 MoE backend not used: SGLANG_CUTLASS_MOE=1 but the GPU has compute "
+        "cutlass MoE backend not used: SGLANG_CUTLASS_MOE=1 but the GPU has compute "
         "capability 8.0, not 9.x (the kernel is Hopper sm_90a)"
     )
     assert fs.forced_cutlass_error(d).startswith("backend='cutlass' cannot run: SGLANG_CUTLASS_MOE=1 but")
@@ -150,7 +150,7 @@ def test_auto_on_cpu_warns_and_picks_torch(monkeypatch, caplog):
     assert layer.backend.name == "torch"
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert any(
-        "cutlass FP8 MoE backend not used: SGLANG_CUTLASS_MOE=1 but there is no CUDA GPU" in r.getMessage()
+        "cutlass MoE backend not used: SGLANG_CUTLASS_MOE=1 but there is no CUDA GPU" in r.getMessage()
         for r in warnings
     ), [r.getMessage() for r in caplog.records]
     infos = [r.getMessage() for r in caplog.records]
@@ -253,6 +253,41 @@ def test_cutlass_backend_refuses_masked_layout():
     assert not ok and "masked" in reason
     ok, reason = CutlassBackend.supports(get_scheme("int8_block"), "contiguous", torch.device("cpu"), 256, 128)
     assert not ok and "int8_block" in reason
+
+
+def test_cutlass_int8_needs_int32_accumulator_and_headers(monkeypatch, tmp_path):
+    from epmoe.experts import cutlass_backend as cb
+    from epmoe.experts.select import AUTO_ORDER, select_backend
+    from epmoe.quant import get_scheme
+
+    int8 = get_scheme("int8_channel")
+    with pytest.raises(ValueError, match="accumulator='int32' only"):
+        cb.CutlassBackend(int8)
+    backend = cb.CutlassBackend(int8, accumulator="int32")
+    assert backend.alignment == cb.ROW_BLOCK and backend.device_segments
+    assert not cb.CutlassBackend(get_scheme("fp8_block")).device_segments
+    assert AUTO_ORDER["int8_channel"][0] == "cutlass"
+    cpu = torch.device("cpu")
+    # Without SGLANG_CUTLASS_MOE (or without a GPU) the machine rule refuses first.
+    ok, reason = cb.CutlassBackend.supports(int8, "contiguous", cpu, 256, 128, accumulator="int32")
+    assert not ok and "SGLANG_CUTLASS_MOE" in reason
+    # The INT8 conditions past the machine rule.
+    monkeypatch.setattr(cb.CutlassBackend, "available", classmethod(lambda cls, device: (True, "machine ok")))
+    ok, reason = cb.CutlassBackend.supports(int8, "contiguous", cpu, 256, 128)
+    assert not ok and "accumulator='int32' only" in reason
+    ok, reason = cb.CutlassBackend.supports(int8, "contiguous", cpu, 200, 136, accumulator="int32")
+    assert not ok and "multiples of 16" in reason and "hidden=200" in reason
+    monkeypatch.setattr(cb, "find_cutlass_include", lambda: None)
+    ok, reason = cb.CutlassBackend.supports(int8, "contiguous", cpu, 256, 128, accumulator="int32")
+    assert not ok and "CUTLASS headers not found" in reason
+    monkeypatch.setattr(cb, "find_cutlass_include", lambda: tmp_path)
+    ok, reason = cb.CutlassBackend.supports(int8, "contiguous", cpu, 256, 128, accumulator="int32")
+    assert ok and "INT8" in reason
+    # auto on a GPU-only backend is refused on CPU; forced, the accumulator decides.
+    cls, _ = select_backend("cutlass", int8, frozenset({"contiguous"}), cpu, 256, 128, "int32")
+    assert cls is cb.CutlassBackend
+    with pytest.raises(RuntimeError, match="accumulator='int32' only"):
+        select_backend("cutlass", int8, frozenset({"contiguous"}), cpu, 256, 128, "fp32")
 
 
 def test_cutlass_offsets_must_be_row_blocks():
@@ -379,6 +414,58 @@ def test_backend_plumbing_contiguous(monkeypatch, name):
         assert out.dtype == torch.float32 and out.shape == (batch.x.shape[0], PH)
         got = gather_weighted(out, batch.slot_pos, w)
         assert rel_err(got, ref) < 2e-2, (payload, rel_err(got, ref))
+
+
+def _fake_int8_grouped_gemm(a, a_scale, b, b_scale, expert_offsets, out=None):
+    """The project's INT8 kernel's contract in float64: exact integer products, scales after."""
+    from epmoe.experts.cutlass_backend import check_block_offsets
+
+    check_block_offsets(expert_offsets, a.shape[0])
+    assert a.dtype == b.dtype == torch.int8 and a_scale.numel() == a.shape[0]
+    out = torch.full((a.shape[0], b.shape[1]), float("nan"), dtype=torch.bfloat16) if out is None else out
+    offs = expert_offsets.tolist()
+    for e in range(b.shape[0]):
+        lo, hi = offs[e], offs[e + 1]
+        if hi > lo:
+            acc = a[lo:hi].double() @ b[e].double().t()
+            out[lo:hi] = (acc * a_scale.reshape(-1, 1)[lo:hi].double() * b_scale[e].reshape(1, -1).double()).to(out.dtype)
+    return out
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter on CPU")
+@pytest.mark.parametrize("spare", [False, True], ids=["exact", "spare_rows"])
+def test_cutlass_int8_plumbing_contiguous(monkeypatch, spare):
+    """The INT8 path around the kernel: Triton's row-wise stages, 128-row segments, and (with
+    ``expected_m``) spare rows past the last segment, which nothing reads."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from cases import make_case
+    from helpers import make_weights
+    from reference import moe_reference, rel_err
+
+    from epmoe.experts import cutlass_backend as cb
+    from epmoe.experts.base import ExpertWeights
+    from epmoe.layouts import _to_contiguous_kernels, gather_weighted
+    from epmoe.quant import get_scheme
+    from epmoe.quant.reference import quantize_rows
+
+    monkeypatch.setattr(cb, "int8_grouped_gemm", _fake_int8_grouped_gemm)
+    stored, (w13, w2) = make_weights(PE, PH, PI, "int8_channel")
+    x, ids, w = make_case("empty_experts", 0, PE, PK, PH)
+    backend = cb.CutlassBackend(get_scheme("int8_channel"), accumulator="int32")
+    weights = backend.prepare_weights(ExpertWeights(get_scheme("int8_channel"), *stored))
+    ref = moe_reference(x, ids, w, w13, w2, "int8_channel")
+    for xin, xs in ((x, None), quantize_rows(x, torch.int8, 127.0, None)):
+        # The Triton scatter (the GPU path, here under the interpreter): with expected_m it keeps
+        # the segment sizes on the device and leaves spare rows past the last segment.
+        batch = _to_contiguous_kernels(xin, xs, ids, PE, backend.alignment, None, expected_m=4 if spare else None)
+        assert (batch.expected_m is not None) == spare
+        assert not spare or batch.x.shape[0] > int(batch.expert_offsets[-1])
+        out = backend.run_contiguous(batch, weights, torch.float32)
+        assert out.dtype == torch.float32 and out.shape == (batch.x.shape[0], PH)
+        got = gather_weighted(out, batch.slot_pos, w)
+        assert rel_err(got, ref) < get_scheme("int8_channel").rel_error_bound, rel_err(got, ref)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter on CPU")

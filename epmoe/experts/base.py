@@ -110,9 +110,17 @@ class ExpertsBackend(ABC):
 
     @classmethod
     def supports(
-        cls, scheme: QuantScheme, layout: str, device: torch.device, hidden: int, intermediate: int
+        cls,
+        scheme: QuantScheme,
+        layout: str,
+        device: torch.device,
+        hidden: int,
+        intermediate: int,
+        *,
+        accumulator: str = "fp32",
     ) -> tuple[bool, str]:
-        """Whether this backend can run ``scheme`` on ``layout`` for these sizes on ``device``."""
+        """Whether this backend can run ``scheme`` on ``layout`` for these sizes on ``device``
+        (``accumulator``: the one the layer will construct it with)."""
         if scheme.name not in cls.schemes:
             return False, f"does not implement quant={scheme.name!r} (has {sorted(cls.schemes)})"
         if layout not in cls.layouts:

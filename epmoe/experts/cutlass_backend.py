@@ -1,7 +1,9 @@
-"""The cutlass experts backend: an FP8 block-scaled grouped GEMM over the contiguous layout.
+"""The cutlass experts backend: FP8 block-scaled and INT8 channel-scaled grouped GEMMs over the
+contiguous layout.
 
 Considered only with ``SGLANG_CUTLASS_MOE=1`` on compute capability 9.x with CUDA >= 12.3 (the
-rule is :func:`epmoe.experts.fp8_selection.cutlass_decision`). One forward is
+rule is :func:`epmoe.experts.fp8_selection.cutlass_decision`); ``int8_channel`` also needs the
+int32 accumulator and the CUTLASS headers (sgl-kernel has no INT8 grouped GEMM). An FP8 forward is
 
     quantize x (1x128 e4m3, unless it arrived so) -> grouped GEMM1 (w13)
     -> silu(gate) * up requantized to 1x128 e4m3 -> grouped GEMM2 (w2)
@@ -13,7 +15,10 @@ with :func:`torch.utils.cpp_extension.load` against the CUTLASS headers of the `
 PyPI package (or ``EPMOE_CUTLASS_DIR``) and cached under ``EPMOE_CACHE_DIR`` (default
 ``~/.cache/epmoe``).
 
-The project's kernel runs the whole layout as one CUTLASS problem whose batch index is the expert
+An INT8 forward is the Triton backend's with the project's INT8 kernel (int32 accumulator, the
+per-token and per-channel scales applied in its epilogue) in place of the Triton GEMMs.
+
+The project's kernels run the whole layout as one CUTLASS problem whose batch index is the expert
 of each 128-row block (a table built on the GPU from ``expert_offsets``; no host sync), so every
 segment is padded to 128 rows: :attr:`CutlassBackend.alignment` is 128, as DeepGEMM's. An expert
 without rows has an empty segment and gets no tiles.
@@ -34,7 +39,7 @@ import torch
 from .. import devices
 from ..layouts import ContiguousBatch, MaskedBatch
 from ..quant.schemes import BLOCK
-from .base import ExpertsBackend, ExpertWeights, fp8_gemm_input
+from .base import ExpertsBackend, ExpertWeights, check_weights, fp8_gemm_input
 from .fp8_selection import (
     cutlass_decision,
     cutlass_warning,
@@ -376,15 +381,37 @@ def _sgl_grouped_gemm(out, a, a_scale, b, b_scale, offsets) -> None:
 
 # -------------------------------------------------------------------------------------- backend
 class CutlassBackend(ExpertsBackend):
+    """``fp8_block`` (sgl-kernel's op or the project's kernel) and ``int8_channel`` with the int32
+    accumulator (the project's kernel), over the contiguous layout."""
+
     name = "cutlass"
-    schemes = frozenset({"fp8_block"})
+    schemes = frozenset({"fp8_block", "int8_channel"})
     layouts = frozenset({"contiguous"})
+
+    def __init__(self, scheme, *, accumulator: str = "fp32") -> None:
+        super().__init__(scheme, accumulator=accumulator)
+        if scheme.name == "int8_channel" and accumulator != "int32":
+            raise ValueError(_INT8_ACCUMULATOR)
+        from .triton_backend import TritonBackend
+
+        # The INT8 path's row-wise stages (quantize, SiLU * up requantized) are the Triton ones.
+        self._rows = TritonBackend(scheme, accumulator=accumulator) if self.int8 else None
+
+    @property
+    def int8(self) -> bool:
+        return self.scheme.name == "int8_channel"
 
     @property
     def alignment(self) -> int:
-        """Rows each expert segment is padded to: the project's kernel gives each 128-row block of
-        the layout to one expert; sgl-kernel's op takes any segments."""
-        return 1 if _use_sgl() else ROW_BLOCK
+        """Rows each expert segment is padded to: the project's kernels give each 128-row block of
+        the layout to one expert; sgl-kernel's FP8 op takes any segments."""
+        return 1 if not self.int8 and _use_sgl() else ROW_BLOCK
+
+    @property
+    def device_segments(self) -> bool:  # type: ignore[override]
+        """INT8 batches may keep their segment sizes on the device (the kernel reads the offsets
+        there and skips the spare rows' blocks); the FP8 path runs over every row."""
+        return self.int8
 
     @classmethod
     def available(cls, device: torch.device) -> tuple[bool, str]:
@@ -402,14 +429,35 @@ class CutlassBackend(ExpertsBackend):
             )
         return decision.ok, decision.reason
 
+    @classmethod
+    def supports(
+        cls, scheme, layout: str, device: torch.device, hidden: int, intermediate: int, *, accumulator: str = "fp32"
+    ) -> tuple[bool, str]:
+        ok, reason = super().supports(scheme, layout, device, hidden, intermediate, accumulator=accumulator)
+        if not ok or scheme.name != "int8_channel":
+            return ok, reason
+        if accumulator != "int32":
+            return False, _INT8_ACCUMULATOR
+        if hidden % 16 or intermediate % 16:
+            return False, (
+                f"the INT8 kernel needs hidden and intermediate sizes that are multiples of 16 (TMA "
+                f"rows of 16 bytes); got hidden={hidden}, intermediate={intermediate}"
+            )
+        if find_cutlass_include() is None:  # sgl-kernel has no INT8 grouped GEMM
+            return False, f"the INT8 kernel is the project's own: {_headers_error()}"
+        return True, f"{reason} (INT8: epmoe's CUTLASS kernel)"
+
     def warmup(self, weights: ExpertWeights, max_m: int = 0) -> None:
         """Build the extension (first use) so no compile happens inside a timed or captured region."""
-        if not _use_sgl():
+        if self.int8 or not _use_sgl():
             load_extension()
 
     def run_contiguous(
         self, batch: ContiguousBatch, weights: ExpertWeights, out_dtype: torch.dtype
     ) -> torch.Tensor:
+        if self.int8:
+            out = self._run_int8(batch, weights)
+            return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
         from ..kernels import activation
 
         self.require_exact_batch(batch)
@@ -423,9 +471,36 @@ class CutlassBackend(ExpertsBackend):
         out = grouped_gemm(h, h_scale, weights.w2, weights.w2_scale, batch.expert_offsets)
         return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
 
+    def _run_int8(self, batch: ContiguousBatch, weights: ExpertWeights) -> torch.Tensor:
+        """quantize (per token, unless it arrived so) -> GEMM1 -> silu(gate) * up requantized per
+        token -> GEMM2, bf16 out. The row-wise stages are the Triton backend's; with spare rows
+        (``batch.expected_m``) they see one ``[1, M]`` slab whose row count is
+        ``expert_offsets[-1]`` (as in :meth:`TritonBackend.run_contiguous`), and the GEMMs skip
+        the blocks past the last segment."""
+        check_weights(weights, self.scheme)
+        rows = self._rows
+        offsets = batch.expert_offsets
+        if batch.expected_m is None:
+            bound, lift, drop = (None, None), (lambda t: t), (lambda t: t)
+        else:
+            bound = (batch.valid_rows, max(1, batch.expected_m * batch.num_experts))
+            lift = (lambda t: None if t is None else t.unsqueeze(0))  # noqa: E731
+            drop = (lambda t: t.squeeze(0))  # noqa: E731
+        a, a_scale = rows.gemm1_input(lift(batch.x), lift(batch.x_scale), weights, *bound)
+        gate_up = int8_grouped_gemm(drop(a), drop(a_scale), weights.w13, weights.w13_scale, offsets)
+        h, h_scale = rows.activation(lift(gate_up), weights, *bound)
+        return int8_grouped_gemm(drop(h), drop(h_scale), weights.w2, weights.w2_scale, offsets)
+
     def run_masked(
         self, batch: MaskedBatch, weights: ExpertWeights, out_dtype: torch.dtype
     ) -> torch.Tensor:
         raise NotImplementedError(
-            "the cutlass backend runs the contiguous layout only; use backend='deepgemm' for masked"
+            "the cutlass backend runs the contiguous layout only; use backend='deepgemm' (FP8) or "
+            "'triton' (INT8) for masked"
         )
+
+
+_INT8_ACCUMULATOR = (
+    "the cutlass INT8 kernel sums K in int32 (exact): it runs quant='int8_channel' with "
+    "accumulator='int32' only; accumulator='fp32' runs on backend='triton'"
+)

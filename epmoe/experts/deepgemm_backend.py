@@ -231,9 +231,9 @@ class DeepGemmBackend(ExpertsBackend):
 
     @classmethod
     def supports(
-        cls, scheme: QuantScheme, layout: str, device: torch.device, hidden: int, intermediate: int
+        cls, scheme: QuantScheme, layout: str, device: torch.device, hidden: int, intermediate: int, **kw
     ) -> tuple[bool, str]:
-        ok, reason = super().supports(scheme, layout, device, hidden, intermediate)
+        ok, reason = super().supports(scheme, layout, device, hidden, intermediate, **kw)
         if not ok:
             return ok, reason
         api = deep_gemm_api()

@@ -1,4 +1,5 @@
-"""The FP8 block backends' selection rule as pure functions of the machine's facts.
+"""The FP8 block backends' selection rule (and the cutlass backend's, which also serves INT8) as
+pure functions of the machine's facts.
 
 Everything here takes the facts as arguments — compute capability, CUDA version, environment,
 which libraries are installed — and touches neither the GPU nor ``os.environ``, so CI checks every
@@ -180,7 +181,7 @@ def fp8_block_auto_choice(
 
 def cutlass_warning(decision: Decision) -> str:
     """The warning text for ``auto`` mode when cutlass was asked for but cannot run."""
-    return f"cutlass FP8 MoE backend not used: {decision.reason}"
+    return f"cutlass MoE backend not used: {decision.reason}"
 
 
 def forced_cutlass_error(decision: Decision) -> str:

@@ -25,11 +25,13 @@ BACKENDS: dict[str, str] = {
 
 AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "bf16": ("triton", "torch"),
-    "int8_channel": ("triton", "torch"),
+    "int8_channel": ("cutlass", "triton", "torch"),
     "int8_block": ("triton", "torch"),
     "fp8_block": ("cutlass", "deepgemm", "torch"),
 }
-"""Preference of ``backend="auto"`` per scheme, fastest first; ``torch`` runs anywhere."""
+"""Preference of ``backend="auto"`` per scheme, fastest first; ``torch`` runs anywhere. ``cutlass``
+is considered only with ``SGLANG_CUTLASS_MOE=1`` (and for ``int8_channel`` only with the int32
+accumulator); see :mod:`epmoe.experts.fp8_selection`."""
 
 AUTO_DEVICE_TYPES: dict[str, frozenset[str]] = {"torch": frozenset({"cpu", "cuda"})}
 """Device types where ``auto`` may pick a backend; others are GPU-only for ``auto`` (Triton's
@@ -50,6 +52,7 @@ def backend_decisions(
     hidden: int,
     intermediate: int,
     candidates: tuple[str, ...],
+    accumulator: str = "fp32",
 ) -> list[tuple[str, type[ExpertsBackend] | None, str]]:
     """For each candidate name: ``(name, class or None when refused, reason)``."""
     out = []
@@ -57,7 +60,7 @@ def backend_decisions(
         cls, reason = load_backend(name)
         if cls is not None:
             for layout in sorted(layouts):
-                ok, reason = cls.supports(scheme, layout, device, hidden, intermediate)
+                ok, reason = cls.supports(scheme, layout, device, hidden, intermediate, accumulator=accumulator)
                 if not ok:
                     cls = None
                     break
@@ -76,6 +79,7 @@ def select_backend(
     device: torch.device,
     hidden: int,
     intermediate: int,
+    accumulator: str = "fp32",
 ) -> tuple[type[ExpertsBackend], list[str]]:
     """Pick the backend class; returns it and log lines (the choice and every refusal).
 
@@ -89,7 +93,7 @@ def select_backend(
         candidates = (requested,)
     lines = []
     for name, cls, reason in backend_decisions(
-        scheme, layouts, device, hidden, intermediate, candidates
+        scheme, layouts, device, hidden, intermediate, candidates, accumulator
     ):
         if cls is not None and requested == "auto":
             allowed = AUTO_DEVICE_TYPES.get(name, frozenset({"cuda"}))

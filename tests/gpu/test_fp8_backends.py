@@ -1,10 +1,12 @@
-"""FP8 block backends (deepgemm, cutlass) on an SM90 GPU.
+"""FP8 block backends (deepgemm, cutlass) and the cutlass INT8 channel path on an SM90 GPU.
 
 GEMM level: each grouped GEMM against an independent float32 reference that dequantizes
 ``q * scale`` itself, with the metric ``1 - 2 sum(x*y) / sum(x*x + y*y) < 1e-3``, for E in {8, 128},
 odd row counts and empty experts. Layer level: ``DeepEPMoELayer(quant="fp8_block")`` against float64
 references. A CUDA-graph capture of the deepgemm masked path after warm-up. Two-GPU layer tests over
-DeepEP normal and low-latency dispatch (skipped without two GPUs and ``deep_ep``).
+DeepEP normal and low-latency dispatch (skipped without two GPUs and ``deep_ep``). The cutlass INT8
+kernel against a float64 reference element by element (bf16 rounding bound), and its layer on one
+GPU and over DeepEP normal dispatch, bounded or not.
 
 Run on the H200 after ``source .thirdparty/BUILD.sh`` (DeepGEMM) and with CUTLASS headers
 (``nvidia-cutlass`` importable or ``EPMOE_CUTLASS_DIR``) for the cutlass tests.
@@ -383,7 +385,7 @@ def test_deepgemm_masked_cuda_graph_after_warmup():
 DE, DK, DH, DI = 16, 4, 2048, 256  # DeepEP low-latency supports hidden 2048..8192 only
 
 
-def _deepep_worker(rank, world, port, dispatch, backend, out_path):
+def _deepep_worker(rank, world, port, dispatch, backend, out_path, quant="fp8_block", extra=None):
     import datetime
     import traceback
 
@@ -402,9 +404,9 @@ def _deepep_worker(rank, world, port, dispatch, backend, out_path):
     rows = []
     try:
         dev = torch.device("cuda", rank)
-        layer = DeepEPMoELayer(DE, DK, DH, DI, quant="fp8_block", backend=backend, dispatch=dispatch,
-                               device=dev, params_dtype=torch.bfloat16, max_tokens_per_rank=64)  # fmt: skip
-        stored, (w13, w2) = make_weights(DE, DH, DI, "fp8_block")
+        layer = DeepEPMoELayer(DE, DK, DH, DI, quant=quant, backend=backend, dispatch=dispatch, device=dev,
+                               params_dtype=torch.bfloat16, max_tokens_per_rank=64, **(extra or {}))  # fmt: skip
+        stored, (w13, w2) = make_weights(DE, DH, DI, quant)
         layer.load_experts(*[t.to(dev) for t in stored])
         _, (f13, f2) = make_weights(DE, DH, DI, "bf16")
         for case in CASE_NAMES:
@@ -415,7 +417,7 @@ def _deepep_worker(rank, world, port, dispatch, backend, out_path):
                        dispatch=layer.dispatcher.name, shape_ok=tuple(out.shape) == tuple(x.shape))  # fmt: skip
             if x.shape[0]:
                 xr = xin.float().cpu()
-                row["emulated"] = rel_err(out.cpu(), moe_reference(xr, ids, w, w13, w2, "fp8_block"))
+                row["emulated"] = rel_err(out.cpu(), moe_reference(xr, ids, w, w13, w2, quant))
                 row["exact"] = rel_err(out.cpu(), moe_reference(xr, ids, w, f13, f2))
             rows.append(row)
     except Exception:
@@ -456,3 +458,102 @@ def test_layer_two_gpus(dispatch, backend, tmp_path):
         assert r["shape_ok"] and r["backend"] == backend, r
         if r["tokens"]:
             assert r["emulated"] < 3e-2 and r["exact"] < FP8.rel_error_bound, r
+
+
+# ---------------------------------------------------------------- cutlass INT8 (channel, int32)
+INT8 = get_scheme("int8_channel")
+
+
+@needs_cutlass
+@pytest.mark.parametrize(
+    "counts,n,k,spare",
+    [([128, 0, 384, 256], 200, 256, 64), ([256] * 6 + [0, 128], 4096, 512, 0), ([0, 0, 128], 72, 128, 128),
+     ([640, 128, 0, 1024], 7168, 2048, 256), ([0, 0, 0], 64, 128, 128)],
+)  # fmt: skip
+def test_cutlass_int8_gemm(counts, n, k, spare):
+    """Every element against float64 (the int32 sum is exact; two fp32 products and one bf16
+    rounding remain: within 2^-8 relative); empty experts, N not a multiple of the 256-wide tile,
+    spare rows past the last segment left unwritten."""
+    from epmoe.experts.cutlass_backend import int8_grouped_gemm
+
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    offsets = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    used = int(offsets[-1])
+    m, e = used + spare, len(counts)
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
+    b = torch.randint(-127, 128, (e, n, k), dtype=torch.int8, device="cuda", generator=g)
+    sa = torch.rand(m, 1, device="cuda", generator=g) + 0.5
+    sb = (torch.rand(e, n, 1, device="cuda", generator=g) + 0.5) / (127.0 * 127.0 * k**0.5)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    int8_grouped_gemm(a, sa, b, sb, offsets, out=out)
+    for x in range(e):
+        lo, hi = int(offsets[x]), int(offsets[x + 1])
+        if hi > lo:
+            ref = (a[lo:hi].double() @ b[x].double().t()) * sa[lo:hi].double() * sb[x].double().t()
+            err = (out[lo:hi].double() - ref).abs()
+            assert bool((err <= ref.abs() * 2.0**-8 * (1 + 1e-5)).all()), float((err / ref.abs()).max())
+    assert torch.isnan(out[used:]).all(), "spare rows must stay unwritten"
+
+
+def _int8_layer(backend: str, **kw):
+    from epmoe.layer import DeepEPMoELayer
+    from helpers import make_weights
+
+    layer = DeepEPMoELayer(LE, LK, LH, LI, quant="int8_channel", accumulator="int32", backend=backend,
+                           dispatch="local", device="cuda", params_dtype=torch.bfloat16, **kw)  # fmt: skip
+    stored, (w13, w2) = make_weights(LE, LH, LI, "int8_channel")
+    layer.load_experts(*[t.cuda() for t in stored])
+    return layer, (w13, w2)
+
+
+@needs_cutlass
+def test_layer_cutlass_int8_local(monkeypatch):
+    """auto picks cutlass for int8_channel with the int32 accumulator under SGLANG_CUTLASS_MOE=1;
+    its layer stays within the scheme's bound of float64 and close to the Triton backend's (both
+    sum K exactly in int32; they differ in one fp32 product order and in bf16 GEMM1 outputs)."""
+    from cases import CASE_NAMES, make_case
+    from helpers import make_weights
+    from reference import moe_reference, rel_err
+
+    monkeypatch.setenv("SGLANG_CUTLASS_MOE", "1")
+    layer, (w13, w2) = _int8_layer("auto")
+    assert layer.backend.name == "cutlass" and layer.backend.alignment == 128
+    triton, _ = _int8_layer("triton")
+    _, (f13, f2) = make_weights(LE, LH, LI, "bf16")
+    for case in CASE_NAMES:
+        x, ids, w = make_case(case, 0, LE, LK, LH)
+        xin, args = x.cuda().bfloat16(), dict(topk_ids=ids.cuda(), topk_weights=w.cuda())
+        out = layer(xin, **args)
+        assert out.shape == x.shape and out.dtype == torch.bfloat16
+        if not x.shape[0]:
+            continue
+        xr = xin.float().cpu()
+        assert rel_err(out.cpu(), moe_reference(xr, ids, w, w13, w2, "int8_channel")) < 2e-2, case
+        assert rel_err(out.cpu(), moe_reference(xr, ids, w, f13, f2)) < INT8.rel_error_bound, case
+        assert rel_err(out.float(), triton(xin, **args).float()) < 1e-2, case
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.skipif(importlib.util.find_spec("deep_ep") is None, reason="needs deep_ep")
+@needs_cutlass
+@pytest.mark.parametrize("bounded", [False, True], ids=["host_counts", "bounded"])
+def test_layer_cutlass_int8_two_gpus(bounded, tmp_path):
+    """DeepEP normal dispatch into 128-row segments; bounded (normal_max_tokens_per_rank), the
+    segment sizes stay on the device and the buffers have spare rows past the last segment."""
+    import torch.multiprocessing as mp
+
+    from helpers import free_port
+
+    out = str(tmp_path / "res")
+    extra = dict(accumulator="int32", normal_max_tokens_per_rank=64 if bounded else None)
+    mp.start_processes(_deepep_worker, args=(2, free_port(), "deepep_normal", "cutlass", out, "int8_channel", extra),
+                       nprocs=2, start_method="spawn")  # fmt: skip
+    rows = [json.loads(line) for r in range(2) for line in open(f"{out}.{r}")]
+    errors = [r["error"] for r in rows if "error" in r]
+    assert not errors, errors[0]
+    print(rows)
+    for r in rows:
+        assert r["shape_ok"] and r["backend"] == "cutlass", r
+        if r["tokens"]:
+            assert r["emulated"] < 2e-2 and r["exact"] < INT8.rel_error_bound, r
