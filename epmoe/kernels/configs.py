@@ -46,12 +46,11 @@ class GemmConfig:
     of pointer loads (Hopper and newer; the call falls back to the pointer kernel when the
     operands do not meet TMA's 16-byte alignment, see :func:`epmoe.kernels.grouped_gemm.tma_fallback_reason`).
     With ``tma``: ``persistent`` launches one program per SM walking every output tile;
-    ``flatten`` sets the same-named ``tl.range`` option of the tile loop; ``tma_store`` writes each
-    output tile through a TMA descriptor bounded at its expert's last row (in two column halves)
-    instead of masked pointer stores. (Triton's ``warp_specialize`` loop option is deliberately
-    absent: on an H200 with Triton 3.6 the warp-specialized kernel hung on its first launch.)
-    These four are left out of :meth:`to_dict` while False, so entries written before they
-    existed mean (and round-trip to) the same thing.
+    ``flatten`` sets the same-named ``tl.range`` option of the tile loop. (Triton's
+    ``warp_specialize`` loop option is deliberately absent: on an H200 with Triton 3.6 the
+    warp-specialized kernel hung on its first launch.) These three are left out of
+    :meth:`to_dict` while False, so entries written before they existed mean (and round-trip to)
+    the same thing.
     """
 
     block_m: int
@@ -64,13 +63,12 @@ class GemmConfig:
     tma: bool = False
     persistent: bool = False
     flatten: bool = False
-    tma_store: bool = False
 
     _KEYS = (
         "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SWAP_AB", "num_warps", "num_stages",
-        "TMA", "PERSISTENT", "FLATTEN", "TMA_STORE",
+        "TMA", "PERSISTENT", "FLATTEN",
     )
-    _OPTIONAL = ("TMA", "PERSISTENT", "FLATTEN", "TMA_STORE")
+    _OPTIONAL = ("TMA", "PERSISTENT", "FLATTEN")
 
     def to_dict(self) -> dict:
         d = dict(zip(self._KEYS, asdict(self).values()))
@@ -91,7 +89,6 @@ class GemmConfig:
             int(d["BLOCK_M"]), int(d["BLOCK_N"]), int(d["BLOCK_K"]), int(d.get("GROUP_M", 8)),
             bool(d.get("SWAP_AB", False)), int(d.get("num_warps", 4)), int(d.get("num_stages", 3)),
             bool(d.get("TMA", False)), bool(d.get("PERSISTENT", False)), bool(d.get("FLATTEN", False)),
-            bool(d.get("TMA_STORE", False)),
         )
         cfg.validate()
         return cfg
@@ -103,16 +100,14 @@ class GemmConfig:
                 raise ValueError(f"{name.upper()}={v}; must be a power of two >= 16")
         if self.group_m < 1 or self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
             raise ValueError(f"config {self.to_dict()} has an invalid GROUP_M, num_warps or num_stages")
-        if not self.tma and (self.persistent or self.flatten or self.tma_store):
-            raise ValueError(f"config {self.to_dict()}: PERSISTENT, FLATTEN and TMA_STORE need TMA")
+        if not self.tma and (self.persistent or self.flatten):
+            raise ValueError(f"config {self.to_dict()}: PERSISTENT and FLATTEN need TMA")
         if self.tma and self.swap_ab:
             raise ValueError(f"config {self.to_dict()}: the TMA kernel has no SWAP_AB variant")
 
     def smem_bytes(self, elem_bytes: int) -> int:
-        """Shared memory the pipelined A and B tiles need, plus the TMA store's staging buffer
-        (half a 16-bit output tile)."""
-        staging = self.block_m * self.block_n if self.tma_store else 0
-        return (self.block_m + self.block_n) * self.block_k * elem_bytes * self.num_stages + staging
+        """Shared memory the pipelined A and B tiles need."""
+        return (self.block_m + self.block_n) * self.block_k * elem_bytes * self.num_stages
 
 
 def device_name(device: torch.device | str | None = None) -> str:

@@ -27,10 +27,8 @@ host-side tensor descriptor over ``[E*N, K]`` and A tiles through a descriptor i
 ``[start + length, K]`` over the flat rows, so that it ends at the tile's expert's last row. It
 walks a flattened (M tile, N tile) space with the same swizzle, optionally persistent (one program
 per SM). Every program first writes each expert's first tile index (:func:`_write_tile_table`) and
-binary-searches it per tile (no host sync; empty experts own no tiles). The output is a masked
-pointer store, or with ``GemmConfig.tma_store`` a TMA store through a second per-tile descriptor
-that ends at the same row (a descriptor over all of ``out`` would overwrite the next expert's
-rows). Operands that break
+binary-searches it per tile (no host sync; empty experts own no tiles). The output store stays a
+masked pointer store (a TMA store would overwrite neighbouring experts' rows). Operands that break
 TMA's 16-byte alignment rules fall back to the pointer kernel (:func:`tma_fallback_reason`); the
 TMA kernel has no ``SWAP_AB`` variant.
 
@@ -266,7 +264,7 @@ def _grouped_gemm_tma_kernel(
     stride_cm, stride_asm, stride_bse, stride_bsn, stride_bsk,
     MODE: tl.constexpr, MASKED: tl.constexpr, E_PAD: tl.constexpr, LOG_E: tl.constexpr, FP32_IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr, FLATTEN: tl.constexpr, TMA_STORE: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     """:func:`_grouped_gemm_kernel` with TMA-fed operands, over a flattened (M tile, N tile) space.
 
@@ -347,19 +345,8 @@ def _grouped_gemm_tma_kernel(
             res = acc.to(tl.float32) * (sa[:, None] * sb[None, :])
         else:
             res = acc
-        if TMA_STORE:
-            # Bounded at the expert's last row as A is: TMA drops the rows past it (and the
-            # columns past N), so the neighbouring expert's rows stay untouched. Two column halves
-            # halve the staging buffer in shared memory.
-            c_desc = tl.make_tensor_descriptor(
-                C, shape=[a_end, N], strides=[stride_cm, 1], block_shape=[BLOCK_M, BLOCK_N // 2]
-            )
-            lo, hi = res.to(C.dtype.element_ty).reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
-            c_desc.store([row0, n0], lo)
-            c_desc.store([row0, n0 + BLOCK_N // 2], hi)
-        else:
-            c_ptrs = C + rows[:, None] * stride_cm + offs_n[None, :]
-            tl.store(c_ptrs, res.to(C.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        c_ptrs = C + rows[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, res.to(C.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def grouped_gemm_contiguous(
@@ -503,7 +490,7 @@ def _launch(a, b, out, a_scale, b_scale, seg, e, cap, grid_m, mode, accumulator,
             a.shape[0], e, n, k, cap, programs,
             out.stride(0), as_.stride(0), bs.stride(0), bs.stride(1), bs.stride(2),
             LOG_E=common["E_PAD"].bit_length() - 1, FLATTEN=cfg.flatten,
-            TMA_STORE=cfg.tma_store and tma_store_fallback_reason(out) is None, **common,
+            **common,
         )
         with_scratch_allocator(a.device, launch)
         return
@@ -562,17 +549,6 @@ def tma_fallback_reason(a: torch.Tensor, b: torch.Tensor, cfg: GemmConfig) -> st
         return "an operand's base address is not 16-byte aligned"
     if a.shape[0] >= 2**31 or b.shape[0] * b.shape[1] >= 2**31:
         return "tile coordinates exceed int32"
-    return None
-
-
-def tma_store_fallback_reason(out: torch.Tensor) -> str | None:
-    """Why a ``tma_store`` config writes its output with pointer stores: ``None`` when the TMA
-    store applies. It takes 16-bit outputs (the staging buffer the config's shared memory was
-    sized for) with 16-byte aligned base and row stride."""
-    if out.element_size() != 2:
-        return f"out is {out.dtype}; the TMA store takes 16-bit outputs"
-    if out.data_ptr() % 16 or (out.stride(0) * out.element_size()) % 16 or out.stride(-1) != 1:
-        return "out's base address or row stride is not 16-byte aligned"
     return None
 
 
