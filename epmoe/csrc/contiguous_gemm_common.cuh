@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <tuple>
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -212,6 +213,42 @@ static __global__ void block_expert_kernel(int num_blocks, int num_experts, int6
     }
   }
   block_expert[t] = (lo < num_experts && offsets[lo] <= row) ? lo : -1;
+}
+
+// The strides of A [M, K] and D [M, N] (a static zero in L: one tensor serves every expert) and
+// of B [E, N, K] (moves with L).
+template <class Cfg>
+auto contiguous_strides(int64_t n, int64_t k) {
+  return std::make_tuple(typename Cfg::StrideA{k, cute::_1{}, cute::_0{}},
+                         typename Cfg::StrideB{k, cute::_1{}, n * k},
+                         typename Cfg::StrideD{n, cute::_1{}, cute::_0{}});
+}
+
+inline cutlass::KernelHardwareInfo hardware_info(const at::Tensor& a, int sm_count) {
+  cutlass::KernelHardwareInfo hw_info;
+  hw_info.device_id = a.get_device();
+  hw_info.sm_count = sm_count;
+  return hw_info;
+}
+
+// The scheduler's block table (block_expert_table) over the ceil(m / 128) blocks of A.
+template <class SchedulerArguments>
+void set_block_table(SchedulerArguments& scheduler, const int32_t* block_expert, int m) {
+  scheduler.block_expert = block_expert;
+  scheduler.num_m_blocks = (m + kRowBlock - 1) / kRowBlock;
+}
+
+// can_implement, a workspace from torch's allocator, initialize and run on a's current stream.
+template <class Gemm>
+void run_gemm(const typename Gemm::Arguments& args, const at::Tensor& a) {
+  auto stream = at::cuda::getCurrentCUDAStream(a.get_device());
+  Gemm gemm;
+  EPMOE_CHECK_CUTLASS(gemm.can_implement(args), "can_implement");
+  const size_t workspace_bytes = Gemm::get_workspace_size(args);
+  auto workspace = at::empty({static_cast<int64_t>(workspace_bytes > 0 ? workspace_bytes : 1)},
+                             a.options().dtype(at::kByte));
+  EPMOE_CHECK_CUTLASS(gemm.initialize(args, workspace.data_ptr(), stream), "initialize");
+  EPMOE_CHECK_CUTLASS(gemm.run(stream), "run");
 }
 
 // block_expert_kernel over the offsets of a's rows: the [ceil(rows / 128)] int32 table, on a's

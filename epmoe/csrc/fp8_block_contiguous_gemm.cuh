@@ -12,8 +12,8 @@
 // The whole layout is ONE CUTLASS problem (M, N, K, L = E) for the Hopper TMA warp-specialized
 // cooperative kernel (CUTLASS's FP8 block-scaled collective, Sm90BlockwiseScaleConfig). A and out
 // have a static zero stride in L, so one TMA descriptor serves every expert's rows; B and SFB move
-// with L. The tile scheduler below gives each 128-row block of A the batch index of its expert,
-// from a table built on the GPU from the offsets (no host synchronisation).
+// with L. The tile scheduler (contiguous_gemm_common.cuh) gives each 128-row block of A the batch
+// index of its expert, from a table built on the GPU from the offsets (no host synchronisation).
 //
 // The mainloop is CUTLASS's with both halves replaced (Sm90Fp8BlockMainloop):
 //  * tiles are 128 x 192 (two 64 x 192 warpgroup MMAs): per FLOP less shared-memory traffic than
@@ -525,17 +525,12 @@ typename Cfg::Gemm::Arguments make_arguments(at::Tensor& out, const at::Tensor& 
   const int n = static_cast<int>(b.size(1));
   const int k = static_cast<int>(b.size(2));
   const int m = static_cast<int>(a.size(0));
-  typename Cfg::StrideA stride_a{static_cast<int64_t>(k), cute::_1{}, cute::_0{}};
-  typename Cfg::StrideB stride_b{static_cast<int64_t>(k), cute::_1{}, static_cast<int64_t>(n) * k};
-  typename Cfg::StrideD stride_d{static_cast<int64_t>(n), cute::_1{}, cute::_0{}};
+  auto [stride_a, stride_b, stride_d] = contiguous_strides<Cfg>(n, k);
   // SFA holds every expert's rows in one batch (the mainloop reads it at batch 0).
   auto layout_sfa =
       Cfg::ScaleConfig::tile_atom_to_shape_SFA(make_shape(static_cast<int>(sfa.size(1)), n, k, 1));
   auto layout_sfb = Cfg::ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, n, k, num_experts));
 
-  cutlass::KernelHardwareInfo hw_info;
-  hw_info.device_id = a.get_device();
-  hw_info.sm_count = sm_count;
   typename Cfg::Gemm::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
       {m, n, k, num_experts},
@@ -543,14 +538,13 @@ typename Cfg::Gemm::Arguments make_arguments(at::Tensor& out, const at::Tensor& 
        reinterpret_cast<const typename Cfg::ElementB*>(b.data_ptr()), stride_b,
        sfa.data_ptr<float>(), layout_sfa, sfb.data_ptr<float>(), layout_sfb},
       {{}, nullptr, stride_d, reinterpret_cast<typename Cfg::ElementD*>(out.data_ptr()), stride_d},
-      hw_info};
+      hardware_info(a, sm_count)};
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
   using RasterOrder = decltype(args.scheduler.raster_order);
   args.scheduler.raster_order = raster_along_n ? RasterOrder::AlongN : RasterOrder::AlongM;
   args.scheduler.max_swizzle_size = static_cast<int>(max_swizzle);
-  args.scheduler.block_expert = block_expert;
-  args.scheduler.num_m_blocks = (m + kRowBlock - 1) / kRowBlock;
+  set_block_table(args.scheduler, block_expert, m);
   args.mainloop.block_expert = block_expert;
   args.mainloop.num_m_blocks = args.scheduler.num_m_blocks;
   return args;
@@ -562,21 +556,12 @@ void run_fp8_contiguous_gemm(at::Tensor& out, const at::Tensor& a, const at::Ten
                              const at::Tensor& b, const at::Tensor& b_scale,
                              const at::Tensor& offsets, int64_t raster_along_n,
                              int64_t max_swizzle) {
-  using Gemm = typename Cfg::Gemm;
-  auto stream = at::cuda::getCurrentCUDAStream(a.get_device());
   auto block_expert = block_expert_table(a, offsets);
-
   const int sm_count = at::cuda::getDeviceProperties(a.get_device())->multiProcessorCount;
   auto [sfa, sfb] = kernel_scales<Cfg>(a_scale, b_scale);
   auto args = make_arguments<Cfg>(out, a, sfa, b, sfb, block_expert.data_ptr<int32_t>(), sm_count,
                                   raster_along_n, max_swizzle);
-  Gemm gemm;
-  EPMOE_CHECK_CUTLASS(gemm.can_implement(args), "can_implement");
-  const size_t workspace_bytes = Gemm::get_workspace_size(args);
-  auto workspace = at::empty({static_cast<int64_t>(workspace_bytes > 0 ? workspace_bytes : 1)},
-                             a.options().dtype(at::kByte));
-  EPMOE_CHECK_CUTLASS(gemm.initialize(args, workspace.data_ptr(), stream), "initialize");
-  EPMOE_CHECK_CUTLASS(gemm.run(stream), "run");
+  run_gemm<typename Cfg::Gemm>(args, a);
 }
 
 // Bytes of workspace GemmKernel::get_workspace_size asks for on this problem (no launch).

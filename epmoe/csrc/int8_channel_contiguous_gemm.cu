@@ -95,19 +95,14 @@ typename Cfg::Gemm::Arguments make_int8_arguments(at::Tensor& out, const at::Ten
   const int n = static_cast<int>(b.size(1));
   const int k = static_cast<int>(b.size(2));
   const int m = static_cast<int>(a.size(0));
-  typename Cfg::StrideA stride_a{static_cast<int64_t>(k), cute::_1{}, cute::_0{}};
-  typename Cfg::StrideB stride_b{static_cast<int64_t>(k), cute::_1{}, static_cast<int64_t>(n) * k};
-  typename Cfg::StrideD stride_d{static_cast<int64_t>(n), cute::_1{}, cute::_0{}};
-  cutlass::KernelHardwareInfo hw_info;
-  hw_info.device_id = a.get_device();
-  hw_info.sm_count = sm_count;
+  auto [stride_a, stride_b, stride_d] = contiguous_strides<Cfg>(n, k);
   typename Cfg::Gemm::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
       {m, n, k, num_experts},
       {reinterpret_cast<const int8_t*>(a.data_ptr()), stride_a,
        reinterpret_cast<const int8_t*>(b.data_ptr()), stride_b},
       {{}, nullptr, stride_d, reinterpret_cast<typename Cfg::ElementD*>(out.data_ptr()), stride_d},
-      hw_info};
+      hardware_info(a, sm_count)};
   // Tree arguments in the visitor's order: {row scale, {column scale, accumulator, op}, op}.
   args.epilogue.thread = {
       {a_scale.data_ptr<float>(), 0.0f, {}},
@@ -116,27 +111,18 @@ typename Cfg::Gemm::Arguments make_int8_arguments(at::Tensor& out, const at::Ten
   using RasterOrder = decltype(args.scheduler.raster_order);
   args.scheduler.raster_order = RasterOrder::AlongN;
   args.scheduler.max_swizzle_size = 1;
-  args.scheduler.block_expert = block_expert;
-  args.scheduler.num_m_blocks = (m + kRowBlock - 1) / kRowBlock;
+  set_block_table(args.scheduler, block_expert, m);
   return args;
 }
 
 void int8_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
                                const at::Tensor& b, const at::Tensor& b_scale,
                                const at::Tensor& offsets) {
-  using Gemm = Int8Config::Gemm;
-  auto stream = at::cuda::getCurrentCUDAStream(a.get_device());
   auto block_expert = block_expert_table(a, offsets);
   const int sm_count = at::cuda::getDeviceProperties(a.get_device())->multiProcessorCount;
   auto args = make_int8_arguments<Int8Config>(out, a, a_scale, b, b_scale,
                                               block_expert.data_ptr<int32_t>(), sm_count);
-  Gemm gemm;
-  EPMOE_CHECK_CUTLASS(gemm.can_implement(args), "can_implement");
-  const size_t workspace_bytes = Gemm::get_workspace_size(args);
-  auto workspace = at::empty({static_cast<int64_t>(workspace_bytes > 0 ? workspace_bytes : 1)},
-                             a.options().dtype(at::kByte));
-  EPMOE_CHECK_CUTLASS(gemm.initialize(args, workspace.data_ptr(), stream), "initialize");
-  EPMOE_CHECK_CUTLASS(gemm.run(stream), "run");
+  run_gemm<Int8Config::Gemm>(args, a);
 }
 
 }  // namespace epmoe

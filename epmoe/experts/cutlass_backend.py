@@ -141,7 +141,8 @@ def _build_key(include: Path) -> str:
 @functools.lru_cache(maxsize=1)
 def load_extension(verbose: bool = False):
     """Build (first use) and load the CUTLASS extension; returns its op namespace
-    (``torch.ops.epmoe_cutlass_fp8_<hash>``) with ``fp8_contiguous_gemm`` and ``workspace_size``.
+    (``torch.ops.epmoe_cutlass_fp8_<hash>``) with ``fp8_contiguous_gemm``, ``workspace_size`` and
+    ``int8_contiguous_gemm``.
 
     A library already in the cache directory is loaded without invoking the compiler.
 
@@ -158,7 +159,7 @@ def load_extension(verbose: bool = False):
     if library.is_file():
         try:
             torch.ops.load_library(str(library))
-            log.info("loaded epmoe's CUTLASS FP8 grouped GEMM from %s", library)
+            log.info("loaded epmoe's CUTLASS grouped GEMMs (FP8 block, INT8 channel) from %s", library)
             return getattr(torch.ops, name)
         except OSError as exc:  # e.g. a cache copied from a machine with other libraries
             log.warning("cannot load the cached %s (%s); rebuilding", library, exc)
@@ -174,7 +175,7 @@ def load_extension(verbose: bool = False):
         includes.append(str(cccl))
     build.mkdir(parents=True, exist_ok=True)
     log.warning(
-        "compiling epmoe's CUTLASS FP8 grouped GEMM (first use; a few minutes) in %s "
+        "compiling epmoe's CUTLASS grouped GEMMs (FP8 block, INT8 channel) (first use; a few minutes) in %s "
         "against CUTLASS headers at %s", build, include,
     )  # fmt: skip
     t0 = time.perf_counter()
@@ -192,7 +193,7 @@ def load_extension(verbose: bool = False):
     except Exception as exc:  # compiler errors arrive as RuntimeError / subprocess errors
         raise CutlassUnavailableError(f"building the CUTLASS extension in {build} failed: {exc}") from exc
     log.warning(
-        "built epmoe's CUTLASS FP8 grouped GEMM in %.1f s (cached in %s)", time.perf_counter() - t0, build
+        "built epmoe's CUTLASS grouped GEMMs (FP8 block, INT8 channel) in %.1f s (cached in %s)", time.perf_counter() - t0, build
     )
     return getattr(torch.ops, name)
 
@@ -288,13 +289,9 @@ def grouped_gemm(
     Returns:
         ``out``, ``[M, N]`` bf16.
     """
-    m, _ = a.shape
-    e, n, _ = b.shape
-    if m >= MAX_ROWS:
-        raise ValueError(f"a has {m} rows; the CUTLASS kernel takes fewer than {MAX_ROWS}")
-    if out is None:
-        out = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
-    if m == 0 or e == 0:
+    out = _output(a, b, out)
+    m = a.shape[0]
+    if m == 0 or b.shape[0] == 0:
         return out
     a_scale = a_scale.float().contiguous()
     offsets = expert_offsets.to(torch.int32).contiguous()
@@ -304,6 +301,14 @@ def grouped_gemm(
     offsets = _kernel_offsets(offsets, m, a.device)
     load_extension().fp8_contiguous_gemm(out, a.contiguous(), a_scale, b, b_scale, offsets, *TILE_ORDER)
     return out
+
+
+def _output(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``out``, or a new bf16 ``[M, N]`` tensor, once ``a``'s rows are known to fit the kernels."""
+    m = a.shape[0]
+    if m >= MAX_ROWS:
+        raise ValueError(f"a has {m} rows; the CUTLASS kernel takes fewer than {MAX_ROWS}")
+    return torch.empty((m, b.shape[1]), dtype=torch.bfloat16, device=a.device) if out is None else out
 
 
 def _kernel_offsets(expert_offsets: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
@@ -340,13 +345,9 @@ def int8_grouped_gemm(
     Returns:
         ``out``, ``[M, N]`` bf16.
     """
-    m, _ = a.shape
-    e, n, _ = b.shape
-    if m >= MAX_ROWS:
-        raise ValueError(f"a has {m} rows; the CUTLASS kernel takes fewer than {MAX_ROWS}")
-    if out is None:
-        out = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
-    if m == 0 or e == 0:
+    out = _output(a, b, out)
+    m = a.shape[0]
+    if m == 0 or b.shape[0] == 0:
         return out
     offsets = _kernel_offsets(expert_offsets, m, a.device)
     load_extension().int8_contiguous_gemm(
