@@ -49,6 +49,14 @@ def test_turns_time_every_whole_pass_again(tmp_path, capsys):
     assert "whole passes in turns (2 rounds)" in capsys.readouterr().out
 
 
+def test_extra_takes_the_int32_accumulator_key():
+    label, backend = experts.load_extra("epmoe.experts.torch_backend:TorchBackend@int8_channel_int32")
+    assert label == "torch_int8_channel_int32"
+    assert backend.scheme.name == "int8_channel" and backend.accumulator == "int32"
+    label, backend = experts.load_extra("epmoe.experts.torch_backend:TorchBackend@int8_block")
+    assert label == "torch_int8_block" and backend.accumulator == "fp32"
+
+
 def test_a_backend_failing_in_turns_leaves_the_others(capsys):
     def boom():
         raise RuntimeError("out of memory")

@@ -7,7 +7,8 @@ activation, GEMM2 and the whole pass (input quantization included) of:
 * ``triton_int8_channel`` (fp32 accumulator), ``triton_int8_channel_int32``,
   ``triton_int8_block`` and ``triton_bf16``;
 * any other :class:`~epmoe.experts.base.ExpertsBackend` given with ``--extra module:Class[@scheme]``
-  (whole pass only, through its ``run_contiguous``), so FP8 rows need no edit here.
+  (whole pass only, through its ``run_contiguous``; ``@int8_channel_int32`` for the int32
+  accumulator), so FP8 and CUTLASS INT8 rows need no edit here.
 
 Ceilings measured in the same run: device copy bandwidth, a BF16 8192^3 matmul and
 ``torch._int_mm`` INT8 8192^3. Each GEMM is reported as a fraction of its memory floor (weight
@@ -281,7 +282,9 @@ def triton_stages(problem: Problem, batch, scheme_name: str, accumulator: str) -
 
 
 def load_extra(spec: str):
-    """``module:Class[@scheme]`` -> (label, backend instance)."""
+    """``module:Class[@scheme]`` -> (label, backend instance); ``scheme`` may also be
+    ``int8_channel_int32`` (``int8_channel`` with the int32 accumulator, as in the config tables)."""
+    from ..kernels.configs import mode_and_accumulator
     from ..quant.schemes import get_scheme
 
     path, _, scheme_name = spec.partition("@")
@@ -290,7 +293,8 @@ def load_extra(spec: str):
         raise ValueError(f"--extra {spec!r}: expected module:Class[@scheme]")
     cls = getattr(importlib.import_module(module), cls_name)
     scheme_name = scheme_name or sorted(cls.schemes)[0]
-    return f"{cls.name}_{scheme_name}", cls(get_scheme(scheme_name))
+    quant, accumulator = mode_and_accumulator(scheme_name)
+    return f"{cls.name}_{scheme_name}", cls(get_scheme(quant), accumulator=accumulator)
 
 
 # ------------------------------------------------------------------------------- accuracy
