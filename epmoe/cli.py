@@ -26,14 +26,22 @@ def capability_rows(device: torch.device) -> list[tuple[str, str, str]]:
     from .dispatch.base import DispatchConfig
     from .dispatch.select import DISPATCHERS, dispatcher_decisions
     from .experts.select import BACKENDS, backend_decisions
-    from .quant.schemes import SCHEMES
+    from .kernels.configs import INT32_ACC_MODE, mode_and_accumulator
+    from .quant.schemes import SCHEMES, get_scheme
 
     rows = []
-    both = frozenset({"contiguous", "masked"})
+    both, contiguous = frozenset({"contiguous", "masked"}), frozenset({"contiguous"})
+    keys = [k for name in SCHEMES for k in ((name, INT32_ACC_MODE) if name == "int8_channel" else (name,))]
     for name in BACKENDS:
-        for scheme in SCHEMES.values():
-            ((_, cls, reason),) = backend_decisions(scheme, both, device, 7168, 2048, (name,))
-            rows.append(("backend", f"{name} {scheme.name}", "available" if cls else reason))
+        for key in keys:
+            quant, accumulator = mode_and_accumulator(key)
+            scheme = get_scheme(quant)
+            ((_, cls, reason),) = backend_decisions(scheme, both, device, 7168, 2048, (name,), accumulator)
+            status = "available" if cls else reason
+            if cls is None:  # contiguous-only backends (cutlass) still serve DeepEP normal mode
+                ((_, cls, _),) = backend_decisions(scheme, contiguous, device, 7168, 2048, (name,), accumulator)
+                status = "available (contiguous layout only)" if cls else reason
+            rows.append(("backend", f"{name} {key}", status))
     # Two ranks: what an EP deployment of this machine would be offered.
     cfg = DispatchConfig(num_experts=256, hidden_size=7168, top_k=8, world_size=2, device=device)
     for name, cls, reason in dispatcher_decisions(cfg, tuple(DISPATCHERS)):

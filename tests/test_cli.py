@@ -34,3 +34,17 @@ def test_info_says_what_the_dispatcher_rows_assume(capsys):
     out = capsys.readouterr().out
     assert cli.INFO_DISPATCH_NOTE in out
     assert out.index(cli.INFO_DISPATCH_NOTE) < out.index("dispatcher ")
+
+
+def test_info_rows_cover_the_int32_accumulator_and_contiguous_only_backends(monkeypatch, tmp_path):
+    import torch
+
+    from epmoe.experts import cutlass_backend as cb
+
+    monkeypatch.setattr(cb.CutlassBackend, "available", classmethod(lambda cls, device: (True, "machine ok")))
+    monkeypatch.setattr(cb, "find_cutlass_include", lambda: tmp_path)
+    rows = {name: status for kind, name, status in cli.capability_rows(torch.device("cpu")) if kind == "backend"}
+    assert rows["cutlass int8_channel_int32"] == "available (contiguous layout only)"
+    assert rows["cutlass fp8_block"] == "available (contiguous layout only)"
+    assert "accumulator='int32' only" in rows["cutlass int8_channel"]
+    assert rows["torch int8_channel_int32"] == "available"
