@@ -36,13 +36,13 @@ def test_info_says_what_the_dispatcher_rows_assume(capsys):
     assert out.index(cli.INFO_DISPATCH_NOTE) < out.index("dispatcher ")
 
 
-def test_info_rows_cover_the_int32_accumulator_and_contiguous_only_backends(monkeypatch, tmp_path):
+def test_info_rows_cover_the_int32_accumulator_and_contiguous_only_backends(monkeypatch):
     import torch
 
     from epmoe.experts import cutlass_backend as cb
 
     monkeypatch.setattr(cb.CutlassBackend, "available", classmethod(lambda cls, device: (True, "machine ok")))
-    monkeypatch.setattr(cb, "find_cutlass_include", lambda: tmp_path)
+    monkeypatch.setattr(cb, "own_kernel_missing", lambda: None)
     rows = {name: status for kind, name, status in cli.capability_rows(torch.device("cpu")) if kind == "backend"}
     assert rows["cutlass int8_channel_int32"] == "available (contiguous layout only)"
     assert rows["cutlass fp8_block"] == "available (contiguous layout only)"

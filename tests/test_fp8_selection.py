@@ -280,14 +280,49 @@ def test_cutlass_int8_needs_int32_accumulator_and_headers(monkeypatch, tmp_path)
     monkeypatch.setattr(cb, "find_cutlass_include", lambda: None)
     ok, reason = cb.CutlassBackend.supports(int8, "contiguous", cpu, 256, 128, accumulator="int32")
     assert not ok and "CUTLASS headers not found" in reason
-    monkeypatch.setattr(cb, "find_cutlass_include", lambda: tmp_path)
+    monkeypatch.setattr(cb, "own_kernel_missing", lambda: None)
     ok, reason = cb.CutlassBackend.supports(int8, "contiguous", cpu, 256, 128, accumulator="int32")
-    assert ok and "INT8" in reason
+    assert ok and reason == "machine ok: epmoe's CUTLASS INT8 kernel"
+    # auto with the fp32 accumulator walks past cutlass with the accumulator as the reason.
+    cls, lines = select_backend("auto", int8, frozenset({"contiguous"}), cpu, 256, 128, "fp32")
+    assert cls is not cb.CutlassBackend
+    assert any("'cutlass' refused" in line and "accumulator='int32' only" in line for line in lines), lines
     # auto on a GPU-only backend is refused on CPU; forced, the accumulator decides.
     cls, _ = select_backend("cutlass", int8, frozenset({"contiguous"}), cpu, 256, 128, "int32")
     assert cls is cb.CutlassBackend
     with pytest.raises(RuntimeError, match="accumulator='int32' only"):
         select_backend("cutlass", int8, frozenset({"contiguous"}), cpu, 256, 128, "fp32")
+
+
+def test_own_kernel_missing_says_headers_then_compiler(monkeypatch, tmp_path):
+    from torch.utils import cpp_extension
+
+    from epmoe.experts import cutlass_backend as cb
+
+    monkeypatch.setattr(cb, "find_cutlass_include", lambda: None)
+    assert "CUTLASS headers not found" in cb.own_kernel_missing()
+    monkeypatch.setattr(cb, "find_cutlass_include", lambda: tmp_path)
+    monkeypatch.setenv("EPMOE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
+    assert "CUDA_HOME is not set" in cb.own_kernel_missing()
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(tmp_path))
+    assert cb.own_kernel_missing() is None  # a compiler: the first use builds it
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
+    name = f"epmoe_cutlass_fp8_{cb._build_key(tmp_path)}"
+    (tmp_path / "cache" / "cutlass" / name).mkdir(parents=True)
+    (tmp_path / "cache" / "cutlass" / name / f"{name}.so").write_bytes(b"")
+    assert cb.own_kernel_missing() is None  # a cached build needs no compiler
+
+
+def test_int8_grouped_gemm_checks_host_offsets():
+    from epmoe.experts import cutlass_backend as cb
+
+    a = torch.zeros(256, 32, dtype=torch.int8)
+    b = torch.zeros(2, 16, 32, dtype=torch.int8)
+    with pytest.raises(ValueError, match="non-decreasing multiples of 128"):
+        cb.int8_grouped_gemm(
+            a, torch.ones(256, 1), b, torch.ones(2, 16, 1), torch.tensor([0, 100, 256], dtype=torch.int32)
+        )
 
 
 def test_cutlass_offsets_must_be_row_blocks():
@@ -428,7 +463,8 @@ def _fake_int8_grouped_gemm(a, a_scale, b, b_scale, expert_offsets, out=None):
         lo, hi = offs[e], offs[e + 1]
         if hi > lo:
             acc = a[lo:hi].double() @ b[e].double().t()
-            out[lo:hi] = (acc * a_scale.reshape(-1, 1)[lo:hi].double() * b_scale[e].reshape(1, -1).double()).to(out.dtype)
+            scaled = acc * a_scale.reshape(-1, 1)[lo:hi].double() * b_scale[e].reshape(1, -1).double()
+            out[lo:hi] = scaled.to(out.dtype)
     return out
 
 

@@ -253,7 +253,8 @@ void run_gemm(const typename Gemm::Arguments& args, const at::Tensor& a) {
 
 // block_expert_kernel over the offsets of a's rows: the [ceil(rows / 128)] int32 table, on a's
 // device and the current stream.
-inline at::Tensor block_expert_table(const at::Tensor& a, const at::Tensor& offsets) {
+// Static, like the kernel it launches: each source file that includes this has its own copy.
+static at::Tensor block_expert_table(const at::Tensor& a, const at::Tensor& offsets) {
   auto stream = at::cuda::getCurrentCUDAStream(a.get_device());
   const int num_blocks = static_cast<int>((a.size(0) + kRowBlock - 1) / kRowBlock);
   auto block_expert = at::empty({num_blocks}, a.options().dtype(at::kInt));

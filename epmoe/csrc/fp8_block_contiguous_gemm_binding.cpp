@@ -4,6 +4,8 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include <initializer_list>
+
 namespace epmoe {
 void fp8_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
                               const at::Tensor& b, const at::Tensor& b_scale,
@@ -19,24 +21,31 @@ void int8_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a, const at::T
 
 namespace {
 
+// a [M, K] and b [E, N, K] of one dtype, contiguous, every operand a CUDA tensor on a's device;
+// K and N positive multiples of k_multiple and n_multiple (a K loop of no tile would wait
+// forever) and M, N * K within int32.
+void check_ab(const char* op, const at::Tensor& a, const at::Tensor& b, at::ScalarType dtype,
+              int64_t k_multiple, int64_t n_multiple, std::initializer_list<const at::Tensor*> others) {
+  for (const at::Tensor* t : others) {
+    TORCH_CHECK(t->is_cuda() && a.is_cuda() && t->device() == a.device(), op,
+                ": every operand must be a CUDA tensor on a's device (", a.device(), ")");
+  }
+  TORCH_CHECK(a.dim() == 2 && a.scalar_type() == dtype && a.is_contiguous(), op,
+              ": a must be a contiguous [M, K] ", dtype, " tensor");
+  TORCH_CHECK(b.dim() == 3 && b.scalar_type() == dtype && b.is_contiguous(), op,
+              ": b must be a contiguous [E, N, K] ", dtype, " tensor");
+  const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
+  TORCH_CHECK(b.size(2) == k, op, ": a has K=", k, " but b has K=", b.size(2));
+  TORCH_CHECK(k > 0 && k % k_multiple == 0, op, ": K=", k, " must be a positive multiple of ", k_multiple);
+  TORCH_CHECK(n > 0 && n % n_multiple == 0, op, ": N=", n, " must be a positive multiple of ", n_multiple);
+  TORCH_CHECK(m < (int64_t(1) << 31) && n * k < (int64_t(1) << 31), op, ": M=", m, " or N*K=",
+              n * k, " exceeds int32");
+}
+
 void check_operands(const at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
                     const at::Tensor& b, const at::Tensor& b_scale) {
-  TORCH_CHECK(a.is_cuda() && a_scale.is_cuda() && b.is_cuda() && b_scale.is_cuda() && out.is_cuda(),
-              "fp8_contiguous_gemm: all operands must be CUDA tensors");
-  const auto dev = a.device();
-  for (const at::Tensor* t : {&a_scale, &b, &b_scale, &out}) {
-    TORCH_CHECK(t->device() == dev, "fp8_contiguous_gemm: operands on different devices");
-  }
-  TORCH_CHECK(a.dim() == 2 && a.scalar_type() == at::kFloat8_e4m3fn && a.is_contiguous(),
-              "fp8_contiguous_gemm: a must be a contiguous [M, K] float8_e4m3fn tensor");
-  TORCH_CHECK(b.dim() == 3 && b.scalar_type() == at::kFloat8_e4m3fn && b.is_contiguous(),
-              "fp8_contiguous_gemm: b must be a contiguous [E, N, K] float8_e4m3fn tensor");
+  check_ab("fp8_contiguous_gemm", a, b, at::kFloat8_e4m3fn, 128, 128, {&a_scale, &b, &b_scale, &out});
   const int64_t m = a.size(0), k = a.size(1), e = b.size(0), n = b.size(1);
-  TORCH_CHECK(b.size(2) == k, "fp8_contiguous_gemm: a has K=", k, " but b has K=", b.size(2));
-  TORCH_CHECK(k % 128 == 0 && n % 128 == 0, "fp8_contiguous_gemm: N=", n, " and K=", k,
-              " must be multiples of 128");
-  TORCH_CHECK(m < (int64_t(1) << 31) && n * k < (int64_t(1) << 31),
-              "fp8_contiguous_gemm: M=", m, " or N*K=", n * k, " exceeds int32");
   TORCH_CHECK(a_scale.scalar_type() == at::kFloat && a_scale.is_contiguous() &&
                   a_scale.dim() == 2 && a_scale.size(0) == m && a_scale.size(1) == k / 128,
               "fp8_contiguous_gemm: a_scale must be a contiguous fp32 [M, K/128] tensor");
@@ -73,27 +82,21 @@ void fp8_contiguous_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& 
 void int8_contiguous_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& a_scale,
                           const at::Tensor& b, const at::Tensor& b_scale,
                           const at::Tensor& offsets) {
-  TORCH_CHECK(a.is_cuda() && a_scale.is_cuda() && b.is_cuda() && b_scale.is_cuda() && out.is_cuda() &&
-                  offsets.is_cuda(),
-              "int8_contiguous_gemm: all operands must be CUDA tensors");
-  const auto dev = a.device();
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&a_scale, &b, &b_scale, &out, &offsets}) {
-    TORCH_CHECK(t->device() == dev, "int8_contiguous_gemm: operands on different devices");
-  }
-  TORCH_CHECK(a.dim() == 2 && a.scalar_type() == at::kChar && a.is_contiguous(),
-              "int8_contiguous_gemm: a must be a contiguous [M, K] int8 tensor");
-  TORCH_CHECK(b.dim() == 3 && b.scalar_type() == at::kChar && b.is_contiguous(),
-              "int8_contiguous_gemm: b must be a contiguous [E, N, K] int8 tensor");
-  const int64_t m = a.size(0), k = a.size(1), e = b.size(0), n = b.size(1);
-  TORCH_CHECK(b.size(2) == k, "int8_contiguous_gemm: a has K=", k, " but b has K=", b.size(2));
-  TORCH_CHECK(k % 16 == 0 && n % 8 == 0, "int8_contiguous_gemm: K=", k, " must be a multiple of 16 and N=",
-              n, " of 8 (TMA rows of 16 bytes)");
-  TORCH_CHECK(m < (int64_t(1) << 31) && n * k < (int64_t(1) << 31),
-              "int8_contiguous_gemm: M=", m, " or N*K=", n * k, " exceeds int32");
-  TORCH_CHECK(a_scale.scalar_type() == at::kFloat && a_scale.is_contiguous() && a_scale.numel() == m,
-              "int8_contiguous_gemm: a_scale must be a contiguous fp32 tensor of M=", m, " values");
-  TORCH_CHECK(b_scale.scalar_type() == at::kFloat && b_scale.is_contiguous() && b_scale.numel() == e * n,
-              "int8_contiguous_gemm: b_scale must be a contiguous fp32 tensor of E*N=", e * n, " values");
+  // K in 16-byte TMA rows of A and B; N in 16-byte rows of the bf16 output.
+  check_ab("int8_contiguous_gemm", a, b, at::kChar, 16, 8, {&a_scale, &b, &b_scale, &out, &offsets});
+  const int64_t m = a.size(0), e = b.size(0), n = b.size(1);
+  const bool a_scale_ok = a_scale.dim() == 1 ? a_scale.size(0) == m
+                                             : a_scale.dim() == 2 && a_scale.size(0) == m && a_scale.size(1) == 1;
+  TORCH_CHECK(a_scale.scalar_type() == at::kFloat && a_scale.is_contiguous() && a_scale_ok,
+              "int8_contiguous_gemm: a_scale must be a contiguous fp32 [M] or [M, 1] tensor, M=", m,
+              "; got ", a_scale.sizes());
+  const bool b_scale_ok =
+      b_scale.size(0) == e && b_scale.size(1) == n &&
+      (b_scale.dim() == 2 || (b_scale.dim() == 3 && b_scale.size(2) == 1));
+  TORCH_CHECK(b_scale.scalar_type() == at::kFloat && b_scale.is_contiguous() && b_scale.dim() >= 2 &&
+                  b_scale_ok,
+              "int8_contiguous_gemm: b_scale must be a contiguous fp32 [E, N] or [E, N, 1] tensor, E=", e,
+              ", N=", n, "; got ", b_scale.sizes());
   TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.dim() == 2 &&
                   out.size(0) == m && out.size(1) == n,
               "int8_contiguous_gemm: out must be a contiguous bf16 [M, N] tensor");

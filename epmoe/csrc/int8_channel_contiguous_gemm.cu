@@ -49,21 +49,21 @@ struct Int8ContiguousGemmConfig {
   using TileShape = TileShape_;
   using ClusterShape = ClusterShape_;
 
-  // acc * SB[e][n] (a row vector per expert: L stride N), then * SA[m] (a column vector shared by
-  // every expert: L stride 0), rounded to bf16 once.
-  using RowScale = cutlass::epilogue::fusion::Sm90ColBroadcast<
+  // acc * SB[e][n] (a row vector per expert: CUTLASS's row broadcast, L stride N), then * SA[m] (a
+  // column vector shared by every expert: column broadcast, L stride 0), rounded to bf16 once.
+  using TokenScale = cutlass::epilogue::fusion::Sm90ColBroadcast<
       0, TileShape, float, float, cute::Stride<cute::_1, cute::_0, cute::_0>>;
-  using ColScale = cutlass::epilogue::fusion::Sm90RowBroadcast<
+  using ChannelScale = cutlass::epilogue::fusion::Sm90RowBroadcast<
       0, TileShape, float, float, cute::Stride<cute::_0, cute::_1, int64_t>>;
   using Round = cutlass::FloatRoundStyle;
-  using ScaledByCol = cutlass::epilogue::fusion::Sm90EVT<
+  using ScaledByChannel = cutlass::epilogue::fusion::Sm90EVT<
       cutlass::epilogue::fusion::Sm90Compute<cutlass::multiplies, float, float,
                                              Round::round_to_nearest>,
-      ColScale, cutlass::epilogue::fusion::Sm90AccFetch>;
+      ChannelScale, cutlass::epilogue::fusion::Sm90AccFetch>;
   using Scaled = cutlass::epilogue::fusion::Sm90EVT<
       cutlass::epilogue::fusion::Sm90Compute<cutlass::multiplies, ElementD, float,
                                              Round::round_to_nearest>,
-      RowScale, ScaledByCol>;
+      TokenScale, ScaledByChannel>;
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -103,7 +103,8 @@ typename Cfg::Gemm::Arguments make_int8_arguments(at::Tensor& out, const at::Ten
        reinterpret_cast<const int8_t*>(b.data_ptr()), stride_b},
       {{}, nullptr, stride_d, reinterpret_cast<typename Cfg::ElementD*>(out.data_ptr()), stride_d},
       hardware_info(a, sm_count)};
-  // Tree arguments in the visitor's order: {row scale, {column scale, accumulator, op}, op}.
+  // Tree arguments in the visitor's order (children, then the node's op):
+  // {token scale, {channel scale, accumulator, op}, op}.
   args.epilogue.thread = {
       {a_scale.data_ptr<float>(), 0.0f, {}},
       {{b_scale.data_ptr<float>(), 0.0f, {cute::_0{}, cute::_1{}, static_cast<int64_t>(n)}}, {}, {}},

@@ -38,9 +38,10 @@ import torch
 
 from .. import devices
 from ..layouts import ContiguousBatch, MaskedBatch
-from ..quant.schemes import BLOCK
+from ..quant.schemes import BLOCK, QuantScheme
 from .base import ExpertsBackend, ExpertWeights, check_weights, fp8_gemm_input
 from .fp8_selection import (
+    ENV_VAR,
     cutlass_decision,
     cutlass_warning,
     env_enabled,
@@ -193,9 +194,29 @@ def load_extension(verbose: bool = False):
     except Exception as exc:  # compiler errors arrive as RuntimeError / subprocess errors
         raise CutlassUnavailableError(f"building the CUTLASS extension in {build} failed: {exc}") from exc
     log.warning(
-        "built epmoe's CUTLASS grouped GEMMs (FP8 block, INT8 channel) in %.1f s (cached in %s)", time.perf_counter() - t0, build
-    )
+        "built epmoe's CUTLASS grouped GEMMs (FP8 block, INT8 channel) in %.1f s (cached in %s)",
+        time.perf_counter() - t0, build,
+    )  # fmt: skip
     return getattr(torch.ops, name)
+
+
+def own_kernel_missing() -> str | None:
+    """Why the project's kernels can neither be loaded from the cache nor built here (headers, or
+    a compiler without a cached build), or ``None`` when they can."""
+    include = find_cutlass_include()
+    if include is None:
+        return _headers_error()
+    name = f"epmoe_cutlass_fp8_{_build_key(include)}"
+    if (cache_dir() / "cutlass" / name / f"{name}.so").is_file():
+        return None
+    from torch.utils import cpp_extension
+
+    if cpp_extension.CUDA_HOME is None:
+        return (
+            f"no build is cached under {cache_dir()} and none can be made: CUDA_HOME is not set "
+            "and nvcc is not on PATH"
+        )
+    return None
 
 
 # ----------------------------------------------------------------------------------- sgl-kernel
@@ -238,8 +259,9 @@ def _use_sgl() -> bool:
 
 
 MAX_ROWS = 1 << 30
-"""Rows of ``a`` the project's kernel takes: a block past the last segment may run at a row index
-up to about 2 M + 384 (see the .cuh), which must stay an int32 TMA coordinate."""
+"""Rows of ``a`` the project's kernels take: in the FP8 kernel a block past the last segment may run
+at a row index up to about 2 M + 384 (parked_block_offset in contiguous_gemm_common.cuh), which
+must stay an int32 TMA coordinate."""
 
 
 def check_block_offsets(expert_offsets: torch.Tensor, rows: int) -> None:
@@ -389,7 +411,7 @@ class CutlassBackend(ExpertsBackend):
     schemes = frozenset({"fp8_block", "int8_channel"})
     layouts = frozenset({"contiguous"})
 
-    def __init__(self, scheme, *, accumulator: str = "fp32") -> None:
+    def __init__(self, scheme: QuantScheme, *, accumulator: str = "fp32") -> None:
         super().__init__(scheme, accumulator=accumulator)
         if scheme.name == "int8_channel" and accumulator != "int32":
             raise ValueError(_INT8_ACCUMULATOR)
@@ -432,21 +454,34 @@ class CutlassBackend(ExpertsBackend):
 
     @classmethod
     def supports(
-        cls, scheme, layout: str, device: torch.device, hidden: int, intermediate: int, *, accumulator: str = "fp32"
+        cls,
+        scheme: QuantScheme,
+        layout: str,
+        device: torch.device,
+        hidden: int,
+        intermediate: int,
+        *,
+        accumulator: str = "fp32",
     ) -> tuple[bool, str]:
+        # The INT8 conditions that do not depend on the machine come first, so that a layer the
+        # kernel could never serve (fp32 accumulator) is not told about the machine's.
+        if scheme.name == "int8_channel" and layout in cls.layouts:
+            if accumulator != "int32":
+                return False, _INT8_ACCUMULATOR
+            if hidden % 16 or intermediate % 16:
+                return False, (
+                    f"the INT8 kernel needs hidden and intermediate sizes that are multiples of 16 "
+                    f"(TMA rows of 16 bytes); got hidden={hidden}, intermediate={intermediate}"
+                )
         ok, reason = super().supports(scheme, layout, device, hidden, intermediate, accumulator=accumulator)
         if not ok or scheme.name != "int8_channel":
             return ok, reason
-        if accumulator != "int32":
-            return False, _INT8_ACCUMULATOR
-        if hidden % 16 or intermediate % 16:
-            return False, (
-                f"the INT8 kernel needs hidden and intermediate sizes that are multiples of 16 (TMA "
-                f"rows of 16 bytes); got hidden={hidden}, intermediate={intermediate}"
-            )
-        if find_cutlass_include() is None:  # sgl-kernel has no INT8 grouped GEMM
-            return False, f"the INT8 kernel is the project's own: {_headers_error()}"
-        return True, f"{reason} (INT8: epmoe's CUTLASS kernel)"
+        missing = own_kernel_missing()  # sgl-kernel has no INT8 grouped GEMM
+        if missing:
+            reason = f"{ENV_VAR}=1 but the INT8 kernel is the project's own and {missing}"
+            _warn_once(f"cutlass MoE backend not used for int8_channel: {reason}")
+            return False, reason
+        return True, f"{reason.rsplit(': ', 1)[0]}: epmoe's CUTLASS INT8 kernel"
 
     def warmup(self, weights: ExpertWeights, max_m: int = 0) -> None:
         """Build the extension (first use) so no compile happens inside a timed or captured region."""
@@ -474,19 +509,17 @@ class CutlassBackend(ExpertsBackend):
 
     def _run_int8(self, batch: ContiguousBatch, weights: ExpertWeights) -> torch.Tensor:
         """quantize (per token, unless it arrived so) -> GEMM1 -> silu(gate) * up requantized per
-        token -> GEMM2, bf16 out. The row-wise stages are the Triton backend's; with spare rows
-        (``batch.expected_m``) they see one ``[1, M]`` slab whose row count is
-        ``expert_offsets[-1]`` (as in :meth:`TritonBackend.run_contiguous`), and the GEMMs skip
-        the blocks past the last segment."""
+        token -> GEMM2. GEMM1's output and the pass's are bf16 whatever the layer's dtype (the
+        kernel writes bf16). The row-wise stages are the Triton backend's; with spare rows
+        (``batch.expected_m``) they skip them as in :meth:`TritonBackend.run_contiguous`
+        (:func:`~epmoe.experts.triton_backend.spare_row_slab`), and the GEMMs skip the blocks
+        past the last segment."""
+        from .triton_backend import spare_row_slab
+
         check_weights(weights, self.scheme)
         rows = self._rows
         offsets = batch.expert_offsets
-        if batch.expected_m is None:
-            bound, lift, drop = (None, None), (lambda t: t), (lambda t: t)
-        else:
-            bound = (batch.valid_rows, max(1, batch.expected_m * batch.num_experts))
-            lift = (lambda t: None if t is None else t.unsqueeze(0))  # noqa: E731
-            drop = (lambda t: t.squeeze(0))  # noqa: E731
+        bound, lift, drop = spare_row_slab(batch)
         a, a_scale = rows.gemm1_input(lift(batch.x), lift(batch.x_scale), weights, *bound)
         gate_up = int8_grouped_gemm(drop(a), drop(a_scale), weights.w13, weights.w13_scale, offsets)
         h, h_scale = rows.activation(lift(gate_up), weights, *bound)

@@ -10,7 +10,9 @@ The rule (issue 5):
 
 * ``cutlass`` is considered only when ``SGLANG_CUTLASS_MOE=1``; then it needs a GPU of compute
   capability 9.x, CUDA >= 12.3 (compared as version tuples, so ``"12.10" > "12.3"``), and a kernel:
-  a usable sgl-kernel or the CUTLASS headers for the project's own kernel. With the variable set
+  a usable sgl-kernel or the CUTLASS headers for the project's own kernel. For ``int8_channel``
+  it also needs the int32 accumulator and the project's kernel (headers, and a cached build or a
+  compiler), since sgl-kernel has no INT8 grouped GEMM. With the variable set
   and a condition failing, ``backend="auto"`` logs a warning naming the condition and moves on;
   ``backend="cutlass"`` raises with the same reason.
 * ``deepgemm`` needs compute capability 9.x (DeepGEMM's SM90 kernels; 10.x is SM100, which DeepGEMM
@@ -85,7 +87,8 @@ def cutlass_decision(
     env: Mapping[str, str],
     installed: Mapping[str, bool],
 ) -> Decision:
-    """Whether the cutlass FP8 block backend may run.
+    """Whether the cutlass backend may run on this machine (FP8 block; INT8 channel adds the
+    conditions of ``CutlassBackend.supports``).
 
     Args:
         capability: compute capability of the target GPU, ``None`` without one.

@@ -32,6 +32,18 @@ def _kernels():
     return activation, grouped_gemm, quantize
 
 
+def spare_row_slab(batch: ContiguousBatch):
+    """``(rows_bound, lift, drop)`` for the row-wise kernels over a contiguous batch: with spare
+    rows past the last segment (``batch.expected_m``) they see one ``[1, M]`` masked slab whose row
+    count is ``expert_offsets[-1]`` (skipping the spare rows without a host round trip) and a grid
+    for the rows all experts are expected to fill; ``lift`` makes that slab of a tensor (or
+    ``None``), ``drop`` takes it back. Without spare rows: no bound, and both are identities."""
+    if batch.expected_m is None:
+        return (None, None), (lambda t: t), (lambda t: t)
+    bound = (batch.valid_rows, max(1, batch.expected_m * batch.num_experts))
+    return bound, (lambda t: None if t is None else t.unsqueeze(0)), (lambda t: t.squeeze(0))
+
+
 def _row_args(masked_m: torch.Tensor | None, expected_m: int | None) -> dict:
     """The row-wise kernels' ``masked_m`` / ``expected_m`` (a rows-per-segment hint sizes their
     grid only over a masked batch, so it is dropped without one)."""
@@ -69,16 +81,13 @@ class TritonBackend(ExpertsBackend):
         if batch.expected_m is None:
             return self._run(batch.x, batch.x_scale, weights, out_dtype, expert_offsets=batch.expert_offsets)
         # Spare rows past the last segment: the GEMMs walk the device-side segments and size
-        # their grids from the hint; the row-wise kernels see one [1, M] masked slab whose row
-        # count is expert_offsets[-1], so they skip the spare rows without a host round trip,
-        # with a grid for the rows all experts are expected to fill.
-        slab = (lambda t: None if t is None else t.unsqueeze(0))  # noqa: E731
+        # their grids from the hint; the row-wise kernels skip the spare rows (spare_row_slab).
+        bound, lift, drop = spare_row_slab(batch)
         out = self._run(
-            batch.x.unsqueeze(0), slab(batch.x_scale), weights, out_dtype,
-            rows_bound=(batch.valid_rows, max(1, batch.expected_m * batch.num_experts)),
+            lift(batch.x), lift(batch.x_scale), weights, out_dtype, rows_bound=bound,
             expert_offsets=batch.expert_offsets, expected_m=batch.expected_m,
         )
-        return out.squeeze(0)
+        return drop(out)
 
     def run_masked(
         self, batch: MaskedBatch, weights: ExpertWeights, out_dtype: torch.dtype

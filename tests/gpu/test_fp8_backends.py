@@ -468,7 +468,8 @@ INT8 = get_scheme("int8_channel")
 @pytest.mark.parametrize(
     "counts,n,k,spare",
     [([128, 0, 384, 256], 200, 256, 64), ([256] * 6 + [0, 128], 4096, 512, 0), ([0, 0, 128], 72, 128, 128),
-     ([640, 128, 0, 1024], 7168, 2048, 256), ([0, 0, 0], 64, 128, 128)],
+     ([640, 128, 0, 1024], 7168, 2048, 256), ([0, 0, 0], 64, 128, 128),
+     ([384, 256, 128], 2816, 2880, 128)],  # an odd count of N tiles (11), K not a multiple of 128
 )  # fmt: skip
 def test_cutlass_int8_gemm(counts, n, k, spare):
     """Every element against float64 (the int32 sum is exact; two fp32 products and one bf16
@@ -493,6 +494,25 @@ def test_cutlass_int8_gemm(counts, n, k, spare):
             err = (out[lo:hi].double() - ref).abs()
             assert bool((err <= ref.abs() * 2.0**-8 * (1 + 1e-5)).all()), float((err / ref.abs()).max())
     assert torch.isnan(out[used:]).all(), "spare rows must stay unwritten"
+
+
+@needs_cutlass
+def test_cutlass_int8_gemm_refuses_bad_operands():
+    from epmoe.experts.cutlass_backend import load_extension
+
+    op = load_extension().int8_contiguous_gemm
+    e, n, k, m = 2, 64, 128, 256
+    a = torch.zeros(m, k, dtype=torch.int8, device="cuda")
+    b = torch.zeros(e, n, k, dtype=torch.int8, device="cuda")
+    sa, sb = torch.ones(m, 1, device="cuda"), torch.ones(e, n, 1, device="cuda")
+    offsets = torch.tensor([0, 128, 256], dtype=torch.int32, device="cuda")
+    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(RuntimeError, match="K=0 must be a positive multiple of 16"):
+        op(out, a[:, :0], sa, b[:, :, :0].contiguous(), sb, offsets)
+    with pytest.raises(RuntimeError, match=r"b_scale must be a contiguous fp32 \[E, N\] or \[E, N, 1\]"):
+        op(out, a, sa, b, torch.ones(n, e, device="cuda"), offsets)
+    with pytest.raises(RuntimeError, match="a must be a contiguous"):
+        op(out, a.float(), sa, b, sb, offsets)
 
 
 def _int8_layer(backend: str, **kw):
