@@ -47,6 +47,7 @@ from .fp8_selection import (
     env_enabled,
     machine_facts,
 )
+from .triton_backend import TritonBackend, spare_row_slab
 
 log = logging.getLogger("epmoe")
 
@@ -153,10 +154,7 @@ def load_extension(verbose: bool = False):
     include = find_cutlass_include()
     if include is None:
         raise CutlassUnavailableError(_headers_error())
-    key = _build_key(include)
-    name = f"epmoe_cutlass_fp8_{key}"
-    build = cache_dir() / "cutlass" / name
-    library = build / f"{name}.so"
+    name, build, library = _library(include)
     if library.is_file():
         try:
             torch.ops.load_library(str(library))
@@ -200,14 +198,21 @@ def load_extension(verbose: bool = False):
     return getattr(torch.ops, name)
 
 
+def _library(include: Path) -> tuple[str, Path, Path]:
+    """``(op namespace, build directory, library file)`` of the extension built against
+    ``include`` (the build key names both)."""
+    name = f"epmoe_cutlass_fp8_{_build_key(include)}"
+    build = cache_dir() / "cutlass" / name
+    return name, build, build / f"{name}.so"
+
+
 def own_kernel_missing() -> str | None:
     """Why the project's kernels can neither be loaded from the cache nor built here (headers, or
     a compiler without a cached build), or ``None`` when they can."""
     include = find_cutlass_include()
     if include is None:
         return _headers_error()
-    name = f"epmoe_cutlass_fp8_{_build_key(include)}"
-    if (cache_dir() / "cutlass" / name / f"{name}.so").is_file():
+    if _library(include)[2].is_file():
         return None
     from torch.utils import cpp_extension
 
@@ -415,8 +420,6 @@ class CutlassBackend(ExpertsBackend):
         super().__init__(scheme, accumulator=accumulator)
         if scheme.name == "int8_channel" and accumulator != "int32":
             raise ValueError(_INT8_ACCUMULATOR)
-        from .triton_backend import TritonBackend
-
         # The INT8 path's row-wise stages (quantize, SiLU * up requantized) are the Triton ones.
         self._rows = TritonBackend(scheme, accumulator=accumulator) if self.int8 else None
 
@@ -491,21 +494,22 @@ class CutlassBackend(ExpertsBackend):
     def run_contiguous(
         self, batch: ContiguousBatch, weights: ExpertWeights, out_dtype: torch.dtype
     ) -> torch.Tensor:
-        if self.int8:
-            out = self._run_int8(batch, weights)
-            return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
+        out = self._run_int8(batch, weights) if self.int8 else self._run_fp8(batch, weights)
+        return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
+
+    def _run_fp8(self, batch: ContiguousBatch, weights: ExpertWeights) -> torch.Tensor:
+        """quantize (1x128 e4m3, unless it arrived so) -> GEMM1 -> silu(gate) * up requantized to
+        1x128 e4m3 -> GEMM2, bf16 out; every row of ``batch.x`` runs."""
         from ..kernels import activation
 
         self.require_exact_batch(batch)
-        m = batch.x.shape[0]
         hidden = weights.hidden_size
-        if m == 0:
-            return torch.empty((0, hidden), dtype=out_dtype, device=batch.x.device)
+        if batch.x.shape[0] == 0:
+            return torch.empty((0, hidden), dtype=torch.bfloat16, device=batch.x.device)
         a, a_scale = fp8_gemm_input(batch.x, batch.x_scale, hidden)
         gate_up = grouped_gemm(a, a_scale, weights.w13, weights.w13_scale, batch.expert_offsets)
         h, h_scale = activation.silu_and_mul_quant(gate_up, "group", BLOCK, torch.float8_e4m3fn)
-        out = grouped_gemm(h, h_scale, weights.w2, weights.w2_scale, batch.expert_offsets)
-        return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
+        return grouped_gemm(h, h_scale, weights.w2, weights.w2_scale, batch.expert_offsets)
 
     def _run_int8(self, batch: ContiguousBatch, weights: ExpertWeights) -> torch.Tensor:
         """quantize (per token, unless it arrived so) -> GEMM1 -> silu(gate) * up requantized per
@@ -514,8 +518,6 @@ class CutlassBackend(ExpertsBackend):
         (``batch.expected_m``) they skip them as in :meth:`TritonBackend.run_contiguous`
         (:func:`~epmoe.experts.triton_backend.spare_row_slab`), and the GEMMs skip the blocks
         past the last segment."""
-        from .triton_backend import spare_row_slab
-
         check_weights(weights, self.scheme)
         rows = self._rows
         offsets = batch.expert_offsets
