@@ -219,7 +219,41 @@ def test_deepgemm_api_shim_resolves_renamed_functions():
     assert resolve_api(SimpleNamespace()).contiguous is None
 
 
-def test_cutlass_headers_lookup_and_error(monkeypatch, tmp_path):
+@pytest.fixture
+def fresh_extension():
+    """``load_extension`` with an empty cache before and after the test: it is memoised per
+    process, so a test that loaded (or stood in for) the extension must not decide what a later
+    test's call does (issue 22.13)."""
+    from epmoe.experts import cutlass_backend as cb
+
+    cb.load_extension.cache_clear()
+    yield cb
+    cb.load_extension.cache_clear()
+
+
+def test_load_extension_takes_a_cached_build_without_compiling(fresh_extension, monkeypatch, tmp_path):
+    """A library already in the cache directory is loaded as it is: no compiler is asked for."""
+    from torch.utils import cpp_extension
+
+    cb = fresh_extension
+    inc = tmp_path / "include"
+    (inc / "cutlass").mkdir(parents=True)
+    (inc / "cute").mkdir()
+    (inc / "cutlass" / "cutlass.h").write_text("")
+    monkeypatch.setenv("EPMOE_CUTLASS_DIR", str(inc))
+    monkeypatch.setenv("EPMOE_CACHE_DIR", str(tmp_path / "cache"))
+    name, build, library = cb._library(inc)
+    assert build == tmp_path / "cache" / "cutlass" / name
+    build.mkdir(parents=True)
+    library.write_bytes(b"")
+    loaded = []
+    monkeypatch.setattr(torch.ops, "load_library", loaded.append)
+    monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: pytest.fail("compiled despite a cached build"))
+    ops = cb.load_extension()
+    assert loaded == [str(library)] and ops is getattr(torch.ops, name)
+
+
+def test_cutlass_headers_lookup_and_error(fresh_extension, monkeypatch, tmp_path):
     from epmoe.experts import cutlass_backend as cb
 
     monkeypatch.setenv("EPMOE_CUTLASS_DIR", str(tmp_path))
@@ -323,6 +357,62 @@ def test_int8_grouped_gemm_checks_host_offsets():
         cb.int8_grouped_gemm(
             a, torch.ones(256, 1), b, torch.ones(2, 16, 1), torch.tensor([0, 100, 256], dtype=torch.int32)
         )
+
+
+def _int8_operands(m=256, k=128, n=64, e=2):
+    return dict(a=torch.zeros(m, k, dtype=torch.int8), a_scale=torch.ones(m, 1), b=torch.zeros(e, n, k, dtype=torch.int8),
+                b_scale=torch.ones(e, n, 1), expert_offsets=torch.tensor([0, 128, 256], dtype=torch.int32))  # fmt: skip
+
+
+def _fp8_operands(m=256, k=256, n=128, e=2):
+    f8 = torch.float8_e4m3fn
+    return dict(a=torch.zeros(m, k, dtype=f8), a_scale=torch.ones(m, k // 128), b=torch.zeros(e, n, k, dtype=f8),
+                b_scale=torch.ones(e, n // 128, k // 128), expert_offsets=torch.tensor([0, 128, 256], dtype=torch.int32))  # fmt: skip
+
+
+_BAD_OPERANDS = [
+    # (wrapper, operands, changes, error, message)
+    ("int8", _int8_operands, lambda o: dict(a=o["a"][:, :0], b=o["b"][:, :, :0].contiguous()), ValueError,
+     "K=0 must be a positive multiple of 16"),
+    ("int8", _int8_operands, lambda o: dict(b=o["b"][:, :0], b_scale=o["b_scale"][:, :0]), ValueError,
+     r"N=0 \(b \(2, 0, 128\)\) must be a positive multiple of 8"),
+    ("int8", _int8_operands, lambda o: dict(b_scale=torch.ones(64, 2)), ValueError,
+     r"b_scale has shape \(64, 2\); allowed: \(2, 64, 1\) or \(2, 64\)"),
+    ("int8", _int8_operands, lambda o: dict(a_scale=torch.ones(256, 4)), ValueError, r"a_scale has shape \(256, 4\)"),
+    ("int8", _int8_operands, lambda o: dict(a=o["a"].float()), TypeError, "a must be torch.int8"),
+    ("int8", _int8_operands, lambda o: dict(b_scale=o["b_scale"].double()), TypeError, "b_scale must be torch.float32"),
+    ("int8", _int8_operands, lambda o: dict(a=torch.zeros(256, 96, dtype=torch.int8)), ValueError,
+     r"a has K=96 but b \(2, 64, 128\) has K=128"),
+    ("int8", _int8_operands, lambda o: dict(a=torch.zeros(256, 120, dtype=torch.int8), b=torch.zeros(2, 64, 120, dtype=torch.int8)),
+     ValueError, "K=120 must be a positive multiple of 16"),
+    ("int8", _int8_operands, lambda o: dict(b=o["b"].transpose(1, 2).contiguous().transpose(1, 2)), ValueError,
+     "b must be contiguous"),
+    ("int8", _int8_operands, lambda o: dict(expert_offsets=torch.tensor([0, 256], dtype=torch.int32)), ValueError,
+     r"expert_offsets must be \[E\+1\] = \[3\]"),
+    ("int8", _int8_operands, lambda o: dict(out=torch.empty(256, 64)), ValueError, "out must be a contiguous bf16"),
+    ("int8", _int8_operands, lambda o: {}, ValueError, "a must be a CUDA tensor"),
+    ("fp8", _fp8_operands, lambda o: dict(a=o["a"][:, :0], a_scale=o["a_scale"][:, :0], b=o["b"][:, :, :0].contiguous(),
+                                          b_scale=o["b_scale"][:, :, :0].contiguous()), ValueError,
+     "K=0 must be a positive multiple of 128"),
+    ("fp8", _fp8_operands, lambda o: dict(b=torch.zeros(2, 200, 256, dtype=torch.float8_e4m3fn)), ValueError,
+     "N=200 .* must be a positive multiple of 128"),
+    ("fp8", _fp8_operands, lambda o: dict(b_scale=torch.ones(2, 2, 1)), ValueError,
+     r"b_scale has shape \(2, 2, 1\); allowed: \(2, 1, 2\)"),
+    ("fp8", _fp8_operands, lambda o: {}, ValueError, "a must be a CUDA tensor"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("wrapper, operands, change, error, message", _BAD_OPERANDS)
+def test_cutlass_gemm_wrappers_refuse_bad_operands_before_loading(monkeypatch, wrapper, operands, change, error, message):
+    """Issue 22.12: every refusal happens in Python before the extension is loaded (here there is
+    none: loading it fails the test)."""
+    from epmoe.experts import cutlass_backend as cb
+
+    monkeypatch.setattr(cb, "load_extension", lambda *a, **k: pytest.fail("the extension was loaded"))
+    fn = {"int8": cb.int8_grouped_gemm, "fp8": cb.grouped_gemm}[wrapper]
+    o = operands()
+    with pytest.raises(error, match=message):
+        fn(**{**o, **change(o)})
 
 
 def test_cutlass_offsets_must_be_row_blocks():

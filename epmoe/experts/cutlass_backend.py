@@ -311,38 +311,118 @@ def grouped_gemm(
             unwritten.
 
     Raises:
-        ValueError: ``a`` has ``MAX_ROWS`` rows or more, or host offsets break the rule above.
+        TypeError, ValueError: what :func:`check_operands` refuses (K and N positive multiples of
+            128), ``a`` with ``MAX_ROWS`` rows or more; all before the extension is loaded.
 
     Returns:
         ``out``, ``[M, N]`` bf16.
     """
+    _check_rows(a)
+    check_operands("grouped_gemm", a, a_scale, b, b_scale, expert_offsets, out, dtype=torch.float8_e4m3fn,
+                   k_multiple=BLOCK, n_multiple=BLOCK, a_scale_shapes=lambda m, k: [(m, k // BLOCK)],
+                   b_scale_shapes=lambda e, n, k: [(e, n // BLOCK, k // BLOCK)])  # fmt: skip
     out = _output(a, b, out)
     m = a.shape[0]
     if m == 0 or b.shape[0] == 0:
         return out
-    a_scale = a_scale.float().contiguous()
-    offsets = expert_offsets.to(torch.int32).contiguous()
+    a_scale = a_scale.contiguous()
+    offsets = expert_offsets.to(device=a.device, dtype=torch.int32).contiguous()
     if _use_sgl():
         _sgl_grouped_gemm(out, a, a_scale, b, b_scale, offsets)
         return out
-    offsets = _kernel_offsets(offsets, m, a.device)
-    load_extension().fp8_contiguous_gemm(out, a.contiguous(), a_scale, b, b_scale, offsets, *TILE_ORDER)
+    load_extension().fp8_contiguous_gemm(out, a.contiguous(), a_scale, b, b_scale.contiguous(), offsets, *TILE_ORDER)
     return out
 
 
+def _shape(t) -> str:
+    return f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else repr(t)
+
+
+def check_operands(
+    op: str,
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    out: torch.Tensor | None,
+    *,
+    dtype: torch.dtype,
+    k_multiple: int,
+    n_multiple: int,
+    a_scale_shapes,
+    b_scale_shapes,
+) -> None:
+    """Refuse operands a CUTLASS GEMM wrapper cannot take, before anything reads them: shapes,
+    dtypes, sizes, the scales' shapes, then (host) offsets, then devices.
+
+    The extension checks the same again, but a check compiled into it is only as safe as the
+    toolchain that built it (issue 22: a build on the GPU machine crashed in its error path), so
+    every refusal a user can reach happens here, in Python, without loading the extension.
+
+    Args:
+        op: the wrapper's name, for the messages.
+        a: ``[M, K]`` of ``dtype``; ``b``: ``[E, N, K]`` of ``dtype``, contiguous.
+        a_scale, b_scale: fp32; their allowed shapes are ``a_scale_shapes(m, k)`` and
+            ``b_scale_shapes(e, n, k)`` (lists of shape tuples).
+        expert_offsets: ``[E+1]`` integer row offsets (checked by :func:`check_block_offsets` on
+            the host).
+        out: ``None`` or a contiguous bf16 ``[M, N]`` tensor.
+        k_multiple, n_multiple: what K and N must be positive multiples of.
+
+    Raises:
+        TypeError: a tensor of the wrong dtype (or not a tensor).
+        ValueError: a wrong shape, a size of 0 or not a multiple, a bad host offset, an operand
+            not on ``a``'s CUDA device.
+    """
+    for name, t, want in (("a", a, dtype), ("b", b, dtype), ("a_scale", a_scale, torch.float32),
+                          ("b_scale", b_scale, torch.float32), ("expert_offsets", expert_offsets, None)):  # fmt: skip
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor; got {t!r}")
+        if want is not None and t.dtype != want:
+            raise TypeError(f"{op}: {name} must be {want}; got {_shape(t)}")
+    if a.dim() != 2 or b.dim() != 3:
+        raise ValueError(f"{op}: a must be [M, K] and b [E, N, K]; got a {_shape(a)} and b {_shape(b)}")
+    (m, k), (e, n, kb) = a.shape, b.shape
+    if kb != k:
+        raise ValueError(f"{op}: a has K={k} but b {tuple(b.shape)} has K={kb}")
+    if k <= 0 or k % k_multiple:
+        raise ValueError(f"{op}: K={k} must be a positive multiple of {k_multiple}")
+    if n <= 0 or n % n_multiple:
+        raise ValueError(f"{op}: N={n} (b {tuple(b.shape)}) must be a positive multiple of {n_multiple}")
+    if n * k >= 1 << 31:
+        raise ValueError(f"{op}: N*K={n * k} (b {tuple(b.shape)}) must stay below 2**31 (int32 offsets)")
+    if not b.is_contiguous():
+        raise ValueError(f"{op}: b must be contiguous (the weights are read as stored); got strides {b.stride()}")
+    for name, t, allowed in (("a_scale", a_scale, a_scale_shapes(m, k)), ("b_scale", b_scale, b_scale_shapes(e, n, k))):
+        if tuple(t.shape) not in allowed:
+            raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}; allowed: {' or '.join(map(str, allowed))} "
+                             f"(a {tuple(a.shape)}, b {tuple(b.shape)})")  # fmt: skip
+    if expert_offsets.dtype.is_floating_point or expert_offsets.dtype.is_complex or expert_offsets.dtype == torch.bool:
+        raise TypeError(f"{op}: expert_offsets must be an integer tensor; got {_shape(expert_offsets)}")
+    if tuple(expert_offsets.shape) != (e + 1,):
+        raise ValueError(f"{op}: expert_offsets must be [E+1] = [{e + 1}]; got {_shape(expert_offsets)}")
+    if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (m, n) or not out.is_contiguous()):
+        raise ValueError(f"{op}: out must be a contiguous bf16 [M, N] = [{m}, {n}] tensor; got {_shape(out)}")
+    check_block_offsets(expert_offsets, m)
+    if a.device.type != "cuda":
+        raise ValueError(f"{op}: a must be a CUDA tensor; got {_shape(a)}")
+    for name, t in (("b", b), ("a_scale", a_scale), ("b_scale", b_scale), ("out", out)):
+        if t is not None and t.device != a.device:
+            raise ValueError(f"{op}: {name} must be on a's device {a.device}; got {_shape(t)}")
+
+
 def _output(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    """``out``, or a new bf16 ``[M, N]`` tensor, once ``a``'s rows are known to fit the kernels."""
+    """``out``, or a new bf16 ``[M, N]`` tensor."""
     m = a.shape[0]
-    if m >= MAX_ROWS:
-        raise ValueError(f"a has {m} rows; the CUTLASS kernel takes fewer than {MAX_ROWS}")
     return torch.empty((m, b.shape[1]), dtype=torch.bfloat16, device=a.device) if out is None else out
 
 
-def _kernel_offsets(expert_offsets: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
-    """The project's kernels' offsets: int32 on ``device``, checked first when on the host."""
-    offsets = expert_offsets.to(torch.int32).contiguous()
-    check_block_offsets(offsets, rows)
-    return offsets.to(device)
+def _check_rows(a) -> None:
+    """``a``'s rows must fit the kernels (checked first: a view of that many rows is cheap)."""
+    m = a.shape[0]
+    if m >= MAX_ROWS:
+        raise ValueError(f"a has {m} rows; the CUTLASS kernel takes fewer than {MAX_ROWS}")
 
 
 def int8_grouped_gemm(
@@ -366,20 +446,22 @@ def int8_grouped_gemm(
             unwritten.
 
     Raises:
-        ValueError: ``a`` has ``MAX_ROWS`` rows or more, or host offsets break the rule of
-            :func:`check_block_offsets`.
+        TypeError, ValueError: what :func:`check_operands` refuses (K a positive multiple of 16, N
+            of 8), ``a`` with ``MAX_ROWS`` rows or more; all before the extension is loaded.
 
     Returns:
         ``out``, ``[M, N]`` bf16.
     """
+    _check_rows(a)
+    check_operands("int8_grouped_gemm", a, a_scale, b, b_scale, expert_offsets, out, dtype=torch.int8,
+                   k_multiple=16, n_multiple=8, a_scale_shapes=lambda m, k: [(m, 1), (m,)],
+                   b_scale_shapes=lambda e, n, k: [(e, n, 1), (e, n)])  # fmt: skip
     out = _output(a, b, out)
     m = a.shape[0]
     if m == 0 or b.shape[0] == 0:
         return out
-    offsets = _kernel_offsets(expert_offsets, m, a.device)
-    load_extension().int8_contiguous_gemm(
-        out, a.contiguous(), a_scale.float().contiguous(), b, b_scale.float().contiguous(), offsets
-    )
+    offsets = expert_offsets.to(device=a.device, dtype=torch.int32).contiguous()
+    load_extension().int8_contiguous_gemm(out, a.contiguous(), a_scale.contiguous(), b, b_scale.contiguous(), offsets)
     return out
 
 

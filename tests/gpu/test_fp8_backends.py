@@ -55,6 +55,21 @@ needs_cutlass = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(scope="module", autouse=True)
+def fresh_cutlass_build(tmp_path_factory):
+    """The project's CUTLASS kernels as a user gets them: built by the package on first use on
+    this machine, into a fresh cache directory (never a library carried from another machine or
+    toolchain; issue 22.12). One build serves every test of this module."""
+    from epmoe.experts import cutlass_backend as cb
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("EPMOE_CACHE_DIR", str(tmp_path_factory.mktemp("epmoe-cache")))
+    cb.load_extension.cache_clear()
+    yield
+    cb.load_extension.cache_clear()
+    mp.undo()
+
+
 def diff(x: torch.Tensor, y: torch.Tensor) -> float:
     """DeepGEMM's similarity metric: 0 for identical tensors."""
     x, y = x.double(), y.double()
@@ -497,22 +512,33 @@ def test_cutlass_int8_gemm(counts, n, k, spare):
 
 
 @needs_cutlass
-def test_cutlass_int8_gemm_refuses_bad_operands():
-    from epmoe.experts.cutlass_backend import load_extension
+def test_cutlass_int8_gemm_refuses_bad_operands(monkeypatch):
+    """K = 0, N = 0, a b_scale of the wrong shape and a float ``a`` raise in the wrapper before the
+    extension is loaded (a build on this machine crashed in its own error path: issue 22.12); then
+    the same wrapper runs the kernel of this module's fresh build."""
+    from epmoe.experts import cutlass_backend as cb
 
-    op = load_extension().int8_contiguous_gemm
     e, n, k, m = 2, 64, 128, 256
-    a = torch.zeros(m, k, dtype=torch.int8, device="cuda")
-    b = torch.zeros(e, n, k, dtype=torch.int8, device="cuda")
-    sa, sb = torch.ones(m, 1, device="cuda"), torch.ones(e, n, 1, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
+    b = torch.randint(-127, 128, (e, n, k), dtype=torch.int8, device="cuda", generator=g)
+    sa, sb = torch.ones(m, 1, device="cuda"), torch.full((e, n, 1), 1 / 4096, device="cuda")
     offsets = torch.tensor([0, 128, 256], dtype=torch.int32, device="cuda")
-    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-    with pytest.raises(RuntimeError, match="K=0 must be a positive multiple of 16"):
-        op(out, a[:, :0], sa, b[:, :, :0].contiguous(), sb, offsets)
-    with pytest.raises(RuntimeError, match=r"b_scale must be a contiguous fp32 \[E, N\] or \[E, N, 1\]"):
-        op(out, a, sa, b, torch.ones(n, e, device="cuda"), offsets)
-    with pytest.raises(RuntimeError, match="a must be a contiguous"):
-        op(out, a.float(), sa, b, sb, offsets)
+    load = cb.load_extension
+    monkeypatch.setattr(cb, "load_extension", lambda *a, **k: pytest.fail("loaded before the operands were checked"))
+    with pytest.raises(ValueError, match="K=0 must be a positive multiple of 16"):
+        cb.int8_grouped_gemm(a[:, :0], sa, b[:, :, :0].contiguous(), sb, offsets)
+    with pytest.raises(ValueError, match="N=0 .* must be a positive multiple of 8"):
+        cb.int8_grouped_gemm(a, sa, b[:, :0], sb[:, :0], offsets)
+    with pytest.raises(ValueError, match=r"b_scale has shape \(64, 2\); allowed: \(2, 64, 1\) or \(2, 64\)"):
+        cb.int8_grouped_gemm(a, sa, b, torch.ones(n, e, device="cuda"), offsets)
+    with pytest.raises(TypeError, match="a must be torch.int8"):
+        cb.int8_grouped_gemm(a.float(), sa, b, sb, offsets)
+    monkeypatch.setattr(cb, "load_extension", load)
+    out = cb.int8_grouped_gemm(a, sa, b, sb, offsets)
+    ref = torch.cat([a[:128].double() @ b[0].double().t(), a[128:].double() @ b[1].double().t()]) / 4096
+    assert bool(((out.double() - ref).abs() <= ref.abs() * 2.0**-8).all())
+    assert cb._library(cb.find_cutlass_include())[2].is_file()  # built here, in the fresh cache
 
 
 def _int8_layer(backend: str, **kw):
