@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .dispatch.deepep_dispatch import DeepEPBuffer
+from .dispatch import DeepEPBuffer
 from .layer import DeepEPMoELayer
 from .quant import SCHEMES, get_scheme, quantize_weight
 from .reference import moe_float64

@@ -7,6 +7,7 @@ between them once, and composes them per batch:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import numbers
@@ -123,7 +124,7 @@ class DeepEPMoELayer(nn.Module):
             in DeepEP until its timeout); ``"deepep_auto"`` knows every rank's count and runs such a
             batch host-synced instead. ``validate=True`` still reads its checks back on the host
             before the dispatch.
-        deepep_buffer: a :class:`epmoe.dispatch.deepep_dispatch.DeepEPBuffer` shared by the layers of one
+        deepep_buffer: a :class:`epmoe.dispatch.DeepEPBuffer` shared by the layers of one
             group (created on demand when ``None`` and DeepEP is chosen).
         low_latency_int8_payload: for INT8 schemes over low-latency dispatch, ``"float"`` (send
             BF16, quantize after) or ``"fp8_group"`` (send FP8, requantize); see docs/dispatch-deepep.md.
@@ -215,6 +216,8 @@ class DeepEPMoELayer(nn.Module):
             dispatch = os.environ.get("EPMOE_DISPATCH", "auto")
         if backend == "auto":
             backend = os.environ.get("EPMOE_BACKEND", "auto")
+        # Availability needs only the sizes and the group; the backend is picked for the chosen
+        # dispatcher's layouts; then the dispatcher is built from the complete (frozen) config.
         cfg = DispatchConfig(
             num_experts=num_experts,
             hidden_size=hidden_size,
@@ -234,9 +237,11 @@ class DeepEPMoELayer(nn.Module):
             accumulator,
         )
         self.backend = backend_cls(self.scheme, accumulator=accumulator)
-        cfg.alignment = self.backend.alignment
-        cfg.payload, cfg.low_latency_payload = choose_payloads(
+        payload, low_latency_payload = choose_payloads(
             self.scheme, dispatcher_cls.payloads, self.low_latency_int8_payload
+        )
+        cfg = dataclasses.replace(
+            cfg, alignment=self.backend.alignment, payload=payload, low_latency_payload=low_latency_payload
         )
         self.dispatcher = dispatcher_cls(cfg)
         if normal_max_tokens_per_rank is not None and "normal" not in getattr(dispatcher_cls, "modes_needed", ()):

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from deepseek_moe_block import DeepseekV3MoE, MoEConfig, random_checkpoint
-from epmoe.dispatch.deepep_dispatch import DeepEPBuffer
+from epmoe.dispatch import DeepEPBuffer
 
 
 def main():

@@ -10,17 +10,17 @@ import types
 import pytest
 import torch
 
-import epmoe.dispatch.deepep_dispatch as dd
+import epmoe.dispatch.deepep.buffer as db
+import epmoe.dispatch.deepep.dispatchers as dd
 from epmoe.dispatch.base import DispatchConfig
-from epmoe.dispatch.deepep_dispatch import (
+from epmoe.dispatch.deepep import DeepEPBuffer, DeepEPBufferError
+from epmoe.dispatch.deepep.dispatchers import normal_payload, pad_empty_batch
+from epmoe.dispatch.deepep.sizing import (
     BufferNeeds,
-    DeepEPBuffer,
-    DeepEPBufferError,
     choose_mode,
+    expected_rows_per_expert,
     low_latency_shape_problems,
     low_latency_tokens,
-    normal_payload,
-    pad_empty_batch,
     plan_buffer,
 )
 from epmoe.quant.reference import dequantize_rows, quantize_rows
@@ -165,7 +165,7 @@ def fake_deep_ep(monkeypatch):
     _FakeBuffer.made = []
     monkeypatch.setitem(sys.modules, "deep_ep", mod)
     monkeypatch.setattr(DeepEPBuffer, "world_size", property(lambda self: 2))
-    monkeypatch.setattr(dd, "_LIVE_LOW_LATENCY", [0])
+    monkeypatch.setattr(db, "_LIVE_LOW_LATENCY", [0])
     return mod
 
 
@@ -261,8 +261,8 @@ def test_pad_empty_batch():
 
 
 def test_expected_rows_hint():
-    assert dd.expected_rows_per_expert(128, 2, 8, 256) == 8
-    assert dd.expected_rows_per_expert(1, 2, 4, 256) == 1
+    assert expected_rows_per_expert(128, 2, 8, 256) == 8
+    assert expected_rows_per_expert(1, 2, 4, 256) == 1
 
 
 # ------------------------------------------------------------------------------ normal dispatch bound
@@ -298,7 +298,7 @@ def test_normal_dispatch_waits_for_counts_only_without_a_bound(fake_deep_ep, cap
         assert kw["num_worst_tokens"] == 0 and d.padded_rows == [3, 5] and d.expected_m is None
     else:
         assert kw["num_worst_tokens"] == 2 * cap and d.padded_rows is None
-        assert d.expected_m == dd.expected_rows_per_expert(3, 2, 2, 4)
+        assert d.expected_m == expected_rows_per_expert(3, 2, 2, 4)
         with pytest.raises(ValueError, match="batch of 65 tokens exceeds normal_max_tokens_per_rank=64 on rank 0"):
             disp.send(torch.randn(65, 256), None, torch.zeros(65, 2, dtype=torch.int64), torch.rand(65, 2))
     disp.buffer.close()
@@ -340,7 +340,7 @@ def test_layer_says_a_normal_bound_has_no_effect_without_deepep(caplog):
 
 
 def test_normal_mode_sm_count(fake_deep_ep, monkeypatch):
-    monkeypatch.setattr(dd, "sm_count", lambda: 132)
+    monkeypatch.setattr(db, "sm_count", lambda: 132)
     buf = DeepEPBuffer(num_sms=64)
     buf.register(needs(modes={"normal"}))
     b = buf.get()
@@ -375,7 +375,7 @@ def test_auto_decides_the_bound_from_the_largest_batch(fake_deep_ep, monkeypatch
     kw = _FakeBuffer.made[-1].dispatch_kw
     if bounded:
         assert kw["num_worst_tokens"] == 32 and d.padded_rows is None
-        assert d.expected_m == dd.expected_rows_per_expert(global_max, 2, 2, 16)
+        assert d.expected_m == expected_rows_per_expert(global_max, 2, 2, 16)
         assert "exceeds normal_max_tokens_per_rank" not in caplog.text
     else:
         assert kw["num_worst_tokens"] == 0 and d.padded_rows == [3, 5] and d.expected_m is None
@@ -431,12 +431,12 @@ def test_low_latency_dispatch_and_combine_wiring(fake_deep_ep, t, payload):
         assert (sent["ids"] == -1).all()
     else:
         assert torch.equal(sent["ids"], ids.long())
-    assert sent["tokens"] == disp.buffer.plan.ll_max_tokens == dd.low_latency_tokens(6, 2)
+    assert sent["tokens"] == disp.buffer.plan.ll_max_tokens == low_latency_tokens(6, 2)
     assert sent["experts"] == 16 and sent["use_fp8"] == (payload == "fp8_group")
     assert sent["kw"] == dict(async_finish=False, return_recv_hook=False)
     assert d.layout == "masked" and d.combine_applies_weights and d.num_tokens == t
     assert (d.x_scale is not None) == (payload == "fp8_group")
-    assert d.expected_m == dd.expected_rows_per_expert(max(t, 1), 2, 2, 16)
+    assert d.expected_m == expected_rows_per_expert(max(t, 1), 2, 2, 16)
     y = torch.zeros(8, disp.buffer.plan.ll_max_tokens * 2, 2048, dtype=torch.bfloat16)
     out = disp.combine(y, d)
     got = buf.ll_combine
@@ -444,3 +444,42 @@ def test_low_latency_dispatch_and_combine_wiring(fake_deep_ep, t, payload):
     assert got["weights"].shape == (max(t, 1), 2) and got["kw"] == dict(async_finish=False, return_recv_hook=False)
     assert out.shape == (t, 2048)
     disp.buffer.close()
+
+
+# ------------------------------------------------------------------------------ frozen config, composition
+def test_config_is_frozen_and_complete_before_the_dispatcher():
+    import dataclasses
+
+    from epmoe.layer import DeepEPMoELayer
+
+    cfg = DispatchConfig(num_experts=16, hidden_size=2048, top_k=2, world_size=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.alignment = 128
+    with pytest.raises(ValueError, match="payload='int4'; allowed"):
+        DispatchConfig(num_experts=16, hidden_size=2048, top_k=2, payload="int4")
+    layer = DeepEPMoELayer(16, 4, 256, 128, quant="int8_channel", backend="torch", device="cpu")
+    assert layer.dispatcher.cfg.alignment == layer.backend.alignment
+    assert layer.dispatcher.cfg.payload == "int8_token" and layer.payload == "int8_token"
+
+
+def test_auto_composes_a_normal_and_a_low_latency_dispatcher(fake_deep_ep):
+    """deepep_auto holds two ordinary dispatchers on one buffer; the caller's config is not written
+    (a private buffer goes into a derived copy); each batch's handle says which mode sent it."""
+    fake_deep_ep.Buffer = type("_Both", (_FakeDispatchBuffer, _FakeLowLatencyBuffer), {})
+    cfg = DispatchConfig(num_experts=16, hidden_size=2048, top_k=2, world_size=2, max_tokens_per_rank=8,
+                         payload="int8_token")  # fmt: skip
+    auto = dd.DeepEPAutoDispatcher(cfg)
+    assert cfg.deepep_buffer is None and auto.cfg.deepep_buffer is auto.buffer
+    assert type(auto.normal) is dd.DeepEPNormalDispatcher and type(auto.low_latency) is dd.DeepEPLowLatencyDispatcher
+    assert auto.normal.buffer is auto.buffer is auto.low_latency.buffer
+    assert auto.normal.cfg.payload == "int8_token" and auto.low_latency.cfg.payload == "float"
+    assert {n.modes for n in auto.buffer.needs} == {frozenset({"normal"}), frozenset({"low_latency"})}
+    ids, w = torch.tensor([[0, 3], [1, 2], [2, 0]]), torch.rand(3, 2)
+    for mode, handle_type in (("low_latency", dd.LowLatencyHandle), ("normal", dd.NormalHandle)):
+        auto._decide = lambda n, dev, mode=mode: (mode, 3)
+        d = auto.dispatch(torch.randn(3, 2048), ids, w)
+        assert type(d.handle) is handle_type and d.handle.num_tokens == 3
+        assert (d.x.dtype == torch.int8) == (mode == "normal")  # normal carries the config's payload
+        y = torch.zeros(d.x.shape, dtype=torch.bfloat16) if mode == "low_latency" else torch.zeros(3, 2048)
+        assert auto.combine(y, d).shape == (3, 2048)
+    auto.buffer.close()

@@ -1,7 +1,7 @@
 """``epmoe bench layer``: the EP layer over DeepEP on 2 GPUs at DeepSeek-V3 shapes.
 
 Two ranks (torch.multiprocessing, NCCL), 256 experts, top-8, H = 7168, I = 2048 (128 experts per
-rank), one shared :class:`~epmoe.dispatch.deepep_dispatch.DeepEPBuffer`:
+rank), one shared :class:`~epmoe.dispatch.DeepEPBuffer`:
 
 * prefill: 4096 tokens per rank, ``deepep_normal``; decode: 128 tokens per rank,
   ``deepep_low_latency``; schemes bf16, int8_channel, int8_block (backend ``auto``);
@@ -46,7 +46,7 @@ PHASES = ("quantize", "dispatch", "scatter", "quantize_post", "gemm1", "activati
 
 
 def _parse(argv):
-    from epmoe.dispatch.deepep_dispatch import check_num_sms
+    from epmoe.dispatch.deepep.sizing import check_num_sms
 
     p = argparse.ArgumentParser(prog="epmoe bench layer", description=__doc__.split("\n\n")[0])
     p.add_argument("--prefill-tokens", type=int, default=4096)
@@ -317,7 +317,7 @@ def _combine_input(cache, shape, device):
 
 def _deepep_raw(owner, layer, x_in, ids, w, mode, iters, warmup, device):
     """DeepEP's own dispatch and combine time for the same payload (deep_ep.Buffer directly)."""
-    from epmoe.dispatch.deepep_dispatch import normal_payload
+    from epmoe.dispatch.deepep.dispatchers import normal_payload
     from epmoe.quant.payload import quantize_payload
 
     buf = owner.get()
@@ -507,7 +507,7 @@ def _graph_dc(owner, layer, x_in, ids, w, iters, device):
 
 def _ll_int8_study(owner, x, ids, device, iters, warmup):
     """Low-latency INT8 payloads: BF16 dispatch + INT8 quantize vs FP8 dispatch + requantize."""
-    from epmoe.dispatch.deepep_dispatch import expected_rows_per_expert
+    from epmoe.dispatch.deepep.sizing import expected_rows_per_expert
     from epmoe.kernels import quantize as qz
 
     if owner.clean_low_latency():
@@ -576,7 +576,8 @@ def _rank_main(rank, args, port, out_path):
         "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
         timeout=datetime.timedelta(seconds=300), device_id=device,
     )  # fmt: skip
-    from epmoe.dispatch.deepep_dispatch import BufferNeeds, DeepEPBuffer
+    from epmoe.dispatch.deepep import DeepEPBuffer
+    from epmoe.dispatch.deepep.sizing import BufferNeeds
     from epmoe.kernels.configs import mode_and_accumulator
     from epmoe.layer import DeepEPMoELayer
 

@@ -32,6 +32,9 @@ PAYLOADS = ("float", "int8_token", "int8_group", "fp8_group")
 """Activation formats on the wire: the input dtype; int8 with a per-token or per-1x128 fp32 scale;
 e4m3 with per-1x128 fp32 scales."""
 
+LOW_LATENCY_PAYLOADS = ("float", "fp8_group")
+"""What low-latency paths carry: BF16, or FP8 with 1x128 scales cast inside the collective."""
+
 
 @dataclass
 class Dispatched:
@@ -73,9 +76,10 @@ class Dispatched:
         return "masked" if self.masked_m is not None else "contiguous"
 
 
-@dataclass
+@dataclass(frozen=True)
 class DispatchConfig:
-    """What a dispatcher is built from (the layer fills it in).
+    """What a dispatcher is built from: complete before it is built, never written after (frozen;
+    derive a variant with :func:`dataclasses.replace`).
 
     Attributes:
         num_experts: global expert count ``E``.
@@ -90,7 +94,8 @@ class DispatchConfig:
         normal_max_tokens_per_rank: a bound on every rank's batch that normal-mode DeepEP
             dispatch may assume (``None``: none). With it the host does not wait for the receive
             counts: buffers are sized for ``world_size x`` this many received tokens.
-        deepep_buffer: the shared DeepEP buffer owner, when DeepEP is used.
+        deepep_buffer: the shared DeepEP buffer owner, when DeepEP is used (``None``: a DeepEP
+            dispatcher makes a private one).
         payload: what the dispatcher quantizes activations into before sending them (one of
             :data:`PAYLOADS`; the layer picks the scheme's own format when the dispatcher carries it).
         low_latency_payload: the same for low-latency paths, which cast inside the collective:
@@ -113,9 +118,15 @@ class DispatchConfig:
     low_latency_payload: str = "float"
 
     def __post_init__(self) -> None:
-        self.normal_max_tokens_per_rank = check_positive_int(
+        # Frozen: the normalized value replaces the given one once, here, before anyone reads it.
+        object.__setattr__(self, "normal_max_tokens_per_rank", check_positive_int(
             "normal_max_tokens_per_rank", self.normal_max_tokens_per_rank, optional=True
-        )
+        ))  # fmt: skip
+        for name, value, allowed in (
+            ("payload", self.payload, PAYLOADS), ("low_latency_payload", self.low_latency_payload, LOW_LATENCY_PAYLOADS),
+        ):  # fmt: skip
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r}; allowed: {list(allowed)}")
 
     @property
     def num_local_experts(self) -> int:
