@@ -12,17 +12,18 @@ import logging
 import math
 import numbers
 import os
-import re
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .checkpoint import loading
 from .dispatch.base import DispatchConfig, Dispatched
 from .dispatch.select import select_dispatcher
 from .experts.base import ExpertWeights
 from .experts.select import select_backend
+from .inputs import INPUT_DTYPES, check_forward_inputs, check_forward_values
 from .layouts import MaskedBatch, gather_weighted, to_contiguous
 from .quant.payload import choose_payloads
 from .quant.schemes import BLOCK, get_scheme
@@ -31,14 +32,7 @@ from .tensors import as_contiguous, capturing, check_positive_int
 
 log = logging.getLogger("epmoe")
 
-INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LOW_LATENCY_INT8_PAYLOADS = ("float", "fp8_group")
-
-_EXPERT_NAME = re.compile(
-    r"(?:^|\.)experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale|weight_scale_inv)$"
-)
-_BIAS_NAME = re.compile(r"(?:^|\.)e_score_correction_bias$")
-_VALUE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def _resolve_group(group) -> tuple[object, int, int]:
@@ -65,27 +59,6 @@ def _default_device(device) -> torch.device:
         elif device.index >= torch.cuda.device_count():
             raise ValueError(f"device={asked!r}: this process sees {torch.cuda.device_count()} CUDA device(s)")
     return device
-
-
-def _check_tensor(name: str, value, *, optional: bool = False) -> None:
-    if not isinstance(value, torch.Tensor) and not (optional and value is None):
-        allowed = "a torch.Tensor or None" if optional else "a torch.Tensor"
-        raise TypeError(f"{name} must be {allowed}; got {type(value).__name__}")
-
-
-def _check_finite(named: list[tuple[str, torch.Tensor]]) -> None:
-    """Raise ``ValueError`` naming the first scale or correction bias among ``named`` with a NaN or
-    Inf (one host sync for all): they multiply everything they touch, so a NaN there is a broken
-    checkpoint. Weights are not checked (a pass over every weight on each load)."""
-    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
-    for name, t in named:
-        multiplier = "scale" in name or _BIAS_NAME.search(name)
-        if multiplier and t.device.type != "meta":  # meta: shapes only, nothing to check
-            by_device.setdefault(t.device, []).append((name, torch.isfinite(t).all()))
-    for flags in by_device.values():
-        for (name, _), good in zip(flags, torch.stack([f for _, f in flags]).tolist()):
-            if not good:
-                raise ValueError(f"{name} holds NaN or Inf; scales and the correction bias must be finite")
 
 
 class DeepEPMoELayer(nn.Module):
@@ -297,7 +270,6 @@ class DeepEPMoELayer(nn.Module):
             self.scheme, self.w13_weight, self.w2_weight, self.w13_weight_scale, self.w2_weight_scale
         )
 
-    @torch.no_grad()
     def load_experts(
         self,
         w13: torch.Tensor,
@@ -312,43 +284,8 @@ class DeepEPMoELayer(nn.Module):
             w2: ``[E, H, I]``.
             w13_scale, w2_scale: fp32 scales of the scheme's shape over all ``E`` experts.
         """
-        sl = slice(self.first_expert, self.first_expert + self.num_local_experts)
-        items = [("w13", w13, self.w13_weight), ("w2", w2, self.w2_weight)]
-        if self.scheme.quantized:
-            for name, scale in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
-                if scale is None:
-                    raise ValueError(f"{name} is required for quant={self.scheme.name!r}")
-            items += [
-                ("w13_scale", w13_scale, self.w13_weight_scale),
-                ("w2_scale", w2_scale, self.w2_weight_scale),
-            ]
-        for name, src, dst in items:  # check everything before copying anything
-            _check_tensor(name, src)
-            expected = (self.num_experts, *dst.shape[1:])
-            if tuple(src.shape) != expected:
-                raise ValueError(f"{name} has shape {tuple(src.shape)}; expected {list(expected)}")
-            self._check_dtype(name, src, dst)
-        _check_finite([(name, src[sl]) for name, src, _ in items])
-        for _, src, dst in items:
-            dst.copy_(src[sl])
+        loading.load_experts(self, w13, w2, w13_scale, w2_scale)
 
-    def _check_dtype(self, name: str, src: torch.Tensor, dst: torch.Tensor) -> None:
-        if dst.dtype in (torch.int8, torch.float8_e4m3fn) and src.dtype != dst.dtype:
-            raise TypeError(
-                f"{name} has dtype {src.dtype}; quant={self.scheme.name!r} stores {dst.dtype} "
-                "(convert the checkpoint with `epmoe convert`)"
-            )
-        # A plain float parameter takes plain float values only: e4m3 codes copied without their
-        # scales would load silently wrong.
-        if dst.dtype not in (torch.int8, torch.float8_e4m3fn) and src.dtype not in _VALUE_DTYPES:
-            quantized = src.dtype in (torch.int8, torch.float8_e4m3fn) and "scale" not in name
-            raise TypeError(
-                f"{name} has dtype {src.dtype}; quant={self.scheme.name!r} takes "
-                f"{[str(d) for d in _VALUE_DTYPES]} here"
-                + (" (quantized checkpoints need the matching quant=)" if quantized else "")
-            )
-
-    @torch.no_grad()
     def load_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = True
     ) -> set[str]:
@@ -370,159 +307,9 @@ class DeepEPMoELayer(nn.Module):
         Returns:
             The names that were loaded into this rank's parameters.
         """
-        copies: dict[tuple, tuple[str, torch.Tensor, torch.Tensor]] = {}
-        i, h = self.intermediate_size, self.hidden_size
-        for name, tensor in named_tensors:
-            if _BIAS_NAME.search(name):
-                if self.e_score_correction_bias is None:
-                    if strict:
-                        raise ValueError(
-                            f"{name}: this layer was built with use_correction_bias=False "
-                            "(pass use_correction_bias=True, or strict=False to skip it)"
-                        )
-                    continue
-                _check_tensor(name, tensor)
-                if tuple(tensor.shape) != (self.num_experts,):
-                    raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected [{self.num_experts}]")
-                self._plan_copy(copies, ("bias",), name, self.e_score_correction_bias, tensor.float())
-                continue
-            m = _EXPERT_NAME.search(name)
-            if m is None:
-                if strict:
-                    raise ValueError(
-                        f"checkpoint tensor {name!r} is not an expert weight: expected names ending "
-                        "in 'experts.<id>.<gate_proj|up_proj|down_proj>.<weight|weight_scale|"
-                        "weight_scale_inv>' or 'e_score_correction_bias' (pass strict=False to skip)"
-                    )
-                continue
-            expert, proj, kind = int(m.group(1)), m.group(2), m.group(3)
-            if expert >= self.num_experts:
-                raise ValueError(f"{name}: expert id {expert} is out of range [0, {self.num_experts})")
-            local = expert - self.first_expert
-            if not 0 <= local < self.num_local_experts:
-                continue
-            _check_tensor(name, tensor)
-            rows = {"gate_proj": slice(0, i), "up_proj": slice(i, 2 * i), "down_proj": slice(0, h)}[proj]
-            n, k = (i, h) if proj != "down_proj" else (h, i)
-            if kind == "weight":
-                dst = (self.w2_weight if proj == "down_proj" else self.w13_weight)[local, rows]
-                expected = (n, k)
-            else:
-                if not self.scheme.quantized:
-                    raise ValueError(f"{name}: quant='bf16' takes no weight scales")
-                full = self.w2_weight_scale if proj == "down_proj" else self.w13_weight_scale
-                dst, expected = self._scale_slot(full[local], proj, n, k)
-                if tensor.dim() == 1 and self.scheme.weight_granularity == "channel":
-                    tensor = tensor.unsqueeze(1)
-            if tuple(tensor.shape) != expected:
-                raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected {list(expected)}")
-            self._check_dtype(name, tensor, dst)
-            self._plan_copy(copies, (expert, proj, kind.startswith("weight_scale")), name, dst, tensor)
-        _check_finite([(name, src) for name, _, src in copies.values()])
-        for _, dst, src in copies.values():
-            dst.copy_(src)
-        return {name for name, _, _ in copies.values()}
-
-    @staticmethod
-    def _plan_copy(copies: dict, slot: tuple, name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if slot in copies:
-            raise ValueError(
-                f"{name} fills the same slot as {copies[slot][0]}: pass one MoE layer's tensors per "
-                "load_weights call"
-            )
-        copies[slot] = (name, dst, src)
-
-    def _scale_slot(self, scale: torch.Tensor, proj: str, n: int, k: int):
-        """The view of one expert's scale tensor that ``proj`` fills, and its expected shape."""
-        if self.scheme.weight_granularity == "channel":
-            if proj == "down_proj":
-                return scale, (n, 1)
-            start = 0 if proj == "gate_proj" else n
-            return scale[start : start + n], (n, 1)
-        nb, kb = -(-n // BLOCK), -(-k // BLOCK)
-        if proj == "down_proj":
-            return scale, (nb, kb)
-        start = 0 if proj == "gate_proj" else nb
-        return scale[start : start + nb], (nb, kb)
+        return loading.load_weights(self, named_tensors, strict)
 
     # ---------------------------------------------------------------------------------- forward
-    def _check_inputs(self, hidden_states, router_logits, topk_ids, topk_weights) -> None:
-        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2:
-            raise ValueError(
-                f"hidden_states must be a [T, hidden_size={self.hidden_size}] tensor; got "
-                f"{tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__}"
-            )
-        for name, tensor in (("router_logits", router_logits), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
-            _check_tensor(name, tensor, optional=True)
-        t, h = hidden_states.shape
-        if h != self.hidden_size:
-            raise ValueError(f"hidden_states has hidden size {h}; the layer has hidden_size={self.hidden_size}")
-        if hidden_states.dtype not in INPUT_DTYPES:
-            raise TypeError(f"hidden_states has dtype {hidden_states.dtype}; allowed: {list(INPUT_DTYPES)}")
-        if hidden_states.device != self.device:
-            raise ValueError(f"hidden_states is on {hidden_states.device}; the layer is on {self.device}")
-        for name, tensor in (("router_logits", router_logits), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
-            if tensor is not None and tensor.device != self.device:
-                raise ValueError(f"{name} is on {tensor.device}; the layer is on {self.device}")
-        if (router_logits is None) == (topk_ids is None and topk_weights is None):
-            raise ValueError("pass either router_logits or both topk_ids and topk_weights")
-        if router_logits is not None:
-            if tuple(router_logits.shape) != (t, self.num_experts):
-                raise ValueError(
-                    f"router_logits has shape {tuple(router_logits.shape)}; expected [{t}, {self.num_experts}]"
-                )
-            if not router_logits.is_floating_point():
-                raise TypeError(f"router_logits has dtype {router_logits.dtype}; expected floating point")
-            return
-        if topk_ids is None or topk_weights is None:
-            raise ValueError("topk_ids and topk_weights must be given together")
-        for name, tensor in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
-            if tuple(tensor.shape) != (t, self.top_k):
-                raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected [{t}, {self.top_k}]")
-        if topk_ids.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"topk_ids has dtype {topk_ids.dtype}; allowed: int32, int64")
-        if not topk_weights.is_floating_point():
-            raise TypeError(f"topk_weights has dtype {topk_weights.dtype}; expected floating point")
-
-    def _check_values(self, router_logits, topk_ids, topk_weights) -> None:
-        """Value checks that need a host sync; skipped while a CUDA graph is being captured."""
-        if not self.validate or capturing(self.device):
-            return
-        check_logits = router_logits is not None and router_logits.numel() > 0
-        check_ids = topk_ids is not None and topk_ids.numel() > 0
-        check_dups = check_ids and "masked" in self.dispatcher.layouts and topk_ids.shape[1] > 1
-        # Every statistic goes into one tensor, read back once: one host sync, not one per check.
-        stats = []
-        if check_logits:
-            stats.append(torch.isfinite(router_logits).all().long())
-        if check_ids:  # the weights come with the ids
-            stats += [topk_ids.min().long(), topk_ids.max().long(), torch.isfinite(topk_weights).all().long()]
-        if check_dups:
-            # Fixed-capacity dispatch sizes each expert's slab for one row per token and rank:
-            # a token naming an expert twice would overflow it. The first such row, or T if none.
-            s = topk_ids.sort(dim=1).values
-            rows = torch.arange(s.shape[0], device=s.device)
-            stats.append(torch.where((s[:, 1:] == s[:, :-1]).any(dim=1), rows, s.shape[0]).min())
-        if not stats:
-            return
-        values = iter(torch.stack(stats).tolist())  # all on self.device (_check_inputs)
-        if check_logits and not next(values):
-            raise ValueError("router_logits contain NaN or Inf; routing on them is undefined")
-        if check_ids:
-            lo, hi, weights_finite = next(values), next(values), next(values)
-            if lo < 0 or hi >= self.num_experts:
-                bad = lo if lo < 0 else hi
-                raise ValueError(f"topk_ids contains expert id {bad}, outside [0, {self.num_experts})")
-            if not weights_finite:
-                raise ValueError("topk_weights contain NaN or Inf; the weighted sum over experts is undefined")
-        if check_dups:
-            t = next(values)
-            if t < topk_ids.shape[0]:
-                raise ValueError(
-                    f"topk_ids row {t} names an expert more than once ({topk_ids[t].tolist()}); "
-                    f"dispatch={self.dispatcher.name!r} needs distinct experts per token"
-                )
-
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[T, E]`` logits -> ``(topk_ids [T, k] int64, topk_weights [T, k] fp32)``."""
         self._check_bias()
@@ -568,8 +355,15 @@ class DeepEPMoELayer(nn.Module):
             ``[T, H]`` in the dtype of ``hidden_states``. A NaN/Inf in a token's hidden state makes
             that token's output non-finite and leaves the other tokens' outputs unchanged.
         """
-        self._check_inputs(hidden_states, router_logits, topk_ids, topk_weights)
-        self._check_values(router_logits, topk_ids, topk_weights)
+        check_forward_inputs(
+            hidden_states, router_logits, topk_ids, topk_weights, hidden_size=self.hidden_size,
+            num_experts=self.num_experts, top_k=self.top_k, device=self.device,
+        )  # fmt: skip
+        if self.validate:
+            check_forward_values(
+                router_logits, topk_ids, topk_weights, num_experts=self.num_experts, device=self.device,
+                dispatch_name=self.dispatcher.name, distinct_experts="masked" in self.dispatcher.layouts,
+            )  # fmt: skip
         if router_logits is not None:
             topk_ids, topk_weights = self.route(router_logits)
         # as_contiguous: no-op conversions cost microseconds of host time, which eager decode pays.

@@ -31,3 +31,11 @@ def as_contiguous(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Te
     if (dtype is None or t.dtype == dtype) and t.is_contiguous():
         return t
     return (t if dtype is None else t.to(dtype)).contiguous()
+
+
+def check_tensor(name: str, value, *, optional: bool = False) -> None:
+    """Raise ``TypeError`` naming ``name`` unless ``value`` is a ``torch.Tensor`` (or ``None``
+    when ``optional``)."""
+    if not isinstance(value, torch.Tensor) and not (optional and value is None):
+        allowed = "a torch.Tensor or None" if optional else "a torch.Tensor"
+        raise TypeError(f"{name} must be {allowed}; got {type(value).__name__}")

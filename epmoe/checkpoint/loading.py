@@ -1,0 +1,153 @@
+"""Loading checkpoint tensors into one rank's ``DeepEPMoELayer``: which slot of which parameter
+each tensor fills, and the checks made before anything is copied."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from ..quant.schemes import BLOCK, QuantScheme
+from ..tensors import check_tensor
+from .names import EXPECTED_FORMS, is_correction_bias, parse_expert_name
+
+_QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+_VALUE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def check_finite(named: list[tuple[str, torch.Tensor]]) -> None:
+    """Raise ``ValueError`` naming the first scale or correction bias among ``named`` with a NaN or
+    Inf (one host sync for all): they multiply everything they touch, so a NaN there is a broken
+    checkpoint. Weights are not checked (a pass over every weight on each load)."""
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in named:
+        multiplier = "scale" in name or is_correction_bias(name)
+        if multiplier and t.device.type != "meta":  # meta: shapes only, nothing to check
+            by_device.setdefault(t.device, []).append((name, torch.isfinite(t).all()))
+    for flags in by_device.values():
+        for (name, _), good in zip(flags, torch.stack([f for _, f in flags]).tolist()):
+            if not good:
+                raise ValueError(f"{name} holds NaN or Inf; scales and the correction bias must be finite")
+
+
+def check_dtype(scheme: QuantScheme, name: str, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Raise ``TypeError`` unless ``src`` may be copied into the parameter ``dst``: quantized
+    parameters take their own dtype only, float parameters plain float values only."""
+    if dst.dtype in _QUANT_DTYPES and src.dtype != dst.dtype:
+        raise TypeError(
+            f"{name} has dtype {src.dtype}; quant={scheme.name!r} stores {dst.dtype} "
+            "(convert the checkpoint with `epmoe convert`)"
+        )
+    # A plain float parameter takes plain float values only: e4m3 codes copied without their
+    # scales would load silently wrong.
+    if dst.dtype not in _QUANT_DTYPES and src.dtype not in _VALUE_DTYPES:
+        quantized = src.dtype in _QUANT_DTYPES and "scale" not in name
+        raise TypeError(
+            f"{name} has dtype {src.dtype}; quant={scheme.name!r} takes "
+            f"{[str(d) for d in _VALUE_DTYPES]} here"
+            + (" (quantized checkpoints need the matching quant=)" if quantized else "")
+        )
+
+
+@torch.no_grad()
+def load_experts(layer, w13, w2, w13_scale=None, w2_scale=None) -> None:
+    """Copy the ``layer``'s slice of global stacked expert tensors into its parameters
+    (``DeepEPMoELayer.load_experts`` documents the arguments). Everything is checked first."""
+    scheme = layer.scheme
+    sl = slice(layer.first_expert, layer.first_expert + layer.num_local_experts)
+    items = [("w13", w13, layer.w13_weight), ("w2", w2, layer.w2_weight)]
+    if scheme.quantized:
+        for name, scale in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+            if scale is None:
+                raise ValueError(f"{name} is required for quant={scheme.name!r}")
+        items += [("w13_scale", w13_scale, layer.w13_weight_scale), ("w2_scale", w2_scale, layer.w2_weight_scale)]
+    for name, src, dst in items:  # check everything before copying anything
+        check_tensor(name, src)
+        expected = (layer.num_experts, *dst.shape[1:])
+        if tuple(src.shape) != expected:
+            raise ValueError(f"{name} has shape {tuple(src.shape)}; expected {list(expected)}")
+        check_dtype(scheme, name, src, dst)
+    check_finite([(name, src[sl]) for name, src, _ in items])
+    for _, src, dst in items:
+        dst.copy_(src[sl])
+
+
+def _scale_slot(scheme: QuantScheme, scale: torch.Tensor, proj: str, n: int, k: int):
+    """The view of one expert's scale tensor that ``proj`` fills, and its expected shape."""
+    if scheme.weight_granularity == "channel":
+        if proj == "down_proj":
+            return scale, (n, 1)
+        start = 0 if proj == "gate_proj" else n
+        return scale[start : start + n], (n, 1)
+    nb, kb = -(-n // BLOCK), -(-k // BLOCK)
+    if proj == "down_proj":
+        return scale, (nb, kb)
+    start = 0 if proj == "gate_proj" else nb
+    return scale[start : start + nb], (nb, kb)
+
+
+def _plan_copy(copies: dict, slot: tuple, name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+    if slot in copies:
+        raise ValueError(
+            f"{name} fills the same slot as {copies[slot][0]}: pass one MoE layer's tensors per "
+            "load_weights call"
+        )
+    copies[slot] = (name, dst, src)
+
+
+@torch.no_grad()
+def load_weights(layer, named_tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> set[str]:
+    """Copy checkpoint tensors named the DeepSeek/HF way into ``layer``'s parameters
+    (``DeepEPMoELayer.load_weights`` documents the rules). Returns the names loaded."""
+    scheme = layer.scheme
+    copies: dict[tuple, tuple[str, torch.Tensor, torch.Tensor]] = {}
+    i, h = layer.intermediate_size, layer.hidden_size
+    for name, tensor in named_tensors:
+        if is_correction_bias(name):
+            if layer.e_score_correction_bias is None:
+                if strict:
+                    raise ValueError(
+                        f"{name}: this layer was built with use_correction_bias=False "
+                        "(pass use_correction_bias=True, or strict=False to skip it)"
+                    )
+                continue
+            check_tensor(name, tensor)
+            if tuple(tensor.shape) != (layer.num_experts,):
+                raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected [{layer.num_experts}]")
+            _plan_copy(copies, ("bias",), name, layer.e_score_correction_bias, tensor.float())
+            continue
+        parsed = parse_expert_name(name)
+        if parsed is None:
+            if strict:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} is not an expert weight: expected names ending "
+                    f"in {EXPECTED_FORMS} (pass strict=False to skip)"
+                )
+            continue
+        expert, proj, kind = parsed.expert, parsed.proj, parsed.kind
+        if expert >= layer.num_experts:
+            raise ValueError(f"{name}: expert id {expert} is out of range [0, {layer.num_experts})")
+        local = expert - layer.first_expert
+        if not 0 <= local < layer.num_local_experts:
+            continue
+        check_tensor(name, tensor)
+        rows = {"gate_proj": slice(0, i), "up_proj": slice(i, 2 * i), "down_proj": slice(0, h)}[proj]
+        n, k = (i, h) if proj != "down_proj" else (h, i)
+        if kind == "weight":
+            dst = (layer.w2_weight if proj == "down_proj" else layer.w13_weight)[local, rows]
+            expected = (n, k)
+        else:
+            if not scheme.quantized:
+                raise ValueError(f"{name}: quant='bf16' takes no weight scales")
+            full = layer.w2_weight_scale if proj == "down_proj" else layer.w13_weight_scale
+            dst, expected = _scale_slot(scheme, full[local], proj, n, k)
+            if tensor.dim() == 1 and scheme.weight_granularity == "channel":
+                tensor = tensor.unsqueeze(1)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected {list(expected)}")
+        check_dtype(scheme, name, tensor, dst)
+        _plan_copy(copies, (expert, proj, parsed.is_scale), name, dst, tensor)
+    check_finite([(name, src) for name, _, src in copies.values()])
+    for _, dst, src in copies.values():
+        dst.copy_(src)
+    return {name for name, _, _ in copies.values()}
