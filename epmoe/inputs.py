@@ -86,7 +86,7 @@ def check_forward_values(
     being captured on ``device``. Call after :func:`check_forward_inputs`.
 
     Args:
-        num_experts: ids must lie in ``[0, num_experts)``.
+        num_experts: ids must lie in ``[0, num_experts)``, or be ``-1`` (a padded slot).
         dispatch_name: the dispatcher, named in the repeated-expert error.
         distinct_experts: the dispatcher needs distinct experts per token (fixed-capacity slabs).
     """
@@ -106,7 +106,8 @@ def check_forward_values(
         # a token naming an expert twice would overflow it. The first such row, or T if none.
         s = topk_ids.sort(dim=1).values
         rows = torch.arange(s.shape[0], device=s.device)
-        stats.append(torch.where((s[:, 1:] == s[:, :-1]).any(dim=1), rows, s.shape[0]).min())
+        dup = ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any(dim=1)  # -1 slots may repeat
+        stats.append(torch.where(dup, rows, s.shape[0]).min())
     if not stats:
         return
     values = iter(torch.stack(stats).tolist())  # all on one device (check_forward_inputs)
@@ -114,9 +115,12 @@ def check_forward_values(
         raise ValueError("router_logits contain NaN or Inf; routing on them is undefined")
     if check_ids:
         lo, hi, weights_finite = next(values), next(values), next(values)
-        if lo < 0 or hi >= num_experts:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"topk_ids contains expert id {bad}, outside [0, {num_experts})")
+        if lo < -1 or hi >= num_experts:
+            bad = lo if lo < -1 else hi
+            raise ValueError(
+                f"topk_ids contains expert id {bad}, outside [0, {num_experts}) (-1 is allowed: a "
+                "padded slot that selects no expert)"
+            )
         if not weights_finite:
             raise ValueError("topk_weights contain NaN or Inf; the weighted sum over experts is undefined")
     if check_dups:

@@ -20,6 +20,7 @@ from torch import nn
 
 from .checkpoint import loading
 from .dispatch.base import DispatchConfig, Dispatched
+from .dispatch.collective import check_agreement
 from .dispatch.select import select_dispatcher
 from .experts.base import ExpertWeights
 from .experts.select import select_backend
@@ -232,6 +233,18 @@ class DeepEPMoELayer(nn.Module):
         # written (keyed on storage and version counter), not per batch.
         self._prepared: tuple[tuple, ExpertWeights] | None = None
         self._bias_checked: tuple | None = None  # (storage, version) of the bias last found finite
+        # What every rank must agree on (their wire formats and sizes follow from it), compared
+        # once over the group (see _agree).
+        self._fingerprint = {
+            "quant": self.scheme.name, "num_experts": num_experts, "hidden_size": hidden_size,
+            "intermediate_size": intermediate_size, "top_k": top_k, "dispatch": self.dispatcher.name,
+            "payload": cfg.payload, "low_latency_payload": cfg.low_latency_payload,
+            "accumulator": accumulator, "params_dtype": params_dtype, "alignment": cfg.alignment,
+            "max_tokens_per_rank": max_tokens_per_rank, "normal_max_tokens_per_rank": normal_max_tokens_per_rank,
+        }  # fmt: skip
+        self._agreed = self.world_size == 1
+        if not self._agreed and self.device.type != "meta":
+            self._agree(self.device)
         for line in dlines + blines:
             log.info("rank %d: %s", self.rank, line)
         log.info(
@@ -349,7 +362,18 @@ class DeepEPMoELayer(nn.Module):
         Args:
             hidden_states: ``[T, H]`` bf16/fp16/fp32 (``T = 0`` allowed).
             router_logits: ``[T, E]``; or instead ``topk_ids [T, k]`` (int, global ids) and
-                ``topk_weights [T, k]``.
+                ``topk_weights [T, k]``. An id of ``-1`` (padding, as DeepEP and vLLM use it)
+                selects no expert: the slot contributes nothing, whatever its weight, with every
+                dispatcher and with ``validate`` on or off (a token whose slots are all ``-1`` gets
+                zeros). Any other negative id, or one ``>= num_experts``, is refused by
+                ``validate=True``.
+
+        Across ranks: the layer compares its arguments over the group once (one small
+        collective, when it is built; at its first forward when built on the meta device) and
+        raises :class:`~epmoe.dispatch.RankMismatchError` on every rank naming the first that
+        differs; a batch whose input dtype differs between
+        the ranks raises the same way with ``all_to_all`` (its per-batch header carries it; with
+        DeepEP the rows travel as BF16 or the layer's fixed payload whatever the input dtype).
 
         Returns:
             ``[T, H]`` in the dtype of ``hidden_states``. A NaN/Inf in a token's hidden state makes
@@ -364,6 +388,8 @@ class DeepEPMoELayer(nn.Module):
                 router_logits, topk_ids, topk_weights, num_experts=self.num_experts, device=self.device,
                 dispatch_name=self.dispatcher.name, distinct_experts="masked" in self.dispatcher.layouts,
             )  # fmt: skip
+        if not self._agreed:
+            self._agree(hidden_states.device)
         if router_logits is not None:
             topk_ids, topk_weights = self.route(router_logits)
         # as_contiguous: no-op conversions cost microseconds of host time, which eager decode pays.
@@ -372,6 +398,27 @@ class DeepEPMoELayer(nn.Module):
         y = self._run_experts(dispatched, hidden_states.dtype)
         out = self.dispatcher.combine(y, dispatched)
         return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
+
+    def _agree(self, device: torch.device) -> None:
+        """Compare the fingerprint over the group: one small all-gather, once per layer.
+
+        At build, so that a mismatch surfaces where the arguments are, before a checkpoint is
+        loaded into a layer that cannot run (every rank builds its layers in the same order, as
+        it will call them). A layer built on the meta device must not communicate (nothing is
+        materialized yet, and the collective's tensor needs a real device): it compares at its
+        first forward instead, which is collective anyway. A mismatch raises on every rank,
+        before any token moves."""
+        if capturing(device):
+            raise RuntimeError(
+                "the first forward of a DeepEPMoELayer compares its arguments over the group (one "
+                "collective); run one batch eagerly before capturing a CUDA graph"
+            )
+        check_agreement(
+            {k: str(v) for k, v in self._fingerprint.items()}, what="DeepEPMoELayer arguments",
+            group=self.group, device=device, rank=self.rank, world=self.world_size,
+            timeout_s=self.dispatcher.cfg.timeout_s,
+        )  # fmt: skip
+        self._agreed = True
 
     def _weights(self) -> ExpertWeights:
         weights = self.expert_weights()

@@ -132,3 +132,156 @@ def run_timeout(rank, world, port, out_path):
     with open(out_path, "w") as f:
         json.dump(result, f)
     os._exit(0)
+
+
+def _raised(call) -> dict:
+    """What ``call()`` raised: ``{raised, message, is_collective_error}`` (``raised`` None if nothing)."""
+    import epmoe.dispatch as ed
+
+    start = time.monotonic()
+    try:
+        call()
+        out = dict(raised=None)
+    except Exception as exc:  # noqa: BLE001 - the test inspects what was raised
+        out = dict(raised=type(exc).__name__, message=str(exc),
+                   is_collective_error=isinstance(exc, ed.CollectiveError),
+                   is_mismatch=isinstance(exc, ed.RankMismatchError))  # fmt: skip
+    out["seconds"] = time.monotonic() - start
+    return out
+
+
+# Fields of the layer's fingerprint, each built differently on rank 1 than on rank 0:
+# (field, common kwargs, rank 0's kwargs, rank 1's kwargs).
+MISMATCHES = [
+    ("num_experts", {}, dict(num_experts=16), dict(num_experts=32)),
+    ("hidden_size", {}, dict(hidden_size=256), dict(hidden_size=128)),
+    ("intermediate_size", {}, dict(intermediate_size=128), dict(intermediate_size=256)),
+    ("top_k", {}, dict(top_k=4), dict(top_k=2)),
+    ("quant", {}, dict(quant="bf16"), dict(quant="int8_channel")),
+    ("accumulator", dict(quant="int8_channel"), dict(accumulator="fp32"), dict(accumulator="int32")),
+    ("params_dtype", {}, dict(params_dtype=torch.float32), dict(params_dtype=torch.bfloat16)),
+    ("low_latency_payload", dict(quant="int8_channel"), dict(low_latency_int8_payload="float"),
+     dict(low_latency_int8_payload="fp8_group")),
+    ("max_tokens_per_rank", {}, dict(max_tokens_per_rank=128), dict(max_tokens_per_rank=64)),
+    ("normal_max_tokens_per_rank", {}, {}, dict(normal_max_tokens_per_rank=64)),
+]  # fmt: skip
+
+
+def run_mismatch(rank, world, port, out_path):
+    """Two ranks built or called with arguments that must agree: every case raises on both ranks
+    (and leaves the group usable: a matching batch afterwards is correct); ``-1`` ids over
+    all-to-all. One JSON line per case in ``out_path.<rank>``."""
+    init(rank, world, port, "cpu")
+    rows = []
+
+    def layer(**kw):
+        args = dict(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, dispatch="all_to_all",
+                    backend="torch", device="cpu", params_dtype=torch.float32, timeout_s=20)  # fmt: skip
+        args.update(kw)
+        return DeepEPMoELayer(**args)
+
+    try:
+        for field, common, kw0, kw1 in MISMATCHES:
+            rows.append(dict(case=field, **_raised(lambda: layer(**common, **(kw0 if rank == 0 else kw1)))))
+        # Fields the CPU cannot build differently (one dispatcher runs here): the comparison itself.
+        from epmoe.dispatch.collective import check_agreement
+
+        for field in ("dispatch", "payload", "alignment"):
+            fields = dict(num_experts="16", dispatch="all_to_all", payload="int8_token", alignment="1")
+            fields[field] = {"dispatch": ("all_to_all", "deepep_auto"), "payload": ("int8_token", "float"),
+                             "alignment": ("1", "128")}[field][rank]  # fmt: skip
+            rows.append(dict(case=field, **_raised(lambda: check_agreement(
+                fields, what="DeepEPMoELayer arguments", group=None, device=torch.device("cpu"),
+                rank=rank, world=world, timeout_s=20))))  # fmt: skip
+        # A meta-device layer does not communicate at build (rank 1 builds none; timeout_s=1).
+        rows.append(dict(case="meta_build", **_raised(
+            lambda: layer(device="meta", timeout_s=1) if rank == 0 else None)))  # fmt: skip
+
+        # Per-batch header: the input dtype differs between the ranks (same width, other bits; and
+        # another width), for a float payload and for an int8 payload (the combine brings back
+        # each rank's own dtype).
+        x, ids, w = make_case("random", rank, E, K, H)
+        for quant in ("bf16", "int8_channel"):
+            lay = layer(quant=quant)
+            stored, _ = make_weights(E, H, I, quant)
+            lay.load_experts(*stored)
+            for dtypes in ((torch.float16, torch.bfloat16), (torch.float32, torch.bfloat16)):
+                xin = x.to(dtypes[rank])
+                rows.append(dict(case=f"header_{quant}_{dtypes[0]}_{dtypes[1]}",
+                                 **_raised(lambda: lay(xin, topk_ids=ids, topk_weights=w))))  # fmt: skip
+            # The group is still in step: a batch that agrees runs and is right.
+            _, (w13, w2) = make_weights(E, H, I, quant)
+            out = lay(x, topk_ids=ids, topk_weights=w)
+            ref = moe_reference(x, ids, w, w13, w2, quant)
+            rows.append(dict(case=f"after_header_{quant}", err=rel_err(out, ref)))
+
+        # -1 ids (padding): the slot contributes nothing; a token of only -1 slots gets zeros.
+        stored, (w13, w2) = make_weights(E, H, I, "bf16")
+        pad = ids.clone()
+        pad[::3, 1] = -1
+        pad[1::4] = -1
+        keep = pad >= 0
+        ref = moe_reference(x, pad.clamp(min=0), w * keep, w13, w2, "bf16")
+        for validate in (True, False):
+            lay = layer(validate=validate)
+            lay.load_experts(*stored)
+            out = lay(x, topk_ids=pad, topk_weights=w)
+            rows.append(dict(case=f"pad_validate_{validate}", err=rel_err(out, ref),
+                             zero_rows=bool((out[1::4] == 0).all())))  # fmt: skip
+        bad = pad.clone()
+        bad[0, 0] = -2  # on both ranks: validation refuses it before any collective
+        lay = layer()
+        rows.append(dict(case="pad_minus_two", **_raised(lambda: lay(x, topk_ids=bad, topk_weights=w))))
+    except Exception:
+        rows.append(dict(case="worker", error=traceback.format_exc()))
+    with open(f"{out_path}.{rank}", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    os._exit(0)
+
+
+KILL_POINTS = ("DeepEPMoELayer arguments", "dispatch counts", "dispatch payload", "combine payload")
+
+
+def run_dead_peers(rank, world, port, out_path):
+    """Rank 0 and rank k (k = 1..4) form pair group k; rank k dies at collective k - 1 of
+    :data:`KILL_POINTS` (the layer's build-time comparison, then the three collectives of a
+    forward). Rank 0 must raise CollectiveError naming that collective each time, within
+    timeout_s; each pair has its own gloo context, so one death leaves the other pairs intact."""
+    init(rank, world, port, "cpu")
+    groups = [dist.new_group([0, k]) for k in range(1, world)]
+    timeout_s = 5.0
+
+    def build(group):
+        return DeepEPMoELayer(E, K, H, I, dispatch="all_to_all", backend="torch", device="cpu", group=group,
+                              params_dtype=torch.float32, timeout_s=timeout_s)  # fmt: skip
+
+    x, ids, w = make_case("random", 0, E, K, H)
+    if rank > 0:
+        point = rank - 1
+        if point == 0:
+            os._exit(0)  # before the build's comparison
+        layer = build(groups[rank - 1])
+        real, calls = dist.all_to_all_single, [0]
+
+        def dying(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == point:
+                os._exit(0)
+            return real(*args, **kwargs)
+
+        dist.all_to_all_single = dying
+        layer(x, topk_ids=ids, topk_weights=w)
+        time.sleep(60)  # never reached: the peer died above
+        os._exit(1)
+    rows = []
+    for k, what in enumerate(KILL_POINTS):
+
+        def case(g=groups[k]):
+            layer = build(g)
+            layer(x, topk_ids=ids, topk_weights=w)
+
+        rows.append(dict(collective=what, timeout_s=timeout_s, **_raised(case)))
+    with open(out_path, "w") as f:
+        json.dump(rows, f)
+    os._exit(0)

@@ -483,3 +483,66 @@ def test_auto_composes_a_normal_and_a_low_latency_dispatcher(fake_deep_ep):
         y = torch.zeros(d.x.shape, dtype=torch.bfloat16) if mode == "low_latency" else torch.zeros(3, 2048)
         assert auto.combine(y, d).shape == (3, 2048)
     auto.buffer.close()
+
+
+# ------------------------------------------------------------------------------ issue 22.2 / 22.3
+class _FakeBothBuffer(_FakeDispatchBuffer, _FakeLowLatencyBuffer):
+    def get_dispatch_layout(self, topk_ids, num_experts):
+        self.layout_ids = topk_ids
+        return super().get_dispatch_layout(topk_ids, num_experts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_wire_formats_are_fixed_at_build_not_by_the_input_dtype(fake_deep_ep, dtype):
+    """What DeepEP is handed depends on the config (fingerprinted across ranks), never on the
+    batch's input dtype: float rows as BF16 (dispatch and combine), int8 payloads as int8 + fp32
+    scales, low-latency rows as BF16. So ranks calling with fp16 and bf16 exchange the same bytes."""
+    fake_deep_ep.Buffer = _FakeBothBuffer
+    ids, w = torch.tensor([[0, 3], [1, 2], [2, 0]]), torch.rand(3, 2)
+    x = torch.randn(3, 2048).to(dtype)
+    for payload in ("float", "int8_token"):
+        cfg = DispatchConfig(num_experts=16, hidden_size=2048, top_k=2, world_size=2, payload=payload)
+        disp = dd.DeepEPNormalDispatcher(cfg)
+        d = disp.dispatch(x, ids, w)
+        buf = _FakeBuffer.made[-1]
+        sent = d.x
+        if payload == "float":
+            assert sent.dtype == torch.bfloat16
+        else:
+            assert sent.dtype == torch.int8 and d.x_scale.dtype == torch.float32
+        disp.combine(torch.zeros(3, 2048, dtype=dtype), d)
+        assert buf.combined["y"].dtype == torch.bfloat16
+        disp.buffer.close()
+    ll = dd.DeepEPLowLatencyDispatcher(DispatchConfig(num_experts=16, hidden_size=2048, top_k=2, world_size=2))
+    d = ll.dispatch(x, ids, w)
+    assert _FakeBuffer.made[-1].ll_dispatch["x"].dtype == torch.bfloat16
+    ll.combine(torch.zeros(d.x.shape, dtype=dtype), d)
+    assert _FakeBuffer.made[-1].ll_combine["y"].dtype == torch.bfloat16
+    ll.buffer.close()
+
+
+def test_minus_one_ids_reach_deep_ep_unchanged(fake_deep_ep):
+    """-1 selects no expert: every DeepEP dispatcher hands the ids to DeepEP as they are (its
+    layout, dispatch and low-latency kernels skip -1 slots), neither refused nor rewritten."""
+    fake_deep_ep.Buffer = _FakeBothBuffer
+    ids = torch.tensor([[0, -1], [-1, -1], [2, 9]])
+    w = torch.rand(3, 2)
+    x = torch.randn(3, 2048)
+    cfg = DispatchConfig(num_experts=16, hidden_size=2048, top_k=2, world_size=2, max_tokens_per_rank=8)
+    normal = dd.DeepEPNormalDispatcher(cfg)
+    normal.dispatch(x, ids, w)
+    buf = _FakeBuffer.made[-1]
+    assert torch.equal(buf.layout_ids, ids) and torch.equal(buf.dispatch_kw["topk_idx"], ids)
+    normal.buffer.close()
+    ll = dd.DeepEPLowLatencyDispatcher(cfg)
+    d = ll.dispatch(x, ids, w)
+    assert torch.equal(_FakeBuffer.made[-1].ll_dispatch["ids"], ids) and torch.equal(d.handle.topk_ids, ids)
+    ll.buffer.close()
+    auto = dd.DeepEPAutoDispatcher(cfg)
+    for mode in ("low_latency", "normal"):
+        auto._decide = lambda n, dev, mode=mode: (mode, 3)
+        auto.dispatch(x, ids, w)
+        buf = _FakeBuffer.made[-1]
+        got = buf.ll_dispatch["ids"] if mode == "low_latency" else buf.dispatch_kw["topk_idx"]
+        assert torch.equal(got, ids), mode
+    auto.buffer.close()

@@ -66,3 +66,55 @@ def test_dead_peer_raises_a_collective_error(tmp_path):
         result = json.load(f)
     assert result["is_collective_error"], result
     assert "all_to_all dispatcher: collective 'dispatch counts' on rank 0 of 2" in result["message"]
+
+
+def _spawn(fn, world, tmp_path, name):
+    out = str(tmp_path / name)
+    mp.start_processes(fn, args=(world, free_port(), out), nprocs=world, start_method="spawn")
+    return out
+
+
+def test_ranks_that_disagree_raise_on_every_rank(tmp_path):
+    """Issue 22.1-22.3 over gloo, one spawn: each fingerprint field built differently per rank
+    raises on both ranks naming the field and both values (today: wrong outputs or SIGABRT in
+    gloo); input dtypes that differ per batch raise on both ranks and leave the group in step;
+    -1 ids contribute nothing over all_to_all, validated or not, and -2 is still refused."""
+    out = _spawn(ep_worker.run_mismatch, 2, tmp_path, "mismatch")
+    by_rank = []
+    for r in range(2):
+        with open(f"{out}.{r}") as f:
+            by_rank.append({row["case"]: row for row in map(json.loads, f)})
+    for rows in by_rank:
+        assert "worker" not in rows, rows.get("worker")
+        for field, common, kw0, kw1 in ep_worker.MISMATCHES:
+            row = rows[field]
+            assert row["is_mismatch"], (field, row)
+            assert f"the ranks disagree on {field} (rank 0: " in row["message"], (field, row)
+        for field, values in (("dispatch", ("all_to_all", "deepep_auto")), ("payload", ("int8_token", "float")),
+                              ("alignment", ("1", "128"))):  # fmt: skip
+            assert f"the ranks disagree on {field} (rank 0: {values[0]}, rank 1: {values[1]})" in rows[field]["message"]
+        assert rows["num_experts"]["message"].count("rank 0: 16, rank 1: 32") == 1
+        assert "rank 0: torch.float32, rank 1: torch.bfloat16" in rows["params_dtype"]["message"]
+        assert rows["meta_build"]["raised"] is None and rows["meta_build"]["seconds"] < 1
+        for quant in ("bf16", "int8_channel"):
+            fp16 = rows[f"header_{quant}_torch.float16_torch.bfloat16"]
+            assert fp16["is_mismatch"] and "input dtype (rank 0: torch.float16, rank 1: torch.bfloat16)" in fp16["message"]
+            assert rows[f"header_{quant}_torch.float32_torch.bfloat16"]["is_mismatch"]
+            assert rows[f"after_header_{quant}"]["err"] < 1e-3  # fp32 activations and weights
+        for validate in (True, False):
+            row = rows[f"pad_validate_{validate}"]
+            assert row["err"] < 1e-5 and row["zero_rows"], row
+        assert "expert id -2, outside" in rows["pad_minus_two"]["message"]
+
+
+def test_peer_dying_at_each_collective_raises_naming_it(tmp_path):
+    """Issue 22.4: a peer killed at the build's comparison and at each collective of a forward
+    (counts, payload, combine): the survivor raises CollectiveError naming it within timeout_s."""
+    out = _spawn(ep_worker.run_dead_peers, 1 + len(ep_worker.KILL_POINTS), tmp_path, "dead.json")
+    with open(out) as f:
+        rows = json.load(f)
+    assert [r["collective"] for r in rows] == list(ep_worker.KILL_POINTS)
+    for r in rows:
+        assert r["is_collective_error"], r
+        assert f"collective '{r['collective']}' on rank 0 of 2" in r["message"], r
+        assert r["seconds"] < r["timeout_s"] + 5, r

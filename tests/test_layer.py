@@ -214,7 +214,7 @@ def test_bad_forward_inputs():
         (lambda: layer(x, topk_ids=ids[:, :2], topk_weights=w[:, :2]), ValueError, rf"topk_ids has shape \(5, 2\); expected \[5, {K}\]"),
         (lambda: layer(x, topk_ids=ids.float(), topk_weights=w), TypeError, "topk_ids has dtype torch.float32"),
         (lambda: layer(x, topk_ids=ids + E, topk_weights=w), ValueError, rf"expert id {E}, outside \[0, {E}\)"),
-        (lambda: layer(x, topk_ids=ids - 1, topk_weights=w), ValueError, r"expert id -1, outside"),
+        (lambda: layer(x, topk_ids=ids - 2, topk_weights=w), ValueError, r"expert id -2, outside"),  # -1 is padding (issue 22.3)
         (lambda: layer(x, torch.full((5, E), float("nan"))), ValueError, "router_logits contain NaN or Inf"),
         (lambda: layer(x, topk_ids=ids, topk_weights=w * float("nan")), ValueError, "topk_weights contain NaN or Inf"),
         (lambda: layer(x, torch.randn(5, E).numpy()), TypeError, "router_logits must be a torch.Tensor or None; got ndarray"),

@@ -1,10 +1,10 @@
 """Dispatchers: the contract in :mod:`.base`, selection in :mod:`.select`, DeepEP in :mod:`.deepep`."""
 
-from .all_to_all import CollectiveError, CollectiveTimeoutError
+from .collective import CollectiveError, CollectiveTimeoutError, RankMismatchError
 from .base import PAYLOADS, DispatchConfig, Dispatched, Dispatcher
 from .deepep import DeepEPBuffer
 
 __all__ = [
     "PAYLOADS", "CollectiveError", "CollectiveTimeoutError", "DeepEPBuffer", "DispatchConfig", "Dispatched",
-    "Dispatcher",
+    "Dispatcher", "RankMismatchError",
 ]  # fmt: skip

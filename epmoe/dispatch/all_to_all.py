@@ -5,28 +5,48 @@ with its top-k ids rewritten to that rank's local ids (``-1`` for the other rank
 weights. Activation, scale, ids and weights travel packed as bytes in one collective, so any 1-byte
 payload (int8, e4m3) works on any backend of torch.distributed.
 
-Every collective whose result the host waits on is given ``timeout_s``: a peer that died or skipped
-the batch raises :class:`CollectiveTimeoutError` naming the collective instead of hanging forever.
-After such an error the process group is unusable; tear it down.
+The receive counts travel in a per-batch header that also carries what the rows are: the
+input dtype (the dtype ``combine`` sends back), the payload dtype and the row widths. Ranks that
+call with different input dtypes (fp16 on one, bf16 on another: same width, other bits) raise
+:class:`~epmoe.dispatch.collective.RankMismatchError` on every rank, naming the field and each
+rank's value, before any payload moves; no collective is added for it.
+
+``-1`` in ``topk_ids`` selects no expert: the slot is sent nowhere and contributes nothing (a token
+whose slots are all ``-1`` comes back as zeros).
+
+Every collective whose result the host waits on is given ``timeout_s``: a peer that died raises
+:class:`CollectiveError`, one that skipped the batch :class:`CollectiveTimeoutError`, naming the
+collective, instead of hanging forever. After such an error the process group is unusable; tear
+it down.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from ..quant.payload import quantize_payload
 from .base import PAYLOADS, DispatchConfig, Dispatched, Dispatcher
+from .collective import CollectiveError, CollectiveTimeoutError, RankMismatchError, first_difference, wait
+
+__all__ = ["AllToAllDispatcher", "CollectiveError", "CollectiveTimeoutError", "RankMismatchError"]
+
+_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.float8_e4m3fn, torch.float64)
+"""Header codes of dtypes (index; 0: not stated)."""
+_HEADER = ("input dtype", "payload dtype", "payload width", "scale width")
+"""Per-batch header fields after the row count, compared over the ranks."""
 
 
-class CollectiveError(RuntimeError):
-    """A collective of the all-to-all dispatcher failed (a peer rank died, or the group broke)."""
+def _code(dtype: torch.dtype | None) -> int:
+    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
 
 
-class CollectiveTimeoutError(CollectiveError):
-    """A collective did not complete in time (a peer rank died or never joined)."""
+def _describe(field: str, value: int) -> str:
+    if field.endswith("dtype"):
+        return str(_DTYPES[value]) if value < len(_DTYPES) else "another dtype"
+    return str(value)
 
 
 @dataclass
@@ -79,25 +99,18 @@ class AllToAllDispatcher(Dispatcher):
         return True, "available"
 
     def _wait(self, work, what: str) -> None:
-        start = time.monotonic()
-        where = f"collective '{what}' on rank {self._rank} of {self._world}"
-        try:
-            while not work.is_completed():
-                waited = time.monotonic() - start
-                if waited > self.timeout_s:
-                    raise CollectiveTimeoutError(
-                        f"all_to_all dispatcher: {where} did not complete within "
-                        f"timeout_s={self.timeout_s:g}; a peer rank died or did not call the "
-                        "layer for this batch"
-                    )
-                # Spin for the first 2 ms (collectives usually finish by then), then yield the CPU.
-                if waited > 2e-3:
-                    time.sleep(1e-4)
-            work.wait()
-        except CollectiveError:
-            raise
-        except RuntimeError as exc:  # the backend's own failure, e.g. a peer's closed connection
-            raise CollectiveError(f"all_to_all dispatcher: {where} failed: {exc}") from exc
+        wait(work, what, who="all_to_all dispatcher", rank=self._rank, world=self._world, timeout_s=self.timeout_s)
+
+    def _check_header(self, rows: list[list[int]]) -> None:
+        """Raise on every rank when the ranks' batches differ in what their rows are: each rank
+        received every rank's header, so all reach the same verdict."""
+        records = [{f: _describe(f, v) for f, v in zip(_HEADER, row[1:])} for row in rows]
+        problem = first_difference(records)
+        if problem is not None:
+            raise RankMismatchError(
+                f"all_to_all dispatcher: this batch's rows differ between the ranks: {problem}; call "
+                "the layer with the same input dtype on every rank (raised on every rank)"
+            )
 
     def _exchange(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int], what):
         recv = send.new_empty((sum(recv_counts), send.shape[1]))
@@ -107,19 +120,40 @@ class AllToAllDispatcher(Dispatcher):
         self._wait(work, what)
         return recv
 
-    def send(self, x, x_scale, topk_ids, topk_weights) -> Dispatched:
+    def dispatch(self, x, topk_ids, topk_weights) -> Dispatched:
+        q, q_scale = quantize_payload(x, self.cfg.payload)
+        return self.send(q, q_scale, topk_ids, topk_weights, input_dtype=x.dtype)
+
+    def send(self, x, x_scale, topk_ids, topk_weights, *, input_dtype: torch.dtype | None = None) -> Dispatched:
+        """As :meth:`Dispatcher.send`, plus:
+
+        Args:
+            input_dtype: the dtype of the rows ``combine`` will send back (the layer's input
+                dtype); ``None``: ``x``'s dtype for a float payload, else not stated. Compared
+                over the ranks in the header.
+        """
         t, k = topk_ids.shape
+        if input_dtype is None and x_scale is None:
+            input_dtype = x.dtype
         e_loc = self.cfg.num_local_experts
-        dest = topk_ids // e_loc
-        on_rank = torch.zeros(t, self._world, dtype=torch.bool, device=x.device)
-        on_rank.scatter_(1, dest, True)
+        # -1 (padding) selects no rank: it adds 0 to rank 0's flag (scatter_add, so a duplicate
+        # index cannot overwrite a real slot's flag).
+        valid = topk_ids >= 0
+        dest = torch.where(valid, topk_ids // e_loc, 0)
+        hits = torch.zeros(t, self._world, dtype=torch.int32, device=x.device)
+        on_rank = hits.scatter_add_(1, dest, valid.to(torch.int32)) > 0
         pairs = on_rank.t().nonzero()  # (rank, token), sorted by rank then token
         send_rank, send_token = pairs[:, 0], pairs[:, 1]
         counts = on_rank.sum(0)
-        recv_counts_t = torch.empty_like(counts)
-        work = dist.all_to_all_single(recv_counts_t, counts, group=self.group, async_op=True)
+        widths = [_code(input_dtype), _code(x.dtype), x.shape[1], 0 if x_scale is None else x_scale.shape[1]]
+        header = torch.tensor(widths, dtype=torch.int64, device=x.device).expand(self._world, -1)
+        header = torch.cat([counts.unsqueeze(1).to(torch.int64), header], dim=1).contiguous()
+        recv_header = torch.empty_like(header)
+        work = dist.all_to_all_single(recv_header, header, group=self.group, async_op=True)
         self._wait(work, "dispatch counts")
-        send_counts, recv_counts = counts.tolist(), recv_counts_t.tolist()
+        rows = recv_header.tolist()
+        self._check_header(rows)
+        send_counts, recv_counts = counts.tolist(), [r[0] for r in rows]
 
         local = topk_ids[send_token] - send_rank.unsqueeze(1) * e_loc
         local = torch.where((local >= 0) & (local < e_loc), local, torch.full_like(local, -1))

@@ -29,7 +29,7 @@ BF16 and 1-byte payloads (``cfg.payload``) with fp32 scales, low-latency mode BF
 inside DeepEP (``cfg.low_latency_payload``), and both combine BF16. The input dtype of a batch
 (bf16 / fp16 / fp32) never reaches the wire, so ranks that call with different input dtypes get
 correct results; the payload formats are part of the layer's cross-rank fingerprint (checked once
-per layer, :mod:`epmoe.dispatch.agreement`). ``-1`` in ``topk_ids`` selects no expert: DeepEP skips
+per layer, :mod:`epmoe.dispatch.collective`). ``-1`` in ``topk_ids`` selects no expert: DeepEP skips
 such slots in its layout, dispatch and combine kernels.
 
 ``deep_ep`` is imported lazily, so this module imports (and its pure helpers run) without it.
