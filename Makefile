@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test docs install clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -27,6 +27,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# The API reference, generated from the docstrings (pdoc, the `docs` extra) into build/docs/.
+DOCS_OUT ?= build/docs
+docs: $(STAMP)
+	$(BIN)/python -c "import pdoc" 2>/dev/null || $(BIN)/python -m pip install -q -e ".[docs]"
+	$(BIN)/python -m pdoc --docformat google -o $(DOCS_OUT) $$($(BIN)/python -c \
+		"import pkgutil, epmoe; print(' '.join(['epmoe'] + ['epmoe.' + m.name for m in pkgutil.iter_modules(epmoe.__path__)]))")
+	@echo "API reference: $(DOCS_OUT)/index.html"
 
 clean:
 	rm -rf $(VENV) build *.egg-info
