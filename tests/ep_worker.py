@@ -167,16 +167,16 @@ MISMATCHES = [
 ]  # fmt: skip
 
 
-def run_mismatch(rank, world, port, out_path):
+def run_mismatch(rank, world, port, out_path, device_type="cpu"):
     """Two ranks built or called with arguments that must agree: every case raises on both ranks
     (and leaves the group usable: a matching batch afterwards is correct); ``-1`` ids over
     all-to-all. One JSON line per case in ``out_path.<rank>``."""
-    init(rank, world, port, "cpu")
+    dev = init(rank, world, port, device_type)
     rows = []
 
     def layer(**kw):
         args = dict(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, dispatch="all_to_all",
-                    backend="torch", device="cpu", params_dtype=torch.float32, timeout_s=20)  # fmt: skip
+                    backend="torch", device=dev, params_dtype=torch.float32, timeout_s=20)  # fmt: skip
         args.update(kw)
         return DeepEPMoELayer(**args)
 
@@ -191,7 +191,7 @@ def run_mismatch(rank, world, port, out_path):
             fields[field] = {"dispatch": ("all_to_all", "deepep_auto"), "payload": ("int8_token", "float"),
                              "alignment": ("1", "128")}[field][rank]  # fmt: skip
             rows.append(dict(case=field, **_raised(lambda: check_agreement(
-                fields, what="DeepEPMoELayer arguments", group=None, device=torch.device("cpu"),
+                fields, what="DeepEPMoELayer arguments", group=None, device=dev,
                 rank=rank, world=world, timeout_s=20))))  # fmt: skip
         # A meta-device layer does not communicate at build (rank 1 builds none; timeout_s=1).
         rows.append(dict(case="meta_build", **_raised(
@@ -200,11 +200,12 @@ def run_mismatch(rank, world, port, out_path):
         # Per-batch header: the input dtype differs between the ranks (same width, other bits; and
         # another width), for a float payload and for an int8 payload (the combine brings back
         # each rank's own dtype).
-        x, ids, w = make_case("random", rank, E, K, H)
+        x, ids, w = (t.to(dev) for t in make_case("random", rank, E, K, H))
+        xc, idc, wc = (t.cpu() for t in (x, ids, w))  # the float64 references run on the CPU
         for quant in ("bf16", "int8_channel"):
             lay = layer(quant=quant)
             stored, _ = make_weights(E, H, I, quant)
-            lay.load_experts(*stored)
+            lay.load_experts(*[None if t is None else t.to(dev) for t in stored])
             for dtypes in ((torch.float16, torch.bfloat16), (torch.float32, torch.bfloat16)):
                 xin = x.to(dtypes[rank])
                 rows.append(dict(case=f"header_{quant}_{dtypes[0]}_{dtypes[1]}",
@@ -212,8 +213,8 @@ def run_mismatch(rank, world, port, out_path):
             # The group is still in step: a batch that agrees runs and is right.
             _, (w13, w2) = make_weights(E, H, I, quant)
             out = lay(x, topk_ids=ids, topk_weights=w)
-            ref = moe_reference(x, ids, w, w13, w2, quant)
-            rows.append(dict(case=f"after_header_{quant}", err=rel_err(out, ref)))
+            ref = moe_reference(xc, idc, wc, w13, w2, quant)
+            rows.append(dict(case=f"after_header_{quant}", err=rel_err(out.cpu(), ref)))
 
         # -1 ids (padding): the slot contributes nothing; a token of only -1 slots gets zeros.
         stored, (w13, w2) = make_weights(E, H, I, "bf16")
@@ -221,11 +222,11 @@ def run_mismatch(rank, world, port, out_path):
         pad[::3, 1] = -1
         pad[1::4] = -1
         keep = pad >= 0
-        ref = moe_reference(x, pad.clamp(min=0), w * keep, w13, w2, "bf16")
+        ref = moe_reference(xc, pad.clamp(min=0).cpu(), (w * keep).cpu(), w13, w2, "bf16")
         for validate in (True, False):
             lay = layer(validate=validate)
-            lay.load_experts(*stored)
-            out = lay(x, topk_ids=pad, topk_weights=w)
+            lay.load_experts(*[None if t is None else t.to(dev) for t in stored])
+            out = lay(x, topk_ids=pad, topk_weights=w).cpu()
             rows.append(dict(case=f"pad_validate_{validate}", err=rel_err(out, ref),
                              zero_rows=bool((out[1::4] == 0).all())))  # fmt: skip
         bad = pad.clone()

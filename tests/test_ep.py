@@ -68,18 +68,19 @@ def test_dead_peer_raises_a_collective_error(tmp_path):
     assert "all_to_all dispatcher: collective 'dispatch counts' on rank 0 of 2" in result["message"]
 
 
-def _spawn(fn, world, tmp_path, name):
+def _spawn(fn, world, tmp_path, name, *extra):
     out = str(tmp_path / name)
-    mp.start_processes(fn, args=(world, free_port(), out), nprocs=world, start_method="spawn")
+    mp.start_processes(fn, args=(world, free_port(), out, *extra), nprocs=world, start_method="spawn")
     return out
 
 
-def test_ranks_that_disagree_raise_on_every_rank(tmp_path):
+def test_ranks_that_disagree_raise_on_every_rank(tmp_path, device_type="cpu"):
     """Issue 22.1-22.3 over gloo, one spawn: each fingerprint field built differently per rank
     raises on both ranks naming the field and both values (today: wrong outputs or SIGABRT in
     gloo); input dtypes that differ per batch raise on both ranks and leave the group in step;
-    -1 ids contribute nothing over all_to_all, validated or not, and -2 is still refused."""
-    out = _spawn(ep_worker.run_mismatch, 2, tmp_path, "mismatch")
+    -1 ids contribute nothing over all_to_all, validated or not, and -2 is still refused.
+    (tests/gpu/test_ep_nccl.py runs it over NCCL.)"""
+    out = _spawn(ep_worker.run_mismatch, 2, tmp_path, "mismatch", device_type)
     by_rank = []
     for r in range(2):
         with open(f"{out}.{r}") as f:

@@ -21,3 +21,10 @@ def test_all_to_all_nccl_matches_reference(backend, tmp_path):
     rows = run_ranks(2, tmp_path, SCHEME_NAMES, "all_to_all", device="cuda", backend=backend)
     check(rows, 2, "all_to_all")
     print({(r["scheme"], r["backend"]) for r in rows})
+
+
+def test_ranks_that_disagree_raise_on_every_rank_nccl(tmp_path):
+    """The fingerprint, the per-batch header and -1 ids over NCCL (the CPU test's assertions)."""
+    from test_ep import test_ranks_that_disagree_raise_on_every_rank
+
+    test_ranks_that_disagree_raise_on_every_rank(tmp_path, device_type="cuda")
