@@ -196,6 +196,10 @@ def run_mismatch(rank, world, port, out_path, device_type="cpu"):
         # A meta-device layer does not communicate at build (rank 1 builds none; timeout_s=1).
         rows.append(dict(case="meta_build", **_raised(
             lambda: layer(device="meta", timeout_s=1) if rank == 0 else None)))  # fmt: skip
+        # Both ranks build on meta with different num_experts: nothing raised at build; the
+        # comparison the first forward runs (once materialized) raises on both.
+        meta = layer(device="meta", num_experts=16 * (rank + 1))
+        rows.append(dict(case="meta_deferred", agreed_at_build=meta._agreed, **_raised(lambda: meta._agree(dev))))
 
         # Per-batch header: the input dtype differs between the ranks (same width, other bits; and
         # another width), for a float payload and for an int8 payload (the combine brings back

@@ -97,6 +97,8 @@ def test_ranks_that_disagree_raise_on_every_rank(tmp_path, device_type="cpu"):
         assert rows["num_experts"]["message"].count("rank 0: 16, rank 1: 32") == 1
         assert "rank 0: torch.float32, rank 1: torch.bfloat16" in rows["params_dtype"]["message"]
         assert rows["meta_build"]["raised"] is None and rows["meta_build"]["seconds"] < 1
+        meta = rows["meta_deferred"]
+        assert not meta["agreed_at_build"] and meta["is_mismatch"] and "rank 0: 16, rank 1: 32" in meta["message"]
         for quant in ("bf16", "int8_channel"):
             fp16 = rows[f"header_{quant}_torch.float16_torch.bfloat16"]
             assert fp16["is_mismatch"] and "input dtype (rank 0: torch.float16, rank 1: torch.bfloat16)" in fp16["message"]
