@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .checkpoint import loading
-from .dispatch.base import DispatchConfig, Dispatched
+from .dispatch.base import LOW_LATENCY_PAYLOADS, DispatchConfig, Dispatched
 from .dispatch.collective import check_agreement
 from .dispatch.select import select_dispatcher
 from .experts.base import ExpertWeights
@@ -32,8 +32,6 @@ from .routing import check_routing_config, select_experts
 from .tensors import as_contiguous, capturing, check_positive_int
 
 log = logging.getLogger("epmoe")
-
-LOW_LATENCY_INT8_PAYLOADS = ("float", "fp8_group")
 
 
 def _resolve_group(group) -> tuple[object, int, int]:
@@ -158,10 +156,10 @@ class DeepEPMoELayer(nn.Module):
             raise ValueError(f"params_dtype={params_dtype}; allowed: {list(INPUT_DTYPES)}")
         if not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) or timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be a finite number of seconds > 0")
-        if low_latency_int8_payload not in LOW_LATENCY_INT8_PAYLOADS:
+        if low_latency_int8_payload not in LOW_LATENCY_PAYLOADS:
             raise ValueError(
                 f"low_latency_int8_payload={low_latency_int8_payload!r}; allowed: "
-                f"{list(LOW_LATENCY_INT8_PAYLOADS)}"
+                f"{list(LOW_LATENCY_PAYLOADS)}"
             )
         self.group, self.world_size, self.rank = _resolve_group(group)
         if num_experts % self.world_size:
