@@ -42,6 +42,12 @@ def capability_rows(device: torch.device) -> list[tuple[str, str, str]]:
                 ((_, cls, _),) = backend_decisions(scheme, contiguous, device, 7168, 2048, (name,), accumulator)
                 status = "available (contiguous layout only)" if cls else reason
             rows.append(("backend", f"{name} {key}", status))
+    # Which INT8 kernel the cutlass backend runs at which rows per expert (measured crossovers).
+    from .experts.cutlass_backend import int8_rule
+
+    for key in ("int8_channel_int32", "int8_block"):
+        quant, _ = mode_and_accumulator(key)
+        rows.append(("int8 rule", f"cutlass {key}", int8_rule(device, quant).describe()))
     # Two ranks: what an EP deployment of this machine would be offered.
     cfg = DispatchConfig(num_experts=256, hidden_size=7168, top_k=8, world_size=2, device=device)
     for name, cls, reason in dispatcher_decisions(cfg, tuple(DISPATCHERS)):

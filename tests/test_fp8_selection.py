@@ -285,8 +285,8 @@ def test_cutlass_backend_refuses_masked_layout():
 
     ok, reason = CutlassBackend.supports(get_scheme("fp8_block"), "masked", torch.device("cpu"), 256, 128)
     assert not ok and "masked" in reason
-    ok, reason = CutlassBackend.supports(get_scheme("int8_block"), "contiguous", torch.device("cpu"), 256, 128)
-    assert not ok and "int8_block" in reason
+    ok, reason = CutlassBackend.supports(get_scheme("bf16"), "contiguous", torch.device("cpu"), 256, 128)
+    assert not ok and "bf16" in reason
 
 
 def test_cutlass_int8_needs_int32_accumulator_and_headers(monkeypatch, tmp_path):
@@ -370,6 +370,11 @@ def _fp8_operands(m=256, k=256, n=128, e=2):
                 b_scale=torch.ones(e, n // 128, k // 128), expert_offsets=torch.tensor([0, 128, 256], dtype=torch.int32))  # fmt: skip
 
 
+def _int8_block_operands(m=256, k=256, n=128, e=2):
+    return dict(a=torch.zeros(m, k, dtype=torch.int8), a_scale=torch.ones(m, k // 128), b=torch.zeros(e, n, k, dtype=torch.int8),
+                b_scale=torch.ones(e, n // 128, k // 128), expert_offsets=torch.tensor([0, 128, 256], dtype=torch.int32))  # fmt: skip
+
+
 _BAD_OPERANDS = [
     # (wrapper, operands, changes, error, message)
     ("int8", _int8_operands, lambda o: dict(a=o["a"][:, :0], b=o["b"][:, :, :0].contiguous()), ValueError,
@@ -399,6 +404,23 @@ _BAD_OPERANDS = [
     ("fp8", _fp8_operands, lambda o: dict(b_scale=torch.ones(2, 2, 1)), ValueError,
      r"b_scale has shape \(2, 2, 1\); allowed: \(2, 1, 2\)"),
     ("fp8", _fp8_operands, lambda o: {}, ValueError, "a must be a CUDA tensor"),
+    # int8_block: K (and N) in whole 128-wide scale blocks
+    ("int8_block", _int8_block_operands, lambda o: dict(a=torch.zeros(256, 200, dtype=torch.int8), a_scale=torch.ones(256, 2),
+                                                        b=torch.zeros(2, 128, 200, dtype=torch.int8), b_scale=torch.ones(2, 1, 2)),
+     ValueError, "int8_block_grouped_gemm: K=200 must be a positive multiple of 128"),
+    ("int8_block", _int8_block_operands, lambda o: dict(a=o["a"][:, :0], a_scale=o["a_scale"][:, :0], b=o["b"][:, :, :0].contiguous(),
+                                                        b_scale=o["b_scale"][:, :, :0].contiguous()), ValueError,
+     "K=0 must be a positive multiple of 128"),
+    ("int8_block", _int8_block_operands, lambda o: dict(b=torch.zeros(2, 192, 256, dtype=torch.int8)), ValueError,
+     "N=192 .* must be a positive multiple of 128"),
+    ("int8_block", _int8_block_operands, lambda o: dict(a_scale=torch.ones(256, 1)), ValueError,
+     r"a_scale has shape \(256, 1\); allowed: \(256, 2\)"),
+    ("int8_block", _int8_block_operands, lambda o: dict(b_scale=torch.ones(2, 128, 1)), ValueError,
+     r"b_scale has shape \(2, 128, 1\); allowed: \(2, 1, 2\)"),
+    ("int8_block", _int8_block_operands, lambda o: dict(a=o["a"].to(torch.float8_e4m3fn)), TypeError, "a must be torch.int8"),
+    ("int8_block", _int8_block_operands, lambda o: dict(expert_offsets=torch.tensor([0, 100, 256], dtype=torch.int32)),
+     ValueError, "non-decreasing multiples of 128"),
+    ("int8_block", _int8_block_operands, lambda o: {}, ValueError, "a must be a CUDA tensor"),
 ]  # fmt: skip
 
 
@@ -409,7 +431,7 @@ def test_cutlass_gemm_wrappers_refuse_bad_operands_before_loading(monkeypatch, w
     from epmoe.experts import cutlass_backend as cb
 
     monkeypatch.setattr(cb, "load_extension", lambda *a, **k: pytest.fail("the extension was loaded"))
-    fn = {"int8": cb.int8_grouped_gemm, "fp8": cb.grouped_gemm}[wrapper]
+    fn = {"int8": cb.int8_grouped_gemm, "fp8": cb.grouped_gemm, "int8_block": cb.int8_block_grouped_gemm}[wrapper]
     o = operands()
     with pytest.raises(error, match=message):
         fn(**{**o, **change(o)})
@@ -594,6 +616,101 @@ def test_cutlass_int8_plumbing_contiguous(monkeypatch, spare):
         assert rel_err(got, ref) < get_scheme("int8_channel").rel_error_bound, rel_err(got, ref)
 
 
+def _fake_int8_block_grouped_gemm(a, a_scale, b, b_scale, expert_offsets, out=None):
+    """The INT8 block kernel's contract in float64: each 128-wide K block an exact integer sum,
+    scaled by the row's 1x128 scale times the 128x128 weight block's, the blocks added."""
+    from epmoe.experts.cutlass_backend import check_block_offsets
+
+    check_block_offsets(expert_offsets, a.shape[0])
+    m, k = a.shape
+    e, n, _ = b.shape
+    assert a.dtype == b.dtype == torch.int8 and k % 128 == 0 and n % 128 == 0
+    assert a_scale.shape == (m, k // 128) and b_scale.shape == (e, n // 128, k // 128)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16) if out is None else out
+    offs = expert_offsets.tolist()
+    for x in range(e):
+        lo, hi = offs[x], offs[x + 1]
+        if hi > lo:
+            acc = torch.zeros(hi - lo, n, dtype=torch.float64)
+            for kb in range(k // 128):
+                cols = slice(kb * 128, (kb + 1) * 128)
+                block = a[lo:hi, cols].double() @ b[x, :, cols].double().t()
+                acc += block * a_scale[lo:hi, kb : kb + 1].double() * b_scale[x, :, kb].double().repeat_interleave(128)
+            out[lo:hi] = acc.to(out.dtype)
+    return out
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter on CPU")
+@pytest.mark.parametrize("spare", [False, True], ids=["exact", "spare_rows"])
+def test_cutlass_int8_block_plumbing_contiguous(monkeypatch, spare):
+    """int8_block on the cutlass backend around a stand-in kernel: Triton's 1x128 quantization
+    and requantization, the block kernel's operands ([M, K/128] and [E, N/128, K/128] scales),
+    128-row segments and spare rows."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from cases import make_case
+    from helpers import make_weights
+    from reference import moe_reference, rel_err
+
+    from epmoe.experts import cutlass_backend as cb
+    from epmoe.experts.base import ExpertWeights
+    from epmoe.layouts import _to_contiguous_kernels, gather_weighted
+    from epmoe.quant import get_scheme
+    from epmoe.quant.reference import quantize_rows
+
+    block = get_scheme("int8_block")
+    monkeypatch.setattr(cb, "int8_block_grouped_gemm", _fake_int8_block_grouped_gemm)
+    monkeypatch.setattr(cb, "int8_grouped_gemm", lambda *a, **k: pytest.fail("the channel kernel ran for int8_block"))
+    stored, (w13, w2) = make_weights(PE, PH, PI, "int8_block")
+    x, ids, w = make_case("empty_experts", 0, PE, PK, PH)
+    backend = cb.CutlassBackend(block)
+    assert backend.int8 and backend.alignment == cb.ROW_BLOCK and backend.device_segments
+    weights = backend.prepare_weights(ExpertWeights(block, *stored))
+    ref = moe_reference(x, ids, w, w13, w2, "int8_block")
+    for xin, xs in ((x, None), quantize_rows(x, torch.int8, 127.0, 128)):
+        batch = _to_contiguous_kernels(xin, xs, ids, PE, backend.alignment, None, expected_m=4 if spare else None)
+        assert (batch.expected_m is not None) == spare
+        out = backend.run_contiguous(batch, weights, torch.float32)
+        assert out.dtype == torch.float32 and out.shape == (batch.x.shape[0], PH)
+        got = gather_weighted(out, batch.slot_pos, w)
+        assert rel_err(got, ref) < block.rel_error_bound, rel_err(got, ref)
+
+
+def test_cutlass_int8_block_selection(monkeypatch):
+    """int8_block on cutlass: the machine rule first (SGLANG_CUTLASS_MOE, GPU), the scheme's sizes,
+    then the project's kernel (headers); auto walks cutlass -> triton -> torch; the fp32
+    accumulator is the scheme's (int32 is int8_channel's)."""
+    from epmoe.experts import cutlass_backend as cb
+    from epmoe.experts.select import AUTO_ORDER, select_backend
+    from epmoe.quant import get_scheme
+
+    block = get_scheme("int8_block")
+    cpu = torch.device("cpu")
+    assert AUTO_ORDER["int8_block"] == ("cutlass", "triton", "torch")
+    with pytest.raises(ValueError, match="accumulator='int32' applies to quant='int8_channel' only"):
+        cb.CutlassBackend(block, accumulator="int32")
+    monkeypatch.delenv("SGLANG_CUTLASS_MOE", raising=False)
+    ok, reason = cb.CutlassBackend.supports(block, "contiguous", cpu, 256, 128)
+    assert not ok and "SGLANG_CUTLASS_MOE=1 is required" in reason
+    ok, reason = cb.CutlassBackend.supports(block, "masked", cpu, 256, 128)
+    assert not ok and "masked" in reason
+    monkeypatch.setattr(cb.CutlassBackend, "available", classmethod(lambda cls, device: (True, "machine ok")))
+    ok, reason = cb.CutlassBackend.supports(block, "contiguous", cpu, 256, 200)
+    assert not ok and "multiples of 128" in reason and "intermediate=200" in reason
+    monkeypatch.setattr(cb, "find_cutlass_include", lambda: None)
+    ok, reason = cb.CutlassBackend.supports(block, "contiguous", cpu, 256, 128)
+    assert not ok and "CUTLASS headers not found" in reason and "INT8 kernels are the project's own" in reason
+    monkeypatch.setattr(cb, "own_kernel_missing", lambda: None)
+    ok, reason = cb.CutlassBackend.supports(block, "contiguous", cpu, 256, 128)
+    assert ok and reason == "machine ok: epmoe's CUTLASS INT8 block kernel"
+    cls, lines = select_backend("cutlass", block, frozenset({"contiguous"}), cpu, 256, 128)
+    assert cls is cb.CutlassBackend
+    # auto picks GPU-only backends on CUDA only: on CPU it says so and moves on.
+    cls, lines = select_backend("auto", block, frozenset({"contiguous"}), cpu, 256, 128)
+    assert cls is not cb.CutlassBackend and any("'cutlass' refused" in line for line in lines), lines
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter on CPU")
 def test_deepgemm_plumbing_masked(monkeypatch):
     from reference import moe_reference, rel_err
@@ -673,3 +790,137 @@ def test_fp8_backends_refuse_a_batch_with_spare_rows(backend_path):
                             torch.tensor([3, 2], dtype=torch.int32), expected_m=3)  # fmt: skip
     with pytest.raises(ValueError, match="needs a contiguous batch sized on the host; got one with spare rows"):
         backend.run_contiguous(batch, None, torch.bfloat16)
+
+
+# ---------------------------------------------------- INT8: the kernel by rows per expert (crossovers)
+def _measured(*rows):
+    return [dict(rows_per_expert=m, triton_ms=t, cutlass_ms=c) for m, t, c in rows]
+
+
+def test_crossover_from_measurements():
+    from epmoe.experts.fp8_selection import crossover_from_measurements as cross
+
+    assert cross(_measured((8, 1.3, 1.6), (32, 1.4, 1.6), (128, 1.9, 1.7), (512, 6.0, 5.2))) == 128
+    assert cross(_measured((512, 6.0, 5.2), (8, 1.3, 1.2))) == 8  # order does not matter; CUTLASS everywhere
+    assert cross(_measured((8, 1.3, 1.2), (32, 1.4, 1.6), (128, 1.9, 1.7))) == 128  # a win below a loss is not taken
+    assert cross(_measured((8, 1.3, 1.6), (2048, 19.0, 24.0))) is None  # Triton at the largest: never CUTLASS
+    assert cross(_measured((128, 1.7, 1.7))) == 128  # a tie goes to CUTLASS (today's choice)
+    for bad in ([], _measured((8, 1.0, 1.0), (8, 2.0, 2.0)), _measured((0, 1.0, 1.0)), _measured((8, 0.0, 1.0)),
+                [{"rows_per_expert": 8, "triton_ms": 1.0}]):  # fmt: skip
+        with pytest.raises(ValueError):
+            cross(bad)
+
+
+def test_int8_rows_rule_from_data():
+    from epmoe.experts.fp8_selection import NO_CROSSOVER, int8_rows_rule
+
+    rule = int8_rows_rule({}, "NVIDIA H200", "int8_block")
+    assert rule.kernel_for(1) == rule.kernel_for(4096) == "cutlass"
+    assert rule.describe() == f"no crossover data for int8_block on NVIDIA H200: {NO_CROSSOVER}"
+    entry = dict(measured=_measured((8, 1.3, 1.6), (32, 1.4, 1.6), (128, 1.9, 1.7)), cutlass_from_rows_per_expert=128,
+                 source="benchmarks/int8_crossover.py, one H200")  # fmt: skip
+    data = {"NVIDIA H200": {"int8_block": entry}}
+    rule = int8_rows_rule(data, "NVIDIA H200", "int8_block")
+    assert [rule.kernel_for(m) for m in (1, 8, 127, 128, 4096)] == ["triton"] * 3 + ["cutlass"] * 2
+    text = rule.describe()
+    assert "Triton below 128 rows per expert, CUTLASS from 128" in text and "8: 1.3/1.6" in text and "one H200" in text
+    assert int8_rows_rule(data, "NVIDIA H100", "int8_block").measured == ()  # another GPU: no data
+    assert int8_rows_rule(data, "NVIDIA H200", "int8_channel").measured == ()
+    never = {"g": {"int8_block": dict(measured=_measured((8, 1.0, 2.0)), cutlass_from_rows_per_expert=None)}}
+    rule = int8_rows_rule(never, "g", "int8_block")
+    assert rule.kernel_for(10**6) == "triton" and "Triton at every size" in rule.describe()
+    with pytest.raises(ValueError, match="states cutlass_from_rows_per_expert=32 but its measurements give 128"):
+        int8_rows_rule({"NVIDIA H200": {"int8_block": {**entry, "cutlass_from_rows_per_expert": 32}}}, "NVIDIA H200", "int8_block")
+    with pytest.raises(ValueError, match="crossover data for int8_block on g"):
+        int8_rows_rule({"g": {"int8_block": {"measured": []}}}, "g", "int8_block")
+
+
+def test_shipped_crossover_data_loads():
+    """Every entry of the shipped file (when there is one) gives a rule: its stated crossovers
+    are the ones its measurements give."""
+    from epmoe.experts import cutlass_backend as cb
+    from epmoe.experts.fp8_selection import int8_rows_rule
+
+    data = cb.crossover_data()
+    if not cb.CROSSOVER_FILE.is_file():
+        assert data == {}
+    for gpu, entries in data.items():
+        for scheme in entries:
+            assert scheme in cb.INT8_SCHEMES, (gpu, scheme)
+            assert int8_rows_rule(data, gpu, scheme).measured, (gpu, scheme)
+
+
+def test_batch_rows_per_expert():
+    from epmoe.experts.cutlass_backend import batch_rows_per_expert
+    from epmoe.layouts import ContiguousBatch
+
+    def batch(m, e, num_rows, expected_m=None):
+        return ContiguousBatch(torch.zeros(m, 8), None, torch.zeros(e + 1, dtype=torch.int32), torch.zeros(m, dtype=torch.int32),
+                               torch.zeros(1, 1, dtype=torch.int64), num_rows, expected_m)  # fmt: skip
+
+    assert batch_rows_per_expert(batch(512, 4, [3, 0, 5, 9])) == 5  # host counts: ceil(17 / 4)
+    assert batch_rows_per_expert(batch(2048, 4, torch.zeros(4, dtype=torch.int32), expected_m=40)) == 40
+    assert batch_rows_per_expert(batch(1024, 4, torch.zeros(4, dtype=torch.int32))) == 256  # padded rows: a bound
+
+
+@pytest.mark.parametrize("scheme_name", ["int8_channel", "int8_block"])
+def test_cutlass_int8_batches_take_the_kernel_of_their_size(monkeypatch, caplog, scheme_name):
+    """Below the measured crossover a batch runs the Triton backend's pass, from it the CUTLASS
+    kernel; the rule is logged once, when the backend is selected."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from helpers import make_weights
+
+    from epmoe.experts import cutlass_backend as cb
+    from epmoe.experts.base import ExpertWeights
+    from epmoe.layouts import to_contiguous
+    from epmoe.quant import get_scheme
+
+    scheme = get_scheme(scheme_name)
+    acc = "int32" if scheme_name == "int8_channel" else "fp32"
+    data = {"cpu": {scheme_name: dict(measured=_measured((2, 1.0, 2.0), (8, 3.0, 2.0)), cutlass_from_rows_per_expert=8)}}
+    monkeypatch.setattr(cb, "crossover_data", lambda: data)
+    monkeypatch.setattr(cb.CutlassBackend, "available", classmethod(lambda cls, device: (True, "machine ok")))
+    monkeypatch.setattr(cb, "own_kernel_missing", lambda: None)
+    cb._rule.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="epmoe"):
+            ok, _ = cb.CutlassBackend.supports(scheme, "contiguous", torch.device("cpu"), PH, PI, accumulator=acc)
+        assert ok and "Triton below 8 rows per expert, CUTLASS from 8" in caplog.text
+        backend = cb.CutlassBackend(scheme, accumulator=acc)
+        stored, _ = make_weights(PE, PH, PI, scheme_name)
+        weights = backend.prepare_weights(ExpertWeights(scheme, *stored))
+        ran = []
+        monkeypatch.setattr(backend._rows, "run_contiguous", lambda b, w, d: ran.append("triton") or torch.zeros(b.x.shape[0], PH, dtype=d))
+        monkeypatch.setattr(backend, "_run_int8", lambda b, w: ran.append("cutlass") or torch.zeros(b.x.shape[0], PH, dtype=torch.bfloat16))
+        for tokens, want in ((4, "triton"), (64, "cutlass")):
+            ids = torch.arange(tokens * PK).remainder(PE).view(tokens, PK)
+            batch = to_contiguous(torch.randn(tokens, PH), None, ids, PE, backend.alignment)
+            assert backend.int8_kernel(batch) == want
+            backend.run_contiguous(batch, weights, torch.bfloat16)
+            assert ran[-1] == want, (tokens, ran)
+    finally:
+        cb._rule.cache_clear()
+
+
+def test_int8_crossover_script_arguments(tmp_path, capsys):
+    """The measuring script refuses bad arguments by name and needs a GPU (it writes nothing
+    without one)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "int8_crossover.py"
+    spec = importlib.util.spec_from_file_location("int8_crossover", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "x.json"
+    args = script.parse_args(["--out", str(out), "--m", "32,8,8", "--schemes", "int8_block"])
+    assert args.m == [8, 32] and args.schemes == ["int8_block"]
+    for bad, text in ((["--schemes", "fp8_block"], "allowed"), (["--m", "0"], "must be >= 1"), (["--m", "x"], "integers"),
+                      (["--turns", "0"], "at least 1")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            script.parse_args(["--out", str(out), *bad])
+        assert text in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert script.main(["--out", str(out)]) == 2 and not out.exists()

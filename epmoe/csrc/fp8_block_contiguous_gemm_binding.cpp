@@ -1,5 +1,7 @@
-// Torch-op registration of the CUTLASS GEMMs over the contiguous layout: FP8 block-scaled
-// (fp8_block_contiguous_gemm.cuh) and INT8 channel-scaled (int8_channel_contiguous_gemm.cu).
+// Torch-op registration of the CUTLASS GEMMs over the contiguous layout: FP8 and INT8
+// block-scaled (block_scaled_contiguous_gemm.cuh) and INT8 channel-scaled
+// (int8_channel_contiguous_gemm.cu). The Python wrappers (epmoe/experts/cutlass_backend.py) check
+// every operand before calling these; the checks here guard direct callers of the ops.
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -14,6 +16,10 @@ void fp8_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a, const at::Te
 int64_t fp8_contiguous_gemm_coop_workspace(at::Tensor& out, const at::Tensor& a,
                                            const at::Tensor& a_scale, const at::Tensor& b,
                                            const at::Tensor& b_scale, int64_t sm_count);
+void int8_block_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a,
+                                     const at::Tensor& a_scale, const at::Tensor& b,
+                                     const at::Tensor& b_scale, const at::Tensor& offsets,
+                                     int64_t raster_along_n, int64_t max_swizzle);
 void int8_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
                                const at::Tensor& b, const at::Tensor& b_scale,
                                const at::Tensor& offsets);
@@ -42,20 +48,30 @@ void check_ab(const char* op, const at::Tensor& a, const at::Tensor& b, at::Scal
               n * k, " exceeds int32");
 }
 
-void check_operands(const at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
-                    const at::Tensor& b, const at::Tensor& b_scale) {
-  check_ab("fp8_contiguous_gemm", a, b, at::kFloat8_e4m3fn, 128, 128, {&a_scale, &b, &b_scale, &out});
+// The block-scaled ops' operands (FP8 e4m3 or INT8): K and N multiples of 128, 1x128 and 128x128 scales.
+void check_operands(const char* op, at::ScalarType dtype, const at::Tensor& out, const at::Tensor& a,
+                    const at::Tensor& a_scale, const at::Tensor& b, const at::Tensor& b_scale) {
+  check_ab(op, a, b, dtype, 128, 128, {&a_scale, &b, &b_scale, &out});
   const int64_t m = a.size(0), k = a.size(1), e = b.size(0), n = b.size(1);
   TORCH_CHECK(a_scale.scalar_type() == at::kFloat && a_scale.is_contiguous() &&
                   a_scale.dim() == 2 && a_scale.size(0) == m && a_scale.size(1) == k / 128,
-              "fp8_contiguous_gemm: a_scale must be a contiguous fp32 [M, K/128] tensor");
+              op, ": a_scale must be a contiguous fp32 [M, K/128] tensor");
   TORCH_CHECK(b_scale.scalar_type() == at::kFloat && b_scale.is_contiguous() &&
                   b_scale.dim() == 3 && b_scale.size(0) == e && b_scale.size(1) == n / 128 &&
                   b_scale.size(2) == k / 128,
-              "fp8_contiguous_gemm: b_scale must be a contiguous fp32 [E, N/128, K/128] tensor");
+              op, ": b_scale must be a contiguous fp32 [E, N/128, K/128] tensor");
   TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.dim() == 2 &&
                   out.size(0) == m && out.size(1) == n,
-              "fp8_contiguous_gemm: out must be a contiguous bf16 [M, N] tensor");
+              op, ": out must be a contiguous bf16 [M, N] tensor");
+}
+
+void check_block_offsets_arg(const char* op, const at::Tensor& a, const at::Tensor& b,
+                             const at::Tensor& offsets, int64_t max_swizzle) {
+  TORCH_CHECK(offsets.is_cuda() && offsets.device() == a.device() &&
+                  offsets.scalar_type() == at::kInt && offsets.is_contiguous() &&
+                  offsets.dim() == 1 && offsets.size(0) == b.size(0) + 1,
+              op, ": expert_offsets must be a contiguous int32 [E+1] CUDA tensor on a's device");
+  TORCH_CHECK(max_swizzle >= 1, op, ": max_swizzle=", max_swizzle, " (allowed >= 1)");
 }
 
 // out[offsets[e]:offsets[e+1]] = dequant(a rows) @ dequant(b[e])^T, written in place. The offsets
@@ -64,17 +80,26 @@ void check_operands(const at::Tensor& out, const at::Tensor& a, const at::Tensor
 void fp8_contiguous_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& a_scale,
                          const at::Tensor& b, const at::Tensor& b_scale, const at::Tensor& offsets,
                          int64_t raster_along_n, int64_t max_swizzle) {
-  check_operands(out, a, a_scale, b, b_scale);
-  TORCH_CHECK(offsets.is_cuda() && offsets.device() == a.device() &&
-                  offsets.scalar_type() == at::kInt && offsets.is_contiguous() &&
-                  offsets.dim() == 1 && offsets.size(0) == b.size(0) + 1,
-              "fp8_contiguous_gemm: expert_offsets must be a contiguous int32 [E+1] CUDA tensor "
-              "on a's device");
-  TORCH_CHECK(max_swizzle >= 1, "fp8_contiguous_gemm: max_swizzle=", max_swizzle, " (allowed >= 1)");
+  check_operands("fp8_contiguous_gemm", at::kFloat8_e4m3fn, out, a, a_scale, b, b_scale);
+  check_block_offsets_arg("fp8_contiguous_gemm", a, b, offsets, max_swizzle);
   if (a.size(0) == 0 || b.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(a.device());
   epmoe::fp8_contiguous_gemm_coop(out, a, a_scale, b, b_scale, offsets, raster_along_n,
                                   max_swizzle);
+}
+
+// The same contract with int8 operands: each 128-wide K block summed exactly in int32, promoted
+// to fp32 with a_scale[row, kb] * b_scale[e, nb, kb].
+void int8_block_contiguous_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& a_scale,
+                                const at::Tensor& b, const at::Tensor& b_scale,
+                                const at::Tensor& offsets, int64_t raster_along_n,
+                                int64_t max_swizzle) {
+  check_operands("int8_block_contiguous_gemm", at::kChar, out, a, a_scale, b, b_scale);
+  check_block_offsets_arg("int8_block_contiguous_gemm", a, b, offsets, max_swizzle);
+  if (a.size(0) == 0 || b.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(a.device());
+  epmoe::int8_block_contiguous_gemm_coop(out, a, a_scale, b, b_scale, offsets, raster_along_n,
+                                         max_swizzle);
 }
 
 // out[offsets[e]:offsets[e+1]] = (a rows @ b[e]^T) * a_scale[rows] * b_scale[e], bf16, int32 K sum;
@@ -111,7 +136,7 @@ void int8_contiguous_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor&
 // Bytes of workspace GemmKernel::get_workspace_size asks for on this problem and SM count.
 int64_t workspace_size(at::Tensor out, const at::Tensor& a, const at::Tensor& a_scale,
                        const at::Tensor& b, const at::Tensor& b_scale, int64_t sm_count) {
-  check_operands(out, a, a_scale, b, b_scale);
+  check_operands("workspace_size", at::kFloat8_e4m3fn, out, a, a_scale, b, b_scale);
   return epmoe::fp8_contiguous_gemm_coop_workspace(out, a, a_scale, b, b_scale, sm_count);
 }
 
@@ -133,10 +158,14 @@ EPMOE_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def(
       "int8_contiguous_gemm(Tensor(a!) out, Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, "
       "Tensor expert_offsets) -> ()");
+  m.def(
+      "int8_block_contiguous_gemm(Tensor(a!) out, Tensor a, Tensor a_scale, Tensor b, "
+      "Tensor b_scale, Tensor expert_offsets, int raster_along_n=1, int max_swizzle=1) -> ()");
 }
 
 EPMOE_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CUDA, m) {
   m.impl("fp8_contiguous_gemm", &fp8_contiguous_gemm);
   m.impl("workspace_size", &workspace_size);
   m.impl("int8_contiguous_gemm", &int8_contiguous_gemm);
+  m.impl("int8_block_contiguous_gemm", &int8_block_contiguous_gemm);
 }

@@ -1,22 +1,32 @@
-"""The cutlass experts backend: FP8 block-scaled and INT8 channel-scaled grouped GEMMs over the
-contiguous layout.
+"""The cutlass experts backend: FP8 block-scaled, INT8 channel-scaled and INT8 block-scaled grouped
+GEMMs over the contiguous layout.
 
 Considered only with ``SGLANG_CUTLASS_MOE=1`` on compute capability 9.x with CUDA >= 12.3 (the
-rule is :func:`epmoe.experts.fp8_selection.cutlass_decision`); ``int8_channel`` also needs the
-int32 accumulator and the CUTLASS headers (sgl-kernel has no INT8 grouped GEMM). An FP8 forward is
+rule is :func:`epmoe.experts.fp8_selection.cutlass_decision`); the INT8 schemes also need the
+CUTLASS headers (sgl-kernel has no INT8 grouped GEMM), and ``int8_channel`` the int32 accumulator.
+An FP8 forward is
 
     quantize x (1x128 e4m3, unless it arrived so) -> grouped GEMM1 (w13)
     -> silu(gate) * up requantized to 1x128 e4m3 -> grouped GEMM2 (w2)
 
 The GEMMs come from sgl-kernel's ``fp8_blockwise_scaled_grouped_mm`` when sgl-kernel imports,
 matches the running torch and has that op with the 18-argument signature; otherwise from the
-project's own CUTLASS kernel (``epmoe/csrc/fp8_block_contiguous_gemm*``), compiled on first use
-with :func:`torch.utils.cpp_extension.load` against the CUTLASS headers of the ``nvidia-cutlass``
-PyPI package (or ``EPMOE_CUTLASS_DIR``) and cached under ``EPMOE_CACHE_DIR`` (default
-``~/.cache/epmoe``).
+project's own CUTLASS kernel (``epmoe/csrc/block_scaled_contiguous_gemm.cuh``), compiled on first
+use with :func:`torch.utils.cpp_extension.load` against the CUTLASS headers of the
+``nvidia-cutlass`` PyPI package (or ``EPMOE_CUTLASS_DIR``) and cached under ``EPMOE_CACHE_DIR``
+(default ``~/.cache/epmoe``).
 
-An INT8 forward is the Triton backend's with the project's INT8 kernel (int32 accumulator, the
-per-token and per-channel scales applied in its epilogue) in place of the Triton GEMMs.
+An INT8 forward is the Triton backend's with the project's INT8 kernels in place of the Triton
+GEMMs: ``int8_channel`` sums K in int32 and applies the per-token and per-channel scales in its
+epilogue (``int8_channel_contiguous_gemm.cu``); ``int8_block`` is the FP8 kernel's structure with
+int8 MMAs, each 128-wide K block summed exactly in int32 and promoted to fp32 with the product of
+the 1x128 and 128x128 scales (``int8_block_contiguous_gemm.cu``). Which GEMMs a batch runs is
+chosen by its rows per expert from measured crossovers shipped as data
+(``epmoe/configs/int8_crossover.json``, :func:`int8_rule`): the Triton backend's pass below the
+crossover, the CUTLASS kernels from it; without data for the GPU and scheme, CUTLASS at every size.
+
+Every wrapper checks its operands in Python before the extension is loaded or reads them
+(:func:`check_operands`).
 
 The project's kernels run the whole layout as one CUTLASS problem whose batch index is the expert
 of each 128-row block (a table built on the GPU from ``expert_offsets``; no host sync), so every
@@ -29,7 +39,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -42,9 +54,11 @@ from ..quant.schemes import BLOCK, QuantScheme
 from .base import ExpertsBackend, ExpertWeights, check_weights, fp8_gemm_input
 from .fp8_selection import (
     ENV_VAR,
+    RowsRule,
     cutlass_decision,
     cutlass_warning,
     env_enabled,
+    int8_rows_rule,
     machine_facts,
 )
 from .triton_backend import TritonBackend, spare_row_slab
@@ -55,9 +69,10 @@ CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = (
     "fp8_block_contiguous_gemm_binding.cpp",
     "fp8_block_contiguous_gemm.cu",
+    "int8_block_contiguous_gemm.cu",
     "int8_channel_contiguous_gemm.cu",
 )
-HEADERS = ("contiguous_gemm_common.cuh", "fp8_block_contiguous_gemm.cuh")
+HEADERS = ("contiguous_gemm_common.cuh", "block_scaled_contiguous_gemm.cuh")
 ROW_BLOCK = 128
 """Rows of a tile of the project's kernel: every expert segment starts and ends on a multiple."""
 TILE_ORDER = (1, 2)
@@ -143,8 +158,8 @@ def _build_key(include: Path) -> str:
 @functools.lru_cache(maxsize=1)
 def load_extension(verbose: bool = False):
     """Build (first use) and load the CUTLASS extension; returns its op namespace
-    (``torch.ops.epmoe_cutlass_fp8_<hash>``) with ``fp8_contiguous_gemm``, ``workspace_size`` and
-    ``int8_contiguous_gemm``.
+    (``torch.ops.epmoe_cutlass_fp8_<hash>``) with ``fp8_contiguous_gemm``, ``workspace_size``,
+    ``int8_contiguous_gemm`` and ``int8_block_contiguous_gemm``.
 
     A library already in the cache directory is loaded without invoking the compiler.
 
@@ -158,7 +173,7 @@ def load_extension(verbose: bool = False):
     if library.is_file():
         try:
             torch.ops.load_library(str(library))
-            log.info("loaded epmoe's CUTLASS grouped GEMMs (FP8 block, INT8 channel) from %s", library)
+            log.info("loaded epmoe's CUTLASS grouped GEMMs (FP8 block, INT8 channel, INT8 block) from %s", library)
             return getattr(torch.ops, name)
         except OSError as exc:  # e.g. a cache copied from a machine with other libraries
             log.warning("cannot load the cached %s (%s); rebuilding", library, exc)
@@ -174,7 +189,7 @@ def load_extension(verbose: bool = False):
         includes.append(str(cccl))
     build.mkdir(parents=True, exist_ok=True)
     log.warning(
-        "compiling epmoe's CUTLASS grouped GEMMs (FP8 block, INT8 channel) (first use; a few minutes) in %s "
+        "compiling epmoe's CUTLASS grouped GEMMs (FP8 block, INT8 channel, INT8 block) (first use; a few minutes) in %s "
         "against CUTLASS headers at %s", build, include,
     )  # fmt: skip
     t0 = time.perf_counter()
@@ -192,7 +207,7 @@ def load_extension(verbose: bool = False):
     except Exception as exc:  # compiler errors arrive as RuntimeError / subprocess errors
         raise CutlassUnavailableError(f"building the CUTLASS extension in {build} failed: {exc}") from exc
     log.warning(
-        "built epmoe's CUTLASS grouped GEMMs (FP8 block, INT8 channel) in %.1f s (cached in %s)",
+        "built epmoe's CUTLASS grouped GEMMs (FP8 block, INT8 channel, INT8 block) in %.1f s (cached in %s)",
         time.perf_counter() - t0, build,
     )  # fmt: skip
     return getattr(torch.ops, name)
@@ -258,6 +273,7 @@ def _warn_once(text: str) -> None:
         log.warning("%s", text)
 
 
+
 # ---------------------------------------------------------------------------------------- GEMMs
 def _use_sgl() -> bool:
     return os.environ.get("EPMOE_CUTLASS_IMPL", "auto") != "epmoe" and sgl_kernel_op() is not None
@@ -317,10 +333,7 @@ def grouped_gemm(
     Returns:
         ``out``, ``[M, N]`` bf16.
     """
-    _check_rows(a)
-    check_operands("grouped_gemm", a, a_scale, b, b_scale, expert_offsets, out, dtype=torch.float8_e4m3fn,
-                   k_multiple=BLOCK, n_multiple=BLOCK, a_scale_shapes=lambda m, k: [(m, k // BLOCK)],
-                   b_scale_shapes=lambda e, n, k: [(e, n // BLOCK, k // BLOCK)])  # fmt: skip
+    _check_block_scaled("grouped_gemm", torch.float8_e4m3fn, a, a_scale, b, b_scale, expert_offsets, out)
     out = _output(a, b, out)
     m = a.shape[0]
     if m == 0 or b.shape[0] == 0:
@@ -412,6 +425,16 @@ def check_operands(
             raise ValueError(f"{op}: {name} must be on a's device {a.device}; got {_shape(t)}")
 
 
+def _check_block_scaled(op, dtype, a, a_scale, b, b_scale, expert_offsets, out) -> None:
+    """The block-scaled kernels' operands (FP8 or INT8): K and N positive multiples of 128 (the
+    kernels step K in whole 128-wide scale blocks and read one weight scale per 128 columns),
+    ``a_scale [M, K/128]``, ``b_scale [E, N/128, K/128]``."""
+    _check_rows(a)
+    check_operands(op, a, a_scale, b, b_scale, expert_offsets, out, dtype=dtype, k_multiple=BLOCK,
+                   n_multiple=BLOCK, a_scale_shapes=lambda m, k: [(m, k // BLOCK)],
+                   b_scale_shapes=lambda e, n, k: [(e, n // BLOCK, k // BLOCK)])  # fmt: skip
+
+
 def _output(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """``out``, or a new bf16 ``[M, N]`` tensor."""
     m = a.shape[0]
@@ -465,6 +488,48 @@ def int8_grouped_gemm(
     return out
 
 
+def int8_block_grouped_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out[r] = sum_kb (a[r, kb] @ b[e, :, kb]^T) * a_scale[r, kb] * b_scale[e, :, kb]`` in bf16
+    for the rows ``r`` of each expert ``e`` (``kb``: the 128-wide K blocks, each summed exactly in
+    int32, promoted to fp32 once; the scales' N blocks repeated over their 128 columns). The
+    project's INT8 block kernel; sgl-kernel has none.
+
+    Args:
+        a: ``[M, K]`` int8; ``K`` a multiple of 128 (the 1x128 scale groups; the layer's
+            int8_block sizes always are).
+        a_scale: ``[M, K/128]`` fp32 activation scales (one per 1x128 group).
+        b: ``[E, N, K]`` int8 contiguous; ``N`` a multiple of 128.
+        b_scale: ``[E, N/128, K/128]`` fp32 weight scales (one per 128x128 block).
+        expert_offsets: ``[E+1]`` int32 row offsets, multiples of 128, as in :func:`grouped_gemm`.
+        out: optional ``[M, N]`` bf16 output; rows outside ``offsets[0]:offsets[E]`` are left
+            unwritten.
+
+    Raises:
+        TypeError, ValueError: what :func:`check_operands` refuses (K or N not a positive multiple
+            of 128 among them), ``a`` with ``MAX_ROWS`` rows or more; all before the extension is
+            loaded.
+
+    Returns:
+        ``out``, ``[M, N]`` bf16.
+    """
+    _check_block_scaled("int8_block_grouped_gemm", torch.int8, a, a_scale, b, b_scale, expert_offsets, out)
+    out = _output(a, b, out)
+    if a.shape[0] == 0 or b.shape[0] == 0:
+        return out
+    offsets = expert_offsets.to(device=a.device, dtype=torch.int32).contiguous()
+    load_extension().int8_block_contiguous_gemm(
+        out, a.contiguous(), a_scale.contiguous(), b, b_scale.contiguous(), offsets, *TILE_ORDER
+    )
+    return out
+
+
 def _sgl_grouped_gemm(out, a, a_scale, b, b_scale, offsets) -> None:
     """sgl-kernel's op: it takes weights as ``[E, K, N]`` views (K-major underneath) and fills the
     per-group arrays itself from ``problem_sizes`` and ``expert_offsets``."""
@@ -489,25 +554,82 @@ def _sgl_grouped_gemm(out, a, a_scale, b, b_scale, offsets) -> None:
     )  # fmt: skip
 
 
+# ------------------------------------------------------------- INT8 kernel by rows per expert
+CROSSOVER_FILE = Path(__file__).resolve().parent.parent / "configs" / "int8_crossover.json"
+"""Measured Triton/CUTLASS crossovers of the INT8 schemes, keyed by GPU name and scheme (written by
+``benchmarks/int8_crossover.py``; see :func:`~epmoe.experts.fp8_selection.int8_rows_rule`)."""
+
+
+@functools.lru_cache(maxsize=4)
+def crossover_data(path: Path = CROSSOVER_FILE) -> dict:
+    """The crossover file's contents (package data, read once), ``{}`` when it is not shipped.
+
+    Raises:
+        ValueError: the file is not a JSON object.
+    """
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object keyed by GPU name; got {type(data).__name__}")
+    return {gpu: entries for gpu, entries in data.items() if not gpu.startswith("_")}  # "_comment" keys
+
+
+def int8_rule(device: torch.device, scheme: str) -> RowsRule:
+    """The rows-per-expert rule of ``scheme`` on ``device`` (its GPU name; ``device.type`` on a
+    machine without one), logged the first time it is asked for."""
+    device = torch.device(device)
+    gpu = devices.name(device) if device.type == "cuda" and torch.cuda.is_available() else device.type
+    return _rule(gpu, scheme)
+
+
+@functools.lru_cache(maxsize=None)
+def _rule(gpu: str, scheme: str) -> RowsRule:
+    rule = int8_rows_rule(crossover_data(), gpu, scheme)
+    log.info("cutlass backend, INT8 kernel by rows per expert: %s", rule.describe())
+    return rule
+
+
+def batch_rows_per_expert(batch: ContiguousBatch) -> int:
+    """The mean rows per local expert of ``batch`` without a device sync: the dispatcher's hint
+    (``expected_m``) when the segment sizes stayed on the device, else the host counts; a batch
+    that has neither gives its padded rows per expert (an upper bound)."""
+    e = max(1, batch.num_experts)
+    if batch.expected_m is not None:
+        return int(batch.expected_m)
+    if not isinstance(batch.num_rows, torch.Tensor):
+        return math.ceil(sum(batch.num_rows) / e)
+    return math.ceil(batch.x.shape[0] / e)
+
+
 # -------------------------------------------------------------------------------------- backend
+INT8_SCHEMES = frozenset({"int8_channel", "int8_block"})
+KERNEL_NAMES = {
+    "fp8_block": "CUTLASS FP8 block kernel",
+    "int8_channel": "CUTLASS INT8 kernel",
+    "int8_block": "CUTLASS INT8 block kernel",
+}
+
+
 class CutlassBackend(ExpertsBackend):
-    """``fp8_block`` (sgl-kernel's op or the project's kernel) and ``int8_channel`` with the int32
-    accumulator (the project's kernel), over the contiguous layout."""
+    """``fp8_block`` (sgl-kernel's op or the project's kernel), ``int8_channel`` with the int32
+    accumulator and ``int8_block`` (the project's kernels), over the contiguous layout."""
 
     name = "cutlass"
-    schemes = frozenset({"fp8_block", "int8_channel"})
+    schemes = frozenset({"fp8_block", "int8_channel", "int8_block"})
     layouts = frozenset({"contiguous"})
 
     def __init__(self, scheme: QuantScheme, *, accumulator: str = "fp32") -> None:
         super().__init__(scheme, accumulator=accumulator)
         if scheme.name == "int8_channel" and accumulator != "int32":
             raise ValueError(_INT8_ACCUMULATOR)
-        # The INT8 path's row-wise stages (quantize, SiLU * up requantized) are the Triton ones.
+        # The INT8 paths' row-wise stages (quantize, SiLU * up requantized) are the Triton ones.
         self._rows = TritonBackend(scheme, accumulator=accumulator) if self.int8 else None
 
     @property
     def int8(self) -> bool:
-        return self.scheme.name == "int8_channel"
+        """An INT8 scheme (channel or block): the project's INT8 kernels and Triton's row stages."""
+        return self.scheme.name in INT8_SCHEMES
 
     @property
     def alignment(self) -> int:
@@ -549,7 +671,8 @@ class CutlassBackend(ExpertsBackend):
         accumulator: str = "fp32",
     ) -> tuple[bool, str]:
         # The INT8 conditions that do not depend on the machine come first, so that a layer the
-        # kernel could never serve (fp32 accumulator) is not told about the machine's.
+        # kernel could never serve (fp32 accumulator) is not told about the machine's. int8_block's
+        # sizes (multiples of 128) are the base's scheme rule.
         if scheme.name == "int8_channel" and layout in cls.layouts:
             if accumulator != "int32":
                 return False, _INT8_ACCUMULATOR
@@ -559,23 +682,44 @@ class CutlassBackend(ExpertsBackend):
                     f"(TMA rows of 16 bytes); got hidden={hidden}, intermediate={intermediate}"
                 )
         ok, reason = super().supports(scheme, layout, device, hidden, intermediate, accumulator=accumulator)
-        if not ok or scheme.name != "int8_channel":
+        if not ok or scheme.name not in INT8_SCHEMES:
             return ok, reason
         missing = own_kernel_missing()  # sgl-kernel has no INT8 grouped GEMM
         if missing:
-            reason = f"{ENV_VAR}=1 but the INT8 kernel is the project's own and {missing}"
-            _warn_once(f"cutlass MoE backend not used for int8_channel: {reason}")
+            reason = f"{ENV_VAR}=1 but the INT8 kernels are the project's own and {missing}"
+            _warn_once(f"cutlass MoE backend not used for {scheme.name}: {reason}")
             return False, reason
-        return True, f"{reason.rsplit(': ', 1)[0]}: epmoe's CUTLASS INT8 kernel"
+        int8_rule(device, scheme.name)  # logs, when the layer selects, which kernel serves which sizes
+        return True, f"{reason.rsplit(': ', 1)[0]}: epmoe's {KERNEL_NAMES[scheme.name]}"
 
     def warmup(self, weights: ExpertWeights, max_m: int = 0) -> None:
         """Build the extension (first use) so no compile happens inside a timed or captured region."""
         if self.int8 or not _use_sgl():
             load_extension()
 
+    def int8_kernel(self, batch: ContiguousBatch) -> str:
+        """``"cutlass"`` or ``"triton"``: which GEMMs an INT8 batch runs on, by its rows per expert
+        (:func:`batch_rows_per_expert`) and the measured crossover of this GPU and scheme
+        (:func:`int8_rule`; without data, CUTLASS). The rule is logged once per GPU and scheme."""
+        return int8_rule(batch.x.device, self.scheme.name).kernel_for(batch_rows_per_expert(batch))
+
     def run_contiguous(
         self, batch: ContiguousBatch, weights: ExpertWeights, out_dtype: torch.dtype
     ) -> torch.Tensor:
+        kernel = self.int8_kernel(batch) if self.int8 else "cutlass"
+        return self.run_kernel(batch, weights, out_dtype, kernel)
+
+    def run_kernel(
+        self, batch: ContiguousBatch, weights: ExpertWeights, out_dtype: torch.dtype, kernel: str
+    ) -> torch.Tensor:
+        """:meth:`run_contiguous` on the given GEMMs, whatever the rule would pick (public so that
+        ``benchmarks/int8_crossover.py`` times exactly what each branch runs): ``"cutlass"``, or
+        for INT8 ``"triton"``, the Triton backend's whole pass on the same 128-row layout."""
+        if kernel == "triton" and self.int8:
+            return self._rows.run_contiguous(batch, weights, out_dtype)
+        if kernel != "cutlass":
+            allowed = ["cutlass", "triton"] if self.int8 else ["cutlass"]
+            raise ValueError(f"kernel={kernel!r}; allowed for quant={self.scheme.name!r}: {allowed}")
         out = self._run_int8(batch, weights) if self.int8 else self._run_fp8(batch, weights)
         return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
 
@@ -594,20 +738,22 @@ class CutlassBackend(ExpertsBackend):
         return grouped_gemm(h, h_scale, weights.w2, weights.w2_scale, batch.expert_offsets)
 
     def _run_int8(self, batch: ContiguousBatch, weights: ExpertWeights) -> torch.Tensor:
-        """quantize (per token, unless it arrived so) -> GEMM1 -> silu(gate) * up requantized per
-        token -> GEMM2. GEMM1's output and the pass's are bf16 whatever the layer's dtype (the
-        kernel writes bf16). The row-wise stages are the Triton backend's; with spare rows
+        """quantize (per token or per 1x128 group, unless it arrived so) -> GEMM1 -> silu(gate) *
+        up requantized the same way -> GEMM2, on the scheme's kernel.
+        GEMM1's output and the pass's are bf16 whatever the layer's dtype (the kernels write
+        bf16). The row-wise stages are the Triton backend's; with spare rows
         (``batch.expected_m``) they skip them as in :meth:`TritonBackend.run_contiguous`
         (:func:`~epmoe.experts.triton_backend.spare_row_slab`), and the GEMMs skip the blocks
         past the last segment."""
         check_weights(weights, self.scheme)
+        gemm = int8_block_grouped_gemm if self.scheme.name == "int8_block" else int8_grouped_gemm
         rows = self._rows
         offsets = batch.expert_offsets
         bound, lift, drop = spare_row_slab(batch)
         a, a_scale = rows.gemm1_input(lift(batch.x), lift(batch.x_scale), weights, *bound)
-        gate_up = int8_grouped_gemm(drop(a), drop(a_scale), weights.w13, weights.w13_scale, offsets)
+        gate_up = gemm(drop(a), drop(a_scale), weights.w13, weights.w13_scale, offsets)
         h, h_scale = rows.activation(lift(gate_up), weights, *bound)
-        return int8_grouped_gemm(drop(h), drop(h_scale), weights.w2, weights.w2_scale, offsets)
+        return gemm(drop(h), drop(h_scale), weights.w2, weights.w2_scale, offsets)
 
     def run_masked(
         self, batch: MaskedBatch, weights: ExpertWeights, out_dtype: torch.dtype

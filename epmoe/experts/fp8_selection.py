@@ -10,15 +10,17 @@ The rule (issue 5):
 
 * ``cutlass`` is considered only when ``SGLANG_CUTLASS_MOE=1``; then it needs a GPU of compute
   capability 9.x, CUDA >= 12.3 (compared as version tuples, so ``"12.10" > "12.3"``), and a kernel:
-  a usable sgl-kernel or the CUTLASS headers for the project's own kernel. For ``int8_channel``
-  it also needs the int32 accumulator and the project's kernel (headers, and a cached build or a
-  compiler), since sgl-kernel has no INT8 grouped GEMM. With the variable set
+  a usable sgl-kernel or the CUTLASS headers for the project's own kernel. For the INT8 schemes
+  it also needs the project's kernels (headers, and a cached build or a compiler), since
+  sgl-kernel has no INT8 grouped GEMM, and for ``int8_channel`` the int32 accumulator. With the variable set
   and a condition failing, ``backend="auto"`` logs a warning naming the condition and moves on;
   ``backend="cutlass"`` raises with the same reason.
 * ``deepgemm`` needs compute capability 9.x (DeepGEMM's SM90 kernels; 10.x is SM100, which DeepGEMM
   also supports) and an importable ``deep_gemm``.
 * ``backend="auto"`` for ``fp8_block`` therefore walks cutlass -> deepgemm -> torch: without the
   variable it prefers DeepGEMM whenever that is installed.
+* Within the cutlass backend, an INT8 batch runs the Triton pass or the CUTLASS kernels by its rows
+  per expert (:class:`RowsRule`, from measured crossovers; without data, CUTLASS at every size).
 """
 
 from __future__ import annotations
@@ -203,3 +205,103 @@ def machine_facts(device) -> tuple[tuple[int, int] | None, str | None]:
     from .. import devices
 
     return devices.capability(device), cuda
+
+
+# ------------------------------------------------------------- INT8: the kernel by rows per expert
+INT8_KERNELS = ("triton", "cutlass")
+NO_CROSSOVER = "CUTLASS for contiguous batches as today"
+
+
+def crossover_from_measurements(measured) -> int | None:
+    """The rows per expert from which CUTLASS serves: the smallest measured size at which CUTLASS
+    is no slower than Triton there and at every larger measured size; ``None`` when Triton wins at
+    the largest (CUTLASS never serves).
+
+    Args:
+        measured: rows ``{"rows_per_expert": int, "triton_ms": float, "cutlass_ms": float}``.
+
+    Raises:
+        ValueError: no rows, a row without those keys, non-positive times or repeated sizes.
+    """
+    rows = []
+    for i, r in enumerate(measured):
+        try:
+            m, t, c = int(r["rows_per_expert"]), float(r["triton_ms"]), float(r["cutlass_ms"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"measured[{i}] = {r!r} needs rows_per_expert, triton_ms and cutlass_ms ({exc})") from exc
+        if m < 1 or not (t > 0 and c > 0):
+            raise ValueError(f"measured[{i}] = {r!r}: rows_per_expert must be >= 1 and the times > 0")
+        rows.append((m, t, c))
+    sizes = [m for m, _, _ in rows]
+    if not rows or len(set(sizes)) != len(sizes):
+        raise ValueError(f"measured needs at least one row and distinct rows_per_expert; got sizes {sizes}")
+    start = None
+    for m, t, c in sorted(rows, reverse=True):
+        if c > t:
+            break
+        start = m
+    return start
+
+
+@dataclass(frozen=True)
+class RowsRule:
+    """Which INT8 kernel serves a contiguous batch, by its rows per expert, for one GPU and scheme.
+
+    Attributes:
+        gpu: the device name the data is keyed by (``torch.cuda.get_device_name``).
+        scheme: ``"int8_channel"`` or ``"int8_block"``.
+        measured: the measurement rows the rule came from (empty: no data).
+        cutlass_from: rows per expert from which CUTLASS serves (0 without data: always);
+            ``None``: Triton at every size.
+        source: where the figures come from (the data's ``source``), or why there are none.
+    """
+
+    gpu: str
+    scheme: str
+    measured: tuple = ()
+    cutlass_from: int | None = 0
+    source: str = ""
+
+    def kernel_for(self, rows_per_expert: int) -> str:
+        """``"triton"`` or ``"cutlass"`` for a batch of ``rows_per_expert`` (mean) rows per expert."""
+        if self.cutlass_from is None or rows_per_expert < self.cutlass_from:
+            return "triton"
+        return "cutlass"
+
+    def describe(self) -> str:
+        """One line for ``epmoe info`` and the log: which kernel at which sizes, and why."""
+        if not self.measured:
+            return f"no crossover data for {self.scheme} on {self.gpu}: {NO_CROSSOVER}"
+        figures = ", ".join(f"{r['rows_per_expert']}: {r['triton_ms']:.3g}/{r['cutlass_ms']:.3g}" for r in self.measured)
+        if self.cutlass_from is None:
+            sizes = "Triton at every size (CUTLASS slower at every measured size)"
+        elif self.cutlass_from <= min(r["rows_per_expert"] for r in self.measured):
+            sizes = "CUTLASS at every size"
+        else:
+            sizes = f"Triton below {self.cutlass_from} rows per expert, CUTLASS from {self.cutlass_from}"
+        return f"{self.scheme} on {self.gpu}: {sizes} (measured Triton/CUTLASS ms by rows per expert: {figures}; {self.source})"
+
+
+def int8_rows_rule(data: Mapping, gpu: str, scheme: str) -> RowsRule:
+    """The :class:`RowsRule` for ``gpu`` and ``scheme`` from crossover ``data``
+    (``{gpu: {scheme: {"measured": [...], "cutlass_from_rows_per_expert": int | None,
+    "source": str}}}``, the file ``epmoe/configs/int8_crossover.json``); without an entry the rule
+    is :data:`NO_CROSSOVER` (CUTLASS at every size).
+
+    Raises:
+        ValueError: an entry whose stated crossover is not the one its measurements give
+            (:func:`crossover_from_measurements`), or whose measurements are malformed.
+    """
+    entry = (data.get(gpu) or {}).get(scheme)
+    if entry is None:
+        return RowsRule(gpu, scheme)
+    where = f"crossover data for {scheme} on {gpu}"
+    try:
+        measured = tuple(sorted(entry["measured"], key=lambda r: int(r["rows_per_expert"])))
+        start = crossover_from_measurements(measured)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}") from exc
+    stated = entry.get("cutlass_from_rows_per_expert", start)
+    if stated != start:
+        raise ValueError(f"{where} states cutlass_from_rows_per_expert={stated!r} but its measurements give {start!r}")
+    return RowsRule(gpu, scheme, measured, start, str(entry.get("source", "")))

@@ -26,12 +26,13 @@ BACKENDS: dict[str, str] = {
 AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "bf16": ("triton", "torch"),
     "int8_channel": ("cutlass", "triton", "torch"),
-    "int8_block": ("triton", "torch"),
+    "int8_block": ("cutlass", "triton", "torch"),
     "fp8_block": ("cutlass", "deepgemm", "torch"),
 }
 """Preference of ``backend="auto"`` per scheme, fastest first; ``torch`` runs anywhere. ``cutlass``
 is considered only with ``SGLANG_CUTLASS_MOE=1`` (and for ``int8_channel`` only with the int32
-accumulator); see :mod:`epmoe.experts.fp8_selection`."""
+accumulator; for both INT8 schemes only with the CUTLASS headers); see
+:mod:`epmoe.experts.fp8_selection`."""
 
 AUTO_DEVICE_TYPES: dict[str, frozenset[str]] = {"torch": frozenset({"cpu", "cuda"})}
 """Device types where ``auto`` may pick a backend; others are GPU-only for ``auto`` (Triton's

@@ -603,3 +603,118 @@ def test_layer_cutlass_int8_two_gpus(bounded, tmp_path):
         assert r["shape_ok"] and r["backend"] == "cutlass", r
         if r["tokens"]:
             assert r["emulated"] < 2e-2 and r["exact"] < INT8.rel_error_bound, r
+
+
+# ------------------------------------------------------------------ cutlass INT8 block (1x128, 128x128)
+INT8_BLOCK = get_scheme("int8_block")
+
+
+def int8_block_reference(a, sa, b, sb, lo, hi, x):
+    """float64 ``(sum_kb exact int sum * sa * sb, sum_kb |term|)`` for expert ``x``'s rows."""
+    k = a.shape[1]
+    ref = torch.zeros(hi - lo, b.shape[1], dtype=torch.float64, device=a.device)
+    mag = torch.zeros_like(ref)
+    for kb in range(k // 128):
+        cols = slice(kb * 128, (kb + 1) * 128)
+        block = a[lo:hi, cols].double() @ b[x, :, cols].double().t()  # exact: |sum| < 2^21
+        term = block * sa[lo:hi, kb : kb + 1].double() * sb[x, :, kb].double().repeat_interleave(128)
+        ref += term
+        mag += term.abs()
+    return ref, mag
+
+
+@needs_cutlass
+@pytest.mark.parametrize(
+    "counts,n,k,spare",
+    [([128, 0, 384, 256], 256, 256, 64), ([256] * 6 + [0, 128], 4096, 512, 0), ([0, 0, 128], 128, 128, 128),
+     ([640, 128, 0, 1024], 7168, 2048, 256), ([0, 0, 0], 128, 128, 128),
+     ([384, 256, 0, 128], 512, 7168, 128)],  # K > 4096: the long-K configuration; 6 blocks, 3 tiles of N
+)  # fmt: skip
+def test_cutlass_int8_block_gemm(counts, n, k, spare):
+    """Every element against float64: each 128-wide K block's int32 sum is exact, so what remains
+    is the fp32 promotion and sum over the K blocks (at most (K/128 + 2) fp32 roundings of the
+    terms' magnitudes) and one bf16 rounding (2^-8 relative). Empty experts, N not a multiple of
+    the 192-wide tile, odd block counts (a cluster partner parked past M), spare rows left
+    unwritten; every tile order gives the same output."""
+    from epmoe.experts.cutlass_backend import int8_block_grouped_gemm, load_extension
+
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    offsets = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    used = int(offsets[-1])
+    m, e, kb = used + spare, len(counts), k // 128
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
+    b = torch.randint(-127, 128, (e, n, k), dtype=torch.int8, device="cuda", generator=g)
+    sa = torch.rand(m, kb, device="cuda", generator=g) + 0.5
+    sb = (torch.rand(e, n // 128, kb, device="cuda", generator=g) + 0.5) / (127.0 * 127.0 * k**0.5)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    int8_block_grouped_gemm(a, sa, b, sb, offsets, out=out)
+    for x in range(e):
+        lo, hi = int(offsets[x]), int(offsets[x + 1])
+        if hi > lo:
+            ref, mag = int8_block_reference(a, sa, b, sb, lo, hi, x)
+            err = (out[lo:hi].double() - ref).abs()
+            bound = ref.abs() * 2.0**-8 + (kb + 2) * 2.0**-24 * mag * 1.01
+            assert bool((err <= bound).all()), float(((err - bound) / mag).max())
+    assert torch.isnan(out[used:]).all(), "spare rows must stay unwritten"
+    ext = load_extension()
+    for raster, swizzle in {(0, 1), (1, 1), (1, 4)}:
+        out2 = torch.full_like(out, float("nan"))
+        ext.int8_block_contiguous_gemm(out2, a, sa, b, sb, offsets, raster, swizzle)
+        torch.testing.assert_close(out2[:used], out[:used], rtol=0, atol=0)
+        assert torch.isnan(out2[used:]).all()
+
+
+@needs_cutlass
+def test_cutlass_int8_block_gemm_refuses_k_off_the_block():
+    """K not a multiple of 128 has no 1x128 scale groups to promote by: the wrapper refuses it
+    (the layer's int8_block sizes are multiples of 128 by the scheme's rule)."""
+    from epmoe.experts.cutlass_backend import int8_block_grouped_gemm
+
+    a = torch.zeros(128, 200, dtype=torch.int8, device="cuda")
+    b = torch.zeros(1, 128, 200, dtype=torch.int8, device="cuda")
+    offsets = torch.tensor([0, 128], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="K=200 must be a positive multiple of 128"):
+        int8_block_grouped_gemm(a, torch.ones(128, 2, device="cuda"), b, torch.ones(1, 1, 2, device="cuda"), offsets)
+
+
+@needs_cutlass
+def test_layer_cutlass_int8_block_local(monkeypatch):
+    """auto picks cutlass for int8_block under SGLANG_CUTLASS_MOE=1 (the selection says which
+    kernel); the layer stays within the scheme's bound of float64 and close to the torch
+    backend (both quantize 1x128 by round to nearest; they differ in bf16 GEMM1 outputs and the
+    int8 codes that flip on them)."""
+    import logging
+
+    from cases import CASE_NAMES, make_case
+    from epmoe.layer import DeepEPMoELayer
+    from helpers import make_weights
+    from reference import moe_reference, rel_err
+
+    monkeypatch.setenv("SGLANG_CUTLASS_MOE", "1")
+    layers = {}
+    stored, (w13, w2) = make_weights(LE, LH, LI, "int8_block")
+    for backend in ("auto", "torch"):
+        layers[backend] = DeepEPMoELayer(LE, LK, LH, LI, quant="int8_block", backend=backend, dispatch="local",
+                                         device="cuda", params_dtype=torch.bfloat16)  # fmt: skip
+        layers[backend].load_experts(*[t.cuda() for t in stored])
+    assert layers["auto"].backend.name == "cutlass" and layers["auto"].backend.alignment == 128
+    ok, reason = type(layers["auto"].backend).supports(INT8_BLOCK, "contiguous", torch.device("cuda"), LH, LI)
+    assert ok and reason.endswith("epmoe's CUTLASS INT8 block kernel"), reason
+    _, (f13, f2) = make_weights(LE, LH, LI, "bf16")
+    errs = {}
+    for case in CASE_NAMES:
+        x, ids, w = make_case(case, 0, LE, LK, LH)
+        xin, args = x.cuda().bfloat16(), dict(topk_ids=ids.cuda(), topk_weights=w.cuda())
+        out = layers["auto"](xin, **args)
+        assert out.shape == x.shape and out.dtype == torch.bfloat16
+        if not x.shape[0]:
+            continue
+        xr = xin.float().cpu()
+        emulated = rel_err(out.cpu(), moe_reference(xr, ids, w, w13, w2, "int8_block"))
+        exact = rel_err(out.cpu(), moe_reference(xr, ids, w, f13, f2))
+        vs_torch = rel_err(out.float(), layers["torch"](xin, **args).float())
+        errs[case] = (round(emulated, 5), round(exact, 5), round(vs_torch, 5))
+        assert emulated < 2e-2 and vs_torch < 2e-2, (case, errs[case])
+        assert exact < INT8_BLOCK.rel_error_bound, (case, errs[case])
+    logging.getLogger("epmoe").info("int8_block cutlass vs references: %s", errs)
+    print("int8_block cutlass (emulated, exact, vs torch):", errs)

@@ -1,11 +1,13 @@
-// FP8 e4m3 GEMM with 1x128 activation scales and 128x128 weight scales on Hopper (sm_90a), over
-// epmoe's contiguous expert layout with segments aligned to 128 rows.
+// Block-scaled 1-byte GEMMs with 1x128 activation scales and 128x128 weight scales on Hopper
+// (sm_90a), over epmoe's contiguous expert layout with segments aligned to 128 rows: FP8 e4m3
+// (fp8_block_contiguous_gemm.cu) and INT8 (int8_block_contiguous_gemm.cu).
 //
 //   out[offsets[e]:offsets[e+1]] = (A * SFA)[rows] @ (B[e] * SFB[e])^T      (bf16 out, fp32 accum)
 //
-// A      [M, K]   float8_e4m3fn row-major; offsets[e] and every segment length are multiples of 128
+// A      [M, K]   float8_e4m3fn or int8 row-major; offsets[e] and every segment length are
+//                 multiples of 128
 // SFA    [M, K/128] fp32 row-major: one multiplier per 1x128 group of A
-// B      [E, N, K] float8_e4m3fn contiguous (each expert's weight is N x K, K-major)
+// B      [E, N, K] of A's dtype, contiguous (each expert's weight is N x K, K-major)
 // SFB    [E, N/128, K/128] fp32 contiguous: one multiplier per 128x128 block of B
 // out    [M, N]   bf16 row-major; rows outside offsets[0]:offsets[E] are not written
 //
@@ -15,7 +17,7 @@
 // with L. The tile scheduler (contiguous_gemm_common.cuh) gives each 128-row block of A the batch
 // index of its expert, from a table built on the GPU from the offsets (no host synchronisation).
 //
-// The mainloop is CUTLASS's with both halves replaced (Sm90Fp8BlockMainloop):
+// The mainloop is CUTLASS's with both halves replaced (Sm90BlockScaledMainloop):
 //  * tiles are 128 x 192 (two 64 x 192 warpgroup MMAs): per FLOP less shared-memory traffic than
 //    128 x 128. A tile then meets two 128-column weight blocks, read as three 64-column groups
 //    (the weight scales repeated along N);
@@ -28,6 +30,9 @@
 //  * clusters pair two M blocks and multicast their B tile when both belong to one expert (a
 //    second descriptor without multicast serves pairs that straddle two experts).
 // For short k loops the epilogue is replaced too (Sm90WholeTileEpilogue, DeepGEMM's).
+// INT8: the same kernel with int8 x int8 -> int32 warpgroup MMAs. The sum of one 128-wide K block
+// is exact in int32 (|sum| <= 128 * 128 * 128 = 2^21) and is promoted once per K block, as FP8's
+// partial sums are: accum += float(partial) * SFA[row] * SFB[group] (see S32InF32Registers).
 // Why not CUTLASS's ptr-array grouped kernel: it rewrites and fences the TMA descriptors of A, B
 // and D in global memory whenever a CTA moves to another group, which with many experts is every
 // tile. docs/fp8.md has the measurements (H200, sessions 10 and 11).
@@ -61,12 +66,35 @@ namespace epmoe {
 
 using namespace cute;
 
+// An int8 x int8 -> int32 GMMA whose accumulator registers are typed float, so that the
+// block-scaled collective, the kernel and the epilogue (all written for fp32 accumulators) take
+// it unchanged; the mainloop alone reads the registers (promote_partial). The MMA starts each K
+// block from kInt32InFloatBias, the bits of 1.5 * 2^23, and adds the int32 sum x to those bits:
+// for |x| < 2^22 they are the bits of the float 1.5 * 2^23 + x (one unit per ulp at that
+// exponent), so x = value - 1.5 * 2^23 exactly, with one FADD. An I2F conversion instead runs at
+// a quarter of the FMA rate on SM90 and would outlast the MMAs.
+template <class Op>
+struct S32InF32Registers : Op {};
+constexpr float kInt32InFloatBias = 12582912.0f;  // 1.5 * 2^23: bits 0x4B400000
+
+}  // namespace epmoe
+
+namespace cute {
+template <class Op>
+struct MMA_Traits<epmoe::S32InF32Registers<Op>> : MMA_Traits<Op> {
+  using ValTypeD = float;
+  using ValTypeC = float;
+};
+}  // namespace cute
+
+namespace epmoe {
+
 // CUTLASS's SM90 FP8 block-scaled collective (Base) with its producer (A, B, SFA by TMA; the weight
 // scales stay with the base's cp.async warp) and consumer halves replaced; see the file comment.
 // Accumulator fragment of a 64 x N GMMA per thread: (2 columns, 2 row halves, N/8 column blocks) at
 // rows lane/4 + 16 warp (+8) and columns 2 (lane % 4) (+1) + 8 block (CuTe's SM90 CLayout_64xN).
 template <class Base>
-struct Sm90Fp8BlockMainloop : Base {
+struct Sm90BlockScaledMainloop : Base {
   using typename Base::MainloopPipeline;
   using typename Base::PipelineState;
   using typename Base::SmemLayoutA;
@@ -84,6 +112,10 @@ struct Sm90Fp8BlockMainloop : Base {
   static_assert(kGroupN % 8 == 0, "a block of 8 accumulator columns must lie in one scale group");
   static_assert(Base::IsTmaLoadSFA && !Base::IsTmaLoadSFB,
                 "activation scales by TMA (MN-major), weight scales by the base's cp.async warp");
+  // INT8 MMAs (S32InF32Registers): partial sums are int32 in float registers, biased.
+  static constexpr bool kIntegerMma = cute::is_same_v<typename Base::ElementA, int8_t>;
+  static_assert(!kIntegerMma || size<2>(TileShape{}) == 128,
+                "a K tile is one 128-wide scale block: its int32 sum stays below 2^22");
 
   // Clusters of two M blocks multicast the B tile when both blocks have the same expert; a pair
   // that straddles two experts loads B per CTA with a second descriptor without multicast (same
@@ -235,9 +267,15 @@ struct Sm90Fp8BlockMainloop : Base {
       CUTLASS_PRAGMA_UNROLL
       for (int g = 0; g < kGroups; ++g) sfb[g] = sSFB(g, 0, stage);
 
+      if constexpr (kIntegerMma) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(partial); ++i) partial(i) = kInt32InFloatBias;  // sums land on these bits
+        tiled_mma.accumulate_ = cute::GMMA::ScaleOut::One;
+      } else {
+        tiled_mma.accumulate_ = cute::GMMA::ScaleOut::Zero;
+      }
       cute::warpgroup_fence_operand(partial);
       cute::warpgroup_arrive();
-      tiled_mma.accumulate_ = cute::GMMA::ScaleOut::Zero;
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < size<2>(tCrA); ++k) {
         cute::gemm(tiled_mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage), partial);
@@ -262,11 +300,20 @@ struct Sm90Fp8BlockMainloop : Base {
         const int g = blk * 8 / kGroupN;
         CUTLASS_PRAGMA_UNROLL
         for (int c = 0; c < 2; ++c) {
-          accum(c + 4 * blk) += partial(c + 4 * blk) * f0[g];
-          accum(c + 2 + 4 * blk) += partial(c + 2 + 4 * blk) * f1[g];
+          accum(c + 4 * blk) += promote_partial(partial(c + 4 * blk)) * f0[g];
+          accum(c + 2 + 4 * blk) += promote_partial(partial(c + 2 + 4 * blk)) * f1[g];
         }
       }
       cute::warpgroup_fence_operand(accum);
+    }
+  }
+
+  // A partial sum as a float: FP8's is one; INT8's is the exact int32 sum (S32InF32Registers).
+  CUTLASS_DEVICE static float promote_partial(float v) {
+    if constexpr (kIntegerMma) {
+      return v - kInt32InFloatBias;
+    } else {
+      return v;
     }
   }
 
@@ -438,20 +485,43 @@ struct Sm90WholeTileEpilogue {
   Params const& params_;
 };
 
-// One kernel configuration: tile and cluster shape (the tile's M must be kRowBlock), the
+// CUTLASS's collective builder makes the block-scaled collective for FP8 inputs only; the collective
+// itself moves 1-byte K-major operands of any type. The INT8 one is the FP8 one (same shared-memory
+// layouts, stages and copies: both are one byte) with int8 elements and S32InF32Registers MMAs.
+template <class Collective, class Element, class TileShape>
+struct WithElement {
+  using type = Collective;  // FP8: as built
+};
+template <class Policy, class Tile, class EA, class SA, class EB, class SB, class Mma, class... Rest,
+          class TileShape>
+struct WithElement<cutlass::gemm::collective::CollectiveMma<Policy, Tile, EA, SA, EB, SB, Mma, Rest...>,
+                   int8_t, TileShape> {
+  using Op = decltype(cute::GMMA::ss_op_selector<int8_t, int8_t, int32_t, TileShape,
+                                                 cute::GMMA::Major::K, cute::GMMA::Major::K>());
+  using TiledMma =
+      decltype(make_tiled_mma(S32InF32Registers<Op>{}, Layout<Shape<_2, _1, _1>>{}));
+  static_assert(size(TiledMma{}) == size(Mma{}) &&
+                cute::is_same_v<typename TiledMma::AtomShape_MNK, typename Mma::AtomShape_MNK>);
+  using type = cutlass::gemm::collective::CollectiveMma<Policy, Tile, int8_t, SA, int8_t, SB, TiledMma,
+                                                        Rest...>;
+};
+
+// One kernel configuration: operand type (cutlass::float_e4m3_t or int8_t), tile and cluster shape
+// (the tile's M must be kRowBlock), the
 // weight-scale group along N (128 / kGroupN copies of each 128x128 block scale are read) and the
 // epilogue: Sm90WholeTileEpilogue, or CUTLASS's subtiled one, whose smaller buffer leaves room
 // for one more mainloop stage.
-template <class TileShape_, class ClusterShape_, int GroupN, bool WholeTileEpilogue>
-struct Fp8ContiguousGemmConfig {
+template <class Element_, class TileShape_, class ClusterShape_, int GroupN, bool WholeTileEpilogue>
+struct BlockScaledContiguousGemmConfig {
   static_assert(size<0>(TileShape_{}) == kRowBlock, "a tile's rows are one aligned block");
   static_assert(size<0>(ClusterShape_{}) == 1 || size<1>(ClusterShape_{}) == 1,
                 "clusters pair M blocks (2 x 1) or N blocks (1 x n), not both");
   static_assert(128 % GroupN == 0 && size<1>(TileShape_{}) % GroupN == 0);
   static constexpr int kGroupN = GroupN;
   using ProblemShape = Shape<int, int, int, int>;  // (M, N, K, L = experts)
-  using ElementA = cutlass::float_e4m3_t;
-  using ElementB = cutlass::float_e4m3_t;
+  static_assert(cute::is_same_v<Element_, cutlass::float_e4m3_t> || cute::is_same_v<Element_, int8_t>);
+  using ElementA = Element_;
+  using ElementB = Element_;
   using ElementC = void;  // no source operand: D = A @ B^T
   using ElementD = cutlass::bfloat16_t;
   using ElementAccumulator = float;
@@ -486,14 +556,16 @@ struct Fp8ContiguousGemmConfig {
       cute::conditional_t<WholeTileEpilogue, Sm90WholeTileEpilogue<CutlassEpilogue, TileShape>,
                           CutlassEpilogue>;
 
-  using CutlassMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA,
-      cute::tuple<StrideA, LayoutSFA>, AlignmentA, ElementB, cute::tuple<StrideB, LayoutSFB>,
-      AlignmentB, ElementAccumulator, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-          sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum>::CollectiveOp;
-  using CollectiveMainloop = Sm90Fp8BlockMainloop<CutlassMainloop>;
+  using CutlassMainloop = typename WithElement<
+      typename cutlass::gemm::collective::CollectiveBuilder<
+          cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cutlass::float_e4m3_t,
+          cute::tuple<StrideA, LayoutSFA>, AlignmentA, cutlass::float_e4m3_t,
+          cute::tuple<StrideB, LayoutSFB>, AlignmentB, ElementAccumulator, TileShape, ClusterShape,
+          cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+              sizeof(typename CollectiveEpilogue::SharedStorage))>,
+          cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum>::CollectiveOp,
+      ElementA, TileShape>::type;
+  using CollectiveMainloop = Sm90BlockScaledMainloop<CutlassMainloop>;
 
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
                                                           CollectiveEpilogue,
@@ -552,7 +624,7 @@ typename Cfg::Gemm::Arguments make_arguments(at::Tensor& out, const at::Tensor& 
 
 // Runs the GEMM for configuration Cfg. Shapes were checked by the caller; M > 0.
 template <class Cfg>
-void run_fp8_contiguous_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
+void run_block_scaled_contiguous_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
                              const at::Tensor& b, const at::Tensor& b_scale,
                              const at::Tensor& offsets, int64_t raster_along_n,
                              int64_t max_swizzle) {
@@ -571,6 +643,49 @@ int64_t workspace_size_for(at::Tensor& out, const at::Tensor& a, const at::Tenso
   auto [sfa, sfb] = kernel_scales<Cfg>(a_scale, b_scale);
   auto args = make_arguments<Cfg>(out, a, sfa, b, sfb, nullptr, static_cast<int>(sm_count), 1, 1);
   return static_cast<int64_t>(Cfg::Gemm::get_workspace_size(args));
+}
+
+// The configurations built: cooperative 128x192x128 tiles (two consumer warpgroups share a
+// 128-row block), 2x1 clusters (the B tile multicast to two M blocks of one expert), weight
+// scales in 64-column groups (a 192-column tile meets two 128-column weight blocks): DeepGEMM's
+// choice for these shapes (FP8). INT8 takes the same: its MMAs run at FP8's rate and its tile
+// holds as many accumulators (an int32 partial and an fp32 sum per element).
+using BlockScaledTile = Shape<_128, _192, _128>;
+using BlockScaledCluster = Shape<_2, _1, _1>;
+// Whole-tile epilogue, four mainloop stages: the epilogue's fixed cost per tile weighs most when
+// a tile has few k blocks. CUTLASS's subtiled epilogue, five mainloop stages: a deeper pipeline
+// for long k loops.
+template <class Element>
+using ShortKConfig = BlockScaledContiguousGemmConfig<Element, BlockScaledTile, BlockScaledCluster, 64, true>;
+template <class Element>
+using LongKConfig = BlockScaledContiguousGemmConfig<Element, BlockScaledTile, BlockScaledCluster, 64, false>;
+// On the H200 (session 11, docs/fp8.md) the whole-tile epilogue took FP8 GEMM2 (K = 2048) from
+// 1.13 to 1.08-1.10x DeepGEMM's time, and was 0-5 % slower on GEMM1 (K = 7168). The boundary
+// between the two measured K is a choice.
+constexpr int64_t kWholeTileEpilogueMaxK = 4096;
+
+// The GEMM for operands of type Element, in the configuration for b's K. Shapes were checked by
+// the caller; M > 0.
+template <class Element>
+void run_block_scaled_by_k(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
+                           const at::Tensor& b, const at::Tensor& b_scale,
+                           const at::Tensor& offsets, int64_t raster_along_n,
+                           int64_t max_swizzle) {
+  if (b.size(2) <= kWholeTileEpilogueMaxK) {
+    run_block_scaled_contiguous_gemm<ShortKConfig<Element>>(out, a, a_scale, b, b_scale, offsets,
+                                                            raster_along_n, max_swizzle);
+  } else {
+    run_block_scaled_contiguous_gemm<LongKConfig<Element>>(out, a, a_scale, b, b_scale, offsets,
+                                                           raster_along_n, max_swizzle);
+  }
+}
+
+template <class Element>
+int64_t workspace_size_by_k(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
+                            const at::Tensor& b, const at::Tensor& b_scale, int64_t sm_count) {
+  return b.size(2) <= kWholeTileEpilogueMaxK
+             ? workspace_size_for<ShortKConfig<Element>>(out, a, a_scale, b, b_scale, sm_count)
+             : workspace_size_for<LongKConfig<Element>>(out, a, a_scale, b, b_scale, sm_count);
 }
 
 }  // namespace epmoe
