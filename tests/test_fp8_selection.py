@@ -924,3 +924,41 @@ def test_int8_crossover_script_arguments(tmp_path, capsys):
         assert text in capsys.readouterr().err
     if not torch.cuda.is_available():
         assert script.main(["--out", str(out)]) == 2 and not out.exists()
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter on CPU")
+@pytest.mark.parametrize("scheme_name", ["int8_channel", "int8_block"])
+def test_cutlass_triton_branch_runs_packed_segments(scheme_name):
+    """Below the crossover a host-sized batch runs Triton on segments of exactly its rows (the
+    128-row padding would cost Triton as many MMAs as real rows): the packed batch is the one the
+    unpadded layout gives, and the pass equals the Triton backend's on it, row for row. A batch
+    with device-side sizes has no packed form and runs as laid out."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from cases import make_case
+    from helpers import make_weights
+
+    from epmoe.experts import cutlass_backend as cb
+    from epmoe.experts.base import ExpertWeights
+    from epmoe.experts.triton_backend import TritonBackend
+    from epmoe.layouts import _to_contiguous_kernels, gather_weighted, to_contiguous
+    from epmoe.quant import get_scheme
+
+    scheme = get_scheme(scheme_name)
+    acc = "int32" if scheme_name == "int8_channel" else "fp32"
+    stored, _ = make_weights(PE, PH, PI, scheme_name)
+    backend = cb.CutlassBackend(scheme, accumulator=acc)
+    weights = backend.prepare_weights(ExpertWeights(scheme, *stored))
+    x, ids, w = make_case("empty_experts", 0, PE, PK, PH)
+    padded = to_contiguous(x, None, ids, PE, backend.alignment)
+    exact = to_contiguous(x, None, ids, PE, 1)
+    small, rows = cb.packed_batch(padded)
+    for name in ("x", "expert_offsets", "m_indices", "slot_pos"):
+        assert torch.equal(getattr(small, name), getattr(exact, name).to(getattr(small, name).dtype)), name
+    assert bool((padded.m_indices[rows] >= 0).all()) and rows.numel() == sum(exact.num_rows)
+    got = gather_weighted(backend.run_kernel(padded, weights, torch.float32, "triton"), padded.slot_pos, w)
+    want = gather_weighted(TritonBackend(scheme, accumulator=acc).run_contiguous(exact, weights, torch.float32), exact.slot_pos, w)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    device_sized = _to_contiguous_kernels(x, None, ids, PE, backend.alignment, None, expected_m=4)
+    assert cb.packed_batch(device_sized) is None

@@ -602,6 +602,31 @@ def batch_rows_per_expert(batch: ContiguousBatch) -> int:
     return math.ceil(batch.x.shape[0] / e)
 
 
+def packed_batch(batch: ContiguousBatch) -> tuple[ContiguousBatch, torch.Tensor] | None:
+    """``batch`` without its padding rows, and the rows of ``batch`` that the packed rows came
+    from (``[R]`` int64 on its device), or ``None`` when the valid row count is not known on the
+    host (segment sizes on the device). No host synchronisation: the rows are found with
+    ``nonzero_static`` of that count, and the packed offsets and slot positions are computed on
+    the device (so a CUDA graph may hold it)."""
+    if batch.expected_m is not None or isinstance(batch.num_rows, torch.Tensor):
+        return None
+    total = int(sum(batch.num_rows))
+    valid = batch.m_indices >= 0
+    rows = torch.nonzero_static(valid, size=total).squeeze(1)
+    experts = batch.m_indices.index_select(0, rows).long()
+    counts = torch.zeros(batch.num_experts, dtype=torch.int64, device=rows.device)
+    counts.scatter_add_(0, experts, torch.ones_like(experts))
+    offsets = torch.zeros(batch.num_experts + 1, dtype=torch.int32, device=rows.device)
+    offsets[1:] = counts.cumsum(0).to(torch.int32)
+    new_row = torch.cumsum(valid.to(torch.int64), 0) - 1  # packed index of each valid row
+    slot = batch.slot_pos
+    slot_pos = torch.where(slot >= 0, new_row.index_select(0, slot.clamp(min=0).reshape(-1)).view_as(slot), slot)
+    take = (lambda t: None if t is None else t.index_select(0, rows))  # noqa: E731
+    small = ContiguousBatch(take(batch.x), take(batch.x_scale), offsets, take(batch.m_indices), slot_pos,
+                            list(batch.num_rows))  # fmt: skip
+    return small, rows
+
+
 # -------------------------------------------------------------------------------------- backend
 INT8_SCHEMES = frozenset({"int8_channel", "int8_block"})
 KERNEL_NAMES = {
@@ -714,14 +739,28 @@ class CutlassBackend(ExpertsBackend):
     ) -> torch.Tensor:
         """:meth:`run_contiguous` on the given GEMMs, whatever the rule would pick (public so that
         ``benchmarks/int8_crossover.py`` times exactly what each branch runs): ``"cutlass"``, or
-        for INT8 ``"triton"``, the Triton backend's whole pass on the same 128-row layout."""
+        for INT8 ``"triton"``, the Triton backend's whole pass (:meth:`_triton_pass`)."""
         if kernel == "triton" and self.int8:
-            return self._rows.run_contiguous(batch, weights, out_dtype)
+            return self._triton_pass(batch, weights, out_dtype)
         if kernel != "cutlass":
             allowed = ["cutlass", "triton"] if self.int8 else ["cutlass"]
             raise ValueError(f"kernel={kernel!r}; allowed for quant={self.scheme.name!r}: {allowed}")
         out = self._run_int8(batch, weights) if self.int8 else self._run_fp8(batch, weights)
         return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
+
+    def _triton_pass(self, batch: ContiguousBatch, weights: ExpertWeights, out_dtype: torch.dtype) -> torch.Tensor:
+        """The Triton backend's pass. A batch sized on the host runs packed to segments of exactly
+        its rows (:func:`packed_batch`: the Triton GEMMs tile any segment and would spend as many
+        MMAs on the 128-row layout's padding as on its rows), its output rows put back in their
+        padded places (padding rows hold anything); a batch whose sizes stayed on the device runs
+        as laid out."""
+        packed = packed_batch(batch)
+        if packed is None:
+            return self._rows.run_contiguous(batch, weights, out_dtype)
+        small, rows = packed
+        out = self._rows.run_contiguous(small, weights, out_dtype)
+        full = torch.empty((batch.x.shape[0], out.shape[1]), dtype=out.dtype, device=out.device)
+        return full.index_copy_(0, rows, out)
 
     def _run_fp8(self, batch: ContiguousBatch, weights: ExpertWeights) -> torch.Tensor:
         """quantize (1x128 e4m3, unless it arrived so) -> GEMM1 -> silu(gate) * up requantized to

@@ -722,3 +722,40 @@ def test_layer_cutlass_int8_block_local(monkeypatch):
         assert exact < INT8_BLOCK.rel_error_bound, (case, errs[case])
     logging.getLogger("epmoe").info("int8_block cutlass vs references: %s", errs)
     print("int8_block cutlass (emulated, exact, vs torch):", errs)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("scheme_name", ["int8_channel", "int8_block"])
+def test_cutlass_int8_triton_branch_packed_and_capturable(scheme_name):
+    """The branch below the crossover: the Triton pass on the batch packed to its rows equals the
+    Triton backend's on the unpadded layout, and runs inside a CUDA graph (no host sync), as the
+    crossover benchmark times it for small batches."""
+    from cases import make_case
+    from epmoe.experts import cutlass_backend as cb
+    from epmoe.experts.base import ExpertWeights
+    from epmoe.experts.triton_backend import TritonBackend
+    from epmoe.layouts import gather_weighted, to_contiguous
+    from helpers import make_weights
+
+    scheme = get_scheme(scheme_name)
+    acc = "int32" if scheme_name == "int8_channel" else "fp32"
+    stored, _ = make_weights(LE, LH, LI, scheme_name)
+    backend = cb.CutlassBackend(scheme, accumulator=acc)
+    weights = backend.prepare_weights(ExpertWeights(scheme, *[t.cuda() for t in stored]))
+    x, ids, w = make_case("empty_experts", 0, LE, LK, LH)
+    x, ids, w = x.cuda().bfloat16(), ids.cuda(), w.cuda()
+    padded, exact = to_contiguous(x, None, ids, LE, 128), to_contiguous(x, None, ids, LE, 1)
+    got = backend.run_kernel(padded, weights, torch.bfloat16, "triton")
+    want = TritonBackend(scheme, accumulator=acc).run_contiguous(exact, weights, torch.bfloat16)
+    torch.testing.assert_close(gather_weighted(got, padded.slot_pos, w), gather_weighted(want, exact.slot_pos, w), rtol=0, atol=0)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backend.run_kernel(padded, weights, torch.bfloat16, "triton")  # warm-up off the capture
+        with torch.cuda.graph(graph, stream=stream):
+            captured = backend.run_kernel(padded, weights, torch.bfloat16, "triton")
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(gather_weighted(captured, padded.slot_pos, w), gather_weighted(got, padded.slot_pos, w), rtol=0, atol=0)
