@@ -27,6 +27,8 @@ DOTTED = re.compile(r"`(epmoe(?:\.\w+)+)`")
 MODULE_CLASS = re.compile(r"\b(epmoe(?:\.\w+)+):(\w+)")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 REPO_PATH = re.compile(r"(?<![\w./-])((?:epmoe|docs|benchmarks|examples|tests)/[\w./-]*\w)")
+NOT_SHIPPED = {"epmoe/configs/int8_crossover.json"}
+"""Files the docs name that a GPU run writes (benchmarks/int8_crossover.py) and that ship once measured."""
 RUNNABLE = re.compile(r"```python\n(# runs as is on a CPU\n.*?)```", re.S)
 
 
@@ -78,7 +80,7 @@ def test_links_and_paths_exist(page):
             assert (page.parent / target).exists(), f"link {target}"
     for m in REPO_PATH.finditer(text):
         path, glob = m.group(1), text[m.end() : m.end() + 1] in ("*", "{")
-        if not glob and "<" not in path and not path.startswith("benchmarks/results/TBD"):
+        if not glob and "<" not in path and path not in NOT_SHIPPED and not path.startswith("benchmarks/results/TBD"):
             assert (ROOT / path).exists(), f"path {path}"
 
 
