@@ -1,5 +1,6 @@
 """The FP8 block backends' selection rule, as a pure function and through the layer (CPU)."""
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -900,6 +901,9 @@ def test_cutlass_int8_batches_take_the_kernel_of_their_size(monkeypatch, caplog,
             assert backend.int8_kernel(batch) == want
             backend.run_contiguous(batch, weights, torch.bfloat16)
             assert ran[-1] == want, (tokens, ran)
+        # Sizes on the device: the Triton branch could not pack the batch, so CUTLASS at any size.
+        device_sized = dataclasses.replace(batch, num_rows=torch.tensor(batch.num_rows), expected_m=1)
+        assert cb.batch_rows_per_expert(device_sized) == 1 and backend.int8_kernel(device_sized) == "cutlass"
     finally:
         cb._rule.cache_clear()
 

@@ -23,7 +23,8 @@ int8 MMAs, each 128-wide K block summed exactly in int32 and promoted to fp32 wi
 the 1x128 and 128x128 scales (``int8_block_contiguous_gemm.cu``). Which GEMMs a batch runs is
 chosen by its rows per expert from measured crossovers shipped as data
 (``epmoe/configs/int8_crossover.json``, :func:`int8_rule`): the Triton backend's pass below the
-crossover, the CUTLASS kernels from it; without data for the GPU and scheme, CUTLASS at every size.
+crossover (on the batch packed to its rows, :func:`packed_batch`), the CUTLASS kernels from it;
+without data for the GPU and scheme, and for batches whose sizes stayed on the device, CUTLASS.
 
 Every wrapper checks its operands in Python before the extension is loaded or reads them
 (:func:`check_operands`).
@@ -602,13 +603,18 @@ def batch_rows_per_expert(batch: ContiguousBatch) -> int:
     return math.ceil(batch.x.shape[0] / e)
 
 
+def host_sized(batch: ContiguousBatch) -> bool:
+    """Whether ``batch``'s rows per expert are known on the host (what :func:`packed_batch` needs)."""
+    return batch.expected_m is None and not isinstance(batch.num_rows, torch.Tensor)
+
+
 def packed_batch(batch: ContiguousBatch) -> tuple[ContiguousBatch, torch.Tensor] | None:
     """``batch`` without its padding rows, and the rows of ``batch`` that the packed rows came
     from (``[R]`` int64 on its device), or ``None`` when the valid row count is not known on the
     host (segment sizes on the device). No host synchronisation: the rows are found with
     ``nonzero_static`` of that count, and the packed offsets and slot positions are computed on
     the device (so a CUDA graph may hold it)."""
-    if batch.expected_m is not None or isinstance(batch.num_rows, torch.Tensor):
+    if not host_sized(batch):
         return None
     total = int(sum(batch.num_rows))
     valid = batch.m_indices >= 0
@@ -725,7 +731,12 @@ class CutlassBackend(ExpertsBackend):
     def int8_kernel(self, batch: ContiguousBatch) -> str:
         """``"cutlass"`` or ``"triton"``: which GEMMs an INT8 batch runs on, by its rows per expert
         (:func:`batch_rows_per_expert`) and the measured crossover of this GPU and scheme
-        (:func:`int8_rule`; without data, CUTLASS). The rule is logged once per GPU and scheme."""
+        (:func:`int8_rule`; without data, CUTLASS). The crossovers are measured on host-sized
+        batches, which the Triton branch runs packed to their rows; a batch whose sizes stayed on
+        the device could only run padded there, so it takes CUTLASS. The rule is logged once per
+        GPU and scheme."""
+        if not host_sized(batch):
+            return "cutlass"
         return int8_rule(batch.x.device, self.scheme.name).kernel_for(batch_rows_per_expert(batch))
 
     def run_contiguous(

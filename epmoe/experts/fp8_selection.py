@@ -279,7 +279,8 @@ class RowsRule:
             sizes = "CUTLASS at every size"
         else:
             sizes = f"Triton below {self.cutlass_from} rows per expert, CUTLASS from {self.cutlass_from}"
-        return f"{self.scheme} on {self.gpu}: {sizes} (measured Triton/CUTLASS ms by rows per expert: {figures}; {self.source})"
+        return (f"{self.scheme} on {self.gpu}: {sizes}, for batches sized on the host (sized on the device: "
+                f"CUTLASS) (measured Triton/CUTLASS ms by rows per expert: {figures}; {self.source})")  # fmt: skip
 
 
 def int8_rows_rule(data: Mapping, gpu: str, scheme: str) -> RowsRule:
