@@ -213,3 +213,18 @@ def test_non_silu_activation_is_refused():
     cfg.hidden_act = "gelu"
     with pytest.raises(ValueError, match="'qwen3_moe'.*activation 'gelu'"):
         et.enable(AutoModelForCausalLM.from_config(cfg))
+
+
+def test_hf_generate_example_runs_and_matches_eager(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "hf_generate.py"
+    r = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "tiny"), "--make-tiny", "mixtral", "--backend", "torch",
+         "--new-tokens", "8", "--check"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "eager experts generate the same tokens: True" in r.stdout
