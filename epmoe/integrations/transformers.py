@@ -111,7 +111,7 @@ def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
                     f"{type(module).__name__}): it has " + "; ".join(missing)
                 )
             found.append((name, module))
-        elif type(module).__name__.endswith("Experts") and not found and not isinstance(module, nn.ModuleList):
+        elif type(module).__name__.endswith("Experts") and not isinstance(module, nn.ModuleList):
             raise ValueError(
                 f"epmoe cannot run the experts of model family {family!r} ({name}: {type(module).__name__}): "
                 "the module is not called as experts(hidden_states, top_k_index, top_k_weights) through "
