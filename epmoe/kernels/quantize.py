@@ -409,14 +409,21 @@ def per_token_quant_int8(
     return token_quant(*_operands(x, x_scale, masked_m, expected_m), launch, silu=False)
 
 
-def token_quant(x2, xs2, in_group: int, shape, plan: RowPlan, launch: Launch | None, *, silu: bool):
+def token_quant(
+    x2, xs2, in_group: int, shape, plan: RowPlan, launch: Launch | None, *, silu: bool, out=None
+):
     """Launch :func:`token_quant_kernel` over the rows of ``x2`` (``[M, 2K]`` with ``silu``,
     else ``[M, K]``; input scales ``xs2`` or ``None``); returns ``q`` and ``scale`` with the
-    leading dims of ``shape``."""
+    leading dims of ``shape``. ``out``: optional ``(q [M, K] int8, scale [M, 1] fp32)``
+    row-contiguous tensors to write into (the first rows of a padded buffer, for a GEMM that
+    wants whole row blocks)."""
     m = x2.shape[0]
     k = x2.shape[1] // 2 if silu else x2.shape[1]
-    q = torch.empty((m, k), dtype=torch.int8, device=x2.device)
-    s = torch.empty((m, 1), dtype=torch.float32, device=x2.device)
+    if out is None:
+        q = torch.empty((m, k), dtype=torch.int8, device=x2.device)
+        s = torch.empty((m, 1), dtype=torch.float32, device=x2.device)
+    else:
+        q, s = out
     out_shape = (*shape[:-1], k)
     if m == 0 or k == 0:
         s.fill_(AMAX_FLOOR / INT8_QMAX)
