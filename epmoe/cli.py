@@ -1,4 +1,4 @@
-"""The ``epmoe`` command: info, demo, bench, tune, convert, fidelity."""
+"""The ``epmoe`` command: info, demo, bench, tune, convert, make-checkpoint, fidelity."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ COMMANDS = {
     "demo": ("epmoe.demo", "main", "a DeepSeek-style MoE layer under EP in local processes"),
     "bench": (None, None, "bench experts | bench layer"),
     "tune": ("epmoe.bench.tune", "main", "tune Triton kernel configs on this GPU"),
-    "convert": ("epmoe.quant.convert", "main", "convert an FP8 checkpoint to INT8"),
+    "convert": ("epmoe.checkpoint.cli", "convert_main", "convert an FP8 checkpoint to INT8"),
+    "make-checkpoint": ("epmoe.checkpoint.cli", "make_checkpoint_main", "a small synthetic FP8 checkpoint to try convert on"),
     "fidelity": ("epmoe.bench.fidelity", "main", "error of every scheme against float64"),
 }
 BENCHES = {
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
         lines = ["usage: epmoe <command> [args]  (epmoe <command> --help for its options)\n\ncommands:"]
-        lines += [f"  {name:<9} {help_text}" for name, (_, _, help_text) in COMMANDS.items()]
+        lines += [f"  {name:<15} {help_text}" for name, (_, _, help_text) in COMMANDS.items()]
         return _usage(argv[0] if argv else "-h", "epmoe: unknown command", list(COMMANDS), lines)
     cmd, rest = argv[0], argv[1:]
     if cmd == "bench":

@@ -1,4 +1,4 @@
-"""FP8-block -> INT8 checkpoint conversion (epmoe.quant.convert).
+"""FP8-block -> INT8 checkpoint conversion (epmoe.checkpoint).
 
 Checkpoints are small synthetic ones in DeepSeek naming, written in tmp_path. Outputs are read back
 with the safetensors library, independently of the converter's own reader and writer.
@@ -22,8 +22,13 @@ safetensors = pytest.importorskip("safetensors")
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from epmoe.bench.fidelity import synthetic_weight, write_synthetic_checkpoint  # noqa: E402
-from epmoe.quant import convert as cv  # noqa: E402
+import epmoe.checkpoint as cv  # noqa: E402
+from epmoe.checkpoint.cli import convert_main  # noqa: E402
+import epmoe.checkpoint.convert as cv_convert  # noqa: E402
+from epmoe.checkpoint.convert import MANIFEST_NAME  # noqa: E402
+from epmoe.checkpoint.formats import INDEX_NAME  # noqa: E402
+from epmoe.checkpoint.plan import is_expert_weight  # noqa: E402
+from epmoe.checkpoint.synthetic import synthetic_weight, write_synthetic_checkpoint  # noqa: E402
 from epmoe.quant.reference import dequantize_weight, quantize_weight  # noqa: E402
 from epmoe.quant.schemes import SCHEMES  # noqa: E402
 
@@ -63,7 +68,7 @@ def assert_round_trip(q8, scale8, w_fp8_deq: torch.Tensor, name: str = "") -> No
 
 
 def tensors_of(dirpath: Path) -> dict[str, torch.Tensor]:
-    index = json.loads((dirpath / cv.INDEX_NAME).read_text())
+    index = json.loads((dirpath / INDEX_NAME).read_text())
     out = {}
     for shard in sorted(set(index["weight_map"].values())):
         with safe_open(str(dirpath / shard), "pt") as f:
@@ -76,7 +81,7 @@ def file_bytes(dirpath: Path) -> dict[str, bytes]:
     return {
         p.relative_to(dirpath).as_posix(): p.read_bytes()
         for p in sorted(dirpath.rglob("*"))
-        if p.is_file() and p.name != cv.MANIFEST_NAME
+        if p.is_file() and p.name != MANIFEST_NAME
     }
 
 
@@ -103,12 +108,12 @@ def copy_checkpoint(src: Path, dst: Path) -> Path:
 
 def edit_checkpoint(root: Path, fn) -> None:
     """Apply ``fn(tensors: dict, weight_map: dict)`` shard by shard and rewrite index + shards."""
-    index = json.loads((root / cv.INDEX_NAME).read_text())
+    index = json.loads((root / INDEX_NAME).read_text())
     for shard in sorted(set(index["weight_map"].values())):
         tensors = load_file(str(root / shard))
         fn(shard, tensors, index["weight_map"])
         save_file(tensors, str(root / shard), metadata={"format": "pt"})
-    (root / cv.INDEX_NAME).write_text(json.dumps(index))
+    (root / INDEX_NAME).write_text(json.dumps(index))
 
 
 # ----------------------------------------------------------------------------------- tensors
@@ -184,7 +189,7 @@ def test_checkpoint_round_trip(src, converted, target):
     for name, t in before.items():
         if name.endswith("_scale_inv") and name[: -len("_scale_inv")] in before:
             continue
-        is_expert = bool(cv._ROUTED_RE.match(name) or cv._SHARED_RE.match(name))
+        is_expert = is_expert_weight(name)
         if is_expert:
             n_experts += 1
             q, s = after[name], after[name[: -len("weight")] + suffix]
@@ -197,12 +202,12 @@ def test_checkpoint_round_trip(src, converted, target):
             assert torch.equal(after[name].view(torch.uint8), t.view(torch.uint8)), name
     assert n_experts == 8 * 3 + 3
     # Nothing is lost or invented: converted weights trade their scale_inv for the target's scale.
-    conv = {n for n in before if cv._ROUTED_RE.match(n) or cv._SHARED_RE.match(n)}
+    conv = {n for n in before if is_expert_weight(n)}
     expected = {n for n in before if not (n.endswith("_scale_inv") and n[: -len("_scale_inv")] in conv)}
     expected |= {n[: -len("weight")] + suffix for n in conv}
     assert set(after) == expected
 
-    index = json.loads((dst / cv.INDEX_NAME).read_text())
+    index = json.loads((dst / INDEX_NAME).read_text())
     assert set(index["weight_map"]) == set(after)
     sizes = sum(t.numel() * t.element_size() for t in after.values())
     assert index["metadata"]["total_size"] == sizes
@@ -216,7 +221,7 @@ def test_checkpoint_round_trip(src, converted, target):
     assert config["n_routed_experts"] == 8
     assert (dst / "tokenizer_config.json").read_text() == (src / "tokenizer_config.json").read_text()
     assert cv.checkpoint_scheme(dst) == target
-    assert json.loads((dst / cv.MANIFEST_NAME).read_text())["complete"] is True
+    assert json.loads((dst / MANIFEST_NAME).read_text())["complete"] is True
     assert not list(dst.rglob("*.tmp"))
 
 
@@ -236,7 +241,7 @@ def test_dense_converts_every_fp8_weight(src, tmp_path):
 def test_scale_in_another_shard(src, converted, tmp_path):
     """A weight whose scale_inv lives in another shard converts the same; the scale moves with it."""
     root = copy_checkpoint(src, tmp_path / "src")
-    index = json.loads((root / cv.INDEX_NAME).read_text())
+    index = json.loads((root / INDEX_NAME).read_text())
     scale = EXPERT + "_scale_inv"
     home = index["weight_map"][scale]
     other = next(s for s in sorted(set(index["weight_map"].values())) if s != home)
@@ -254,7 +259,7 @@ def test_scale_in_another_shard(src, converted, tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k
-    wm = json.loads((tmp_path / "dst" / cv.INDEX_NAME).read_text())["weight_map"]
+    wm = json.loads((tmp_path / "dst" / INDEX_NAME).read_text())["weight_map"]
     assert wm[scale] == wm[EXPERT] == home
 
 
@@ -330,9 +335,9 @@ def test_iter_expert_weights_subset_and_errors(src, converted, tmp_path):
     with pytest.raises(ValueError, match=r"expert 9: checkpoint has projections \[\]"):
         next(cv.iter_expert_weights(src, 1, experts=[9]))
     root = copy_checkpoint(src, tmp_path / "noscale")
-    index = json.loads((root / cv.INDEX_NAME).read_text())
+    index = json.loads((root / INDEX_NAME).read_text())
     del index["weight_map"][EXPERT + "_scale_inv"]
-    (root / cv.INDEX_NAME).write_text(json.dumps(index))
+    (root / INDEX_NAME).write_text(json.dumps(index))
     with pytest.raises(ValueError, match="has no 'weight_scale_inv'"):
         next(cv.iter_expert_weights(root, 1))
 
@@ -342,11 +347,11 @@ def test_iter_expert_weights_subset_and_errors(src, converted, tmp_path):
 
 def test_interrupted_conversion_resumes_to_identical_output(src, converted, tmp_path, monkeypatch):
     dst = tmp_path / "dst"
-    index = json.loads((src / cv.INDEX_NAME).read_text())
+    index = json.loads((src / INDEX_NAME).read_text())
     shards = sorted(set(index["weight_map"].values()))
     first_shard_experts = sum(
         1 for n, s in index["weight_map"].items()
-        if s == shards[0] and (cv._ROUTED_RE.match(n) or cv._SHARED_RE.match(n))
+        if s == shards[0] and is_expert_weight(n)
     )  # fmt: skip
     real = cv.convert_tensor
     calls = {"n": 0}
@@ -357,15 +362,15 @@ def test_interrupted_conversion_resumes_to_identical_output(src, converted, tmp_
             raise RuntimeError("simulated crash")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cv, "convert_tensor", crashing)
+    monkeypatch.setattr(cv_convert, "convert_tensor", crashing)
     with pytest.raises(RuntimeError, match="simulated crash"):
         cv.convert_checkpoint(src, dst, "int8_block", progress=False)
-    monkeypatch.setattr(cv, "convert_tensor", real)
+    monkeypatch.setattr(cv_convert, "convert_tensor", real)
 
-    manifest = json.loads((dst / cv.MANIFEST_NAME).read_text())
+    manifest = json.loads((dst / MANIFEST_NAME).read_text())
     assert list(manifest["shards"]) == [shards[0]] and manifest["complete"] is False
     assert (dst / shards[0]).is_file() and not (dst / shards[1]).exists()
-    assert not (dst / cv.INDEX_NAME).exists()  # an interrupted output never looks complete
+    assert not (dst / INDEX_NAME).exists()  # an interrupted output never looks complete
     assert not list(dst.glob("*.tmp"))  # an exception removes its temporary file
 
     with pytest.raises(ValueError, match="unfinished conversion.*--resume"):
@@ -435,13 +440,13 @@ def _orphan_scale(root):
 
 
 def _index_names_missing_tensor(root):
-    index = json.loads((root / cv.INDEX_NAME).read_text())
+    index = json.loads((root / INDEX_NAME).read_text())
     index["weight_map"]["model.layers.1.mlp.ghost.weight"] = index["weight_map"][EXPERT]
-    (root / cv.INDEX_NAME).write_text(json.dumps(index))
+    (root / INDEX_NAME).write_text(json.dumps(index))
 
 
 def _missing_shard(root):
-    index = json.loads((root / cv.INDEX_NAME).read_text())
+    index = json.loads((root / INDEX_NAME).read_text())
     (root / index["weight_map"][EXPERT]).unlink()
 
 
@@ -467,7 +472,7 @@ def _inconsistent_experts(root):
 
 
 def _truncated_shard(root):
-    index = json.loads((root / cv.INDEX_NAME).read_text())
+    index = json.loads((root / INDEX_NAME).read_text())
     p = root / index["weight_map"][EXPERT]
     p.write_bytes(p.read_bytes()[:-100])
 
@@ -485,7 +490,7 @@ def _truncated_shard(root):
         (_block_64, ValueError, r"weight_block_size=\[64, 64\]; only .* can be converted"),
         (_inconsistent_experts, ValueError, rf"'{EXPERT}' has shape \[256, 256\], inconsistent with"),
         (_truncated_shard, ValueError, r"outside the .* data bytes \(truncated file\?\)"),
-        (lambda root: (root / cv.INDEX_NAME).unlink(), FileNotFoundError, r"index .*model.safetensors.index.json does not exist"),
+        (lambda root: (root / INDEX_NAME).unlink(), FileNotFoundError, r"index .*model.safetensors.index.json does not exist"),
         (lambda root: (root / "config.json").unlink(), FileNotFoundError, r"config .*config.json does not exist"),
     ],
     ids=lambda v: getattr(v, "__name__", None) if callable(v) else None,
@@ -518,13 +523,13 @@ def test_bad_destination(src, tmp_path):
 def test_cli_main(src, tmp_path, capsys, monkeypatch):
     # The plain progress line (tqdm is optional): make "import tqdm.auto" fail for this run.
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)
-    assert cv.main(["--to", "int8_block", str(src), str(tmp_path / "out")]) == 0
+    assert convert_main(["--to", "int8_block", str(src), str(tmp_path / "out")]) == 0
     captured = capsys.readouterr()
     assert "converted 27 weights to int8_block: 3 shards written" in captured.out
     assert "[3/3]" in captured.err and "100.0%" in captured.err
-    assert cv.main(["--to", "int8_block", str(src), str(tmp_path / "out")]) == 2
+    assert convert_main(["--to", "int8_block", str(src), str(tmp_path / "out")]) == 2
     assert "pass --resume" in capsys.readouterr().err
-    assert cv.main(["--to", "int8_block", "--resume", "--quiet", str(src), str(tmp_path / "out")]) == 0
+    assert convert_main(["--to", "int8_block", "--resume", "--quiet", str(src), str(tmp_path / "out")]) == 0
     assert "0 shards written, 3 kept" in capsys.readouterr().out
 
 
@@ -534,7 +539,7 @@ _RSS_CHILD = textwrap.dedent(
     """
     import json, resource, sys
     import torch
-    from epmoe.quant.convert import convert_checkpoint
+    from epmoe.checkpoint.convert import convert_checkpoint
 
     def status(key):
         with open("/proc/self/status") as f:
@@ -582,7 +587,7 @@ def test_peak_rss_stays_near_one_shard(tmp_path):
         save_file(tensors, str(root / name), metadata={"format": "pt"})
         weight_map.update({k: name for k in tensors})
         shard_bytes = max(shard_bytes, (root / name).stat().st_size)
-    (root / cv.INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (root / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (root / "config.json").write_text(json.dumps({"quantization_config": {
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}}))  # fmt: skip
 
@@ -599,3 +604,30 @@ def test_peak_rss_stays_near_one_shard(tmp_path):
     assert total > 5 * shard_bytes
     print(f"peak RSS growth {growth / 2**20:.1f} MiB; one shard {shard_bytes / 2**20:.1f} MiB")
     assert growth < 2.5 * shard_bytes, f"peak RSS grew {growth / 2**20:.1f} MiB for {shard_bytes / 2**20:.1f} MiB shards"
+
+
+# -------------------------------------------------------------------------------- make-checkpoint
+
+
+def test_make_checkpoint_then_convert_with_a_json_summary(tmp_path, capsys):
+    from epmoe import cli
+
+    src = tmp_path / "synthetic"
+    assert cli.main(["make-checkpoint", str(src), "--experts", "4", "--shards", "2", "--seed", "3"]) == 0
+    assert "try `epmoe convert --to int8_channel" in capsys.readouterr().out
+    assert cv.checkpoint_scheme(src) == "fp8_block"
+    assert cv.expert_ids(src, 1) == [0, 1, 2, 3]
+    assert cli.main(["convert", "--to", "int8_channel", "--json", "--quiet", str(src), str(tmp_path / "out")]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    # One MoE layer: 4 routed experts x 3 projections + 3 shared-expert projections.
+    assert summary["tensors_converted"] == 15 and summary["target"] == "int8_channel"
+    assert sorted(summary["shards_written"]) == sorted(set(json.loads((src / INDEX_NAME).read_text())["weight_map"].values()))
+    assert summary["shards_skipped"] == [] and summary["dst"] == str(tmp_path / "out")
+    assert summary["total_size"] == json.loads((tmp_path / "out" / INDEX_NAME).read_text())["metadata"]["total_size"]
+    # The directory is not empty any more: refused, naming the path; bad sizes name the option.
+    assert cli.main(["make-checkpoint", str(src)]) == 2
+    assert f"path {src} exists and is not an empty directory" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"top_k=9 must be at most experts=8"):
+        write_synthetic_checkpoint(tmp_path / "bad", top_k=9)
+    with pytest.raises(ValueError, match=r"shards=0 must be a positive integer"):
+        write_synthetic_checkpoint(tmp_path / "bad", shards=0)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from epmoe.bench import fidelity as fid
+from epmoe.checkpoint.synthetic import write_synthetic_checkpoint
 from epmoe.quant.schemes import SCHEMES
 
 pytest.importorskip("epmoe.layer")
@@ -79,9 +80,9 @@ def test_fp32_accumulation_rounds_where_int32_is_exact():
 
 
 def test_checkpoint_mode(tmp_path):
-    from epmoe.quant.convert import convert_checkpoint
+    from epmoe.checkpoint.convert import convert_checkpoint
 
-    src = fid.write_synthetic_checkpoint(tmp_path / "fp8", experts=4, shards=2)
+    src = write_synthetic_checkpoint(tmp_path / "fp8", experts=4, shards=2)
     convert_checkpoint(src, tmp_path / "int8", "int8_block", progress=False)
     common = ["--layer", "1", "--tokens", "32", "--top-k", "2", "--json"]
 
@@ -121,7 +122,7 @@ def test_bad_arguments(argv, message, capsys):
 
 
 def test_bad_checkpoint_and_top_k(tmp_path, capsys):
-    src = fid.write_synthetic_checkpoint(tmp_path / "fp8", experts=4, shards=1)
+    src = write_synthetic_checkpoint(tmp_path / "fp8", experts=4, shards=1)
     assert fid.main(["--checkpoint", str(src), "--layer", "0"]) == 2
     assert "has no routed experts for --layer 0" in capsys.readouterr().err
     assert fid.main(["--checkpoint", str(src), "--layer", "1", "--experts", "6"]) == 2

@@ -1,4 +1,5 @@
-"""Quantization schemes, the reference (de)quantization math and checkpoint conversion."""
+"""Quantization at run time: the schemes, the dispatch payloads and the reference (de)quantization
+math. Checkpoint reading and conversion live in :mod:`epmoe.checkpoint`."""
 
 from .reference import (
     dequantize_rows,
