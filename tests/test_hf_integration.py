@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from epmoe.integrations import transformers as et  # noqa: E402
 from epmoe.quant import dequantize_weight, get_scheme, quantize_weight  # noqa: E402
-from epmoe.quant.convert import convert_checkpoint  # noqa: E402
+from epmoe.checkpoint.convert import convert_checkpoint  # noqa: E402
 
 import hf_worker  # noqa: E402
 from helpers import free_port  # noqa: E402

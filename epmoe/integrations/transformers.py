@@ -42,7 +42,9 @@ from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
 
 from ..checkpoint.names import expert_name
 from ..layer import DeepEPMoELayer
-from ..quant.convert import INDEX_NAME, SafetensorsFile, checkpoint_scheme
+from ..checkpoint.files import SafetensorsFile
+from ..checkpoint.formats import INDEX_NAME
+from ..checkpoint.reading import checkpoint_scheme
 from ..quant.reference import dequantize_weight, quantize_weight
 from ..quant.schemes import SCHEMES, get_scheme
 
