@@ -150,7 +150,7 @@ def main(argv=None) -> int:
 
     def prefill():
         with torch.no_grad():
-            model(prefill_ids, use_cache=True)
+            model(prefill_ids, use_cache=True, logits_to_keep=1)  # as generate does: no [B, L, V] logits
 
     def decode():
         with torch.no_grad():
