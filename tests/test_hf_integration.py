@@ -47,6 +47,7 @@ _ids = hf_worker.ids
 def test_logits_match_eager(family, scheme):
     model, ids = _model(family), _ids()
     ref = model(ids).logits
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
     quant, kwargs = scheme, {}
     if scheme == "int8_channel_int32":
         quant, kwargs = "int8_channel", {"accumulator": "int32"}
@@ -54,6 +55,8 @@ def test_logits_match_eager(family, scheme):
     layers = [m for m in model.modules() if isinstance(m, et.DeepEPMoELayer)]
     assert layers and all(layer.scheme.name == quant for layer in layers)
     assert not any(n.endswith(("gate_up_proj", "experts.down_proj")) for n, _ in model.named_parameters())
+    after = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert after == held if quant == "bf16" else after < held  # the module's copies are gone
     err = _rel(model(ids).logits, ref)
     assert err <= BOUNDS[scheme], f"{family} {scheme}: relative error {err:.2e} > {BOUNDS[scheme]}"
     if scheme != "bf16":
