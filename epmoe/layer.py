@@ -29,7 +29,7 @@ from .layouts import MaskedBatch, gather_weighted, to_contiguous
 from .quant.payload import choose_payloads
 from .quant.schemes import BLOCK, get_scheme
 from .routing import check_routing_config, select_experts
-from .tensors import as_contiguous, capturing, check_positive_int
+from .tensors import as_contiguous, capturing, check_positive_int, keeping_dtypes
 
 log = logging.getLogger("epmoe")
 
@@ -275,6 +275,14 @@ class DeepEPMoELayer(nn.Module):
             param(self.num_experts, dtype=torch.float32) if use_correction_bias else None
         )
 
+    def _apply(self, fn, recurse=True):
+        # Module dtype casts (model.to(torch.bfloat16), .half()) keep quantized weights, their
+        # scales and the correction bias in their dtypes; device moves still move them.
+        fixed = [self.w13_weight_scale, self.w2_weight_scale, self.e_score_correction_bias]
+        if self.scheme.quantized:
+            fixed += [self.w13_weight, self.w2_weight]
+        return super()._apply(keeping_dtypes(fn, fixed), recurse)
+
     def expert_weights(self) -> ExpertWeights:
         """The local experts' weights as the backend contract wants them."""
         return ExpertWeights(
@@ -298,27 +306,48 @@ class DeepEPMoELayer(nn.Module):
         loading.load_experts(self, w13, w2, w13_scale, w2_scale)
 
     def load_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = True
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        strict: bool = True,
+        *,
+        prefix: str | None = None,
     ) -> set[str]:
         """Load checkpoint tensors named the DeepSeek/HF way.
 
         Names end in ``experts.{e}.{gate_proj|up_proj|down_proj}.{weight|weight_scale|
-        weight_scale_inv}`` with a global expert id ``e`` (any prefix), or in
-        ``e_score_correction_bias``. Both scale names mean the multiplier that dequantizes
-        (``w = q * scale``): ``[N, 1]`` per channel or ``[ceil(N/128), ceil(K/128)]`` per block.
-        Experts of other ranks are skipped. Pass one MoE layer's tensors per call (filter by the
-        ``model.layers.{L}.`` prefix): a slot filled twice in one call is an error, so a whole
-        checkpoint cannot silently overwrite one layer with another's experts. Every tensor is
-        checked before any is copied.
+        weight_scale_inv}`` with a global expert id ``e`` (Mixtral's ``w1|w3|w2`` too), in
+        ``experts.gate_up_proj`` ``[E, 2I, H]`` / ``experts.down_proj`` ``[E, H, I]`` (the fused
+        tensors of a transformers 5 ``state_dict()``), or in ``e_score_correction_bias``. Both scale
+        names mean the multiplier that dequantizes (``w = q * scale``): ``[N, 1]`` per channel or
+        ``[ceil(N/128), ceil(K/128)]`` per block. Experts of other ranks are skipped. A slot filled
+        twice in one call is an error, so a whole checkpoint cannot silently overwrite one layer
+        with another's experts. Every tensor is checked before any is copied.
 
         Args:
-            named_tensors: ``(name, tensor)`` pairs.
-            strict: raise on names that match neither pattern (else skip them).
+            named_tensors: ``(name, tensor)`` pairs: one MoE layer's, or a whole checkpoint's with
+                ``prefix``.
+            strict: as in ``nn.Module.load_state_dict``: every tensor of this rank's experts (and
+                the correction bias, when the layer has one) must be given, else ``ValueError``
+                naming the first missing ones and the count (:meth:`expected_weight_names` lists
+                them); without ``prefix``, a name that is not an expert tensor is an error too.
+                ``False`` loads what is given and skips the rest.
+            prefix: the MoE block's prefix in the checkpoint (``"model.layers.3.mlp."``,
+                ``"model.layers.3.block_sparse_moe."`` for Mixtral): only names under it are
+                considered, and of those only the routed experts and the correction bias are
+                loaded; the router weight, shared experts and everything else are ignored.
 
         Returns:
             The names that were loaded into this rank's parameters.
         """
-        return loading.load_weights(self, named_tensors, strict)
+        return loading.load_weights(self, named_tensors, strict, prefix)
+
+    def expected_weight_names(self, prefix: str = "") -> list[str]:
+        """The checkpoint names a strict :meth:`load_weights` needs on this rank: every tensor of
+        this rank's experts under its global id (``{prefix}experts.{e}.{proj}.weight``, and
+        ``.weight_scale`` / ``.weight_scale_inv`` as the scheme's checkpoints name the scale), then
+        ``{prefix}gate.e_score_correction_bias`` when the layer has a correction bias. Use it to
+        read only this rank's tensors from a checkpoint."""
+        return loading.expected_weight_names(self, prefix)
 
     # ---------------------------------------------------------------------------------- forward
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

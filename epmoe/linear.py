@@ -46,7 +46,7 @@ from torch import nn
 from .experts.select import BackendUnavailableError
 from .quant.reference import dequantize_rows, dequantize_weight, quantize_rows, quantize_weight
 from .quant.schemes import BLOCK, SCHEMES
-from .tensors import check_positive_int
+from .tensors import check_positive_int, keeping_dtypes
 
 log = logging.getLogger("epmoe")
 
@@ -480,17 +480,8 @@ class Int8Linear(nn.Module):
         return None if self._impl is None else self._impl.name
 
     def _apply(self, fn, recurse=True):
-        fixed = {id(self.weight), id(self.weight_scale)}
-
-        def keep_dtype(t):
-            r = fn(t)
-            if id(t) in fixed and r.dtype != t.dtype:
-                # A dtype cast of the module: move the original (no lossy round trip), keep its dtype.
-                return t.to(device=r.device)
-            return r
-
         before = self.weight.device
-        out = super()._apply(keep_dtype, recurse)
+        out = super()._apply(keeping_dtypes(fn, [self.weight, self.weight_scale]), recurse)
         if self.weight.device != before:
             self._resolve()
         return out
@@ -568,7 +559,7 @@ class Int8Linear(nn.Module):
         if w.dtype == torch.float8_e4m3fn:
             if not scales or not scales[0][0].endswith("weight_scale_inv"):
                 raise ValueError(f"tensor {wname!r} is float8_e4m3fn; allowed only with its 128x128 'weight_scale_inv'")
-            from .quant.convert import dequantize_fp8_block
+            from .checkpoint.requantize import dequantize_fp8_block
 
             self._set_float_weight(dequantize_fp8_block(w.cpu(), scales[0][1].float().cpu()).to(dev))
         elif w.dtype == torch.int8:

@@ -39,3 +39,26 @@ def check_tensor(name: str, value, *, optional: bool = False) -> None:
     if not isinstance(value, torch.Tensor) and not (optional and value is None):
         allowed = "a torch.Tensor or None" if optional else "a torch.Tensor"
         raise TypeError(f"{name} must be {allowed}; got {type(value).__name__}")
+
+
+def keeping_dtypes(fn, fixed: list[torch.Tensor | None]):
+    """``fn`` (what ``nn.Module._apply`` maps over parameters) changed so that the tensors in
+    ``fixed`` keep their dtype: a module dtype cast (``.to(torch.bfloat16)``, ``.half()``) leaves
+    them as they are, a device move (``.to("cuda")``) still moves them.
+
+    Quantized weights, their fp32 scales and a routing bias are not activations: casting them
+    changes results (a bf16 scale moves every output; e4m3 codes cast to bf16 are no longer codes).
+    The cast is probed on an empty tensor of the same dtype and device, so a kept tensor is never
+    copied into the other dtype, even for a moment.
+    """
+    ids = {id(t) for t in fixed if t is not None}
+
+    def apply(t):
+        if id(t) not in ids:
+            return fn(t)
+        probe = fn(t.new_empty(0))
+        if probe.dtype == t.dtype:
+            return fn(t)
+        return t.to(device=probe.device)
+
+    return apply

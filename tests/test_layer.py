@@ -107,7 +107,7 @@ def test_router_logits_path_and_grouped_routing():
         num_expert_group=4, topk_group=2, use_correction_bias=True, routed_scaling_factor=2.5,
     )  # fmt: skip
     bias = torch.randn(E) * 0.1
-    layer.load_weights([("model.layers.3.mlp.gate.e_score_correction_bias", bias)])
+    layer.load_weights([("model.layers.3.mlp.gate.e_score_correction_bias", bias)], strict=False)
     x = torch.randn(21, H)
     logits = torch.randn(21, E)
     out = layer(x, logits)
@@ -162,7 +162,7 @@ def test_load_weights_channel_scales():
     stored, _ = make_weights(E, H, I, "int8_channel")
     q13, q2, s13, s2 = stored
     layer = DeepEPMoELayer(E, K, H, I, quant="int8_channel", device="cpu", params_dtype=torch.float32)
-    layer.load_weights([("experts.2.up_proj.weight_scale", s13[2, I:, 0]), ("experts.2.down_proj.weight_scale", s2[2])])
+    layer.load_weights([("experts.2.up_proj.weight_scale", s13[2, I:, 0]), ("experts.2.down_proj.weight_scale", s2[2])], strict=False)
     assert torch.equal(layer.w13_weight_scale[2, I:], s13[2, I:])
     assert torch.equal(layer.w2_weight_scale[2], s2[2])
 
@@ -280,7 +280,7 @@ def test_experts_never_loaded_give_nan_not_zeros(scheme):
             names += [(f"experts.{e}.gate_proj.weight_scale_inv", s13[e, :g]),
                       (f"experts.{e}.up_proj.weight_scale_inv", s13[e, g:]),
                       (f"experts.{e}.down_proj.weight_scale_inv", s2[e])]  # fmt: skip
-    layer.load_weights(names)
+    layer.load_weights(names, strict=False)
     x = torch.randn(6, H)
     ids = torch.tensor([[0, 1, 2], [1, 2, 3], [0, 3, 5], [4, 5, 6], [2, 3, 1], [7, 0, 1]])
     w = torch.rand(6, K)
@@ -304,7 +304,7 @@ def test_correction_bias_never_loaded_is_refused_at_the_first_routed_batch(valid
     layer(x, topk_ids=torch.zeros(4, K, dtype=torch.int64) + torch.arange(K), topk_weights=torch.ones(4, K))  # no routing
     with pytest.raises(ValueError, match="mlp.gate.e_score_correction_bias holds NaN or Inf"):
         layer.load_weights([("mlp.gate.e_score_correction_bias", torch.full((E,), float("inf")))])
-    layer.load_weights([("mlp.gate.e_score_correction_bias", torch.zeros(E))])
+    layer.load_weights([("mlp.gate.e_score_correction_bias", torch.zeros(E))], strict=False)
     assert layer(x, torch.randn(4, E)).isfinite().all()
     with torch.no_grad():
         layer.e_score_correction_bias[3] = float("nan")  # an in-place write is checked again
@@ -429,3 +429,23 @@ def test_layer_keeps_segment_sizes_on_the_device_only_for_a_backend_that_takes_t
     with pytest.raises(_Stop):
         layer._run_experts(d, torch.float32)
     assert seen["expected_m"] == (7 if device_segments else None)
+
+
+@pytest.mark.parametrize("scheme", ["int8_channel", "fp8_block"])
+def test_module_dtype_casts_keep_quantized_weights_scales_and_bias(scheme):
+    """model.to(dtype) / .half() on a module that holds the layer: quantized weights, fp32 scales
+    and the correction bias keep their dtypes and values; outputs do not move; .to(device) moves."""
+    layer, _ = build(scheme, dispatch="local", backend="torch", scoring_func="sigmoid", use_correction_bias=True)
+    layer.load_weights([("mlp.gate.e_score_correction_bias", torch.randn(E) * 0.1)], strict=False)
+    model = torch.nn.Sequential(torch.nn.Linear(H, H), layer)
+    x, logits = torch.randn(17, H), torch.randn(17, E)
+    before = layer(x.bfloat16(), logits)
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    model.to(torch.bfloat16)
+    assert model[0].weight.dtype == torch.bfloat16  # the rest of the model is cast as asked
+    model.half()
+    for k, v in layer.state_dict().items():
+        assert v.dtype == state[k].dtype and torch.equal(v, state[k]), k
+    torch.testing.assert_close(layer(x.bfloat16(), logits), before, rtol=0, atol=0)
+    model.to(torch.device("meta"), torch.bfloat16)  # a device move still moves them, dtypes kept
+    assert all(v.device.type == "meta" and v.dtype == state[k].dtype for k, v in layer.state_dict().items())

@@ -163,8 +163,8 @@ def test_meta_device_defers_backend():
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     pytest.importorskip("safetensors")
-    from epmoe.bench.fidelity import write_synthetic_checkpoint
-    from epmoe.quant import convert as cv
+    from epmoe.checkpoint.synthetic import write_synthetic_checkpoint
+    from epmoe import checkpoint as cv
 
     root = tmp_path_factory.mktemp("ckpt")
     src = write_synthetic_checkpoint(root / "fp8", num_layers=1, first_k_dense=1, experts=2, shards=1)

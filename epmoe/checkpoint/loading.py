@@ -9,10 +9,19 @@ import torch
 
 from ..quant.schemes import BLOCK, QuantScheme
 from ..tensors import check_tensor
-from .names import EXPECTED_FORMS, is_correction_bias, parse_expert_name
+from .names import (
+    CORRECTION_BIAS,
+    EXPECTED_FORMS,
+    PROJS,
+    expert_name,
+    is_correction_bias,
+    parse_expert_name,
+    parse_fused_expert_name,
+)
 
 _QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 _VALUE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+_SHOW_MISSING = 5  # names a strict load's error lists before it gives the count
 
 
 def check_finite(named: list[tuple[str, torch.Tensor]]) -> None:
@@ -95,15 +104,64 @@ def _plan_copy(copies: dict, slot: tuple, name: str, dst: torch.Tensor, src: tor
     copies[slot] = (name, dst, src)
 
 
+def _expected_slots(layer, prefix: str) -> dict[tuple, str]:
+    """Every slot of this rank's parameters a full load fills, with the name it expects (global
+    expert ids; the scale under the name the scheme's checkpoints use)."""
+    scale = {"channel": "weight_scale", "block": "weight_scale_inv"}.get(layer.scheme.weight_granularity)
+    slots: dict[tuple, str] = {}
+    for e in range(layer.first_expert, layer.first_expert + layer.num_local_experts):
+        for proj in PROJS:
+            slots[(e, proj, False)] = expert_name(e, proj, "weight", prefix)
+            if scale is not None:
+                slots[(e, proj, True)] = expert_name(e, proj, scale, prefix)
+    if layer.e_score_correction_bias is not None:
+        slots[("bias",)] = f"{prefix}gate.{CORRECTION_BIAS}"
+    return slots
+
+
+def expected_weight_names(layer, prefix: str = "") -> list[str]:
+    """The names a strict ``load_weights`` needs for ``layer`` (``DeepEPMoELayer.expected_weight_names``)."""
+    return list(_expected_slots(layer, prefix).values())
+
+
+def _plan_fused(layer, copies: dict, name: str, proj: str, tensor: torch.Tensor) -> None:
+    """A transformers-5 fused tensor over all experts: this rank's slice fills its weight slots."""
+    i, h, e_all = layer.intermediate_size, layer.hidden_size, layer.num_experts
+    check_tensor(name, tensor)
+    expected = (e_all, 2 * i, h) if proj == "gate_up_proj" else (e_all, h, i)
+    if tuple(tensor.shape) != expected:
+        raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected {list(expected)} (all experts)")
+    local = tensor[layer.first_expert : layer.first_expert + layer.num_local_experts]
+    dst = layer.w13_weight if proj == "gate_up_proj" else layer.w2_weight
+    check_dtype(layer.scheme, name, local, dst)
+    parts = (("gate_proj", slice(0, i)), ("up_proj", slice(i, 2 * i))) if proj == "gate_up_proj" else (("down_proj", slice(0, h)),)
+    for j in range(layer.num_local_experts):
+        for sub, rows in parts:
+            _plan_copy(copies, (layer.first_expert + j, sub, False), name, dst[j, rows], local[j, rows])
+
+
 @torch.no_grad()
-def load_weights(layer, named_tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> set[str]:
+def load_weights(
+    layer, named_tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = True, prefix: str | None = None
+) -> set[str]:
     """Copy checkpoint tensors named the DeepSeek/HF way into ``layer``'s parameters
     (``DeepEPMoELayer.load_weights`` documents the rules). Returns the names loaded."""
+    if prefix is not None and not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a str or None; got {type(prefix).__name__}")
     scheme = layer.scheme
     copies: dict[tuple, tuple[str, torch.Tensor, torch.Tensor]] = {}
     i, h = layer.intermediate_size, layer.hidden_size
+    seen_prefix = None  # without prefix=, missing names are reported under the one the tensors had
     for name, tensor in named_tensors:
-        if is_correction_bias(name):
+        key = name
+        if prefix is not None:
+            # One layer's tensors picked out of a whole checkpoint: everything outside the prefix,
+            # and the router weight / shared experts inside it (names no parser below takes),
+            # is not this layer's business.
+            if not isinstance(name, str) or not name.startswith(prefix):
+                continue
+            key = name[len(prefix) :]
+        if is_correction_bias(key):
             if layer.e_score_correction_bias is None:
                 if strict:
                     raise ValueError(
@@ -116,15 +174,21 @@ def load_weights(layer, named_tensors: Iterable[tuple[str, torch.Tensor]], stric
                 raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected [{layer.num_experts}]")
             _plan_copy(copies, ("bias",), name, layer.e_score_correction_bias, tensor.float())
             continue
-        parsed = parse_expert_name(name)
+        fused = parse_fused_expert_name(key)
+        if fused is not None:
+            _plan_fused(layer, copies, name, fused[1], tensor)
+            continue
+        parsed = parse_expert_name(key)
         if parsed is None:
-            if strict:
+            if strict and prefix is None:
                 raise ValueError(
                     f"checkpoint tensor {name!r} is not an expert weight: expected names ending "
-                    f"in {EXPECTED_FORMS} (pass strict=False to skip)"
+                    f"in {EXPECTED_FORMS} (pass prefix= to pick one layer out of a checkpoint, or "
+                    "strict=False to skip)"
                 )
             continue
         expert, proj, kind = parsed.expert, parsed.proj, parsed.kind
+        seen_prefix = parsed.prefix if seen_prefix is None else seen_prefix
         if expert >= layer.num_experts:
             raise ValueError(f"{name}: expert id {expert} is out of range [0, {layer.num_experts})")
         local = expert - layer.first_expert
@@ -148,6 +212,16 @@ def load_weights(layer, named_tensors: Iterable[tuple[str, torch.Tensor]], stric
         check_dtype(scheme, name, tensor, dst)
         _plan_copy(copies, (expert, proj, parsed.is_scale), name, dst, tensor)
     check_finite([(name, src) for name, _, src in copies.values()])
+    if strict:
+        missing = [n for slot, n in _expected_slots(layer, prefix or seen_prefix or "").items() if slot not in copies]
+        if missing:
+            shown = ", ".join(repr(n) for n in missing[:_SHOW_MISSING])
+            more = f" and {len(missing) - _SHOW_MISSING} more" if len(missing) > _SHOW_MISSING else ""
+            raise ValueError(
+                f"load_weights(strict=True): {len(missing)} tensor(s) of rank {layer.rank}'s experts "
+                f"are missing: {shown}{more} (layer.expected_weight_names() lists them all; pass "
+                "strict=False to load part of a layer)"
+            )
     for _, dst, src in copies.values():
         dst.copy_(src)
     return {name for name, _, _ in copies.values()}

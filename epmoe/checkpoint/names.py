@@ -7,6 +7,11 @@ checkpoints; despite the name, also the multiplier that dequantizes). ``prefix``
 before it, ``model.layers.{L}.mlp.`` in DeepSeek-V3 checkpoints. The router's correction bias ends
 in ``e_score_correction_bias`` (``model.layers.{L}.mlp.gate.e_score_correction_bias``); shared
 experts are ``{prefix}shared_experts.{proj}.weight``.
+
+Two other spellings of the same tensors are read too: Mixtral's ``experts.{e}.{w1|w3|w2}.weight``
+(gate, up, down; what transformers' ``save_pretrained`` writes for Mixtral), and the fused
+tensors transformers 5 keeps in memory (``model.state_dict()``): ``{prefix}experts.gate_up_proj``
+``[E, 2I, H]`` (gate rows, then up rows) and ``{prefix}experts.down_proj`` ``[E, H, I]``.
 """
 
 from __future__ import annotations
@@ -19,16 +24,18 @@ KINDS = ("weight", "weight_scale", "weight_scale_inv")
 CORRECTION_BIAS = "e_score_correction_bias"
 
 _EXPERT = re.compile(
-    r"^(?P<prefix>(?:.*\.)?)experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\."
+    r"^(?P<prefix>(?:.*\.)?)experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\."
     r"(?P<kind>weight|weight_scale|weight_scale_inv)$"
 )
+_MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_FUSED = re.compile(r"^(?P<prefix>(?:.*\.)?)experts\.(?P<proj>gate_up_proj|down_proj)$")
 _BIAS = re.compile(rf"(?:^|\.){CORRECTION_BIAS}$")
 _SHARED = re.compile(r"(?:^|\.)shared_experts\.(?:gate_proj|up_proj|down_proj)\.weight$")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 EXPECTED_FORMS = (
-    "'experts.<id>.<gate_proj|up_proj|down_proj>.<weight|weight_scale|weight_scale_inv>' or "
-    f"'{CORRECTION_BIAS}'"
+    "'experts.<id>.<gate_proj|up_proj|down_proj>.<weight|weight_scale|weight_scale_inv>' (or "
+    f"Mixtral's w1|w3|w2), 'experts.<gate_up_proj|down_proj>' (fused, all experts) or '{CORRECTION_BIAS}'"
 )
 """The accepted name forms, as error messages state them."""
 
@@ -64,7 +71,15 @@ def parse_expert_name(name: str) -> ExpertTensorName | None:
     m = _EXPERT.match(name)
     if m is None:
         return None
-    return ExpertTensorName(m["prefix"], int(m["expert"]), m["proj"], m["kind"])
+    return ExpertTensorName(m["prefix"], int(m["expert"]), _MIXTRAL.get(m["proj"], m["proj"]), m["kind"])
+
+
+def parse_fused_expert_name(name: str) -> tuple[str, str] | None:
+    """``(prefix, "gate_up_proj" | "down_proj")`` for a fused all-experts tensor of transformers 5
+    (``{prefix}experts.gate_up_proj`` ``[E, 2I, H]``, ``{prefix}experts.down_proj`` ``[E, H, I]``),
+    else ``None``."""
+    m = _FUSED.match(name)
+    return None if m is None else (m["prefix"], m["proj"])
 
 
 def expert_name(expert: int, proj: str, kind: str = "weight", prefix: str = "") -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from .files import read_json
-from .formats import CONFIG_NAME, INDEX_NAME, QUANT_METHOD_SCHEME, SCALE_SUFFIX
+from .formats import CONFIG_NAME, INDEX_NAME, QUANT_METHOD_SCHEME, SCALE_SUFFIX, SINGLE_FILE_NAME
 from .names import PROJS, is_correction_bias, layer_index, parse_expert_name
 
 
@@ -34,38 +34,85 @@ def checkpoint_scheme(path: str | os.PathLike) -> str:
     return QUANT_METHOD_SCHEME[method]
 
 
-def layer_kwargs_from_config(path: str | os.PathLike) -> dict:
-    """``DeepEPMoELayer`` constructor arguments read from a DeepSeek ``config.json``.
+# Routing each model family uses when its config.json does not spell it out (transformers 5 writes
+# no scoring_func / topk_method for DeepSeek-V3): (keys of E and I, scoring, correction bias,
+# renormalize default). Mixtral takes the softmax of the top-k logits: the same as softmax over all
+# experts, then renormalized.
+_FAMILIES = {
+    "deepseek_v3": (("n_routed_experts",), "moe_intermediate_size", "sigmoid", "noaux_tc", True),
+    "qwen3_moe": (("num_experts", "num_local_experts"), "moe_intermediate_size", "softmax", "greedy", False),
+    "qwen2_moe": (("num_experts", "num_local_experts"), "moe_intermediate_size", "softmax", "greedy", False),
+    "mixtral": (("num_local_experts",), "intermediate_size", "softmax", "greedy", True),
+}
+_TOPK_METHODS = {"noaux_tc": True, "greedy": False, "group_limited_greedy": False}  # -> correction bias
 
-    Routing follows the DeepSeek-V3 config keys (``n_routed_experts``, ``num_experts_per_tok``,
-    ``moe_intermediate_size``, ``n_group``, ``topk_group``, ``norm_topk_prob``, ``scoring_func``,
-    ``routed_scaling_factor``, ``topk_method``); ``quant`` comes from :func:`checkpoint_scheme`.
+
+def layer_kwargs_from_config(path: str | os.PathLike) -> dict:
+    """``DeepEPMoELayer`` constructor arguments read from a model's ``config.json``.
+
+    DeepSeek-V3 keys (``n_routed_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``,
+    ``n_group``, ``topk_group``, ``norm_topk_prob``, ``scoring_func``, ``routed_scaling_factor``,
+    ``topk_method``) are read as written; what a config leaves out comes from its ``model_type``
+    (``deepseek_v3``: sigmoid scoring, ``noaux_tc`` with the correction bias, as transformers 5
+    writes it without those keys; ``qwen3_moe``, ``qwen2_moe``, ``mixtral``: softmax, no bias).
+    ``quant`` comes from :func:`checkpoint_scheme`.
+
+    Raises:
+        ValueError: sizes missing, or routing that can be neither read nor derived from
+            ``model_type`` (the layer refuses to guess: a wrong scoring function or a missing
+            bias changes which experts most tokens go to).
     """
     cfg_path = Path(path) / CONFIG_NAME
     config = read_json(cfg_path, "config")
-    required = ("n_routed_experts", "num_experts_per_tok", "hidden_size", "moe_intermediate_size")
+    model_type = config.get("model_type")
+    family = _FAMILIES.get(model_type)
+    expert_keys, inter_key, scoring, topk_method, renormalize = family or (
+        ("n_routed_experts",), "moe_intermediate_size", None, None, True,
+    )  # fmt: skip
+    experts_key = next((k for k in expert_keys if k in config), expert_keys[0])
+    required = (experts_key, "num_experts_per_tok", "hidden_size", inter_key)
     missing = [k for k in required if k not in config]
     if missing:
-        raise ValueError(f"{cfg_path} lacks {missing}; it does not describe a DeepSeek MoE model")
+        raise ValueError(
+            f"{cfg_path} (model_type={model_type!r}) lacks {missing}; it does not describe an MoE "
+            f"model epmoe can read (known model types: {sorted(_FAMILIES)})"
+        )
+    scoring = config.get("scoring_func", scoring)
+    topk_method = config.get("topk_method", topk_method)
+    if scoring is None or topk_method is None:
+        absent = [k for k, v in (("scoring_func", scoring), ("topk_method", topk_method)) if v is None]
+        raise ValueError(
+            f"{cfg_path}: routing cannot be determined: no {absent} and model_type={model_type!r} "
+            f"has no known default (known: {sorted(_FAMILIES)}); add the keys to config.json"
+        )
+    if topk_method not in _TOPK_METHODS:
+        raise ValueError(f"{cfg_path}: topk_method={topk_method!r}; epmoe routes {sorted(_TOPK_METHODS)}")
     n_group, topk_group = config.get("n_group"), config.get("topk_group")
     grouped = n_group is not None and topk_group is not None and n_group > 1
     return {
-        "num_experts": int(config["n_routed_experts"]),
+        "num_experts": int(config[experts_key]),
         "top_k": int(config["num_experts_per_tok"]),
         "hidden_size": int(config["hidden_size"]),
-        "intermediate_size": int(config["moe_intermediate_size"]),
+        "intermediate_size": int(config[inter_key]),
         "quant": checkpoint_scheme(path),
-        "renormalize": bool(config.get("norm_topk_prob", True)),
-        "scoring_func": config.get("scoring_func", "softmax"),
+        "renormalize": bool(config.get("norm_topk_prob", renormalize)),
+        "scoring_func": scoring,
         "num_expert_group": int(n_group) if grouped else None,
         "topk_group": int(topk_group) if grouped else None,
         "routed_scaling_factor": float(config.get("routed_scaling_factor", 1.0)),
-        "use_correction_bias": config.get("topk_method") == "noaux_tc",
+        "use_correction_bias": _TOPK_METHODS[topk_method],
     }
 
 
 def _weight_map(root: Path) -> tuple[dict[str, str], Path]:
-    """``tensor name -> shard`` from the index, and the index's path (for messages)."""
+    """``tensor name -> shard`` from the index (or of a single ``model.safetensors``), and the file
+    it came from (for messages)."""
+    if not (root / INDEX_NAME).exists() and (root / SINGLE_FILE_NAME).is_file():
+        # save_pretrained writes one model.safetensors and no index when the model fits one shard.
+        from safetensors import safe_open
+
+        with safe_open(str(root / SINGLE_FILE_NAME), "pt") as f:
+            return dict.fromkeys(f.keys(), SINGLE_FILE_NAME), root / SINGLE_FILE_NAME
     index = read_json(root / INDEX_NAME, "index")
     return index.get("weight_map") or {}, root / INDEX_NAME
 
@@ -98,7 +145,7 @@ def iter_expert_weights(
     built with ``use_correction_bias=True``).
 
     Raises:
-        FileNotFoundError: no index or a missing shard.
+        FileNotFoundError: neither an index nor a single ``model.safetensors``, or a missing shard.
         ValueError: the layer has no routed experts in the checkpoint, or a requested expert lacks
             one of its three projections.
     """

@@ -209,7 +209,7 @@ def load_module_experts(layer: DeepEPMoELayer, module: nn.Module) -> None:
     device the weights are on: the temporaries are one expert's)."""
     w13, w2 = _fused_weights(module)
     for e in range(layer.first_expert, layer.first_expert + layer.num_local_experts):
-        layer.load_weights(_per_expert_tensors(e, w13[e], w2[e], layer.scheme))
+        layer.load_weights(_per_expert_tensors(e, w13[e], w2[e], layer.scheme), strict=False)  # one expert per call
 
 
 def _attach(module: nn.Module, layer: DeepEPMoELayer) -> None:
@@ -494,7 +494,7 @@ def from_pretrained(
             tensors = ((expert_name(e, p, k), v.to(device)) for (p, k), v in parts.items())
         else:
             tensors = _per_expert_tensors(e, torch.cat([parts[("gate_proj", "weight")], parts[("up_proj", "weight")]]).to(device), parts[("down_proj", "weight")].to(device), scheme)
-        layer.load_weights(tensors)
+        layer.load_weights(tensors, strict=False)  # one expert per call
         loaded.add((mod, e))
         del experts[(mod, e)]
 
