@@ -19,17 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-
-class CollectiveError(RuntimeError):
-    """A collective of the all-to-all dispatcher failed (a peer rank died, or the group broke)."""
-
-
-class CollectiveTimeoutError(CollectiveError):
-    """A collective did not complete in time (a peer rank died or never joined)."""
-
-
-class RankMismatchError(ValueError):
-    """The ranks of a group were built, or called, with arguments that must agree and do not."""
+from ..errors import CollectiveError, CollectiveTimeoutError, RankMismatchError
 
 
 def wait(work, what: str, *, who: str, rank: int, world: int, timeout_s: float) -> None:

@@ -3,6 +3,7 @@ backends, so a missing DeepEP is a refusal with a reason)."""
 
 from __future__ import annotations
 
+from ..errors import DispatcherUnavailableError
 from ..lazy import import_attr
 from .base import DispatchConfig, Dispatcher
 
@@ -18,10 +19,6 @@ AUTO_ORDER = ("local", "deepep_auto", "deepep_normal", "all_to_all")
 """``dispatch="auto"``: one rank runs locally; several use DeepEP (low-latency while the batch fits,
 normal otherwise) when it is installed and usable, DeepEP normal alone when the sizes rule out
 low-latency mode, else torch.distributed all-to-all."""
-
-
-class DispatcherUnavailableError(RuntimeError):
-    """A forced dispatcher cannot run here."""
 
 
 def load_dispatcher(name: str) -> tuple[type[Dispatcher] | None, str]:

@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 
 from .. import devices
+from ..errors import CutlassUnavailableError
 from ..layouts import ContiguousBatch, MaskedBatch
 from ..quant.schemes import BLOCK, QuantScheme
 from .base import ExpertsBackend, ExpertWeights, check_weights, fp8_gemm_input
@@ -94,10 +95,6 @@ NVCC_FLAGS = (
     "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
     "-U__CUDA_NO_HALF2_OPERATORS__",
 )
-
-
-class CutlassUnavailableError(RuntimeError):
-    """The CUTLASS extension cannot be found or built."""
 
 
 # ----------------------------------------------------------------------------- headers and build

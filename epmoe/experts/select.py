@@ -10,6 +10,7 @@ import logging
 
 import torch
 
+from ..errors import BackendUnavailableError
 from ..lazy import import_attr
 from ..quant.schemes import QuantScheme
 from .base import ExpertsBackend
@@ -67,10 +68,6 @@ def backend_decisions(
                     break
         out.append((name, cls, reason))
     return out
-
-
-class BackendUnavailableError(RuntimeError):
-    """A forced backend (argument or environment) cannot run here."""
 
 
 def select_backend(

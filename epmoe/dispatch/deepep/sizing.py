@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from ...errors import DeepEPBufferError
+
 NORMAL_WORLD_SIZES = (2, 4, 8)
 """Ranks DeepEP's intranode (NVLink) normal kernels support (more needs its internode RDMA path)."""
 
@@ -29,10 +31,6 @@ _NORMAL_CHUNKS = {
     "dispatch": {2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128)},
     "combine": {2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128)},
 }
-
-
-class DeepEPBufferError(RuntimeError):
-    """A registration the shared DeepEP buffer cannot serve (or a buffer used after close)."""
 
 
 def check_num_sms(num_sms) -> None:
