@@ -11,7 +11,6 @@ import dataclasses
 import logging
 import math
 import numbers
-import os
 from collections.abc import Iterable
 
 import torch
@@ -23,6 +22,7 @@ from .dispatch.base import LOW_LATENCY_PAYLOADS, DispatchConfig, Dispatched
 from .dispatch.collective import check_agreement
 from .dispatch.select import select_dispatcher
 from .experts.base import ExpertWeights
+from .environment import requested
 from .experts.select import select_backend
 from .inputs import INPUT_DTYPES, check_forward_inputs, check_forward_values
 from .layouts import MaskedBatch, gather_weighted, to_contiguous
@@ -184,10 +184,8 @@ class DeepEPMoELayer(nn.Module):
         self.low_latency_int8_payload = low_latency_int8_payload
         self._create_parameters(use_correction_bias)
 
-        if dispatch == "auto":
-            dispatch = os.environ.get("EPMOE_DISPATCH", "auto")
-        if backend == "auto":
-            backend = os.environ.get("EPMOE_BACKEND", "auto")
+        dispatch = requested("dispatch", dispatch, "EPMOE_DISPATCH")
+        backend = requested("backend", backend, "EPMOE_BACKEND")
         # Availability needs only the sizes and the group; the backend is picked for the chosen
         # dispatcher's layouts; then the dispatcher is built from the complete (frozen) config.
         cfg = DispatchConfig(
@@ -203,10 +201,10 @@ class DeepEPMoELayer(nn.Module):
             normal_max_tokens_per_rank=normal_max_tokens_per_rank,
             deepep_buffer=deepep_buffer,
         )
-        dispatcher_cls, dlines = select_dispatcher(dispatch, cfg)
+        dispatcher_cls, dlines = select_dispatcher(dispatch.value, cfg, dispatch.label)
         backend_cls, blines = select_backend(
-            backend, self.scheme, dispatcher_cls.layouts, self.device, hidden_size, intermediate_size,
-            accumulator,
+            backend.value, self.scheme, dispatcher_cls.layouts, self.device, hidden_size, intermediate_size,
+            accumulator, backend.label,
         )
         self.backend = backend_cls(self.scheme, accumulator=accumulator)
         payload, low_latency_payload = choose_payloads(

@@ -21,10 +21,11 @@ normal otherwise) when it is installed and usable, DeepEP normal alone when the 
 low-latency mode, else torch.distributed all-to-all."""
 
 
-def load_dispatcher(name: str) -> tuple[type[Dispatcher] | None, str]:
-    """Import dispatcher ``name``; returns ``(class, "")`` or ``(None, reason)``."""
+def load_dispatcher(name: str, label: str | None = None) -> tuple[type[Dispatcher] | None, str]:
+    """Import dispatcher ``name``; returns ``(class, "")`` or ``(None, reason)``. ``label`` names the
+    request in the error (default ``dispatch=<name>``; see :func:`epmoe.environment.requested`)."""
     if name not in DISPATCHERS:
-        raise ValueError(f"dispatch={name!r} is not known; allowed: {['auto', *DISPATCHERS]}")
+        raise ValueError(f"{label or f'dispatch={name!r}'} is not known; allowed: {['auto', *DISPATCHERS]}")
     return import_attr(DISPATCHERS[name])
 
 
@@ -43,18 +44,22 @@ def dispatcher_decisions(
     return out
 
 
-def select_dispatcher(requested: str, cfg: DispatchConfig) -> tuple[type[Dispatcher], list[str]]:
+def select_dispatcher(
+    requested: str, cfg: DispatchConfig, label: str | None = None
+) -> tuple[type[Dispatcher], list[str]]:
     """Pick the dispatcher class; returns it and log lines. A forced choice that cannot run raises
-    :class:`DispatcherUnavailableError`."""
+    :class:`DispatcherUnavailableError`; ``label`` names the request in errors (default
+    ``dispatch=<requested>``; an environment variable's when it supplied the value)."""
+    label = label or f"dispatch={requested!r}"
     candidates = AUTO_ORDER if requested == "auto" else (requested,)
     if requested != "auto":
-        load_dispatcher(requested)
+        load_dispatcher(requested, label)
     lines = []
     for name, cls, reason in dispatcher_decisions(cfg, candidates):
         if cls is None:
             if requested != "auto":
                 raise DispatcherUnavailableError(
-                    f"dispatch={requested!r} cannot run with {cfg.world_size} rank(s) on "
+                    f"{label} cannot run with {cfg.world_size} rank(s) on "
                     f"{cfg.device}: {reason}"
                 )
             lines.append(f"dispatcher {name!r} refused: {reason}")

@@ -273,8 +273,15 @@ def _warn_once(text: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------- GEMMs
+CUTLASS_IMPLS = ("auto", "epmoe")
+"""``EPMOE_CUTLASS_IMPL``: ``auto`` uses sgl-kernel's FP8 op when importable, ``epmoe`` the package's."""
+
+
 def _use_sgl() -> bool:
-    return os.environ.get("EPMOE_CUTLASS_IMPL", "auto") != "epmoe" and sgl_kernel_op() is not None
+    impl = os.environ.get("EPMOE_CUTLASS_IMPL", "auto")
+    if impl not in CUTLASS_IMPLS:
+        raise ValueError(f"EPMOE_CUTLASS_IMPL={impl!r} (from the environment) is not one of {list(CUTLASS_IMPLS)}")
+    return impl == "auto" and sgl_kernel_op() is not None
 
 
 MAX_ROWS = 1 << 30

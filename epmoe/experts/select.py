@@ -40,10 +40,11 @@ AUTO_DEVICE_TYPES: dict[str, frozenset[str]] = {"torch": frozenset({"cpu", "cuda
 CPU interpreter is for tests, far too slow to be picked silently)."""
 
 
-def load_backend(name: str) -> tuple[type[ExpertsBackend] | None, str]:
-    """Import backend ``name``; returns ``(class, "")`` or ``(None, reason)``."""
+def load_backend(name: str, label: str | None = None) -> tuple[type[ExpertsBackend] | None, str]:
+    """Import backend ``name``; returns ``(class, "")`` or ``(None, reason)``. ``label`` names the
+    request in the error (default ``backend=<name>``; see :func:`epmoe.environment.requested`)."""
     if name not in BACKENDS:
-        raise ValueError(f"backend={name!r} is not known; allowed: {['auto', *BACKENDS]}")
+        raise ValueError(f"{label or f'backend={name!r}'} is not known; allowed: {['auto', *BACKENDS]}")
     return import_attr(BACKENDS[name])
 
 
@@ -78,16 +79,20 @@ def select_backend(
     hidden: int,
     intermediate: int,
     accumulator: str = "fp32",
+    label: str | None = None,
 ) -> tuple[type[ExpertsBackend], list[str]]:
     """Pick the backend class; returns it and log lines (the choice and every refusal).
 
     ``requested="auto"`` walks :data:`AUTO_ORDER`; a named backend that cannot run raises
-    :class:`BackendUnavailableError` with the reason (never a silent fallback).
+    :class:`BackendUnavailableError` with the reason (never a silent fallback). ``label`` names
+    the request in errors (default ``backend=<requested>``; an environment variable's when it
+    supplied the value, see :func:`epmoe.environment.requested`).
     """
+    label = label or f"backend={requested!r}"
     if requested == "auto":
         candidates = AUTO_ORDER[scheme.name]
     else:
-        load_backend(requested)  # validates the name
+        load_backend(requested, label)  # validates the name
         candidates = (requested,)
     lines = []
     for name, cls, reason in backend_decisions(
@@ -100,7 +105,7 @@ def select_backend(
         if cls is None:
             if requested != "auto":
                 raise BackendUnavailableError(
-                    f"backend={requested!r} cannot run quant={scheme.name!r} on "
+                    f"{label} cannot run quant={scheme.name!r} on "
                     f"{device} with layouts {sorted(layouts)}: {reason}"
                 )
             lines.append(f"experts backend {name!r} refused: {reason}")

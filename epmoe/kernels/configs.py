@@ -134,6 +134,12 @@ def shape_key(n: int, k: int) -> str:
 def load_table(name: str) -> dict:
     """``{mode: {shape_key: {bucket: config dict}}}`` for a device name (empty when none ships)."""
     dirs = [Path(p) for p in os.environ.get("EPMOE_CONFIG_DIR", "").split(os.pathsep) if p]
+    missing = [str(d) for d in dirs if not d.is_dir()]
+    if missing:  # a typo would silently fall back to the shipped tables
+        raise ValueError(
+            f"EPMOE_CONFIG_DIR={os.environ['EPMOE_CONFIG_DIR']!r} (from the environment) names "
+            f"{missing}, not a directory"
+        )
     for d in dirs + [PACKAGE_DIR]:
         path = d / config_filename(name)
         if path.is_file():
