@@ -8,28 +8,19 @@ over all experts on that rank's tokens, times the forward pass and prints a tabl
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import socket
 import sys
-import tempfile
-import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from .dispatch import DeepEPBuffer
+from .launch import init_process_group, run_ranks
+from .timing import collective_ms
 from .layer import DeepEPMoELayer
 from .quant import SCHEMES, get_scheme, quantize_weight
 from .reference import moe_float64
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _weights(args, seed: int = 0):
@@ -41,18 +32,11 @@ def _weights(args, seed: int = 0):
     return w13, w2, bias
 
 
-def _rank_main(rank: int, args, port: int, out_dir: str) -> None:
+def _rank_main(rank: int, world: int, port: int, args) -> list[dict]:
+    """One rank of the demo: every scheme's row (or why it was skipped)."""
     use_cuda = args.device == "cuda"
-    if use_cuda:
-        torch.cuda.set_device(rank)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // args.ranks))
-    dist.init_process_group(
-        "nccl" if use_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-        world_size=args.ranks, timeout=datetime.timedelta(seconds=300),
-        **({"device_id": torch.device("cuda", rank)} if use_cuda else {}),
-    )  # fmt: skip
-    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+    threads = None if use_cuda else max(1, (os.cpu_count() or 2) // world)
+    device = init_process_group(rank, world, port, args.device, timeout_s=300, threads=threads)
     dtype = torch.bfloat16 if use_cuda else torch.float32
     w13, w2, bias = _weights(args)
     g = torch.Generator().manual_seed(100 + rank)
@@ -85,26 +69,16 @@ def _rank_main(rank: int, args, port: int, out_dir: str) -> None:
         ids, weights = layer.route(ld)
         ref = moe_float64(x.float(), ids.cpu(), weights.cpu(), w13, w2)
         err = float((out.cpu().double() - ref).norm() / ref.norm())
-        if use_cuda:
-            torch.cuda.synchronize()
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(args.iters):
-            layer(xd, ld)
-        if use_cuda:
-            torch.cuda.synchronize()
-        dist.barrier()
-        seconds = (time.perf_counter() - start) / args.iters
+        seconds = collective_ms(lambda: layer(xd, ld), args.iters, 0, device) / 1e3
         rows.append(
             dict(scheme=name, backend=layer.backend.name, dispatch=layer.dispatcher.name,
                  payload=layer.payload, err=err, bound=scheme.rel_error_bound,
                  tokens_per_s=args.tokens * args.ranks / seconds)  # fmt: skip
         )
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(rows, f)
     dist.barrier()
     deepep_buffer.close()  # collective, like its allocation
     dist.destroy_process_group()
+    return rows
 
 
 def _table(rank_rows: list[list[dict]]) -> tuple[str, bool]:
@@ -141,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schemes", default=",".join(SCHEMES))
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--json", help="write the rows of every rank here")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds all ranks together may take")
     args = p.parse_args(argv)
     args.schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     for s in args.schemes:
@@ -165,14 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{'bfloat16' if args.device == 'cuda' else 'float32 (bfloat16 on a GPU)'}",
         flush=True,
     )
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(
-            _rank_main, args=(args, _free_port(), out_dir), nprocs=args.ranks, start_method="spawn"
-        )
-        rank_rows = []
-        for r in range(args.ranks):
-            with open(os.path.join(out_dir, f"rank{r}.json")) as f:
-                rank_rows.append(json.load(f))
+    rank_rows = run_ranks(_rank_main, args.ranks, args, timeout_s=args.timeout)
     table, ok = _table(rank_rows)
     print(table)
     if args.json:

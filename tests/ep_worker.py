@@ -6,7 +6,6 @@ tokens and compares its output with a single-process float64 reference over all 
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import time
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from cases import CASE_NAMES, make_case
+from epmoe.launch import init_process_group
 from epmoe.layer import DeepEPMoELayer
 from epmoe.quant import get_scheme
 from helpers import make_weights
@@ -25,17 +25,7 @@ E, K, H, I = 16, 4, 256, 128
 
 
 def init(rank: int, world: int, port: int, device_type: str) -> torch.device:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    backend = "nccl" if device_type == "cuda" else "gloo"
-    if device_type == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-        **({"device_id": torch.device("cuda", rank)} if device_type == "cuda" else {}),
-    )  # fmt: skip
-    return torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    return init_process_group(rank, world, port, device_type, timeout_s=120)
 
 
 def emulated_tolerance(scheme: str, dtype: torch.dtype, backend: str) -> float:

@@ -1,9 +1,6 @@
-"""Shared test fixtures: synthetic expert weights and multi-process launching."""
+"""Shared test fixtures: synthetic expert weights; multi-process launching is epmoe.launch."""
 
 from __future__ import annotations
-
-import os
-import socket
 
 import torch
 
@@ -27,25 +24,3 @@ def make_weights(num_experts: int, hidden: int, inter: int, scheme: str, seed: i
     q13, s13 = quantize_weight(w13, s)
     q2, s2 = quantize_weight(w2, s)
     return (q13, q2, s13, s2), (dequantize_weight(q13, s13), dequantize_weight(q2, s2))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_gloo(rank: int, world: int, port: int, timeout_s: float = 120.0) -> None:
-    import datetime
-
-    import torch.distributed as dist
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from helpers import init_gloo
+from epmoe.launch import init_process_group
 
 VOCAB = 96
 
@@ -16,7 +16,7 @@ def ids(seed: int = 1, batch: int = 2, seq: int = 9) -> torch.Tensor:
 def ep_rank(rank: int, world: int, port: int, path: str, out: str) -> None:
     from epmoe.integrations import transformers as et
 
-    init_gloo(rank, world, port)
+    init_process_group(rank, world, port, "cpu", timeout_s=120)
     x = ids(seed=10 + rank, batch=1 + rank, seq=6 + rank)  # each rank its own batch
     model = et.from_pretrained(path, backend="torch", device="cpu")
     with torch.no_grad():

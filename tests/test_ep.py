@@ -3,20 +3,15 @@
 import json
 
 import pytest
-import torch.multiprocessing as mp
 
 import ep_worker
-from helpers import SCHEME_NAMES, free_port
+from epmoe.launch import run_ranks as launch_ranks
+from helpers import SCHEME_NAMES
 
 
 def run_ranks(world, tmp_path, schemes=SCHEME_NAMES, dispatch="all_to_all", device="cpu", backend="torch"):
     out = str(tmp_path / "res")
-    mp.start_processes(
-        ep_worker.run_suite,
-        args=(world, free_port(), device, schemes, dispatch, backend, out),
-        nprocs=world,
-        start_method="spawn",
-    )
+    launch_ranks(ep_worker.run_suite, world, device, schemes, dispatch, backend, out)
     rows = []
     for r in range(world):
         with open(f"{out}.{r}") as f:
@@ -49,9 +44,7 @@ def test_ep1_in_a_process_group(tmp_path):
 
 def test_dead_peer_times_out_with_named_collective(tmp_path):
     out = str(tmp_path / "timeout.json")
-    mp.start_processes(
-        ep_worker.run_timeout, args=(2, free_port(), out), nprocs=2, start_method="spawn"
-    )
+    launch_ranks(ep_worker.run_timeout, 2, out)
     with open(out) as f:
         result = json.load(f)
     assert result["raised"] == "CollectiveTimeoutError"
@@ -61,7 +54,7 @@ def test_dead_peer_times_out_with_named_collective(tmp_path):
 
 def test_dead_peer_raises_a_collective_error(tmp_path):
     out = str(tmp_path / "dead.json")
-    mp.start_processes(ep_worker.run_dead_peer, args=(2, free_port(), out), nprocs=2, start_method="spawn")
+    launch_ranks(ep_worker.run_dead_peer, 2, out)
     with open(out) as f:
         result = json.load(f)
     assert result["is_collective_error"], result
@@ -70,7 +63,7 @@ def test_dead_peer_raises_a_collective_error(tmp_path):
 
 def _spawn(fn, world, tmp_path, name, *extra):
     out = str(tmp_path / name)
-    mp.start_processes(fn, args=(world, free_port(), out, *extra), nprocs=world, start_method="spawn")
+    launch_ranks(fn, world, out, *extra)
     return out
 
 

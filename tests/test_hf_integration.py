@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 transformers = pytest.importorskip("transformers")
 
@@ -19,7 +18,7 @@ from epmoe.quant import dequantize_weight, get_scheme, quantize_weight  # noqa: 
 from epmoe.checkpoint.convert import convert_checkpoint  # noqa: E402
 
 import hf_worker  # noqa: E402
-from helpers import free_port  # noqa: E402
+from epmoe.launch import run_ranks  # noqa: E402
 
 FAMILIES = sorted(et.TINY_FAMILIES)
 # docs/quantization.md: the layer's relative-error bound per scheme; bf16 with float32
@@ -162,7 +161,7 @@ def test_loader_reads_fp8_block_and_epmoe_convert_outputs(tmp_path):
 def test_ep2_over_gloo_matches_ep1(tmp_path, family):
     model = _model(family)
     model.save_pretrained(tmp_path / "ckpt", max_shard_size="150KB")
-    mp.start_processes(hf_worker.ep_rank, args=(2, free_port(), str(tmp_path / "ckpt"), str(tmp_path / "out")), nprocs=2, start_method="spawn")
+    run_ranks(hf_worker.ep_rank, 2, str(tmp_path / "ckpt"), str(tmp_path / "out"))
     ep1 = et.from_pretrained(tmp_path / "ckpt", backend="torch", device="cpu")
     for rank in range(2):
         got = torch.load(f"{tmp_path / 'out'}.{rank}")

@@ -16,7 +16,6 @@ Each result is one JSON line in ``out_path.<rank>``, written as soon as it is kn
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import os
@@ -59,14 +58,9 @@ class _Counter(logging.Handler):
 
 
 def _init(rank, world, port):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=120), device_id=torch.device("cuda", rank),
-    )  # fmt: skip
-    return torch.device("cuda", rank)
+    from epmoe.launch import init_process_group
+
+    return init_process_group(rank, world, port, "cuda", timeout_s=120)
 
 
 def _layer(scheme, backend, dispatch, device, buf, weights):

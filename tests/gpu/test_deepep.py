@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 import pytest
 import torch
@@ -46,30 +45,17 @@ DEADLINE_S = 230.0
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    import torch.multiprocessing as mp
-
     import deepep_worker
-    from helpers import free_port
+    from epmoe.launch import RankError, run_ranks
 
     out = str(tmp_path_factory.mktemp("deepep") / "res")
-    ctx = mp.start_processes(
-        deepep_worker.run_all,
-        args=(2, free_port(), DISPATCHES, SCHEMES, BACKENDS, out),
-        nprocs=2, start_method="spawn", join=False,
-    )  # fmt: skip
-    deadline = time.monotonic() + DEADLINE_S
     failure = None
     try:
-        while not ctx.join(timeout=2):
-            if time.monotonic() > deadline:
-                failure = f"the DeepEP workers did not finish within {DEADLINE_S:.0f} s"
-                break
-    except Exception as exc:  # noqa: BLE001 - a rank exited with an error; rows tell which
+        run_ranks(deepep_worker.run_all, 2, DISPATCHES, SCHEMES, BACKENDS, out, timeout_s=DEADLINE_S)
+    except TimeoutError:
+        failure = f"the DeepEP workers did not finish within {DEADLINE_S:.0f} s"
+    except RankError as exc:  # a rank exited with an error; rows tell which
         failure = f"a DeepEP worker failed: {exc}"
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
     rows = []
     for r in range(2):
         if os.path.exists(f"{out}.{r}"):

@@ -455,9 +455,7 @@ def _deepep_worker(rank, world, port, dispatch, backend, out_path, quant="fp8_bl
 @pytest.mark.parametrize("dispatch", ["deepep_normal", "deepep_low_latency", "all_to_all"])
 @pytest.mark.parametrize("backend", ["deepgemm", "cutlass"])
 def test_layer_two_gpus(dispatch, backend, tmp_path):
-    import torch.multiprocessing as mp
-
-    from helpers import free_port
+    from epmoe.launch import run_ranks
 
     if backend == "deepgemm" and not _deep_gemm_ok():
         pytest.skip("needs deep_gemm")
@@ -467,8 +465,7 @@ def test_layer_two_gpus(dispatch, backend, tmp_path):
         if dispatch == "deepep_low_latency":
             pytest.skip("cutlass runs the contiguous layout only; low-latency delivers masked")
     out = str(tmp_path / "res")
-    mp.start_processes(_deepep_worker, args=(2, free_port(), dispatch, backend, out), nprocs=2,
-                       start_method="spawn")  # fmt: skip
+    run_ranks(_deepep_worker, 2, dispatch, backend, out)
     rows = [json.loads(line) for r in range(2) for line in open(f"{out}.{r}")]
     errors = [r["error"] for r in rows if "error" in r]
     assert not errors, errors[0]
@@ -591,14 +588,11 @@ def test_layer_cutlass_int8_local(monkeypatch):
 def test_layer_cutlass_int8_two_gpus(bounded, tmp_path):
     """DeepEP normal dispatch into 128-row segments; bounded (normal_max_tokens_per_rank), the
     segment sizes stay on the device and the buffers have spare rows past the last segment."""
-    import torch.multiprocessing as mp
-
-    from helpers import free_port
+    from epmoe.launch import run_ranks
 
     out = str(tmp_path / "res")
     extra = dict(accumulator="int32", normal_max_tokens_per_rank=64 if bounded else None)
-    mp.start_processes(_deepep_worker, args=(2, free_port(), "deepep_normal", "cutlass", out, "int8_channel", extra),
-                       nprocs=2, start_method="spawn")  # fmt: skip
+    run_ranks(_deepep_worker, 2, "deepep_normal", "cutlass", out, "int8_channel", extra)
     rows = [json.loads(line) for r in range(2) for line in open(f"{out}.{r}")]
     errors = [r["error"] for r in rows if "error" in r]
     assert not errors, errors[0]
