@@ -30,6 +30,7 @@ from .quant.payload import choose_payloads
 from .quant.schemes import BLOCK, get_scheme
 from .routing import check_routing_config, select_experts
 from .tensors import as_contiguous, capturing, check_positive_int, keeping_dtypes
+from .timing import phase
 
 log = logging.getLogger("epmoe")
 
@@ -416,12 +417,15 @@ class DeepEPMoELayer(nn.Module):
         if not self._agreed:
             self._agree(hidden_states.device)
         if router_logits is not None:
-            topk_ids, topk_weights = self.route(router_logits)
+            with phase("epmoe.route"):
+                topk_ids, topk_weights = self.route(router_logits)
         # as_contiguous: no-op conversions cost microseconds of host time, which eager decode pays.
         ids, weights = as_contiguous(topk_ids, torch.int64), as_contiguous(topk_weights, torch.float32)
-        dispatched = self.dispatcher.dispatch(hidden_states, ids, weights)
+        with phase("epmoe.dispatch"):
+            dispatched = self.dispatcher.dispatch(hidden_states, ids, weights)
         y = self._run_experts(dispatched, hidden_states.dtype)
-        out = self.dispatcher.combine(y, dispatched)
+        with phase("epmoe.combine"):
+            out = self.dispatcher.combine(y, dispatched)
         return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
 
     def _agree(self, device: torch.device) -> None:
@@ -457,16 +461,20 @@ class DeepEPMoELayer(nn.Module):
         """Experts on what arrived; returns what ``combine`` takes."""
         if d.layout == "masked":
             batch = MaskedBatch(d.x, d.x_scale, d.masked_m, d.expected_m)
-            return self.backend.run_masked(batch, self._weights(), dtype)
-        batch = to_contiguous(
-            d.x, d.x_scale, d.topk_ids, self.num_local_experts, self.backend.alignment, d.padded_rows,
-            expected_m=d.expected_m if self.backend.device_segments else None,
-        )
-        out = self.backend.run_contiguous(batch, self._weights(), dtype)
+            with phase("epmoe.experts"):
+                return self.backend.run_masked(batch, self._weights(), dtype)
+        with phase("epmoe.scatter"):
+            batch = to_contiguous(
+                d.x, d.x_scale, d.topk_ids, self.num_local_experts, self.backend.alignment, d.padded_rows,
+                expected_m=d.expected_m if self.backend.device_segments else None,
+            )
+        with phase("epmoe.experts"):
+            out = self.backend.run_contiguous(batch, self._weights(), dtype)
         weights = d.topk_weights
         if d.combine_applies_weights:
             weights = torch.ones_like(weights)
-        return gather_weighted(out, batch.slot_pos, weights, dtype)
+        with phase("epmoe.gather"):
+            return gather_weighted(out, batch.slot_pos, weights, dtype)
 
     @property
     def payload(self) -> str:

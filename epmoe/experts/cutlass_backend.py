@@ -53,6 +53,7 @@ from .. import devices
 from ..errors import CutlassUnavailableError
 from ..layouts import ContiguousBatch, MaskedBatch
 from ..quant.schemes import BLOCK, QuantScheme
+from ..timing import phase
 from .base import ExpertsBackend, ExpertWeights, check_weights, fp8_gemm_input
 from .fp8_selection import (
     ENV_VAR,
@@ -786,10 +787,14 @@ class CutlassBackend(ExpertsBackend):
         hidden = weights.hidden_size
         if batch.x.shape[0] == 0:
             return torch.empty((0, hidden), dtype=torch.bfloat16, device=batch.x.device)
-        a, a_scale = fp8_gemm_input(batch.x, batch.x_scale, hidden)
-        gate_up = grouped_gemm(a, a_scale, weights.w13, weights.w13_scale, batch.expert_offsets)
-        h, h_scale = activation.silu_and_mul_quant(gate_up, "group", BLOCK, torch.float8_e4m3fn)
-        return grouped_gemm(h, h_scale, weights.w2, weights.w2_scale, batch.expert_offsets)
+        with phase("epmoe.quantize"):
+            a, a_scale = fp8_gemm_input(batch.x, batch.x_scale, hidden)
+        with phase("epmoe.gemm1"):
+            gate_up = grouped_gemm(a, a_scale, weights.w13, weights.w13_scale, batch.expert_offsets)
+        with phase("epmoe.activation"):
+            h, h_scale = activation.silu_and_mul_quant(gate_up, "group", BLOCK, torch.float8_e4m3fn)
+        with phase("epmoe.gemm2"):
+            return grouped_gemm(h, h_scale, weights.w2, weights.w2_scale, batch.expert_offsets)
 
     def _run_int8(self, batch: ContiguousBatch, weights: ExpertWeights) -> torch.Tensor:
         """quantize (per token or per 1x128 group, unless it arrived so) -> GEMM1 -> silu(gate) *
@@ -804,10 +809,14 @@ class CutlassBackend(ExpertsBackend):
         rows = self._rows
         offsets = batch.expert_offsets
         bound, lift, drop = spare_row_slab(batch)
-        a, a_scale = rows.gemm1_input(lift(batch.x), lift(batch.x_scale), weights, *bound)
-        gate_up = gemm(drop(a), drop(a_scale), weights.w13, weights.w13_scale, offsets)
-        h, h_scale = rows.activation(lift(gate_up), weights, *bound)
-        return gemm(drop(h), drop(h_scale), weights.w2, weights.w2_scale, offsets)
+        with phase("epmoe.quantize"):
+            a, a_scale = rows.gemm1_input(lift(batch.x), lift(batch.x_scale), weights, *bound)
+        with phase("epmoe.gemm1"):
+            gate_up = gemm(drop(a), drop(a_scale), weights.w13, weights.w13_scale, offsets)
+        with phase("epmoe.activation"):
+            h, h_scale = rows.activation(lift(gate_up), weights, *bound)
+        with phase("epmoe.gemm2"):
+            return gemm(drop(h), drop(h_scale), weights.w2, weights.w2_scale, offsets)
 
     def run_masked(
         self, batch: MaskedBatch, weights: ExpertWeights, out_dtype: torch.dtype

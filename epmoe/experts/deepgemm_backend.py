@@ -31,6 +31,7 @@ import torch
 
 from ..layouts import ContiguousBatch, MaskedBatch
 from ..quant.schemes import BLOCK, QuantScheme
+from ..timing import phase
 from .base import ExpertsBackend, ExpertWeights, fp8_gemm_input
 from .fp8_selection import deepgemm_decision, machine_facts
 
@@ -253,10 +254,14 @@ class DeepGemmBackend(ExpertsBackend):
         if m == 0:
             return torch.empty((0, weights.hidden_size), dtype=out_dtype, device=batch.x.device)
         m_indices = batch.m_indices.to(torch.int32).contiguous()
-        a, a_scale = fp8_gemm_input(batch.x, batch.x_scale, weights.hidden_size)
-        gate_up = gemm_contiguous(a, a_scale, weights.w13, weights.w13_scale, m_indices)
-        h, h_scale = activation.silu_and_mul_quant(gate_up, "group", BLOCK, torch.float8_e4m3fn)
-        out = gemm_contiguous(h, h_scale, weights.w2, weights.w2_scale, m_indices)
+        with phase("epmoe.quantize"):
+            a, a_scale = fp8_gemm_input(batch.x, batch.x_scale, weights.hidden_size)
+        with phase("epmoe.gemm1"):
+            gate_up = gemm_contiguous(a, a_scale, weights.w13, weights.w13_scale, m_indices)
+        with phase("epmoe.activation"):
+            h, h_scale = activation.silu_and_mul_quant(gate_up, "group", BLOCK, torch.float8_e4m3fn)
+        with phase("epmoe.gemm2"):
+            out = gemm_contiguous(h, h_scale, weights.w2, weights.w2_scale, m_indices)
         return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
 
     def run_masked(
@@ -269,13 +274,17 @@ class DeepGemmBackend(ExpertsBackend):
         # Pad once here (not in each GEMM) when the capacity is off DeepGEMM's block multiple.
         padded = masked_capacity(cap)
         x, xs = pad_capacity(batch.x, padded), pad_capacity(batch.x_scale, padded)
-        a, a_scale = fp8_gemm_input(x, xs, weights.hidden_size, masked_m=masked_m)
+        with phase("epmoe.quantize"):
+            a, a_scale = fp8_gemm_input(x, xs, weights.hidden_size, masked_m=masked_m)
         expected_m = max(1, int(batch.expected_m))
-        gate_up = gemm_masked(a, a_scale, weights.w13, weights.w13_scale, masked_m, expected_m)
-        h, h_scale = activation.silu_and_mul_quant(
-            gate_up, "group", BLOCK, torch.float8_e4m3fn, masked_m=masked_m
-        )
-        out = gemm_masked(h, h_scale, weights.w2, weights.w2_scale, masked_m, expected_m)[:, :cap]
+        with phase("epmoe.gemm1"):
+            gate_up = gemm_masked(a, a_scale, weights.w13, weights.w13_scale, masked_m, expected_m)
+        with phase("epmoe.activation"):
+            h, h_scale = activation.silu_and_mul_quant(
+                gate_up, "group", BLOCK, torch.float8_e4m3fn, masked_m=masked_m
+            )
+        with phase("epmoe.gemm2"):
+            out = gemm_masked(h, h_scale, weights.w2, weights.w2_scale, masked_m, expected_m)[:, :cap]
         return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
 
     # -------------------------------------------------------------------------------- warmup

@@ -22,6 +22,7 @@ import torch
 from ..layouts import ContiguousBatch, MaskedBatch
 from ..quant.reference import dequantize_rows
 from ..quant.schemes import BLOCK
+from ..timing import phase
 from .base import ExpertsBackend, ExpertWeights, check_weights
 
 
@@ -106,10 +107,14 @@ class TritonBackend(ExpertsBackend):
         """``rows_bound``: ``(masked_m, expected_m)`` of the row-wise kernels (see
         :meth:`gemm1_input`); ``segments``: the GEMMs' (:meth:`gemm`)."""
         check_weights(weights, self.scheme)
-        a, a_scale = self.gemm1_input(x, x_scale, weights, *rows_bound)
-        gate_up = self.gemm(a, a_scale, weights, 1, self.mid_dtype(weights, out_dtype), **segments)
-        h, h_scale = self.activation(gate_up, weights, *rows_bound)
-        return self.gemm(h, h_scale, weights, 2, out_dtype, **segments)
+        with phase("epmoe.quantize"):
+            a, a_scale = self.gemm1_input(x, x_scale, weights, *rows_bound)
+        with phase("epmoe.gemm1"):
+            gate_up = self.gemm(a, a_scale, weights, 1, self.mid_dtype(weights, out_dtype), **segments)
+        with phase("epmoe.activation"):
+            h, h_scale = self.activation(gate_up, weights, *rows_bound)
+        with phase("epmoe.gemm2"):
+            return self.gemm(h, h_scale, weights, 2, out_dtype, **segments)
 
     # The stages of a forward, public so that benchmarks time exactly what the backend runs.
     def gemm(
