@@ -38,7 +38,7 @@ import sys
 import torch
 
 from epmoe.bench.experts import GRAPH_MAX_M, build_problem, make_timer, uniform_batch, weights_for
-from epmoe.bench.turns import in_turns
+from epmoe.timing import in_turns
 from epmoe.experts.cutlass_backend import ROW_BLOCK, CutlassBackend
 from epmoe.experts.fp8_selection import crossover_from_measurements
 from epmoe.kernels.configs import mode_and_accumulator

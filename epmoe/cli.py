@@ -1,4 +1,4 @@
-"""The ``epmoe`` command: info, demo, bench, tune, convert, make-checkpoint, fidelity."""
+"""The ``epmoe`` command: info, demo, bench, convert, make-checkpoint, fidelity."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ COMMANDS = {
     "info": ("epmoe.cli", "info_main", "what this machine can run, and why not"),
     "demo": ("epmoe.demo", "main", "a DeepSeek-style MoE layer under EP in local processes"),
     "bench": (None, None, "bench experts | bench layer"),
-    "tune": ("epmoe.bench.tune", "main", "tune Triton kernel configs on this GPU"),
     "convert": ("epmoe.checkpoint.cli", "convert_main", "convert an FP8 checkpoint to INT8"),
     "make-checkpoint": ("epmoe.checkpoint.cli", "make_checkpoint_main", "a small synthetic FP8 checkpoint to try convert on"),
     "fidelity": ("epmoe.bench.fidelity", "main", "error of every scheme against float64"),

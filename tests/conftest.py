@@ -4,6 +4,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+# benchmarks/ (scripts beside the package) imports as a namespace package from the repository root.
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Without a GPU, Triton kernels run in its interpreter; set before anything imports triton so
 # every test module sees the same mode whatever the collection order.

@@ -736,7 +736,7 @@ def test_gemm_config_tma_fields_round_trip():
 
 
 def test_tune_candidates_with_tma():
-    from epmoe.bench import tune
+    from benchmarks import tune
 
     for mode in (*tune.MODES, *tune.EXTRA_MODES):
         kmode, _ = tune.kernel_mode(mode)
@@ -749,7 +749,7 @@ def test_tune_candidates_with_tma():
                 configs.GemmConfig.from_dict(c.to_dict())  # validates
                 assert c.smem_bytes(2 if kmode == "bf16" else 1) <= tune.SMEM_BYTES
                 assert kmode != "int8_block" or 128 % c.block_k == 0
-    # `epmoe tune` can regenerate every shipped H200 TMA entry of the tuned buckets.
+    # benchmarks/tune.py can regenerate every shipped H200 TMA entry of the tuned buckets.
     table = _shipped_table()["configs"]
     checked = 0
     for mode, shapes in table.items():

@@ -16,8 +16,8 @@ bytes / copy bandwidth) and of peak (measured ceiling, and the datasheet peak). 
 relative mean absolute error of the pass against float64 math on the unquantized weights, on a
 few experts. Small batches are timed inside CUDA graphs so launch overhead does not hide the
 kernels. The backends are first timed one after the other; ``--turns R`` times every whole pass
-again with the backends taking turns for R rounds (``epmoe.bench.turns``), the fair comparison
-under the GPU's power cap.
+again with the backends taking turns for R rounds (:func:`epmoe.timing.in_turns`), the fair comparison
+under the GPU's power cap. Kernels are timed with :func:`epmoe.timing.kernel_ms`.
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ from typing import Callable
 
 import torch
 
-from .turns import in_turns
+from ..timing import in_turns, kernel_ms
+from .names import EXPERTS_BACKENDS as BUILTIN
 
 DATASHEET = {"int8": 1979.0, "bf16": 989.0, "fp8": 1979.0}
 """H200 SXM dense peaks (TOPS / TFLOP/s)."""
 
-BUILTIN = ("torch_bf16", "triton_int8_channel", "triton_int8_channel_int32", "triton_int8_block", "triton_bf16")
 GRAPH_MAX_M = 32
 """Rows per expert up to which timings run inside CUDA graphs (launch overhead is visible)."""
 
@@ -63,25 +63,36 @@ CPU_MAX_BYTES = 2 << 30
 """Largest problem (fp32 weights + the largest batch) the CPU fallback accepts."""
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="epmoe bench experts", description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``epmoe bench experts``."""
+    from .names import EXPERTS_BACKENDS
+
     p.add_argument("--m", default="8,32,128,512,2048", help="rows per expert, comma separated")
     p.add_argument("--experts", type=int, default=128, help="local experts E_loc")
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--intermediate", type=int, default=2048)
-    p.add_argument("--backends", default=",".join(BUILTIN), help=f"subset of {','.join(BUILTIN)}")
-    p.add_argument("--extra", action="append", default=[], help="module:Class[@scheme] of another ExpertsBackend")
+    p.add_argument("--hidden", type=int, default=7168, help="hidden size H")
+    p.add_argument("--intermediate", type=int, default=2048, help="intermediate size I of one expert")
+    p.add_argument("--backends", default=",".join(EXPERTS_BACKENDS),
+                   help=f"comma-separated subset of {','.join(EXPERTS_BACKENDS)}")
+    p.add_argument("--extra", action="append", default=[],
+                   help="module:Class[@scheme] of another ExpertsBackend (repeatable; scheme may be "
+                        "int8_channel_int32 for the int32 accumulator)")
     p.add_argument("--json", default=None, help="write all numbers here")
-    p.add_argument("--plot", default=None, help="write a PNG here (needs matplotlib)")
+    p.add_argument("--plot", default=None, help="write a PNG here (needs the 'plot' extra)")
     p.add_argument("--rep-ms", type=float, default=200.0, help="do_bench repetition time per measurement")
     p.add_argument("--ceiling-size", type=int, default=8192, help="edge of the ceiling matmuls")
     p.add_argument("--accuracy-experts", type=int, default=2, help="experts checked against float64")
     p.add_argument(
         "--turns", type=int, default=0,
         help="also time every backend's whole pass in turns, this many rounds per m (0: off); "
-        "the fair comparison under the GPU's power cap (epmoe.bench.turns)",
+        "the fair comparison under the GPU's power cap (epmoe.timing.in_turns)",
     )  # fmt: skip
-    args = p.parse_args(argv)
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Checks and normalizes parsed options (``p.error`` names the bad one)."""
+    from .names import EXPERTS_BACKENDS
+    from .plotting import check_plot
+
     try:
         args.m = [int(v) for v in args.m.split(",") if v]
     except ValueError:
@@ -89,39 +100,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.m or min(args.m) < 1:
         p.error(f"--m needs one or more row counts >= 1; got {args.m}")
     args.backends = [b for b in args.backends.split(",") if b]
-    unknown = set(args.backends) - set(BUILTIN)
+    unknown = set(args.backends) - set(EXPERTS_BACKENDS)
     if unknown:
-        p.error(f"unknown --backends {sorted(unknown)}; allowed: {list(BUILTIN)}")
+        p.error(f"unknown --backends {sorted(unknown)}; allowed: {list(EXPERTS_BACKENDS)}")
     if args.turns < 0:
         p.error(f"--turns must be 0 (off) or a number of rounds; got {args.turns}")
+    check_plot(p, args.plot)
     return args
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="epmoe bench experts", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return check_args(p, p.parse_args(argv))
 
 
 # ------------------------------------------------------------------------------- timing
 
 
 def make_timer(device: torch.device, rep_ms: float) -> Callable[[Callable, bool], float]:
-    """Median ms of ``fn()``; inside a CUDA graph when ``graph``. CPU: one wall-clock run."""
-    if device.type != "cuda":
+    """``timer(fn, graph)``: :func:`epmoe.timing.kernel_ms` with this run's repetition time."""
 
-        def cpu_timer(fn, graph=False):
-            fn()
-            t = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t) * 1e3
+    def timer(fn, graph=False):
+        return kernel_ms(fn, rep_ms=rep_ms, graph=graph, device=device)
 
-        return cpu_timer
-    import triton.testing as tt
-
-    def gpu_timer(fn, graph=False):
-        if graph:
-            fn()
-            torch.cuda.synchronize()
-            # do_bench_cudagraph replays its graph ten times; a quarter of the budget is plenty.
-            return float(tt.do_bench_cudagraph(fn, rep=max(20.0, rep_ms / 4), return_mode="median"))
-        return float(tt.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
-
-    return gpu_timer
+    return timer
 
 
 def measure_ceilings(device: torch.device, size: int, timer) -> dict:
@@ -453,14 +456,9 @@ def table(results: list[dict]) -> str:
 
 
 def plot(results: list[dict], path: str) -> None:
-    try:
-        import matplotlib
+    from .plotting import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib is not importable; no plot written to {path}", file=sys.stderr)
-        return
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for backend in dict.fromkeys(r["backend"] for r in results):
         rs = [r for r in results if r["backend"] == backend and "total" in r["derived"]]
@@ -481,7 +479,11 @@ def plot(results: list[dict], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    return run(parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """The benchmark for parsed (and checked) options; 0, or 1 when a backend failed."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
     if device.type == "cpu":

@@ -143,13 +143,27 @@ def load_table(name: str) -> dict:
     for d in dirs + [PACKAGE_DIR]:
         path = d / config_filename(name)
         if path.is_file():
-            with open(path) as f:
-                data = json.load(f)
-            table = data.get("configs")
-            if not isinstance(table, dict):
-                raise ValueError(f"{path}: expected a 'configs' object")
-            return table
+            return read_config_file(path)
     return {}
+
+
+def read_config_file(path: Path | str) -> dict:
+    """The ``configs`` table of a config file: ``{mode: {shape_key: {bucket: config dict}}}``."""
+    with open(path) as f:
+        data = json.load(f)
+    table = data.get("configs") if isinstance(data, dict) else None
+    if not isinstance(table, dict):
+        raise ValueError(f"{path}: expected a JSON object with a 'configs' object")
+    return table
+
+
+def write_config_file(path: Path | str, table: dict, **meta) -> None:
+    """Writes a config file the way :func:`load_table` reads it: ``meta`` (device, versions,
+    where it came from, measurements) beside ``configs``; clears the cache of loaded tables."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**meta, "configs": table}, indent=1) + "\n")
+    load_table.cache_clear()
 
 
 def pick_bucket(buckets: dict, m_per_expert: float):

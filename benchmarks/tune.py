@@ -1,4 +1,4 @@
-"""``epmoe tune``: sweep grouped-GEMM tile configs on this GPU and write the config file.
+"""``python benchmarks/tune.py``: sweep grouped-GEMM tile configs on this GPU and write the config file.
 
 For each mode (``int8_channel``, ``int8_block``, ``bf16``; ``int8_channel_int32`` tunes the
 int32-accumulator variant into its own entries), each expert GEMM shape (GEMM1: N = 2I, K = H;
@@ -17,23 +17,23 @@ each candidate compiles once per mode: compile time, not timing, bounds the swee
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from ..kernels.configs import (
+from epmoe.kernels.configs import (
     INT32_ACC_MODE,
     PACKAGE_DIR,
     GemmConfig,
     config_filename,
     device_name,
     heuristic_config,
-    load_table,
     mode_and_accumulator,
+    read_config_file,
     shape_key,
+    write_config_file,
 )
 
 MODES = ("int8_channel", "int8_block", "bf16")
@@ -150,7 +150,7 @@ def time_config(
     list, or compared with the stored ones (ValueError when they disagree)."""
     import triton.testing as tt
 
-    from ..kernels.grouped_gemm import grouped_gemm_contiguous
+    from epmoe.kernels.grouped_gemm import grouped_gemm_contiguous
 
     kmode, accumulator = kernel_mode(mode)
     out = torch.empty(ops["a"].shape[0], ops["b"].shape[1], device=ops["a"].device, dtype=torch.bfloat16)
@@ -176,7 +176,7 @@ def time_config(
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="epmoe tune", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/tune.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--intermediate", type=int, default=2048)
@@ -198,7 +198,7 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("epmoe tune needs a CUDA GPU", file=sys.stderr)
+        print("benchmarks/tune.py needs a CUDA GPU", file=sys.stderr)
         return 2
     device = torch.device("cuda")
     name = device_name(device)
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         # so EPMOE_CONFIG_DIR=<that directory> finds it.
         out = Path(args.out)
         path = out / config_filename(name) if out.is_dir() or args.out.endswith("/") else out
-    table = json.loads(path.read_text())["configs"] if path.is_file() else {}
+    table = read_config_file(path) if path.is_file() else {}
     shapes = [(2 * args.intermediate, args.hidden), (args.hidden, args.intermediate)]
     e = args.experts
     use_tma = not args.no_tma and torch.cuda.get_device_capability(device)[0] >= 9
@@ -247,17 +247,11 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     import triton
 
-    data = {
-        "device": name,
-        "triton": triton.__version__,
-        "torch": torch.__version__,
-        "source": f"epmoe tune, {time.strftime('%Y-%m-%d')}, E={e} H={args.hidden} I={args.intermediate}",
-        "configs": table,
-        "measurements": log,
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1) + "\n")
-    load_table.cache_clear()
+    write_config_file(
+        path, table, device=name, triton=triton.__version__, torch=torch.__version__,
+        source=f"benchmarks/tune.py, {time.strftime('%Y-%m-%d')}, E={e} H={args.hidden} I={args.intermediate}",
+        measurements=log,
+    )  # fmt: skip
     print(f"wrote {path} in {time.time() - t0:.0f}s")
     return 0
 

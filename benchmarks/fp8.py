@@ -1,10 +1,10 @@
 """FP8 block backends on one GPU: the deepgemm backend vs calling DeepGEMM directly vs cutlass.
 
-    python -m epmoe.bench.fp8 [--experts 128 --hidden 7168 --inter 2048 --m 8,32,128,512,2048]
+    python benchmarks/fp8.py [--experts 128 --hidden 7168 --inter 2048 --m 8,32,128,512,2048]
                               [--impls deepgemm,direct,cutlass] [--json fp8_bench.json]
 
-For every m (rows per expert, uniform routing) it times, with CUDA events around a fixed number of
-calls (median of repeats):
+For every m (rows per expert, uniform routing) it times (median of ``triton.testing.do_bench``,
+:func:`epmoe.timing.kernel_ms`):
 
 * ``gemm1`` ``[E*m, H] x [H, 2I]`` and ``gemm2`` ``[E*m, I] x [I, H]``:
   ``direct`` = the raw ``deep_gemm`` call (contiguous layout, segments padded to 128),
@@ -14,8 +14,8 @@ calls (median of repeats):
   GEMM2): ``DeepGemmBackend.run_contiguous`` / ``run_masked``, the same four launches with raw
   DeepGEMM calls (``direct``), and ``CutlassBackend.run_contiguous``.
 
-With ``--rounds R`` the same calls are also timed in turns: per round each runs ``--iters`` calls
-back to back, in an order rotated every round, medians over rounds (rows ``<impl>@turns``). Under
+With ``--rounds R`` the same calls are also timed in turns: per round each is timed once,
+in an order rotated every round, medians over rounds (rows ``<impl>@turns``). Under
 sustained load the H200 runs at its power cap, where a kernel's clock depends on what ran before;
 turns give every implementation the same state on average.
 
@@ -36,31 +36,20 @@ import time
 
 import torch
 
-from .turns import in_turns
+from epmoe import timing
 
 BLOCK = 128
 
 
-def _time(fn, iters: int, repeats: int) -> float:
-    """Median milliseconds per call."""
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / iters)
-    return statistics.median(samples)
+def _time(fn, rep_ms: float) -> float:
+    """Median ms per call (:func:`epmoe.timing.kernel_ms`)."""
+    return timing.kernel_ms(fn, rep_ms=rep_ms, device="cuda")
 
 
-def _turns(fns: dict, iters: int, rounds: int) -> dict:
+def _turns(fns: dict, rep_ms: float, rounds: int) -> dict:
     """Median ms per call of each ``fns`` value over ``rounds`` rounds of turns
-    (:func:`~epmoe.bench.turns.in_turns`), ``iters`` calls a turn."""
-    samples = in_turns(fns, rounds, lambda fn: _time(fn, iters, 1))
+    (:func:`epmoe.timing.in_turns`), one :func:`_time` a turn."""
+    samples = timing.in_turns(fns, rounds, lambda fn: _time(fn, rep_ms))
     return {n: statistics.median(v) for n, v in samples.items()}
 
 
@@ -75,28 +64,26 @@ def _weights(e: int, n: int, k: int, dev, seed: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m epmoe.bench.fp8", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/fp8.py", description=__doc__.split("\n")[0])
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--inter", type=int, default=2048)
     p.add_argument("--m", default="8,32,128,512,2048", help="rows per expert, comma-separated")
     p.add_argument("--impls", default="deepgemm,direct,cutlass")
     p.add_argument("--masked-max-m", type=int, default=128, help="also time masked GEMMs up to this m")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time per measurement")
     p.add_argument("--rounds", type=int, default=0, help="also time the contiguous calls in R rounds of turns")
     p.add_argument("--json", default="fp8_bench.json")
     args = p.parse_args(argv)
-    for name in ("iters", "repeats"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name}={getattr(args, name)} must be >= 1")
+    if args.rep_ms <= 0:
+        p.error(f"--rep-ms={args.rep_ms} must be > 0")
     if args.rounds < 0:
         p.error(f"--rounds={args.rounds} must be >= 0 (0: no turns)")
 
-    from ..experts.base import ExpertWeights
-    from ..kernels import activation, quantize
-    from ..layouts import ContiguousBatch, MaskedBatch
-    from ..quant.schemes import get_scheme
+    from epmoe.experts.base import ExpertWeights
+    from epmoe.kernels import activation, quantize
+    from epmoe.layouts import ContiguousBatch, MaskedBatch
+    from epmoe.quant.schemes import get_scheme
 
     if not torch.cuda.is_available():
         print("no CUDA GPU", file=sys.stderr)
@@ -110,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
     dg = cut = None
     if "deepgemm" in impls or "direct" in impls:
-        from ..experts import deepgemm_backend as dgb
+        from epmoe.experts import deepgemm_backend as dgb
 
         api = dgb.deep_gemm_api()
         if api is None:
@@ -120,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             dg = dgb
     if "cutlass" in impls:
         os.environ.setdefault("SGLANG_CUTLASS_MOE", "1")
-        from ..experts import cutlass_backend as cb
+        from epmoe.experts import cutlass_backend as cb
 
         t0 = time.perf_counter()
         try:
@@ -193,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                      lambda: dg_backend.run_contiguous(batch_pad, weights, torch.bfloat16), None, None),
                 ]  # fmt: skip
             for gemm, impl, fn, n, k in cases:
-                t = _time(fn, args.iters, args.repeats)
+                t = _time(fn, args.rep_ms)
                 turn_fns[(gemm, impl)] = fn
                 record(m, gemm, impl, t, *dims[gemm])  # experts: 2I*H + H*I = 3*I*H per row
         # ---- the same padded layout (cutlass: segments aligned to 128 rows, as DeepGEMM's) ----
@@ -206,9 +193,9 @@ def main(argv: list[str] | None = None) -> int:
                 ("experts", lambda: cut_backend.run_contiguous(batch_pad, weights, torch.bfloat16), 3 * inter, h),
             ):
                 turn_fns[(gemm, "cutlass")] = fn
-                record(m, gemm, "cutlass", _time(fn, args.iters, args.repeats), n, k)
+                record(m, gemm, "cutlass", _time(fn, args.rep_ms), n, k)
         if args.rounds and turn_fns:
-            for (gemm, impl), t in _turns(turn_fns, args.iters, args.rounds).items():
+            for (gemm, impl), t in _turns(turn_fns, args.rep_ms, args.rounds).items():
                 record(m, gemm, f"{impl}@turns", t, *dims[gemm])
         turn_fns.clear()
         if dg:
@@ -242,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                      lambda: dg_backend.run_masked(mb, weights, torch.bfloat16), 3 * inter, h),
                 ]  # fmt: skip
             for gemm, impl, fn, n, k in cases:
-                record(m, gemm, impl, _time(fn, args.iters, args.repeats), n, k)
+                record(m, gemm, impl, _time(fn, args.rep_ms), n, k)
             del xm, am, hm, dm1, dm2
         torch.cuda.empty_cache()
 
@@ -259,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                 parts = [f"{impl}={by[(m, gemm, impl)] / base:.3f}" for impl in impls_ if (m, gemm, impl) in by]
                 print(f"m={m:5d} {gemm:8s} " + " ".join(parts))
     meta = dict(device=torch.cuda.get_device_name(dev), torch=torch.__version__, cuda=torch.version.cuda,
-                experts=e, hidden=h, inter=inter, iters=args.iters, repeats=args.repeats, rounds=args.rounds,
+                experts=e, hidden=h, inter=inter, rep_ms=args.rep_ms, rounds=args.rounds,
                 wall_s=round(time.perf_counter() - t_start, 1))  # fmt: skip
     with open(args.json, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
