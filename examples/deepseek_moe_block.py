@@ -1,5 +1,9 @@
 """A DeepSeek-V3 MoE block: gate, shared experts and the routed experts as a DeepEPMoELayer.
 
+The shared experts run in INT8 (an ``epmoe.Int8MLP``: gate/up fused, SiLU*up fused into the
+requantization) when ``quant_dense=`` asks for it or when the checkpoint's shared-expert weights
+are INT8 (``epmoe convert --dense`` output); otherwise in the block's float dtype.
+
 Runs as a single process on the CPU or one GPU:  python examples/deepseek_moe_block.py
 Under torchrun the same block runs with expert parallelism (see ep_torchrun.py).
 """
@@ -12,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epmoe import DeepEPMoELayer
+from epmoe import DeepEPMoELayer, Int8MLP
 from epmoe.quant import get_scheme, quantize_weight
 
 
@@ -44,7 +48,7 @@ class SharedExperts(nn.Module):
 
 class DeepseekV3MoE(nn.Module):
     def __init__(self, cfg: MoEConfig, quant: str = "int8_channel", group=None, device=None,
-                 dtype=torch.bfloat16, deepep_buffer=None):  # fmt: skip
+                 dtype=torch.bfloat16, deepep_buffer=None, quant_dense=None):  # fmt: skip
         super().__init__()
         self.cfg = cfg
         # The router runs in fp32 on every rank (it is tiny and its ties matter).
@@ -56,7 +60,28 @@ class DeepseekV3MoE(nn.Module):
             topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
             use_correction_bias=True, deepep_buffer=deepep_buffer,
         )  # fmt: skip
-        self.shared_experts = SharedExperts(cfg, dtype).to(device)
+        inter = cfg.moe_intermediate_size * cfg.n_shared_experts
+        if quant_dense is None:
+            self.shared_experts = SharedExperts(cfg, dtype).to(device)
+        else:
+            self.shared_experts = Int8MLP(cfg.hidden_size, inter, scheme=quant_dense, device=device)
+
+    def load_shared_experts(self, named_tensors):
+        """Shared-expert tensors (``...mlp.shared_experts.{gate,up,down}_proj.*``). INT8 weights
+        turn a float block's shared experts into an :class:`epmoe.Int8MLP` of the checkpoint's
+        scheme (``weight_scale`` per channel, ``weight_scale_inv`` per 128x128 block)."""
+        tensors = dict(named_tensors)
+        weights = [t for n, t in tensors.items() if n.endswith("_proj.weight")]
+        if not isinstance(self.shared_experts, Int8MLP) and any(t.dtype == torch.int8 for t in weights):
+            scheme = "int8_block" if any(n.endswith("weight_scale_inv") for n in tensors) else "int8_channel"
+            inter = self.cfg.moe_intermediate_size * self.cfg.n_shared_experts
+            self.shared_experts = Int8MLP(self.cfg.hidden_size, inter, scheme=scheme, device=weights[0].device)
+        if isinstance(self.shared_experts, Int8MLP):
+            return self.shared_experts.load_weights(tensors)
+        for n, t in tensors.items():
+            proj = n.split(".")[-2]
+            getattr(self.shared_experts, proj).weight.data.copy_(t)
+        return set(tensors)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = self.gate(hidden_states.float())
@@ -64,7 +89,8 @@ class DeepseekV3MoE(nn.Module):
 
 
 def random_checkpoint(cfg: MoEConfig, quant: str, seed: int = 0):
-    """Routed-expert tensors named as in DeepSeek checkpoints (global expert ids)."""
+    """Routed-expert tensors named as in DeepSeek checkpoints (global expert ids), then the
+    shared experts' in the same scheme (as ``epmoe convert --dense`` writes them)."""
     g = torch.Generator().manual_seed(seed)
     scheme = get_scheme(quant)
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
@@ -76,6 +102,14 @@ def random_checkpoint(cfg: MoEConfig, quant: str, seed: int = 0):
             yield f"{name}.weight", q[0] if scheme.quantized else q[0].bfloat16()
             if s is not None:
                 yield f"{name}.weight_scale" + ("_inv" if scheme.weight_granularity == "block" else ""), s[0]
+    inter = i * cfg.n_shared_experts
+    for proj, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+        w = torch.randn(1, *shape, generator=g) / shape[1] ** 0.5
+        q, s = quantize_weight(w, scheme)
+        name = f"model.layers.3.mlp.shared_experts.{proj}"
+        yield f"{name}.weight", q[0] if scheme.quantized else q[0].bfloat16()
+        if s is not None:
+            yield f"{name}.weight_scale" + ("_inv" if scheme.weight_granularity == "block" else ""), s[0]
     yield "model.layers.3.mlp.gate.e_score_correction_bias", torch.randn(cfg.n_routed_experts, generator=g) * 0.05
 
 
@@ -83,11 +117,15 @@ def main():
     cfg = MoEConfig()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     block = DeepseekV3MoE(cfg, quant="int8_channel", device=device)
-    block.experts.load_weights(((n, t.to(device)) for n, t in random_checkpoint(cfg, "int8_channel")), strict=True)
+    tensors = [(n, t.to(device)) for n, t in random_checkpoint(cfg, "int8_channel")]
+    block.experts.load_weights((nt for nt in tensors if ".shared_experts." not in nt[0]), strict=True)
+    # INT8 shared-expert weights in the checkpoint: the shared experts become an Int8MLP.
+    block.load_shared_experts(nt for nt in tensors if ".shared_experts." in nt[0])
     x = torch.randn(16, cfg.hidden_size, device=device, dtype=torch.bfloat16)
     with torch.no_grad():
         y = block(x)
     print(block.experts)
+    print(block.shared_experts)
     print("output", tuple(y.shape), y.dtype, "finite:", bool(torch.isfinite(y).all()))
 
 

@@ -39,7 +39,9 @@ def main():
     # One DeepEP buffer for all MoE layers of the group (allocated only if DeepEP is chosen).
     deepep_buffer = DeepEPBuffer()
     block = DeepseekV3MoE(cfg, quant=args.quant, device=device, dtype=dtype, deepep_buffer=deepep_buffer)
-    block.experts.load_weights((n, t.to(device)) for n, t in random_checkpoint(cfg, args.quant))
+    tensors = [(n, t.to(device)) for n, t in random_checkpoint(cfg, args.quant)]
+    block.experts.load_weights(nt for nt in tensors if ".shared_experts." not in nt[0])
+    block.load_shared_experts(nt for nt in tensors if ".shared_experts." in nt[0])
     torch.manual_seed(rank)
     x = torch.randn(args.tokens, cfg.hidden_size, device=device, dtype=dtype)
     with torch.no_grad():
