@@ -48,6 +48,12 @@ def capability_rows(device: torch.device) -> list[tuple[str, str, str]]:
     for key in ("int8_channel_int32", "int8_block"):
         quant, _ = mode_and_accumulator(key)
         rows.append(("int8 rule", f"cutlass {key}", int8_rule(device, quant).describe()))
+    # Dense INT8 linears (epmoe.Int8Linear) at a DeepSeek-V3 shape (q_a_proj, 7168 -> 1536).
+    from .linear import dense_backend_decisions
+
+    for scheme, accumulator in (("int8_channel", "int32"), ("int8_channel", "fp32"), ("int8_block", "fp32")):
+        for name, ok, reason in dense_backend_decisions(scheme, accumulator, device, 7168, 1536):
+            rows.append(("dense", f"{name} {scheme} {accumulator}", "available" if ok else reason))
     # Two ranks: what an EP deployment of this machine would be offered.
     cfg = DispatchConfig(num_experts=256, hidden_size=7168, top_k=8, world_size=2, device=device)
     for name, cls, reason in dispatcher_decisions(cfg, tuple(DISPATCHERS)):

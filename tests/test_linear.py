@@ -326,3 +326,13 @@ def test_backend_decisions_reasons():
     assert d["triton"][0]
     d = dict((n, (ok, r)) for n, ok, r in dense_backend_decisions("int8_channel", "int32", cpu, 128, 64, env={}))
     assert "SGLANG_CUTLASS_MOE=1 is required" in d["cutlass"][1]
+
+
+def test_info_rows_for_dense_backends():
+    from epmoe.cli import capability_rows
+
+    rows = {name: status for kind, name, status in capability_rows(torch.device("cpu")) if kind == "dense"}
+    assert rows["torch int8_block fp32"] == "available"
+    assert "int32" in rows["cutlass int8_channel fp32"]
+    assert set(rows) == {f"{b} {s}" for b in ("cutlass", "triton", "torch")
+                         for s in ("int8_channel int32", "int8_channel fp32", "int8_block fp32")}  # fmt: skip
