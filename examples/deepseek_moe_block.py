@@ -88,6 +88,16 @@ class DeepseekV3MoE(nn.Module):
         return self.experts(hidden_states, logits) + self.shared_experts(hidden_states)
 
 
+def _mlp_tensors(prefix: str, h: int, i: int, scheme, g: torch.Generator):
+    """One MLP's gate/up/down tensors in ``scheme``, named ``prefix.<proj>.weight[_scale[_inv]]``."""
+    for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+        w = torch.randn(1, *shape, generator=g) / shape[1] ** 0.5
+        q, s = quantize_weight(w, scheme)
+        yield f"{prefix}.{proj}.weight", q[0] if scheme.quantized else q[0].bfloat16()
+        if s is not None:
+            yield f"{prefix}.{proj}.weight_scale" + ("_inv" if scheme.weight_granularity == "block" else ""), s[0]
+
+
 def random_checkpoint(cfg: MoEConfig, quant: str, seed: int = 0):
     """Routed-expert tensors named as in DeepSeek checkpoints (global expert ids), then the
     shared experts' in the same scheme (as ``epmoe convert --dense`` writes them)."""
@@ -95,21 +105,8 @@ def random_checkpoint(cfg: MoEConfig, quant: str, seed: int = 0):
     scheme = get_scheme(quant)
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
     for e in range(cfg.n_routed_experts):
-        for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
-            w = torch.randn(1, *shape, generator=g) / shape[1] ** 0.5
-            q, s = quantize_weight(w, scheme)
-            name = f"model.layers.3.mlp.experts.{e}.{proj}"
-            yield f"{name}.weight", q[0] if scheme.quantized else q[0].bfloat16()
-            if s is not None:
-                yield f"{name}.weight_scale" + ("_inv" if scheme.weight_granularity == "block" else ""), s[0]
-    inter = i * cfg.n_shared_experts
-    for proj, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
-        w = torch.randn(1, *shape, generator=g) / shape[1] ** 0.5
-        q, s = quantize_weight(w, scheme)
-        name = f"model.layers.3.mlp.shared_experts.{proj}"
-        yield f"{name}.weight", q[0] if scheme.quantized else q[0].bfloat16()
-        if s is not None:
-            yield f"{name}.weight_scale" + ("_inv" if scheme.weight_granularity == "block" else ""), s[0]
+        yield from _mlp_tensors(f"model.layers.3.mlp.experts.{e}", h, i, scheme, g)
+    yield from _mlp_tensors("model.layers.3.mlp.shared_experts", h, i * cfg.n_shared_experts, scheme, g)
     yield "model.layers.3.mlp.gate.e_score_correction_bias", torch.randn(cfg.n_routed_experts, generator=g) * 0.05
 
 
