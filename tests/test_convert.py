@@ -631,3 +631,39 @@ def test_make_checkpoint_then_convert_with_a_json_summary(tmp_path, capsys):
         write_synthetic_checkpoint(tmp_path / "bad", top_k=9)
     with pytest.raises(ValueError, match=r"shards=0 must be a positive integer"):
         write_synthetic_checkpoint(tmp_path / "bad", shards=0)
+
+
+def _rewrite_in_place(shard: Path, tensor: str) -> None:
+    """Change one tensor's bytes in place: same header, same size, later modification time."""
+    with safe_open(str(shard), "pt") as f:
+        t = f.get_tensor(tensor)
+    header_len = int.from_bytes(shard.read_bytes()[:8], "little")
+    header = json.loads(shard.read_bytes()[8 : 8 + header_len])
+    begin = 8 + header_len + header[tensor]["data_offsets"][0]
+    flipped = (t.view(torch.uint8) ^ 1).contiguous().numpy().tobytes()
+    with open(shard, "r+b") as f:
+        f.seek(begin)
+        f.write(flipped)
+    st = shard.stat()
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_resume_refuses_a_source_shard_rewritten_in_place(tmp_path, verify):
+    src = write_synthetic_checkpoint(tmp_path / "src", experts=2, shards=2, seed=4)
+    dst = tmp_path / "out"
+    cv.convert_checkpoint(src, dst, "int8_channel", progress=False, verify_hash=verify)
+    weight_map = json.loads((src / INDEX_NAME).read_text())["weight_map"]
+    name = "model.layers.1.mlp.experts.1.up_proj.weight"
+    shard = src / weight_map[name]
+    size = shard.stat().st_size
+    if verify:  # with hashes recorded, a new modification time alone is no change
+        st = shard.stat()
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+        assert cv.convert_checkpoint(src, dst, "int8_channel", resume=True, progress=False, verify_hash=True).shards_written == []
+    _rewrite_in_place(shard, name)
+    assert shard.stat().st_size == size
+    why = "its SHA-256 differs" if verify else "mtime_ns"
+    with pytest.raises(ValueError, match=rf"cannot resume into .*: source shard {shard.name} changed since the conversion started \({why}"):
+        cv.convert_checkpoint(src, dst, "int8_channel", resume=True, progress=False, verify_hash=verify)
+    assert convert_main(["--to", "int8_channel", "--resume", "--quiet", str(src), str(dst)]) == 2

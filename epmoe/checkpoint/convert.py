@@ -53,7 +53,7 @@ from .requantize import convert_tensor
 log = logging.getLogger("epmoe")
 
 MANIFEST_NAME = ".epmoe-convert.json"
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2  # 2: the state of every source shard is recorded (resume refuses a changed one)
 
 @dataclass
 class ConversionResult:
@@ -108,18 +108,59 @@ def _shard_intact(path: Path, rec: dict, verify_hash: bool) -> tuple[bool, str]:
         return False, str(exc)
     if header_sha != rec["header_sha256"]:
         return False, "header differs from the recorded one"
-    if verify_hash:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(COPY_CHUNK):
-                h.update(chunk)
-        if h.hexdigest() != rec["sha256"]:
-            return False, "SHA-256 differs from the recorded one"
+    if verify_hash and _file_sha256(path) != rec["sha256"]:
+        return False, "SHA-256 differs from the recorded one"
     return True, ""
 
 
-def _prepare_dst(plan: ConversionPlan, resume: bool) -> dict:
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(COPY_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _source_state(plan: ConversionPlan, verify_hash: bool) -> dict[str, dict]:
+    """Size and modification time of every source shard, and its SHA-256 with ``verify_hash``:
+    an in-place rewrite keeps the header and the size, so those alone cannot tell it."""
+    state = {}
+    for shard in plan.shards:
+        path = plan.src / shard.name
+        st = path.stat()
+        state[shard.name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        if verify_hash:
+            state[shard.name]["sha256"] = _file_sha256(path)
+    return state
+
+
+def _check_sources(dst: Path, recorded: dict, now: dict, verify_hash: bool) -> None:
+    """Refuse to resume when a source shard is not what the conversion started from. With
+    ``verify_hash`` and a hash recorded (the first run had ``--verify`` too), the content decides;
+    otherwise size and modification time do."""
+    for name, rec in sorted(recorded.items()):
+        cur = now.get(name)
+        if cur is None:
+            continue  # a shard no longer in the index changes the fingerprint, refused below
+        if verify_hash and "sha256" in rec:
+            if cur["sha256"] != rec["sha256"]:
+                raise ValueError(
+                    f"cannot resume into {dst}: source shard {name} changed since the conversion "
+                    "started (its SHA-256 differs); convert again into an empty directory"
+                )
+            continue
+        for key in ("size", "mtime_ns"):
+            if cur[key] != rec[key]:
+                raise ValueError(
+                    f"cannot resume into {dst}: source shard {name} changed since the conversion "
+                    f"started ({key} {rec[key]} then, {cur[key]} now); convert again into an empty "
+                    "directory (when both runs pass --verify, the content hash decides instead)"
+                )
+
+
+def _prepare_dst(plan: ConversionPlan, resume: bool, verify_hash: bool) -> dict:
     dst = plan.dst
+    sources = _source_state(plan, verify_hash)
     options = {
         "source": str(plan.src.resolve()),
         "source_fingerprint": plan.source_fingerprint,
@@ -141,7 +182,8 @@ def _prepare_dst(plan: ConversionPlan, resume: bool) -> dict:
                 "(or pass --resume to continue an interrupted conversion into it)"
             )
         dst.mkdir(parents=True, exist_ok=True)
-        manifest = {"format": MANIFEST_FORMAT, **options, "shards": {}, "files": {}, "complete": False}
+        manifest = {"format": MANIFEST_FORMAT, **options, "sources": sources, "shards": {}, "files": {},
+                    "complete": False}  # fmt: skip
         _save_manifest(dst, manifest)
         return manifest
     if not resume:
@@ -150,12 +192,15 @@ def _prepare_dst(plan: ConversionPlan, resume: bool) -> dict:
             f"DST {dst} holds {state} conversion ({MANIFEST_NAME}); pass --resume to continue or "
             "verify it, or choose an empty or new directory"
         )
+    _check_sources(dst, manifest.get("sources") or {}, sources, verify_hash)
     for key, value in options.items():
         if manifest.get(key) != value:
             raise ValueError(
                 f"cannot resume into {dst}: it was started with {key}={manifest.get(key)!r}, "
                 f"this run has {key}={value!r}"
             )
+    if verify_hash:  # a hash taken now covers later resumes (size and time matched, or content did)
+        manifest["sources"] = sources
     # A *.tmp is by construction an unfinished write; it is never output.
     for tmp in dst.rglob("*.tmp"):
         log.info("removing leftover %s from an interrupted write", tmp)
@@ -248,15 +293,19 @@ def convert_checkpoint(
             the first layers, any other F8_E4M3 weight with a scale). Routed and shared expert
             weights are always converted.
         resume: continue an interrupted conversion into ``dst`` (same source and options):
-            recorded shards that are intact are kept, everything else is (re)written.
+            recorded shards that are intact are kept, everything else is (re)written. Refused,
+            naming the shard, when a source shard's size or modification time (or content, see
+            ``verify_hash``) is not what the conversion started from.
         progress: show progress on stderr.
-        verify_hash: on resume, re-hash kept shards in full instead of checking size and header.
+        verify_hash: hash every source shard in full (SHA-256) and record it; on resume, re-hash
+            kept output shards instead of checking size and header, and compare source shards by
+            content (when the first run recorded a hash) instead of size and modification time.
 
     Returns:
         A :class:`ConversionResult`.
     """
     plan = plan_conversion(src, dst, target, dense=dense)
-    manifest = _prepare_dst(plan, resume)
+    manifest = _prepare_dst(plan, resume, verify_hash)
     done: dict = manifest["shards"]
     written, skipped, n_conv = [], [], 0
     todo = []
