@@ -55,23 +55,17 @@ class Decision:
 def parse_version(version: str | None) -> tuple[int, ...] | None:
     """``"12.10"`` -> ``(12, 10)``; ``"13.0.1"`` -> ``(13, 0, 1)``; unparsable or ``None`` -> ``None``.
 
-    A suffix after the numbers (``"12.4.post1"``, ``"12.8a"``) is dropped.
+    The release numbers of ``packaging.version.Version`` (PEP 440): a pre-, post- or dev-release
+    suffix (``"12.4.post1"``, ``"12.8a"``) is dropped.
     """
+    from packaging.version import InvalidVersion, Version
+
     if not version:
         return None
-    parts = []
-    for piece in str(version).strip().split("."):
-        digits = ""
-        for ch in piece:
-            if not ch.isdigit():
-                break
-            digits += ch
-        if not digits:
-            break
-        parts.append(int(digits))
-        if len(digits) != len(piece):
-            break
-    return tuple(parts) if parts else None
+    try:
+        return Version(str(version).strip()).release
+    except InvalidVersion:
+        return None
 
 
 def env_enabled(env: Mapping[str, str], name: str = ENV_VAR) -> bool:
