@@ -1,27 +1,26 @@
-"""The ``epmoe`` command: info, demo, bench, convert, make-checkpoint, fidelity."""
+"""The ``epmoe`` command: info, demo, bench {experts,layer}, convert, make-checkpoint, fidelity.
+
+Parsers are built from torch-free modules, so ``epmoe --help`` and ``epmoe CMD --help`` import no
+torch; a command imports what it runs only once its arguments parsed.
+"""
 
 from __future__ import annotations
 
-import importlib
+import argparse
+import json
+import logging
 import sys
 
-import torch
+from . import __version__
 
-COMMANDS = {
-    "info": ("epmoe.cli", "info_main", "what this machine can run, and why not"),
-    "demo": ("epmoe.demo", "main", "a DeepSeek-style MoE layer under EP in local processes"),
-    "bench": (None, None, "bench experts | bench layer"),
-    "convert": ("epmoe.checkpoint.cli", "convert_main", "convert an FP8 checkpoint to INT8"),
-    "make-checkpoint": ("epmoe.checkpoint.cli", "make_checkpoint_main", "a small synthetic FP8 checkpoint to try convert on"),
-    "fidelity": ("epmoe.bench.fidelity", "main", "error of every scheme against float64"),
-}
-BENCHES = {
-    "experts": ("epmoe.bench.experts", "main"),
-    "layer": ("epmoe.bench.layer", "main"),
-}
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
-def capability_rows(device: torch.device) -> list[tuple[str, str, str]]:
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Help that shows every option's default, descriptions as written."""
+
+
+def capability_rows(device: "torch.device") -> list[tuple[str, str, str]]:
     """``(kind, name, status)`` for every backend x scheme and every dispatcher on ``device``."""
     from .dispatch.base import DispatchConfig
     from .dispatch.select import DISPATCHERS, dispatcher_decisions
@@ -67,28 +66,49 @@ INFO_DISPATCH_NOTE = (
 )
 
 
-def info_main(argv: list[str] | None = None) -> int:
-    import argparse
+def _info_rows_json(device) -> dict:
+    rows = capability_rows(device)
+    out: dict = {"backends": [], "dense": [], "int8_rules": [], "dispatchers": [], "dispatcher_note": INFO_DISPATCH_NOTE}
+    for kind, name, status in rows:
+        available = status.startswith("available")
+        if kind == "backend":
+            backend, key = name.split(" ", 1)
+            out["backends"].append(dict(backend=backend, scheme=key, available=available, status=status))
+        elif kind == "dense":
+            backend, scheme, accumulator = name.split(" ")
+            out["dense"].append(dict(backend=backend, scheme=scheme, accumulator=accumulator, available=available,
+                                     status=status))  # fmt: skip
+        elif kind == "dispatcher":
+            out["dispatchers"].append(dict(dispatcher=name, available=available, status=status))
+        elif kind == "int8 rule":
+            out["int8_rules"].append(dict(name=name, rule=status))
+        else:
+            raise ValueError(f"capability row of unknown kind {kind!r}: add it to epmoe info --json")
+    return out
 
-    from . import __version__
 
-    argparse.ArgumentParser(
-        prog="epmoe info",
-        description="What this machine can run: every backend x scheme and every dispatcher, with "
-        "'available' or the reason it is not.",
-    ).parse_args(argv)
+def run_info(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
+    import torch
 
     try:
         import triton
 
-        triton_text = f"triton {triton.__version__}"
+        triton_version, triton_text = triton.__version__, f"triton {triton.__version__}"
     except ImportError as exc:
-        triton_text = f"no triton ({exc})"
+        triton_version, triton_text = None, f"no triton ({exc})"
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    print(f"epmoe {__version__}; torch {torch.__version__}; {triton_text}; device {device}", end="")
+    gpu = None
     if device.type == "cuda":
         cap = torch.cuda.get_device_capability()
-        print(f" ({torch.cuda.get_device_name()}, sm_{cap[0]}{cap[1]}, CUDA {torch.version.cuda})", end="")
+        gpu = dict(name=torch.cuda.get_device_name(), sm=f"sm_{cap[0]}{cap[1]}", cuda=torch.version.cuda)
+    if args.json:
+        report = dict(epmoe=__version__, torch=torch.__version__, triton=triton_version, device=device.type, gpu=gpu)
+        report.update(_info_rows_json(device))
+        print(json.dumps(report, indent=1))
+        return 0
+    print(f"epmoe {__version__}; torch {torch.__version__}; {triton_text}; device {device}", end="")
+    if gpu:
+        print(f" ({gpu['name']}, {gpu['sm']}, CUDA {gpu['cuda']})", end="")
     print()
     rows = capability_rows(device)
     for i, (kind, name, status) in enumerate(rows):
@@ -98,36 +118,113 @@ def info_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _usage(word: str | None, unknown: str, allowed: list[str], lines: list[str]) -> int:
-    """The usage ``lines`` for ``word``: asked for (``-h`` / ``--help``) on stdout, exit code 0;
-    otherwise on stderr, after naming an unknown ``word`` (``None``: nothing given), exit code 2."""
-    asked = word in ("-h", "--help")
-    out = sys.stdout if asked else sys.stderr
-    if word is not None and not asked:
-        print(f"{unknown} {word!r}; allowed: {allowed}", file=out)
-    for line in lines:
-        print(line, file=out)
-    return 0 if asked else 2
+def _run_demo(args, parser):
+    from .demo import check_args, run
+
+    return run(check_args(parser, args))
 
 
-def _run(module: str, func: str, argv: list[str]) -> int:
-    return int(getattr(importlib.import_module(module), func)(argv) or 0)
+def _run_bench_experts(args, parser):
+    from .bench.experts import run
+    from .bench.options import check_experts_args
+
+    return run(check_experts_args(parser, args))
+
+
+def _run_bench_layer(args, parser):
+    from .bench.layer import check_args, run
+
+    return run(check_args(parser, args))
+
+
+def _run_convert(args, parser):
+    from .checkpoint.cli import run_convert
+
+    return run_convert(args)
+
+
+def _run_make_checkpoint(args, parser):
+    from .checkpoint.cli import run_make_checkpoint
+
+    return run_make_checkpoint(args)
+
+
+def _run_fidelity(args, parser):
+    from .bench.fidelity import main
+
+    return main(args.fidelity_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line (torch-free)."""
+    from .bench import layer as bench_layer
+    from .bench.options import add_experts_arguments
+    from .checkpoint.cli import add_convert_arguments, add_make_checkpoint_arguments
+    from .demo import add_arguments as add_demo_arguments
+
+    common = argparse.ArgumentParser(add_help=False)
+    logs = common.add_argument_group("logging")
+    logs.add_argument("-v", "--verbose", dest="log_level", action="store_const", const="INFO", default="WARNING",
+                      help="log every choice and its reason (the 'epmoe' logger at INFO)")
+    logs.add_argument("--log-level", dest="log_level", choices=LOG_LEVELS, default="WARNING",
+                      help="level of the 'epmoe' logger")  # fmt: skip
+
+    p = argparse.ArgumentParser(prog="epmoe", description="Expert-parallel MoE layers for inference.",
+                                formatter_class=_Formatter)  # fmt: skip
+    p.add_argument("--version", action="version", version=f"epmoe {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+
+    def command(name, help_text, func, add=None, parent=sub, prog_help=None):
+        sp = parent.add_parser(name, help=help_text, description=prog_help or help_text, parents=[common],
+                               formatter_class=_Formatter)  # fmt: skip
+        if add is not None:
+            add(sp)
+        sp.set_defaults(_func=func, _parser=sp)
+        return sp
+
+    info = command("info", "what this machine can run, and why not", run_info,
+                   prog_help="What this machine can run: every backend x scheme and every dispatcher, with "
+                   "'available' or the reason it is not.")  # fmt: skip
+    info.add_argument("--json", action="store_true", help="print one JSON object (backends, dispatchers) instead")
+    command("demo", "a DeepSeek-style MoE layer under EP in local processes", _run_demo, add_demo_arguments)
+    bench = sub.add_parser("bench", help="the standard benchmarks: experts | layer", formatter_class=_Formatter,
+                           description="The standard benchmarks (studies: benchmarks/ in the repository).")
+    bench_sub = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK", title="benchmarks")
+    bench.set_defaults(_func=None, _parser=bench)
+    command("experts", "the routed-experts pass on one GPU, every backend side by side", _run_bench_experts,
+            add_experts_arguments, parent=bench_sub)  # fmt: skip
+    command("layer", "the EP layer over DeepEP on 2 GPUs at DeepSeek-V3 shapes", _run_bench_layer,
+            bench_layer.add_arguments, parent=bench_sub)  # fmt: skip
+    command("convert", "convert an FP8 checkpoint to INT8", _run_convert, add_convert_arguments)
+    command("make-checkpoint", "a small synthetic FP8 checkpoint to try convert on", _run_make_checkpoint,
+            add_make_checkpoint_arguments)  # fmt: skip
+    fid = sub.add_parser("fidelity", help="error of every scheme against float64 (epmoe fidelity --help: its options)",
+                         add_help=False)  # fmt: skip
+    fid.add_argument("fidelity_args", nargs=argparse.REMAINDER)
+    fid.set_defaults(_func=_run_fidelity, _parser=fid, log_level="WARNING")
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in COMMANDS:
-        lines = ["usage: epmoe <command> [args]  (epmoe <command> --help for its options)\n\ncommands:"]
-        lines += [f"  {name:<15} {help_text}" for name, (_, _, help_text) in COMMANDS.items()]
-        return _usage(argv[0] if argv else "-h", "epmoe: unknown command", list(COMMANDS), lines)
-    cmd, rest = argv[0], argv[1:]
-    if cmd == "bench":
-        if not rest or rest[0] not in BENCHES:
-            usage = [f"usage: epmoe bench {{{'|'.join(BENCHES)}}} [args]"]
-            return _usage(rest[0] if rest else None, "epmoe bench: unknown benchmark", list(BENCHES), usage)
-        return _run(*BENCHES[rest[0]], rest[1:])
-    module, func, _ = COMMANDS[cmd]
-    return _run(module, func, rest)
+    """``epmoe ...``: the command's exit code (2: no or an unknown command, bad arguments)."""
+    p = build_parser()
+    try:
+        args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as exc:  # --help, --version (0) and argument errors (2)
+        return int(exc.code or 0)
+    if args.command is None or args._func is None:
+        args._parser.print_usage(sys.stderr) if args.command else p.print_usage(sys.stderr)
+        what = "a benchmark" if args.command else "a command"
+        print(f"{p.prog}: error: {what} is required (--help lists them)", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level, format="%(name)s: %(message)s")
+    logging.getLogger("epmoe").setLevel(args.log_level)
+    func, parser = args._func, args._parser
+    del args._func, args._parser  # the options travel to spawned ranks: plain data only
+    try:
+        return int(func(args, parser) or 0)
+    except SystemExit as exc:  # a command's own argument check (p.error)
+        return int(exc.code or 0)
 
 
 if __name__ == "__main__":

@@ -9,21 +9,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 
-import torch
-import torch.distributed as dist
-
-from .dispatch import DeepEPBuffer
-from .launch import init_process_group, run_ranks
-from .timing import collective_ms
-from .layer import DeepEPMoELayer
-from .quant import SCHEMES, get_scheme, quantize_weight
-from .reference import moe_float64
+# torch and the layer are imported where they run: `epmoe demo --help` needs neither.
 
 
 def _weights(args, seed: int = 0):
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     e, h, i = args.experts, args.hidden, args.intermediate
     w13 = torch.randn(e, 2 * i, h, generator=g) / h**0.5
@@ -34,6 +29,18 @@ def _weights(args, seed: int = 0):
 
 def _rank_main(rank: int, world: int, port: int, args) -> list[dict]:
     """One rank of the demo: every scheme's row (or why it was skipped)."""
+    import torch
+    import torch.distributed as dist
+
+    from .dispatch import DeepEPBuffer
+    from .launch import init_process_group
+    from .layer import DeepEPMoELayer
+    from .quant import get_scheme, quantize_weight
+    from .reference import moe_float64
+    from .timing import collective_ms
+
+    # The spawned rank starts with no logging set up: -v / --log-level reach it through args.
+    logging.basicConfig(level=args.log_level, format="%(name)s: %(message)s")
     use_cuda = args.device == "cuda"
     threads = None if use_cuda else max(1, (os.cpu_count() or 2) // world)
     device = init_process_group(rank, world, port, args.device, timeout_s=300, threads=threads)
@@ -101,28 +108,36 @@ def _table(rank_rows: list[list[dict]]) -> tuple[str, bool]:
     return "\n".join(lines), ok
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="epmoe demo", description=__doc__)
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--experts", type=int, default=32)
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--groups", type=int, default=4)
-    p.add_argument("--topk-groups", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--intermediate", type=int, default=256)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``epmoe demo`` (torch-free)."""
+    p.add_argument("--ranks", type=int, default=2, help="EP ranks (local processes)")
+    p.add_argument("--experts", type=int, default=32, help="routed experts (divisible by --ranks)")
+    p.add_argument("--top-k", type=int, default=8, help="experts per token")
+    p.add_argument("--groups", type=int, default=4, help="expert groups of the grouped top-k")
+    p.add_argument("--topk-groups", type=int, default=2, help="groups each token may use")
+    p.add_argument("--hidden", type=int, default=512, help="hidden size H")
+    p.add_argument("--intermediate", type=int, default=256, help="intermediate size I of one expert")
     p.add_argument("--tokens", type=int, default=256, help="tokens per rank")
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--schemes", default=",".join(SCHEMES))
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--iters", type=int, default=5, help="timed forwards per scheme")
+    p.add_argument("--schemes", default="all", help="comma-separated quant schemes, or 'all' (every scheme)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: one GPU per rank when there are enough, else the CPU")
     p.add_argument("--json", help="write the rows of every rank here")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds all ranks together may take")
-    args = p.parse_args(argv)
-    args.schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
-    for s in args.schemes:
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    import torch
+
+    from .quant import SCHEMES, get_scheme
+
+    names = list(SCHEMES) if args.schemes == "all" else [s.strip() for s in args.schemes.split(",") if s.strip()]
+    for s in names:
         try:
             get_scheme(s)
         except ValueError as exc:
-            p.error(str(exc))
+            p.error(f"--schemes: {exc}")
+    args.schemes = names
     for name in ("ranks", "experts", "top_k", "hidden", "intermediate", "tokens", "iters"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
@@ -133,6 +148,21 @@ def main(argv: list[str] | None = None) -> int:
         args.device = "cuda" if gpus >= args.ranks else "cpu"
     if args.device == "cuda" and torch.cuda.device_count() < args.ranks:
         p.error(f"--ranks={args.ranks} needs as many GPUs; {torch.cuda.device_count()} visible")
+    if not hasattr(args, "log_level"):
+        args.log_level = "WARNING"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="epmoe demo", description=__doc__)
+    add_arguments(p)
+    return run(check_args(p, p.parse_args(argv)))
+
+
+def run(args: argparse.Namespace) -> int:
+    """The demo for checked options; 0, or 1 when a scheme's error is over its bound."""
+    from .launch import run_ranks
+
     print(
         f"epmoe demo: {args.experts} experts, top-{args.top_k} in {args.groups} groups, "
         f"H={args.hidden}, I={args.intermediate}, EP={args.ranks} on {args.device}, "

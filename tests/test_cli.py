@@ -1,32 +1,88 @@
-"""The ``epmoe`` command's own argument handling (the subcommands have their own tests)."""
+"""The ``epmoe`` command line: subcommands, exit codes, --version, --help without torch, info --json, -v."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
+import epmoe
 from epmoe import cli
 
-
-def test_unknown_command_is_named_on_stderr(capsys):
-    assert cli.main(["bogus"]) == 2
-    out = capsys.readouterr()
-    assert "epmoe: unknown command 'bogus'; allowed: ['info'," in out.err and out.out == ""
-    assert cli.main(["--help"]) == 0 and "commands:" in capsys.readouterr().out
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMMANDS = (["info"], ["demo"], ["bench"], ["bench", "experts"], ["bench", "layer"], ["convert"], ["make-checkpoint"])
 
 
-def test_unknown_benchmark_is_named(capsys):
-    assert cli.main(["bench", "gemm"]) == 2
-    assert "epmoe bench: unknown benchmark 'gemm'; allowed: ['experts', 'layer']" in capsys.readouterr().err
-    assert cli.main(["bench", "--help"]) == 0 and "usage: epmoe bench" in capsys.readouterr().out
+def _epmoe(*args, timeout=300):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "epmoe.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env)  # fmt: skip
 
 
-def test_info_has_help_and_refuses_unknown_options(capsys):
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["info", "--help"])
-    assert exc.value.code == 0 and "every backend x scheme and every dispatcher" in capsys.readouterr().out
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["info", "--json"])
-    assert exc.value.code == 2 and "unrecognized arguments: --json" in capsys.readouterr().err
+def test_version_is_the_installed_metadata(capsys):
+    from importlib import metadata
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"epmoe {metadata.version('epmoe')}" == f"epmoe {epmoe.__version__}"
+
+
+def test_no_command_prints_usage_and_exits_2(capsys):
+    assert cli.main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: epmoe") and "a command is required" in err
+    assert cli.main(["bench"]) == 2 and "a benchmark is required" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, named", [(["bogus"], "'bogus'"), (["bench", "gemm"], "'gemm'"), (["info", "--nope"], "--nope")])
+def test_unknown_commands_and_options_exit_2_naming_them(argv, named, capsys):
+    assert cli.main(argv) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_help_of_every_command_exits_0_without_importing_torch():
+    """One subprocess: every --help parses, shows defaults, and leaves torch unimported."""
+    code = (
+        "import sys\n"
+        "from epmoe import cli\n"
+        f"for argv in {[[*c, '--help'] for c in [[], *COMMANDS]]!r}:\n"
+        "    assert cli.main(argv) == 0, argv\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+    assert "(default: 2)" in out.stdout and "--log-level {DEBUG,INFO,WARNING,ERROR}" in out.stdout
+
+
+def test_every_option_has_help_text():
+    parser = cli.build_parser()
+    todo = [parser]
+    while todo:
+        p = todo.pop()
+        for action in p._actions:
+            if action.choices and isinstance(action.choices, dict):  # subparsers
+                todo.extend(action.choices.values())
+            elif action.option_strings:
+                assert action.help, f"{p.prog} {action.option_strings} has no help text"
+
+
+def test_info_json_has_one_entry_per_backend_x_scheme_and_dispatcher(capsys):
+    from epmoe.dispatch.select import DISPATCHERS
+    from epmoe.experts.select import BACKENDS
+    from epmoe.quant.schemes import SCHEMES
+
+    assert cli.main(["info", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    keys = [*SCHEMES, "int8_channel_int32"]
+    assert sorted((b["backend"], b["scheme"]) for b in report["backends"]) == sorted((n, k) for n in BACKENDS for k in keys)
+    assert [d["dispatcher"] for d in report["dispatchers"]] == list(DISPATCHERS)
+    assert report["epmoe"] == epmoe.__version__ and report["dispatcher_note"] == cli.INFO_DISPATCH_NOTE
+    torch_bf16 = next(b for b in report["backends"] if (b["backend"], b["scheme"]) == ("torch", "bf16"))
+    assert torch_bf16["available"] is True and torch_bf16["status"] == "available"
 
 
 def test_info_says_what_the_dispatcher_rows_assume(capsys):
@@ -34,6 +90,28 @@ def test_info_says_what_the_dispatcher_rows_assume(capsys):
     out = capsys.readouterr().out
     assert cli.INFO_DISPATCH_NOTE in out
     assert out.index(cli.INFO_DISPATCH_NOTE) < out.index("dispatcher ")
+
+
+def test_demo_verbose_shows_the_reason_of_every_choice():
+    out = _epmoe("demo", "-v", "--schemes", "bf16", "--experts", "8", "--top-k", "2", "--groups", "2",
+                 "--topk-groups", "1", "--hidden", "64", "--intermediate", "32", "--tokens", "8", "--iters", "1")  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    for rank in (0, 1):
+        assert f"epmoe: rank {rank}: dispatcher 'all_to_all' chosen" in out.stderr
+        assert f"epmoe: rank {rank}: dispatcher 'deepep_normal' refused: " in out.stderr
+        assert f"epmoe: rank {rank}: experts backend 'torch' chosen" in out.stderr
+    quiet = _epmoe("demo", "--schemes", "bf16", "--experts", "8", "--top-k", "2", "--groups", "2", "--topk-groups", "1",
+                   "--hidden", "64", "--intermediate", "32", "--tokens", "8", "--iters", "1")  # fmt: skip
+    assert quiet.returncode == 0 and "chosen" not in quiet.stderr
+
+
+def test_plot_without_matplotlib_names_the_extra(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert cli.main(["bench", "experts", "--plot", "x.png"]) == 2
+    assert "--plot x.png needs matplotlib, which is not installed: pip install 'epmoe[plot]'" in capsys.readouterr().err
 
 
 def test_info_rows_cover_the_int32_accumulator_and_contiguous_only_backends(monkeypatch):
