@@ -38,6 +38,11 @@ class CutlassUnavailableError(RuntimeError):
     """The CUTLASS extension cannot be found or built."""
 
 
+class RankError(RuntimeError):
+    """A rank started by :func:`epmoe.launch.run_ranks` raised, or its process ended without a
+    result; the message holds the rank and its traceback (or exit code)."""
+
+
 __all__ = [
     "BackendUnavailableError",
     "CollectiveError",
@@ -45,5 +50,6 @@ __all__ = [
     "CutlassUnavailableError",
     "DeepEPBufferError",
     "DispatcherUnavailableError",
+    "RankError",
     "RankMismatchError",
 ]

@@ -18,10 +18,7 @@ import time
 import traceback
 from collections.abc import Callable
 
-
-class RankError(RuntimeError):
-    """A rank raised, or its process ended without a result; the message holds the rank and its
-    traceback (or exit code)."""
+from .errors import RankError
 
 
 def free_port() -> int:
