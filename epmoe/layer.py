@@ -46,6 +46,8 @@ def _default_device(device) -> torch.device:
     """The layer's device with its index filled in (``"cuda"`` means the current CUDA device)."""
     asked = device
     device = torch.device(device) if device is not None else None
+    if device is None and torch.get_default_device().type == "meta":
+        device = torch.device("meta")  # under `with torch.device("meta"):`, as large models are built
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
@@ -81,7 +83,11 @@ class DeepEPMoELayer(nn.Module):
         group: torch.distributed process group; ``None`` is the default group when one is
             initialized, else a single process.
         params_dtype: dtype of unquantized weights (``bf16`` scheme).
-        device: where weights and tokens live (default: the current CUDA device, else CPU).
+        device: where weights and tokens live (default: the current CUDA device, else CPU; the
+            meta device under ``with torch.device("meta"):``). On ``"meta"`` the layer builds
+            without choosing its backend and dispatcher; ``to_empty(device=...)`` (or ``.to``)
+            chooses them for the device it lands on and logs the choice (a forced one that cannot
+            run there raises then), then ``load_weights`` as usual. Forward on meta raises.
         renormalize, scoring_func, num_expert_group, topk_group, routed_scaling_factor: routing
             options, see :func:`epmoe.routing.select_experts`.
         use_correction_bias: hold an ``e_score_correction_bias [E]`` fp32 parameter (DeepSeek-V3).
@@ -185,8 +191,32 @@ class DeepEPMoELayer(nn.Module):
         self.low_latency_int8_payload = low_latency_int8_payload
         self._create_parameters(use_correction_bias)
 
-        dispatch = requested("dispatch", dispatch, "EPMOE_DISPATCH")
-        backend = requested("backend", backend, "EPMOE_BACKEND")
+        # What the seams are built from; on the meta device (a model built before its weights are
+        # loaded) they are built when the layer lands on a real device (see _apply).
+        self._request = dict(
+            dispatch=requested("dispatch", dispatch, "EPMOE_DISPATCH"),
+            backend=requested("backend", backend, "EPMOE_BACKEND"),
+            accumulator=accumulator, timeout_s=timeout_s, max_tokens_per_rank=max_tokens_per_rank,
+            normal_max_tokens_per_rank=normal_max_tokens_per_rank, deepep_buffer=deepep_buffer,
+        )  # fmt: skip
+        # The backend's view of the weights, rebuilt whenever a weight tensor is replaced or
+        # written (keyed on storage and version counter), not per batch.
+        self._prepared: tuple[tuple, ExpertWeights] | None = None
+        self._bias_checked: tuple | None = None  # (storage, version) of the bias last found finite
+        self.backend = self.dispatcher = None
+        self._agreed = self.world_size == 1
+        if self.device.type != "meta":
+            self._build_seams()
+
+    def _build_seams(self, agree: bool = True) -> None:
+        """Select and build the dispatcher and the experts backend for ``self.device``; compare the
+        arguments over the group now when ``agree`` (at build), else at the first forward."""
+        r = self._request
+        dispatch, backend, accumulator = r["dispatch"], r["backend"], r["accumulator"]
+        normal_max_tokens_per_rank = r["normal_max_tokens_per_rank"]
+        num_experts, top_k, quant = self.num_experts, self.top_k, self.scheme.name
+        hidden_size, intermediate_size = self.hidden_size, self.intermediate_size
+
         # Availability needs only the sizes and the group; the backend is picked for the chosen
         # dispatcher's layouts; then the dispatcher is built from the complete (frozen) config.
         cfg = DispatchConfig(
@@ -197,10 +227,10 @@ class DeepEPMoELayer(nn.Module):
             world_size=self.world_size,
             rank=self.rank,
             device=self.device,
-            timeout_s=timeout_s,
-            max_tokens_per_rank=max_tokens_per_rank,
+            timeout_s=r["timeout_s"],
+            max_tokens_per_rank=r["max_tokens_per_rank"],
             normal_max_tokens_per_rank=normal_max_tokens_per_rank,
-            deepep_buffer=deepep_buffer,
+            deepep_buffer=r["deepep_buffer"],
         )
         dispatcher_cls, dlines = select_dispatcher(dispatch.value, cfg, dispatch.label)
         backend_cls, blines = select_backend(
@@ -226,21 +256,7 @@ class DeepEPMoELayer(nn.Module):
                 "the layer reads the receive counts back itself (one host sync per normal batch)",
                 self.rank, self.backend.name,
             )  # fmt: skip
-        # The backend's view of the weights, rebuilt whenever a weight tensor is replaced or
-        # written (keyed on storage and version counter), not per batch.
-        self._prepared: tuple[tuple, ExpertWeights] | None = None
-        self._bias_checked: tuple | None = None  # (storage, version) of the bias last found finite
-        # What every rank must agree on (their wire formats and sizes follow from it), compared
-        # once over the group (see _agree).
-        self._fingerprint = {
-            "quant": self.scheme.name, "num_experts": num_experts, "hidden_size": hidden_size,
-            "intermediate_size": intermediate_size, "top_k": top_k, "dispatch": self.dispatcher.name,
-            "payload": cfg.payload, "low_latency_payload": cfg.low_latency_payload,
-            "accumulator": accumulator, "params_dtype": params_dtype, "alignment": cfg.alignment,
-            "max_tokens_per_rank": max_tokens_per_rank, "normal_max_tokens_per_rank": normal_max_tokens_per_rank,
-        }  # fmt: skip
-        self._agreed = self.world_size == 1
-        if not self._agreed and self.device.type != "meta":
+        if agree and not self._agreed:
             self._agree(self.device)
         for line in dlines + blines:
             log.info("rank %d: %s", self.rank, line)
@@ -280,7 +296,13 @@ class DeepEPMoELayer(nn.Module):
         fixed = [self.w13_weight_scale, self.w2_weight_scale, self.e_score_correction_bias]
         if self.scheme.quantized:
             fixed += [self.w13_weight, self.w2_weight]
-        return super()._apply(keeping_dtypes(fn, fixed), recurse)
+        out = super()._apply(keeping_dtypes(fn, fixed), recurse)
+        if self.backend is None and self.w13_weight.device.type != "meta":
+            # Materialized from the meta device (to_empty / to): select for the landing device now;
+            # a forced choice that cannot run there raises here.
+            self.device = _default_device(self.w13_weight.device)
+            self._build_seams(agree=False)  # materializing does not communicate; the first forward does
+        return out
 
     def expert_weights(self) -> ExpertWeights:
         """The local experts' weights as the backend contract wants them."""
@@ -405,6 +427,11 @@ class DeepEPMoELayer(nn.Module):
             ``[T, H]`` in the dtype of ``hidden_states``. A NaN/Inf in a token's hidden state makes
             that token's output non-finite and leaves the other tokens' outputs unchanged.
         """
+        if self.backend is None:
+            raise RuntimeError(
+                "DeepEPMoELayer is on the meta device: materialize it first (layer.to_empty(device=...) "
+                "then load_weights); the backend and dispatcher are chosen for the device it lands on"
+            )
         check_forward_inputs(
             hidden_states, router_logits, topk_ids, topk_weights, hidden_size=self.hidden_size,
             num_experts=self.num_experts, top_k=self.top_k, device=self.device,
@@ -428,6 +455,23 @@ class DeepEPMoELayer(nn.Module):
             out = self.dispatcher.combine(y, dispatched)
         return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
 
+    def _fingerprint(self) -> dict:
+        """What every rank must agree on (their wire formats and sizes follow from it). Before the
+        seams are chosen (a layer still on the meta device) the requested dispatcher stands in for
+        the chosen one and the payloads and alignment are not known yet."""
+        r, d = self._request, self.dispatcher
+        cfg = d.cfg if d is not None else None
+        return {
+            "quant": self.scheme.name, "num_experts": self.num_experts, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "top_k": self.top_k,
+            "dispatch": d.name if d is not None else r["dispatch"].value,
+            "payload": cfg.payload if cfg else "not chosen",
+            "low_latency_payload": cfg.low_latency_payload if cfg else "not chosen",
+            "accumulator": r["accumulator"], "params_dtype": self.params_dtype,
+            "alignment": cfg.alignment if cfg else "not chosen", "max_tokens_per_rank": r["max_tokens_per_rank"],
+            "normal_max_tokens_per_rank": r["normal_max_tokens_per_rank"],
+        }  # fmt: skip
+
     def _agree(self, device: torch.device) -> None:
         """Compare the fingerprint over the group: one small all-gather, once per layer.
 
@@ -443,9 +487,9 @@ class DeepEPMoELayer(nn.Module):
                 "collective); run one batch eagerly before capturing a CUDA graph"
             )
         check_agreement(
-            {k: str(v) for k, v in self._fingerprint.items()}, what="DeepEPMoELayer arguments",
+            {k: str(v) for k, v in self._fingerprint().items()}, what="DeepEPMoELayer arguments",
             group=self.group, device=device, rank=self.rank, world=self.world_size,
-            timeout_s=self.dispatcher.cfg.timeout_s,
+            timeout_s=self._request["timeout_s"],
         )  # fmt: skip
         self._agreed = True
 
