@@ -4,7 +4,7 @@ An argument a caller got wrong on one rank raises the built-in ``ValueError`` / 
 naming the argument, its value and what is allowed. The classes here are for what one call cannot
 see: the machine or the environment (a forced backend, dispatcher or extension that cannot run),
 the process group (a collective that failed or timed out, ranks that disagree; the latter is a
-``ValueError`` since arguments are at fault) and the shared DeepEP buffer.
+``ValueError`` since arguments are at fault), the shared DeepEP buffer and the rank launcher.
 """
 
 from __future__ import annotations
@@ -32,6 +32,11 @@ class RankMismatchError(ValueError):
 
 class DeepEPBufferError(RuntimeError):
     """A registration the shared DeepEP buffer cannot serve (or a buffer used after close)."""
+
+
+class RankError(RuntimeError):
+    """A rank of :func:`epmoe.launch.run_ranks` raised, or its process ended without a result; the
+    message holds the rank and its traceback (or exit code)."""
 
 
 class CutlassUnavailableError(RuntimeError):

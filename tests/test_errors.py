@@ -19,7 +19,7 @@ def test_every_error_class_is_exported_with_its_base():
     assert issubclass(epmoe.CollectiveTimeoutError, epmoe.CollectiveError)
     assert issubclass(epmoe.RankMismatchError, ValueError)
     for name in ("BackendUnavailableError", "CollectiveError", "CutlassUnavailableError", "DeepEPBufferError",
-                 "DispatcherUnavailableError"):  # fmt: skip
+                 "DispatcherUnavailableError", "RankError"):  # fmt: skip
         assert issubclass(classes[name], RuntimeError)
 
 
@@ -38,6 +38,7 @@ def test_no_error_class_defined_outside_errors_module():
 
 def test_raising_modules_use_the_exported_classes():
     from epmoe.dispatch import all_to_all, collective, deepep, select as dsel
+    from epmoe import launch
     from epmoe.experts import cutlass_backend, select as esel
 
     assert all_to_all.CollectiveError is collective.CollectiveError is epmoe.CollectiveError
@@ -46,6 +47,7 @@ def test_raising_modules_use_the_exported_classes():
     assert dsel.DispatcherUnavailableError is epmoe.DispatcherUnavailableError
     assert esel.BackendUnavailableError is epmoe.BackendUnavailableError
     assert cutlass_backend.CutlassUnavailableError is epmoe.CutlassUnavailableError
+    assert launch.RankError is epmoe.RankError
 
 
 # ------------------------------------------------------- a value from the environment is named so
