@@ -1020,7 +1020,9 @@ def test_gather_weighted_skips_invalid_rows():
 
 
 def test_shipped_config_files_are_valid():
-    files = sorted(configs.PACKAGE_DIR.glob("*.json"))
+    # int8_crossover.json (the cutlass backend's rows-per-expert rule) shares the folder; it has
+    # its own test (test_fp8_selection.py::test_shipped_crossover_data_loads).
+    files = sorted(p for p in configs.PACKAGE_DIR.glob("*.json") if p.name != "int8_crossover.json")
     assert files, "no config files ship in epmoe/configs"
     for path in files:
         data = json.loads(path.read_text())
