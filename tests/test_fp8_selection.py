@@ -893,7 +893,7 @@ def test_cutlass_int8_batches_take_the_kernel_of_their_size(monkeypatch, caplog,
         stored, _ = make_weights(PE, PH, PI, scheme_name)
         weights = backend.prepare_weights(ExpertWeights(scheme, *stored))
         ran = []
-        monkeypatch.setattr(backend._rows, "run_contiguous", lambda b, w, d: ran.append("triton") or torch.zeros(b.x.shape[0], PH, dtype=d))
+        monkeypatch.setattr(backend._triton_below_crossover, "run_contiguous", lambda b, w, d: ran.append("triton") or torch.zeros(b.x.shape[0], PH, dtype=d))
         monkeypatch.setattr(backend, "_run_int8", lambda b, w: ran.append("cutlass") or torch.zeros(b.x.shape[0], PH, dtype=torch.bfloat16))
         for tokens, want in ((4, "triton"), (64, "cutlass")):
             ids = torch.arange(tokens * PK).remainder(PE).view(tokens, PK)

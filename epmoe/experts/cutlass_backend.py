@@ -64,7 +64,9 @@ from .fp8_selection import (
     int8_rows_rule,
     machine_facts,
 )
-from .triton_backend import TritonBackend, spare_row_slab
+from . import stages
+from .stages import spare_row_slab
+from .triton_backend import TritonBackend
 
 log = logging.getLogger("epmoe")
 
@@ -659,8 +661,10 @@ class CutlassBackend(ExpertsBackend):
         super().__init__(scheme, accumulator=accumulator)
         if scheme.name == "int8_channel" and accumulator != "int32":
             raise ValueError(_INT8_ACCUMULATOR)
-        # The INT8 paths' row-wise stages (quantize, SiLU * up requantized) are the Triton ones.
-        self._rows = TritonBackend(scheme, accumulator=accumulator) if self.int8 else None
+        # Below the measured INT8 crossover the whole pass is the Triton backend's (its GEMMs
+        # too), so a Triton backend of the same scheme is held as a composed part for that
+        # branch only; the CUTLASS pass calls the shared row-wise stages (stages.py) directly.
+        self._triton_below_crossover = TritonBackend(scheme, accumulator=accumulator) if self.int8 else None
 
     @property
     def int8(self) -> bool:
@@ -772,9 +776,9 @@ class CutlassBackend(ExpertsBackend):
         as laid out."""
         packed = packed_batch(batch)
         if packed is None:
-            return self._rows.run_contiguous(batch, weights, out_dtype)
+            return self._triton_below_crossover.run_contiguous(batch, weights, out_dtype)
         small, rows = packed
-        out = self._rows.run_contiguous(small, weights, out_dtype)
+        out = self._triton_below_crossover.run_contiguous(small, weights, out_dtype)
         full = torch.empty((batch.x.shape[0], out.shape[1]), dtype=out.dtype, device=out.device)
         return full.index_copy_(0, rows, out)
 
@@ -800,21 +804,21 @@ class CutlassBackend(ExpertsBackend):
         """quantize (per token or per 1x128 group, unless it arrived so) -> GEMM1 -> silu(gate) *
         up requantized the same way -> GEMM2, on the scheme's kernel.
         GEMM1's output and the pass's are bf16 whatever the layer's dtype (the kernels write
-        bf16). The row-wise stages are the Triton backend's; with spare rows
-        (``batch.expected_m``) they skip them as in :meth:`TritonBackend.run_contiguous`
-        (:func:`~epmoe.experts.triton_backend.spare_row_slab`), and the GEMMs skip the blocks
-        past the last segment."""
+        bf16). The row-wise stages are the shared Triton ones (:mod:`epmoe.experts.stages`);
+        with spare rows (``batch.expected_m``) they skip them as in
+        :meth:`TritonBackend.run_contiguous` (:func:`~epmoe.experts.stages.spare_row_slab`), and
+        the GEMMs skip the blocks past the last segment."""
         check_weights(weights, self.scheme)
         gemm = int8_block_grouped_gemm if self.scheme.name == "int8_block" else int8_grouped_gemm
-        rows = self._rows
+        scheme = self.scheme
         offsets = batch.expert_offsets
         bound, lift, drop = spare_row_slab(batch)
         with phase("epmoe.quantize"):
-            a, a_scale = rows.gemm1_input(lift(batch.x), lift(batch.x_scale), weights, *bound)
+            a, a_scale = stages.gemm1_input(scheme, lift(batch.x), lift(batch.x_scale), weights, *bound)
         with phase("epmoe.gemm1"):
             gate_up = gemm(drop(a), drop(a_scale), weights.w13, weights.w13_scale, offsets)
         with phase("epmoe.activation"):
-            h, h_scale = rows.activation(lift(gate_up), weights, *bound)
+            h, h_scale = stages.activation(scheme, lift(gate_up), weights, *bound)
         with phase("epmoe.gemm2"):
             return gemm(drop(h), drop(h_scale), weights.w2, weights.w2_scale, offsets)
 

@@ -20,35 +20,10 @@ import os
 import torch
 
 from ..layouts import ContiguousBatch, MaskedBatch
-from ..quant.reference import dequantize_rows
-from ..quant.schemes import BLOCK
 from ..timing import phase
+from . import stages
 from .base import ExpertsBackend, ExpertWeights, check_weights
-
-
-def _kernels():
-    """Import the Triton kernels lazily: importing this module must not need Triton."""
-    from ..kernels import activation, grouped_gemm, quantize
-
-    return activation, grouped_gemm, quantize
-
-
-def spare_row_slab(batch: ContiguousBatch):
-    """``(rows_bound, lift, drop)`` for the row-wise kernels over a contiguous batch: with spare
-    rows past the last segment (``batch.expected_m``) they see one ``[1, M]`` masked slab whose row
-    count is ``expert_offsets[-1]`` (skipping the spare rows without a host round trip) and a grid
-    for the rows all experts are expected to fill; ``lift`` makes that slab of a tensor (or
-    ``None``), ``drop`` takes it back. Without spare rows: no bound, and both are identities."""
-    if batch.expected_m is None:
-        return (None, None), (lambda t: t), (lambda t: t)
-    bound = (batch.valid_rows, max(1, batch.expected_m * batch.num_experts))
-    return bound, (lambda t: None if t is None else t.unsqueeze(0)), (lambda t: t.squeeze(0))
-
-
-def _row_args(masked_m: torch.Tensor | None, expected_m: int | None) -> dict:
-    """The row-wise kernels' ``masked_m`` / ``expected_m`` (a rows-per-segment hint sizes their
-    grid only over a masked batch, so it is dropped without one)."""
-    return dict(masked_m=masked_m, expected_m=expected_m if masked_m is not None else None)
+from .stages import spare_row_slab
 
 
 class TritonBackend(ExpertsBackend):
@@ -132,7 +107,7 @@ class TritonBackend(ExpertsBackend):
         """GEMM1 (``which=1``: ``w13``) or GEMM2 (``which=2``: ``w2``), on the contiguous layout
         (``expert_offsets``; ``a`` may be a ``[1, M, K]`` slab with spare rows, ``expected_m``
         then the rows-per-expert hint) or, given ``masked_m``, the masked one."""
-        _, gg, _ = _kernels()
+        _, gg, _ = stages.kernels()
         w, w_scale = (weights.w13, weights.w13_scale) if which == 1 else (weights.w2, weights.w2_scale)
         kw = dict(mode=self.scheme.name, a_scale=a_scale, b_scale=w_scale, accumulator=self.accumulator,
                   out_dtype=out_dtype, expected_m=expected_m)  # fmt: skip
@@ -153,31 +128,11 @@ class TritonBackend(ExpertsBackend):
         masked_m: torch.Tensor | None,
         expected_m: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """GEMM1's operand in the scheme's format (quantize, pass through, or requantize).
+        """GEMM1's operand in the scheme's format (:func:`epmoe.experts.stages.gemm1_input`).
 
         ``masked_m``: ``[E]`` valid rows per segment of an ``[E, cap, H]`` ``x``;
         ``expected_m``: the rows per segment the row-wise kernels' grid is sized for."""
-        _, _, qz = _kernels()
-        scheme = self.scheme
-        hidden = x.shape[-1]
-        if hidden != weights.hidden_size:
-            raise ValueError(f"x has hidden size {hidden} but w13 {tuple(weights.w13.shape)} expects {weights.hidden_size}")
-        if not scheme.quantized:
-            xf = x if x_scale is None else dequantize_rows(x, x_scale)
-            return xf.to(weights.w13.dtype), None
-        if x_scale is None and not x.is_floating_point():
-            raise TypeError(f"x of dtype {x.dtype} arrived without x_scale; quantized inputs need their scales")
-        native = (
-            x_scale is not None
-            and x.dtype == scheme.qdtype
-            and x_scale.shape[-1] == scheme.act_scale_cols(hidden)
-        )
-        if native:
-            return x, x_scale.float()
-        rows = _row_args(masked_m, expected_m)
-        if scheme.act_granularity == "token":
-            return qz.per_token_quant_int8(x, x_scale, **rows)
-        return qz.per_group_quant(x, BLOCK, torch.int8, x_scale, **rows)
+        return stages.gemm1_input(self.scheme, x, x_scale, weights, masked_m, expected_m)
 
     def activation(
         self,
@@ -186,13 +141,9 @@ class TritonBackend(ExpertsBackend):
         masked_m: torch.Tensor | None,
         expected_m: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``silu(gate) * up``, requantized for a quantized scheme; rows as in :meth:`gemm1_input`."""
-        act, _, _ = _kernels()
-        rows = _row_args(masked_m, expected_m)
-        if not self.scheme.quantized:
-            return act.silu_and_mul(gate_up, weights.w2.dtype, **rows), None
-        granularity = "token" if self.scheme.act_granularity == "token" else "group"
-        return act.silu_and_mul_quant(gate_up, granularity, BLOCK, torch.int8, **rows)
+        """``silu(gate) * up``, requantized for a quantized scheme
+        (:func:`epmoe.experts.stages.activation`); rows as in :meth:`gemm1_input`."""
+        return stages.activation(self.scheme, gate_up, weights, masked_m, expected_m)
 
     def mid_dtype(self, weights: ExpertWeights, out_dtype: torch.dtype) -> torch.dtype:
         """GEMM1's output dtype: 16-bit when the layer's output is, else fp32."""
