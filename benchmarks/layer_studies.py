@@ -99,7 +99,7 @@ def _combine_input(cache, shape, device):
 
 def _deepep_raw(owner, layer, x_in, ids, w, mode, iters, warmup, device):
     """DeepEP's own dispatch and combine time for the same payload (deep_ep.Buffer directly)."""
-    from epmoe.dispatch.deepep.dispatchers import normal_payload
+    from epmoe.dispatch.deepep_dispatch.dispatchers import normal_payload
     from epmoe.quant.payload import quantize_payload
 
     buf = owner.get()
@@ -273,7 +273,7 @@ def _graph_dc(owner, layer, x_in, ids, w, iters, device):
 
 def _ll_int8_study(owner, x, ids, device, iters, warmup):
     """Low-latency INT8 payloads: BF16 dispatch + INT8 quantize vs FP8 dispatch + requantize."""
-    from epmoe.dispatch.deepep.sizing import expected_rows_per_expert
+    from epmoe.dispatch.deepep_dispatch.sizing import expected_rows_per_expert
     from epmoe.kernels import quantize as qz
 
     if owner.clean_low_latency():

@@ -10,12 +10,12 @@ import types
 import pytest
 import torch
 
-import epmoe.dispatch.deepep.buffer as db
-import epmoe.dispatch.deepep.dispatchers as dd
+import epmoe.dispatch.deepep_dispatch.buffer as db
+import epmoe.dispatch.deepep_dispatch.dispatchers as dd
 from epmoe.dispatch.base import DispatchConfig
-from epmoe.dispatch.deepep import DeepEPBuffer, DeepEPBufferError
-from epmoe.dispatch.deepep.dispatchers import normal_payload, pad_empty_batch
-from epmoe.dispatch.deepep.sizing import (
+from epmoe.dispatch.deepep_dispatch import DeepEPBuffer, DeepEPBufferError
+from epmoe.dispatch.deepep_dispatch.dispatchers import normal_payload, pad_empty_batch
+from epmoe.dispatch.deepep_dispatch.sizing import (
     BufferNeeds,
     choose_mode,
     expected_rows_per_expert,

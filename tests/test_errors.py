@@ -37,7 +37,7 @@ def test_no_error_class_defined_outside_errors_module():
 
 
 def test_raising_modules_use_the_exported_classes():
-    from epmoe.dispatch import all_to_all, collective, deepep, select as dsel
+    from epmoe.dispatch import all_to_all, collective, deepep_dispatch as deepep, select as dsel
     from epmoe import launch
     from epmoe.experts import cutlass_backend, select as esel
 

@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser, standard: bool = True) -> None:
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
-    from epmoe.dispatch.deepep.sizing import check_num_sms
+    from epmoe.dispatch.deepep_dispatch.sizing import check_num_sms
 
     from .plotting import check_plot
 
@@ -145,8 +145,8 @@ def build_layers(scheme, args, owner, device):
 
 def open_buffer(args, world):
     """One DeepEP buffer for every layer of the run, sized for both modes."""
-    from epmoe.dispatch.deepep import DeepEPBuffer
-    from epmoe.dispatch.deepep.sizing import BufferNeeds
+    from epmoe.dispatch.deepep_dispatch import DeepEPBuffer
+    from epmoe.dispatch.deepep_dispatch.sizing import BufferNeeds
 
     owner = DeepEPBuffer(num_sms=args.num_sms)
     owner.register(BufferNeeds(H, E, K, args.decode_tokens, frozenset({"normal", "low_latency"})), world)

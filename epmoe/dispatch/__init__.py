@@ -2,7 +2,7 @@
 
 from .collective import CollectiveError, CollectiveTimeoutError, RankMismatchError
 from .base import PAYLOADS, DispatchConfig, Dispatched, Dispatcher
-from .deepep import DeepEPBuffer
+from .deepep_dispatch import DeepEPBuffer
 
 __all__ = [
     "PAYLOADS", "CollectiveError", "CollectiveTimeoutError", "DeepEPBuffer", "DispatchConfig", "Dispatched",

@@ -10,9 +10,9 @@ from .base import DispatchConfig, Dispatcher
 DISPATCHERS: dict[str, str] = {
     "local": "epmoe.dispatch.local:LocalDispatcher",
     "all_to_all": "epmoe.dispatch.all_to_all:AllToAllDispatcher",
-    "deepep_normal": "epmoe.dispatch.deepep.dispatchers:DeepEPNormalDispatcher",
-    "deepep_low_latency": "epmoe.dispatch.deepep.dispatchers:DeepEPLowLatencyDispatcher",
-    "deepep_auto": "epmoe.dispatch.deepep.dispatchers:DeepEPAutoDispatcher",
+    "deepep_normal": "epmoe.dispatch.deepep_dispatch.dispatchers:DeepEPNormalDispatcher",
+    "deepep_low_latency": "epmoe.dispatch.deepep_dispatch.dispatchers:DeepEPLowLatencyDispatcher",
+    "deepep_auto": "epmoe.dispatch.deepep_dispatch.dispatchers:DeepEPAutoDispatcher",
 }
 
 AUTO_ORDER = ("local", "deepep_auto", "deepep_normal", "all_to_all")

@@ -32,8 +32,8 @@ from cases import CASE_NAMES, make_case  # noqa: E402
 from helpers import make_weights  # noqa: E402
 from reference import moe_reference, rel_err  # noqa: E402
 
-from epmoe.dispatch.deepep import DeepEPBuffer  # noqa: E402
-from epmoe.dispatch.deepep.sizing import BufferNeeds  # noqa: E402
+from epmoe.dispatch.deepep_dispatch import DeepEPBuffer  # noqa: E402
+from epmoe.dispatch.deepep_dispatch.sizing import BufferNeeds  # noqa: E402
 from epmoe.dispatch.select import DispatcherUnavailableError  # noqa: E402
 from epmoe.experts.select import BackendUnavailableError  # noqa: E402
 from epmoe.layer import DeepEPMoELayer  # noqa: E402
