@@ -11,15 +11,25 @@ from epmoe import DeepEPMoELayer
 
 ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ap.add_argument("out", nargs="?", default=None, help="write the results as JSON here (default: print only)")
+ap.add_argument("--tokens", default="4096,128", help="comma-separated batch sizes (default: %(default)s)")
+ap.add_argument("--schemes", default=None,
+                help="comma-separated quant/accumulator pairs, e.g. bf16/fp32,int8_channel/fp32 "
+                     "(default: bf16, int8_channel fp32 and int32, int8_block, and fp8_block with SGLANG_CUTLASS_MOE=1)")
+ap.add_argument("--rounds", type=int, default=3, help="rounds in which the schemes take turns (default: %(default)s)")
 args = ap.parse_args()
 
 E, K, H, I = 256, 8, 7168, 2048
 schemes = [("bf16", "fp32"), ("int8_channel", "fp32"), ("int8_channel", "int32"), ("int8_block", "fp32")]
 if os.environ.get("SGLANG_CUTLASS_MOE") == "1":
     schemes.append(("fp8_block", "fp32"))
+if args.schemes:
+    schemes = [tuple(s.split("/")) if "/" in s else (s, "fp32") for s in args.schemes.split(",")]
+    if schemes[0] != ("bf16", "fp32"):
+        ap.error(f"--schemes={args.schemes!r}: the first must be bf16/fp32 (the baseline of the ratios)")
 dev = torch.device("cuda")
 g = torch.Generator(device=dev).manual_seed(0)
-out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": []}
+import epmoe
+out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "epmoe_path": os.path.dirname(epmoe.__file__), "cases": []}
 layers = {}
 for q, acc in schemes:
     try:
@@ -38,13 +48,13 @@ for q, acc in schemes:
                 p.copy_(torch.randn(p.shape, device=dev, generator=g) * 0.02)
     layers[f"{q}/{acc}"] = layer
     print("built", q, acc, layer.backend.name, flush=True)
-for t in (4096, 128):
+for t in [int(v) for v in args.tokens.split(",")]:
     x = torch.randn(t, H, device=dev, dtype=torch.bfloat16, generator=g)
     logits = torch.randn(t, E, device=dev, generator=g)
     ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:K] for _ in range(t)])
     w = torch.softmax(torch.gather(logits, 1, ids), -1)
     times = {k: [] for k in layers}
-    for rnd in range(3):
+    for rnd in range(args.rounds):
         for k, layer in layers.items():
             times[k].append(triton.testing.do_bench(lambda: layer(x, topk_ids=ids, topk_weights=w), warmup=25, rep=200, return_mode="median"))
     base = statistics.median(times["bf16/fp32"])
