@@ -254,6 +254,31 @@ def test_load_extension_takes_a_cached_build_without_compiling(fresh_extension, 
     assert loaded == [str(library)] and ops is getattr(torch.ops, name)
 
 
+def test_load_extension_does_not_load_a_second_copy(fresh_extension, monkeypatch, tmp_path):
+    """Ops already registered in this process (the library loaded from another cache directory,
+    as a test module with its own build does) are returned as they are: loading a second copy of
+    the library would register them again, which aborts the process inside torch."""
+    cb = fresh_extension
+    inc = tmp_path / "include"
+    (inc / "cutlass").mkdir(parents=True)
+    (inc / "cute").mkdir()
+    (inc / "cutlass" / "cutlass.h").write_text("")
+    monkeypatch.setenv("EPMOE_CUTLASS_DIR", str(inc))
+    monkeypatch.setenv("EPMOE_CACHE_DIR", str(tmp_path / "cache"))
+    name, build, library = cb._library(inc)
+    build.mkdir(parents=True)
+    library.write_bytes(b"")
+    monkeypatch.setattr(torch.ops, "load_library", lambda path: pytest.fail(f"loaded {path} a second time"))
+    assert not cb._registered(name)
+    lib = torch.library.Library(name, "DEF")  # stands in for the copy loaded earlier
+    lib.define("workspace_size(Tensor x) -> int")
+    try:
+        assert cb._registered(name)
+        assert cb.load_extension() is getattr(torch.ops, name)
+    finally:
+        lib._destroy()
+
+
 def test_cutlass_headers_lookup_and_error(fresh_extension, monkeypatch, tmp_path):
     from epmoe.experts import cutlass_backend as cb
 

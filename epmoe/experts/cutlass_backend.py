@@ -171,6 +171,10 @@ def load_extension(verbose: bool = False):
     if include is None:
         raise CutlassUnavailableError(_headers_error())
     name, build, library = _library(include)
+    if _registered(name):
+        # Already loaded in this process, from this or another cache directory: loading a second
+        # copy would register the same ops again, which aborts the process inside torch.
+        return getattr(torch.ops, name)
     if library.is_file():
         try:
             torch.ops.load_library(str(library))
@@ -212,6 +216,15 @@ def load_extension(verbose: bool = False):
         time.perf_counter() - t0, build,
     )  # fmt: skip
     return getattr(torch.ops, name)
+
+
+def _registered(name: str) -> bool:
+    """Whether the extension's ops (namespace ``name``) are registered in this process."""
+    try:
+        getattr(getattr(torch.ops, name), "workspace_size")
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 def _library(include: Path) -> tuple[str, Path, Path]:
