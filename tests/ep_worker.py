@@ -280,3 +280,38 @@ def run_dead_peers(rank, world, port, out_path):
     with open(out_path, "w") as f:
         json.dump(rows, f)
     os._exit(0)
+
+
+COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "all_to_all", "all_to_all_single",
+               "broadcast", "barrier", "send", "recv", "isend", "irecv", "gather", "scatter", "reduce")  # fmt: skip
+
+
+def run_collective_count(rank, world, port, out_path):
+    """Counts the torch.distributed calls of building a layer and of each of three forwards
+    (all_to_all dispatch): the argument comparison must cost one collective at build and nothing
+    per batch (issue 22's acceptance: the fingerprint adds nothing per forward)."""
+    init(rank, world, port, "cpu")
+    calls: list[str] = []
+
+    def counting(name, fn):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+
+        return call
+
+    for name in COLLECTIVES:
+        if hasattr(dist, name):
+            setattr(dist, name, counting(name, getattr(dist, name)))
+    layer = DeepEPMoELayer(E, K, H, I, dispatch="all_to_all", backend="torch", device="cpu",
+                           params_dtype=torch.float32, timeout_s=60)  # fmt: skip
+    stored, _ = make_weights(E, H, I, "bf16")
+    layer.load_experts(*[None if t is None else t.float() for t in stored])
+    per_call = {"build": list(calls)}
+    for i, case in enumerate(("random", "random", "one_expert")):
+        calls.clear()
+        x, ids, w = make_case(case, rank, E, K, H)
+        layer(x, topk_ids=ids, topk_weights=w)
+        per_call[f"forward {i}"] = list(calls)
+    with open(f"{out_path}.{rank}", "w") as f:
+        json.dump(per_call, f)

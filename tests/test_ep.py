@@ -42,6 +42,20 @@ def test_ep1_in_a_process_group(tmp_path):
     check(run_ranks(1, tmp_path, dispatch="auto"), 1, "local")
 
 
+def test_arguments_are_compared_once_per_layer_not_per_batch(tmp_path):
+    """The build compares the ranks' arguments in one all-gather; each forward then runs only the
+    all_to_all dispatcher's three exchanges (counts header with dtype and widths, payload,
+    combine): no collective of the fingerprint's per batch."""
+    out = str(tmp_path / "calls")
+    launch_ranks(ep_worker.run_collective_count, 2, out)
+    for r in range(2):
+        with open(f"{out}.{r}") as f:
+            calls = json.load(f)
+        assert calls["build"] == ["all_gather"], calls
+        for i in range(3):
+            assert calls[f"forward {i}"] == ["all_to_all_single"] * 3, calls
+
+
 def test_dead_peer_times_out_with_named_collective(tmp_path):
     out = str(tmp_path / "timeout.json")
     launch_ranks(ep_worker.run_timeout, 2, out)
