@@ -31,7 +31,9 @@ entered without running their ``__init__`` files; ``sglang.srt.utils`` answers t
 questions the modules ask; the FP8 quantizers the kernels module imports are absent (FP8 is not
 timed); without sgl-kernel, its CUDA 1x128 INT8 group quantizer is replaced by SGLang's own Triton
 one (``per_token_group_quant_int8``, which SGLang runs off CUDA) and its CUDA ``silu_and_mul`` by
-epmoe's Triton ``silu_and_mul`` (one fused pass as well). The JSON names what ran.
+epmoe's Triton ``silu_and_mul`` (one fused pass as well). The JSON names what ran, each source
+file's sha256, and the SGLang commit of each file as the folder's ``SOURCE.md`` gives it (a line
+naming the file and its 40-hex commit).
 
 Usage (one H200, about two minutes):
     SGLANG_CUTLASS_MOE=1 python benchmarks/sglang_int8.py --json sglang-int8.json
@@ -47,6 +49,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -190,10 +193,21 @@ def load_sglang(root: Path) -> tuple[dict, dict]:
     notes["silu_and_mul"] = "epmoe.kernels.activation.silu_and_mul (stands in for sgl-kernel's CUDA silu_and_mul)"
     mods = {name.rsplit(".", 1)[1]: importlib.import_module(name) for name in SOURCES}
     notes["files_sha256"] = {rel: hashlib.sha256((root / rel).read_bytes()).hexdigest() for rel in SOURCES.values()}
-    source_note = root / "SOURCE.md"
-    if source_note.is_file():
-        notes["source_note"] = source_note.read_text()
+    notes["commits"] = source_commits(root / "SOURCE.md")
     return mods, notes
+
+
+def source_commits(note: Path) -> dict[str, str]:
+    """The SGLang commit of each source file, from the folder's ``SOURCE.md`` (a line naming the
+    file and a 40-hex commit); files it does not name are absent."""
+    text = note.read_text() if note.is_file() else ""
+    out = {}
+    for line in text.splitlines():
+        commit = re.search(r"\b[0-9a-f]{40}\b", line)
+        for rel in SOURCES.values():
+            if commit and rel in line:
+                out[rel] = commit.group(0)
+    return out
 
 
 def _absent(name: str):

@@ -102,3 +102,10 @@ def test_shims_enter_sglang_without_its_packages(tmp_path, monkeypatch):
     finally:
         for name in set(sys.modules) - before:
             del sys.modules[name]
+
+
+def test_source_commits_are_read_from_the_folder_note(tmp_path):
+    rel = sg.SOURCES[f"{sg.FUSED}.fused_moe_triton_kernels"]
+    (tmp_path / "SOURCE.md").write_text(f"| {rel} | {'ab12' * 10} | kept |\n| other.py | {'cd' * 20} |\n")
+    assert sg.source_commits(tmp_path / "SOURCE.md") == {rel: "ab12" * 10}
+    assert sg.source_commits(tmp_path / "none.md") == {}
