@@ -150,15 +150,15 @@ def _run_make_checkpoint(args, parser):
 
 
 def _run_fidelity(args, parser):
-    from .bench.fidelity import main
+    from .bench.fidelity import run
 
-    return main(args.fidelity_args)
+    return run(args, parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line (torch-free)."""
     from .bench import layer as bench_layer
-    from .bench.options import add_experts_arguments
+    from .bench.options import FIDELITY_DESCRIPTION, add_experts_arguments, add_fidelity_arguments
     from .checkpoint.cli import add_convert_arguments, add_make_checkpoint_arguments
     from .demo import add_arguments as add_demo_arguments
 
@@ -198,10 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     command("convert", "convert an FP8 checkpoint to INT8", _run_convert, add_convert_arguments)
     command("make-checkpoint", "a small synthetic FP8 checkpoint to try convert on", _run_make_checkpoint,
             add_make_checkpoint_arguments)  # fmt: skip
-    fid = sub.add_parser("fidelity", help="error of every scheme against float64 (epmoe fidelity --help: its options)",
-                         add_help=False)  # fmt: skip
-    fid.add_argument("fidelity_args", nargs=argparse.REMAINDER)
-    fid.set_defaults(_func=_run_fidelity, _parser=fid, log_level="WARNING")
+    command("fidelity", "error of every scheme against float64", _run_fidelity, add_fidelity_arguments,
+            prog_help=FIDELITY_DESCRIPTION)  # fmt: skip
     return p
 
 

@@ -13,3 +13,11 @@ def import_attr(spec: str) -> tuple[object | None, str]:
         return getattr(importlib.import_module(module), attr), ""
     except ImportError as exc:
         return None, f"cannot be imported ({exc})"
+
+
+def import_registered(registry: dict[str, str], name: str, label: str) -> tuple[object | None, str]:
+    """``import_attr(registry[name])``; a ``name`` the registry lacks raises ``ValueError`` naming
+    ``label`` (the request, as the caller spells it) and the allowed names."""
+    if name not in registry:
+        raise ValueError(f"{label} is not known; allowed: {['auto', *registry]}")
+    return import_attr(registry[name])

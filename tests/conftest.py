@@ -12,6 +12,12 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The interpreter's fixes (loop bounds under NumPy >= 2.4, a fused fma, a fast tl.sort) belong to
+# the tests, not to the package; compiled kernels never see them.
+import interpreter_patches  # noqa: E402
+
+interpreter_patches.apply()
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")

@@ -67,3 +67,29 @@ def test_a_backend_failing_in_turns_leaves_the_others(capsys):
     assert cases[0].ms["total_turns"] == 2.0
     assert "total_turns" not in cases[1].ms
     assert "RuntimeError: out of memory" in capsys.readouterr().err
+
+
+def test_cpu_runs_the_triton_rows_on_the_torch_backend(capsys):
+    """Without a GPU the triton rows are timed on the torch experts backend (Triton's interpreter
+    is for the tests), and the run says so; triton_bf16 has torch_bf16 for its BF16 pass."""
+    backends, extra = experts.cpu_backends(
+        ["torch_bf16", "triton_int8_channel_int32", "triton_bf16"], ["m:C@fp8_block"]
+    )
+    assert backends == ["torch_bf16"]
+    assert extra == ["m:C@fp8_block", "epmoe.experts.torch_backend:TorchBackend@int8_channel_int32"]
+    out = capsys.readouterr().out
+    assert "triton_int8_channel_int32, triton_bf16 run on the torch experts backend instead" in out
+    assert experts.cpu_backends(["torch_bf16"], []) == (["torch_bf16"], [])
+    assert "instead" not in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback only")
+def test_cpu_run_of_a_triton_row_needs_no_interpreter(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    out = tmp_path / "b.json"
+    args = ["--experts", "2", "--hidden", "256", "--intermediate", "128", "--m", "4", "--backends",
+            "torch_bf16,triton_int8_block", "--rep-ms", "1", "--ceiling-size", "64", "--json", str(out)]  # fmt: skip
+    assert experts.main(args) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["backend"] for r in rows] == ["torch_bf16", "torch_int8_block"]
+    assert all(r["error"] is None and r["accuracy"] < 0.05 for r in rows)

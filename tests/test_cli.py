@@ -13,7 +13,8 @@ import epmoe
 from epmoe import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMMANDS = (["info"], ["demo"], ["bench"], ["bench", "experts"], ["bench", "layer"], ["convert"], ["make-checkpoint"])
+COMMANDS = (["info"], ["demo"], ["bench"], ["bench", "experts"], ["bench", "layer"], ["convert"], ["make-checkpoint"],
+            ["fidelity"])
 
 
 def _epmoe(*args, timeout=300):

@@ -366,20 +366,21 @@ def test_launch_defaults_and_checks():
 
 
 def test_interpreter_fma_is_fused():
-    """The CPU path's fma rounds once, like the GPU's (the quantizers' division relies on it)."""
+    """The interpreter's fma (patched by the tests) rounds once, like the GPU's (the quantizers'
+    division relies on it)."""
     np = pytest.importorskip("numpy")
-    from epmoe.kernels.common import _exact_fma
+    from interpreter_patches import exact_fma
 
     # x*y + z lies just below the midpoint of 1 + 2**-23 and 1 + 2**-22: a float64 sum rounds
     # onto the midpoint and then (ties to even) up; the fused result rounds down.
     x = np.array([2.0**-24 * (1 + 2.0**-23)], np.float32)
     y = np.array([1 - 2.0**-23], np.float32)
     z = np.array([1 + 2.0**-23], np.float32)
-    assert float(_exact_fma(x, y, z)[0]) == 1 + 2.0**-23
+    assert float(exact_fma(x, y, z)[0]) == 1 + 2.0**-23
     # The residual of a rounded product is exact: x*y - RN(x*y).
     a = np.array([1 + 2.0**-20], np.float32)
     p = (a * a).astype(np.float32)
-    assert float(_exact_fma(a, a, -p)[0]) == (1 + 2.0**-20) ** 2 - float(p[0])
+    assert float(exact_fma(a, a, -p)[0]) == (1 + 2.0**-20) ** 2 - float(p[0])
 
 
 @triton.jit

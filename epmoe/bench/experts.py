@@ -256,6 +256,18 @@ def load_extra(spec: str):
     return f"{cls.name}_{scheme_name}", cls(get_scheme(quant), accumulator=accumulator)
 
 
+def backend_pass(problem: Problem, backend, m: int, batch, refs: dict, seed: int, accuracy_experts: int):
+    """``(whole pass, reference rows)`` of any :class:`~epmoe.experts.base.ExpertsBackend` on
+    ``batch`` (``m`` rows per expert, with its float64 ``refs``); a backend that needs aligned
+    segments gets the same rows rebuilt from ``seed`` with its alignment, and references of its own."""
+    dtype = batch.x.dtype
+    w = backend.prepare_weights(weights_for(problem, backend.scheme.name))
+    if backend.alignment > 1 and m % backend.alignment:
+        batch = uniform_batch(problem, m, batch.x.device, dtype, seed, backend.alignment)
+        refs = reference_rows(problem, batch, accuracy_experts)
+    return (lambda: backend.run_contiguous(batch, w, dtype)), refs
+
+
 # ------------------------------------------------------------------------------- accuracy
 
 
@@ -434,6 +446,22 @@ def plot(results: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+TORCH_EXPERTS = "epmoe.experts.torch_backend:TorchBackend"
+
+
+def cpu_backends(backends: list[str], extra: list[str]) -> tuple[list[str], list[str]]:
+    """The rows a CPU run times: each ``triton_<scheme>`` row runs on the torch experts backend
+    (``--extra`` of that scheme, labelled ``torch_<scheme>``), because Triton's CPU interpreter is
+    for the library's tests, not for users; ``triton_bf16`` is left out (``torch_bf16`` is the
+    BF16 pass). Says so on stdout: no row is swapped silently."""
+    triton = [b for b in backends if b.startswith("triton_")]
+    swapped = [f"{TORCH_EXPERTS}@{b.removeprefix('triton_')}" for b in triton if b != "triton_bf16"]
+    print("no CUDA device: timing on CPU (numbers are not meaningful)" + (
+        f"; {', '.join(triton)} run on the torch experts backend instead (Triton kernels need a GPU)"
+        if triton else ""))  # fmt: skip
+    return [b for b in backends if b not in triton], [*extra, *swapped]
+
+
 def main(argv: list[str] | None = None) -> int:
     return run(parse_args(argv))
 
@@ -443,8 +471,6 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
     if device.type == "cpu":
-        import os
-
         # fp32 temporaries of the weights and of the largest batch: the DeepSeek-V3 defaults need
         # ~30 GB, which a CPU machine runs out of long before any number means anything.
         need = 4 * args.experts * args.hidden * (3 * args.intermediate + max(args.m))
@@ -457,15 +483,16 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        print("no CUDA device: timing on CPU with the Triton interpreter (numbers are not meaningful)")
+        backends, extra = cpu_backends(args.backends, args.extra)
+    else:
+        backends, extra = args.backends, args.extra
     t_start = time.time()
     timer = make_timer(device, args.rep_ms)
     ceilings = measure_ceilings(device, args.ceiling_size, timer)
     print("ceilings:", {k: (round(v, 1) if isinstance(v, float) else v) for k, v in ceilings.items()}, flush=True)
     problem = build_problem(args.experts, args.hidden, args.intermediate, device, dtype)
     extras = []
-    for spec in args.extra:
+    for spec in extra:
         try:
             extras.append(load_extra(spec))
         except Exception as exc:
@@ -475,7 +502,7 @@ def run(args: argparse.Namespace) -> int:
         batch = uniform_batch(problem, m, device, dtype, seed=1000 + i)
         refs = reference_rows(problem, batch, args.accuracy_experts)
         cases, passes = [], {}
-        for name in args.backends:
+        for name in backends:
             print(f"m={m} {name} ...", flush=True)
             if name == "torch_bf16":
                 try:
@@ -497,12 +524,7 @@ def run(args: argparse.Namespace) -> int:
         for label, backend in extras:
             print(f"m={m} {label} ...", flush=True)
             try:
-                w = backend.prepare_weights(weights_for(problem, backend.scheme.name))
-                own, own_refs = batch, refs
-                if backend.alignment > 1 and m % backend.alignment:
-                    own = uniform_batch(problem, m, device, dtype, 1000 + i, backend.alignment)
-                    own_refs = reference_rows(problem, own, args.accuracy_experts)
-                total = lambda b=backend, w=w, own=own: b.run_contiguous(own, w, dtype)  # noqa: E731
+                total, own_refs = backend_pass(problem, backend, m, batch, refs, 1000 + i, args.accuracy_experts)
                 cases.append(run_case(label, m, {"total": total}, timer, own_refs))
                 if args.turns:
                     passes[label] = total

@@ -46,6 +46,8 @@ from ..quant.reference import dequantize_weight, quantize_rows, quantize_weight
 from ..quant.schemes import BLOCK, SCHEMES
 from ..reference import expert_mlp_float64
 from ..routing import select_experts
+from .options import FIDELITY_DESCRIPTION as DESCRIPTION
+from .options import add_fidelity_arguments
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 ACTIVATIONS = ("gaussian", "outliers")
@@ -416,24 +418,13 @@ def format_markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     """``epmoe fidelity [--checkpoint DIR --layer L] [--experts N --hidden H --intermediate I
     --tokens T --top-k K --seed S] [--json PATH] [--markdown PATH]``."""
-    parser = argparse.ArgumentParser(
-        prog="epmoe fidelity",
-        description="Error of each quantization scheme against float64 on the MoE layer output.",
-    )
-    parser.add_argument("--checkpoint", help="checkpoint directory (FP8 or converted INT8)")
-    parser.add_argument("--layer", type=int, help="decoder layer of --checkpoint to read")
-    parser.add_argument(
-        "--experts", type=int, help="experts to use (synthetic default 32; checkpoint: first N, default all)"
-    )
-    parser.add_argument("--hidden", type=int, default=512, help="synthetic hidden size")
-    parser.add_argument("--intermediate", type=int, default=256, help="synthetic expert intermediate size")
-    parser.add_argument("--tokens", type=int, default=512)
-    parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", help="write the full result as JSON here")
-    parser.add_argument("--markdown", help="write the table here")
-    args = parser.parse_args(argv)
+    parser = argparse.ArgumentParser(prog="epmoe fidelity", description=DESCRIPTION)
+    add_fidelity_arguments(parser)
+    return run(parser.parse_args(argv), parser)
 
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """The tool for parsed options (``parser.error`` names a bad one); 0, or 2 on a bad input."""
     try:
         if args.checkpoint is not None:
             if args.layer is None:

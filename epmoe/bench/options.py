@@ -1,4 +1,5 @@
-"""The options of ``epmoe bench experts``, importable without torch (``--help`` and the parsers)."""
+"""The options of ``epmoe bench experts`` and ``epmoe fidelity``, importable without torch (``--help``
+and the parsers)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,22 @@ def check_experts_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
         p.error(f"--turns must be 0 (off) or a number of rounds; got {args.turns}")
     check_plot(p, args.plot)
     return args
+
+
+FIDELITY_DESCRIPTION = "Error of each quantization scheme against float64 on the MoE layer output."
+
+
+def add_fidelity_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``epmoe fidelity``."""
+    p.add_argument("--checkpoint", help="checkpoint directory (FP8 or converted INT8); default: synthetic weights")
+    p.add_argument("--layer", type=int, help="decoder layer of --checkpoint to read (required with it)")
+    p.add_argument(
+        "--experts", type=int, help="experts to use (synthetic: default 32; checkpoint: the first N, default all)"
+    )
+    p.add_argument("--hidden", type=int, default=512, help="synthetic hidden size, a multiple of 128")
+    p.add_argument("--intermediate", type=int, default=256, help="synthetic expert intermediate size, a multiple of 128")
+    p.add_argument("--tokens", type=int, default=512, help="tokens routed through the layer, >= 1")
+    p.add_argument("--top-k", type=int, default=8, help="experts per token")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights, activations and router")
+    p.add_argument("--json", help="write the full result as JSON here")
+    p.add_argument("--markdown", help="write the table here")

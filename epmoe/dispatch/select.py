@@ -4,7 +4,7 @@ backends, so a missing DeepEP is a refusal with a reason)."""
 from __future__ import annotations
 
 from ..errors import DispatcherUnavailableError
-from ..lazy import import_attr
+from ..lazy import import_registered
 from .base import DispatchConfig, Dispatcher
 
 DISPATCHERS: dict[str, str] = {
@@ -24,9 +24,7 @@ low-latency mode, else torch.distributed all-to-all."""
 def load_dispatcher(name: str, label: str | None = None) -> tuple[type[Dispatcher] | None, str]:
     """Import dispatcher ``name``; returns ``(class, "")`` or ``(None, reason)``. ``label`` names the
     request in the error (default ``dispatch=<name>``; see :func:`epmoe.environment.requested`)."""
-    if name not in DISPATCHERS:
-        raise ValueError(f"{label or f'dispatch={name!r}'} is not known; allowed: {['auto', *DISPATCHERS]}")
-    return import_attr(DISPATCHERS[name])
+    return import_registered(DISPATCHERS, name, label or f"dispatch={name!r}")
 
 
 def dispatcher_decisions(

@@ -11,7 +11,7 @@ import logging
 import torch
 
 from ..errors import BackendUnavailableError
-from ..lazy import import_attr
+from ..lazy import import_registered
 from ..quant.schemes import QuantScheme
 from .base import ExpertsBackend
 
@@ -43,9 +43,7 @@ CPU interpreter is for tests, far too slow to be picked silently)."""
 def load_backend(name: str, label: str | None = None) -> tuple[type[ExpertsBackend] | None, str]:
     """Import backend ``name``; returns ``(class, "")`` or ``(None, reason)``. ``label`` names the
     request in the error (default ``backend=<name>``; see :func:`epmoe.environment.requested`)."""
-    if name not in BACKENDS:
-        raise ValueError(f"{label or f'backend={name!r}'} is not known; allowed: {['auto', *BACKENDS]}")
-    return import_attr(BACKENDS[name])
+    return import_registered(BACKENDS, name, label or f"backend={name!r}")
 
 
 def backend_decisions(
