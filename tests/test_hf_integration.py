@@ -17,6 +17,7 @@ from epmoe.integrations import transformers as et  # noqa: E402
 from epmoe.quant import dequantize_weight, get_scheme, quantize_weight  # noqa: E402
 from epmoe.checkpoint.convert import convert_checkpoint  # noqa: E402
 
+import hf_reference  # noqa: E402
 import hf_worker  # noqa: E402
 from epmoe.launch import run_ranks  # noqa: E402
 
@@ -60,6 +61,20 @@ def test_logits_match_eager(family, scheme):
     assert err <= BOUNDS[scheme], f"{family} {scheme}: relative error {err:.2e} > {BOUNDS[scheme]}"
     if scheme != "bf16":
         assert err > 1e-6  # the quantized weights are really used
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "int8_channel"])
+def test_bf16_model_against_float64_with_routing_pinned(scheme):
+    """A bf16 model (the GPU test's setting; here the torch backend): each experts call within the
+    bound of a float64 reference on identical inputs, and no further from it than transformers'
+    eager experts; whole-model logits with routing pinned to the float64 model's (hf_reference)."""
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(et.tiny_config("mixtral"), dtype=torch.bfloat16).eval()
+    model.set_experts_implementation("eager")
+    ids = torch.randint(0, hf_worker.VOCAB, (4, 33), generator=torch.Generator().manual_seed(2))
+    bound = 4 * hf_reference.BF16_UNIT_ROUNDOFF if scheme == "bf16" else BOUNDS[scheme]
+    errors = hf_reference.check_against_float64(model, ids, scheme, bound, lambda m: et.enable(m, scheme, backend="torch"))
+    assert min(errors["experts"]) > 0  # the layer ran, and in bf16
 
 
 @pytest.mark.parametrize("family", FAMILIES)
