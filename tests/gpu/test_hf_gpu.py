@@ -67,3 +67,42 @@ def test_gpu_greedy_generation_bf16():
     # bf16 top-k sums differ in rounding order from the eager loop: report the agreement, require most
     same = (out[:, 6:] == ref[:, 6:]).float().mean().item()
     assert same >= 0.5, f"only {same:.0%} of greedy tokens agree with eager"
+
+
+@pytest.mark.parametrize("quant", ["bf16", "int8_channel"])
+@torch.no_grad()
+def test_gpu_enabled_experts_no_host_sync_and_cuda_graph(quant):
+    """An enabled experts call (default validate, Triton, local dispatch) never waits for the GPU
+    (sync debug mode raises on any synchronising call), and captured in a CUDA graph it gives the
+    eager result for new routing written into the captured inputs."""
+    from hf_reference import experts_inputs
+
+    from epmoe.integrations import transformers as et
+
+    model = _model("qwen3_moe")
+    ids = torch.randint(0, 96, (8, 1), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    _, calls = experts_inputs(model, ids)  # a decode-sized call: 8 tokens, one position each
+    et.enable(model, quant, backend="triton")
+    module, (x, topk_ids, topk_weights) = calls[0]
+    module(x, topk_ids, topk_weights)  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        module(x, topk_ids, topk_weights)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        module(x, topk_ids, topk_weights)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = module(x, topk_ids, topk_weights)
+    g = torch.Generator("cuda").manual_seed(4)
+    x.copy_(torch.randn(x.shape, device="cuda", generator=g).to(x.dtype))
+    topk_ids.copy_(torch.randint(0, 8, topk_ids.shape, device="cuda", generator=g))
+    topk_ids[:, 1] = (topk_ids[:, 0] + 1) % 8  # distinct experts per token, as a router's top-k
+    topk_weights.copy_(torch.rand(topk_weights.shape, device="cuda", generator=g).to(topk_weights.dtype))
+    graph.replay()
+    torch.testing.assert_close(captured, module(x, topk_ids, topk_weights), rtol=0, atol=0)
