@@ -24,9 +24,9 @@ layers from the experts modules' weights, time, and are dropped before the next)
 
 The decode floor is the experts' weight bytes over the measured device-copy bandwidth (every
 expert is touched at batch 64 x top-8 of 128). The ``_triton`` variants force the Triton backend
-where the auto choice (with ``SGLANG_CUTLASS_MOE=1``) is CUTLASS: under capture the segment sizes
-stay on the device, and the cutlass backend then runs CUTLASS at any rows per expert (its Triton
-branch below the measured crossover needs host-side sizes). Variants that cannot run here (e.g.
+where the auto choice (with ``SGLANG_CUTLASS_MOE=1``) is the cutlass backend, whose INT8 path runs
+its own Triton branch below the measured crossover (about 4 rows per expert in this decode): the
+two differ by that branch's packing. Variants that cannot run here (e.g.
 fp8_block without DeepGEMM or ``SGLANG_CUTLASS_MOE=1``) are recorded with the reason. Output: one
 JSON (date, commit, GPU, software, config, per-variant figures, the issue's targets with measured
 ratios), a table printed last; ``--plot`` writes a PNG.
