@@ -91,8 +91,8 @@ class Clock:
         if self.cuda:
             torch.cuda.synchronize()
 
-    def timed(self, fn, iters: int, repeat: int = 1) -> float:
-        """Median over ``iters`` samples of ``repeat`` back-to-back calls, per call, after one warm-up."""
+    def timed(self, fn, iters: int) -> float:
+        """Median ms of ``iters`` calls of ``fn``, each timed alone, after one warm-up."""
         fn()
         times = []
         for _ in range(iters):
@@ -101,14 +101,13 @@ class Clock:
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
             t0 = time.perf_counter()
-            for _ in range(repeat):
-                fn()
+            fn()
             if self.cuda:
                 b.record()
                 b.synchronize()
-                times.append(a.elapsed_time(b) / repeat)
+                times.append(a.elapsed_time(b))
             else:
-                times.append((time.perf_counter() - t0) * 1e3 / repeat)
+                times.append((time.perf_counter() - t0) * 1e3)
         return sorted(times)[len(times) // 2]
 
     def mark(self):
@@ -365,7 +364,8 @@ def main(argv=None) -> int:
             for m in modules:
                 m._modules.pop(et.LAYER_ATTR, None)
             del layers
-            torch._dynamo.reset() if variant == "grouped_mm_compiled" else None
+            if variant == "grouped_mm_compiled":
+                torch._dynamo.reset()
             if clock.cuda:
                 torch.cuda.empty_cache()
         results[variant] = entry
@@ -451,7 +451,7 @@ def table(doc: dict) -> str:
         if v == "grouped_mm_compiled":
             lines.append(f"{v:26s} {'compiled':10s} {'':>10s} {'':>7s} {'':>9s} {'':>6s} {f(r, 'decode_compiled_ms', 9)} {'':>6s} {f(r, 'decode_compiled_tok_s', 11)}")
             continue
-        lines.append(f"{v:26s} {r['backend']:10s} {f(r, 'prefill_ms', 10)} {f(r, 'experts_prefill_ms', 7)} {f(r, 'decode_ms', 9)} "
+        lines.append(f"{v:26s} {r['backend'].replace('transformers ', ''):10s} {f(r, 'prefill_ms', 10)} {f(r, 'experts_prefill_ms', 7)} {f(r, 'decode_ms', 9)} "
                      f"{f(r, 'experts_decode_ms', 6)} {f(r, 'decode_graph_ms', 9)} {f(r, 'experts_decode_graph_ms', 6)} "
                      f"{f(r, 'decode_graph_tok_s', 11)}" + ("" if "graph" not in r else f"  graph {r['graph'][:60]}"))  # fmt: skip
     return "\n".join(lines)
