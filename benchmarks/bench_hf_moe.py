@@ -201,6 +201,8 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true", help="also grouped_mm under torch.compile(mode='reduce-overhead')")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run (no graphs)")
     p.add_argument("--tiny", action="store_true", help="a toy configuration and sizes (dry runs)")
+    p.add_argument("--max-wall-s", type=float, default=500.0,
+                   help="skip the variants left once this many seconds have passed (the JSON is still written)")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
     p.add_argument("--out", default=None, help="JSON path (default: stdout only)")
     p.add_argument("--plot", default=None, help="PNG path")
@@ -309,6 +311,10 @@ def main(argv=None) -> int:
     variants = list(args.variants) + (["grouped_mm_compiled"] if args.compile else [])
     for variant in variants:
         entry, layers = {}, []
+        if time.time() - t_start > args.max_wall_s:
+            results[variant] = {"skipped": f"--max-wall-s {args.max_wall_s:.0f} s reached before this variant"}
+            print(f"{variant:26s} skipped: {results[variant]['skipped']}", flush=True)
+            continue
         try:
             if variant.startswith("grouped_mm"):
                 implementation = "grouped_mm"
