@@ -926,9 +926,10 @@ def test_cutlass_int8_batches_take_the_kernel_of_their_size(monkeypatch, caplog,
             assert backend.int8_kernel(batch) == want
             backend.run_contiguous(batch, weights, torch.bfloat16)
             assert ran[-1] == want, (tokens, ran)
-        # Sizes on the device: the Triton branch could not pack the batch, so CUTLASS at any size.
-        device_sized = dataclasses.replace(batch, num_rows=torch.tensor(batch.num_rows), expected_m=1)
-        assert cb.batch_rows_per_expert(device_sized) == 1 and backend.int8_kernel(device_sized) == "cutlass"
+        # Sizes on the device (a captured decode step): the dispatcher's hint decides.
+        for hint, want in ((1, "triton"), (8, "cutlass")):
+            device_sized = dataclasses.replace(batch, num_rows=torch.tensor(batch.num_rows), expected_m=hint)
+            assert cb.batch_rows_per_expert(device_sized) == hint and backend.int8_kernel(device_sized) == want
     finally:
         cb._rule.cache_clear()
 
@@ -960,8 +961,8 @@ def test_int8_crossover_script_arguments(tmp_path, capsys):
 def test_cutlass_triton_branch_runs_packed_segments(scheme_name):
     """Below the crossover a host-sized batch runs Triton on segments of exactly its rows (the
     128-row padding would cost Triton as many MMAs as real rows): the packed batch is the one the
-    unpadded layout gives, and the pass equals the Triton backend's on it, row for row. A batch
-    with device-side sizes has no packed form and runs as laid out."""
+    unpadded layout gives, and the pass equals the Triton backend's on it, row for row; a batch
+    with device-side sizes packs to its slots with spare rows, same result."""
     import sys
 
     sys.path.insert(0, os.path.dirname(__file__))
@@ -989,5 +990,14 @@ def test_cutlass_triton_branch_runs_packed_segments(scheme_name):
     got = gather_weighted(backend.run_kernel(padded, weights, torch.float32, "triton"), padded.slot_pos, w)
     want = gather_weighted(TritonBackend(scheme, accumulator=acc).run_contiguous(exact, weights, torch.float32), exact.slot_pos, w)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # Sizes on the device: packed to one row per slot (spare rows past the valid ones), no host
+    # read; the pass equals the Triton backend's on the exact layout, row for row.
     device_sized = _to_contiguous_kernels(x, None, ids, PE, backend.alignment, None, expected_m=4)
-    assert cb.packed_batch(device_sized) is None
+    small, rows = cb.packed_batch(device_sized)
+    valid = sum(exact.num_rows)
+    assert small.x.shape[0] == ids.numel() and small.expected_m == 4 and small.num_rows.tolist() == exact.num_rows
+    assert torch.equal(small.expert_offsets, exact.expert_offsets.to(torch.int32))
+    assert torch.equal(small.x[:valid], exact.x) and bool((small.m_indices[valid:] == -1).all())
+    assert bool((rows[valid:] == device_sized.x.shape[0]).all())
+    got = gather_weighted(backend.run_kernel(device_sized, weights, torch.float32, "triton"), device_sized.slot_pos, w)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -17,6 +17,7 @@ from epmoe.integrations import transformers as et  # noqa: E402
 from epmoe.quant import dequantize_weight, get_scheme, quantize_weight  # noqa: E402
 from epmoe.checkpoint.convert import convert_checkpoint  # noqa: E402
 
+import hf_reference  # noqa: E402
 import hf_worker  # noqa: E402
 from epmoe.launch import run_ranks  # noqa: E402
 
@@ -60,6 +61,20 @@ def test_logits_match_eager(family, scheme):
     assert err <= BOUNDS[scheme], f"{family} {scheme}: relative error {err:.2e} > {BOUNDS[scheme]}"
     if scheme != "bf16":
         assert err > 1e-6  # the quantized weights are really used
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "int8_channel"])
+def test_bf16_model_against_float64_with_routing_pinned(scheme):
+    """A bf16 model (the GPU test's setting; here the torch backend): each experts call within the
+    bound of a float64 reference on identical inputs, and no further from it than transformers'
+    eager experts; whole-model logits with routing pinned to the float64 model's (hf_reference)."""
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(et.tiny_config("mixtral"), dtype=torch.bfloat16).eval()
+    model.set_experts_implementation("eager")
+    ids = torch.randint(0, hf_worker.VOCAB, (4, 33), generator=torch.Generator().manual_seed(2))
+    bound = 4 * hf_reference.BF16_UNIT_ROUNDOFF if scheme == "bf16" else BOUNDS[scheme]
+    errors = hf_reference.check_against_float64(model, ids, scheme, bound, lambda m: et.enable(m, scheme, backend="torch"))
+    assert min(errors["experts"]) > 0  # the layer ran, and in bf16
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -230,3 +245,87 @@ def test_hf_generate_example_runs_and_matches_eager(tmp_path):
     )  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     assert "eager experts generate the same tokens: True" in r.stdout
+
+
+# ------------------------------------------------------------------------- host synchronisation
+class _HostReads:
+    """Counts what would make the host wait for a GPU, issued by code other than Triton's
+    interpreter, while ``active``: scalar reads (``item``, ``int``, ``bool``), ``tolist``, and the
+    ops whose output size depends on values (``nonzero``, boolean-mask indexing, ``unique``,
+    ``bincount``, ``masked_select``, ``repeat_interleave`` without ``output_size``). On CPU they
+    cost nothing, so they are found by name, not by time."""
+
+    SIZED_BY_VALUES = ("aten.nonzero.default", "aten.masked_select.default", "aten.bincount.default",
+                       "aten._unique2.default", "aten.unique_consecutive.default", "aten.unique_dim.default")  # fmt: skip
+
+    def __init__(self):
+        self.active, self.found = False, []
+
+    def _from_interpreter(self) -> bool:
+        import traceback
+
+        return any("/triton/" in f.filename for f in traceback.extract_stack()[:-3])
+
+    def note(self, what: str) -> None:
+        if self.active and not self._from_interpreter():
+            import traceback
+
+            where = next((f for f in reversed(traceback.extract_stack()[:-2]) if "/epmoe/" in f.filename or "transformers" in f.filename), None)
+            self.found.append(f"{what} at {where.filename.rsplit('/', 2)[-1]}:{where.lineno}" if where else what)
+
+    def mode(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        reads = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                name = str(func)
+                if name == "aten._local_scalar_dense.default" or name in reads.SIZED_BY_VALUES:
+                    reads.note(name)
+                elif name == "aten.index.Tensor" and any(
+                    isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1]
+                ):
+                    reads.note("boolean-mask index")
+                elif name.startswith("aten.repeat_interleave") and kwargs.get("output_size") is None:
+                    reads.note(name)
+                return func(*args, **kwargs)
+
+        return Mode()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs the Triton interpreter on CPU")  # fmt: skip
+def test_enabled_experts_forward_reads_nothing_back(monkeypatch):
+    """After ``enable`` (default ``validate``) an experts forward with the Triton backend and local
+    dispatch issues no host read: an eager decode step is not serialised per layer, and the step can
+    be captured in a CUDA graph. On CPU the layer would take its torch scatter and gather (the
+    reference path, which reads counts back); they are pointed at the Triton kernels the GPU runs,
+    under the interpreter. validate=True reads its checks back once per forward: counted too."""
+    import epmoe.layer as layer_module
+    from epmoe.layouts import _to_contiguous_kernels, kernel_permute
+
+    def scatter(x, x_scale, ids, e, alignment, padded_rows, *, expected_m=None):
+        return _to_contiguous_kernels(x, x_scale, ids, e, alignment, padded_rows, expected_m)
+
+    monkeypatch.setattr(layer_module, "to_contiguous", scatter)
+    monkeypatch.setattr(layer_module, "gather_weighted", lambda out, pos, w, dtype: kernel_permute().gather_weighted(out, pos, w.float(), dtype))
+    counts = {}
+    for validate in (None, True):
+        model, ids = _model("qwen3_moe"), _ids(batch=3, seq=1)  # a decode-sized step
+        reads = _HostReads()
+        experts = [m for _, m in et.experts_modules(model)]
+        et.enable(model, "int8_channel", backend="triton", **({} if validate is None else {"validate": validate}))
+        for m in experts:
+            m.register_forward_pre_hook(lambda *a: setattr(reads, "active", True))
+            m.register_forward_hook(lambda *a: setattr(reads, "active", False))
+        original_tolist = torch.Tensor.tolist
+        monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.note("tolist") or original_tolist(t))
+        with torch.no_grad(), reads.mode():
+            model(ids)
+        monkeypatch.setattr(torch.Tensor, "tolist", original_tolist)
+        counts[validate] = reads.found
+    assert counts[None] == [], counts[None]
+    # The counter sees the value checks' read-back, one per experts call.
+    assert len(counts[True]) == len(experts) and all("inputs.py" in f for f in counts[True]), counts[True]

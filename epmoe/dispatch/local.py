@@ -1,6 +1,14 @@
-"""Single-process dispatcher (EP = 1): every expert is local, nothing moves."""
+"""Single-process dispatcher (EP = 1): every expert is local, nothing moves.
+
+It never waits for the rows per expert: it hands over a rows-per-expert hint (``expected_m``, the
+uniform-routing mean), so a backend that keeps segment sizes on the device (``device_segments``)
+runs the batch with no host synchronisation, and a decode step can be captured in a CUDA graph;
+backends that need host-side sizes get them from the layer's count read-back as before.
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -26,6 +34,7 @@ class LocalDispatcher(Dispatcher):
             num_tokens=x.shape[0],
             topk_ids=topk_ids,
             topk_weights=topk_weights,
+            expected_m=max(1, math.ceil(topk_ids.numel() / self.cfg.num_experts)),
         )
 
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:

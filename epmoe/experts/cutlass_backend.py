@@ -21,10 +21,11 @@ GEMMs: ``int8_channel`` sums K in int32 and applies the per-token and per-channe
 epilogue (``int8_channel_contiguous_gemm.cu``); ``int8_block`` is the FP8 kernel's structure with
 int8 MMAs, each 128-wide K block summed exactly in int32 and promoted to fp32 with the product of
 the 1x128 and 128x128 scales (``int8_block_contiguous_gemm.cu``). Which GEMMs a batch runs is
-chosen by its rows per expert from measured crossovers shipped as data
-(``epmoe/configs/int8_crossover.json``, :func:`int8_rule`): the Triton backend's pass below the
-crossover (on the batch packed to its rows, :func:`packed_batch`), the CUTLASS kernels from it;
-without data for the GPU and scheme, and for batches whose sizes stayed on the device, CUTLASS.
+chosen by its rows per expert (the host counts, or the dispatcher's hint when the sizes stayed on
+the device) from measured crossovers shipped as data (``epmoe/configs/int8_crossover.json``,
+:func:`int8_rule`): the Triton backend's pass below the crossover (on the batch packed to its rows,
+:func:`packed_batch`, without a host sync either way), the CUTLASS kernels from it; without data
+for the GPU and scheme, CUTLASS.
 
 Every wrapper checks its operands in Python before the extension is loaded or reads them
 (:func:`check_operands`).
@@ -624,32 +625,42 @@ def batch_rows_per_expert(batch: ContiguousBatch) -> int:
 
 
 def host_sized(batch: ContiguousBatch) -> bool:
-    """Whether ``batch``'s rows per expert are known on the host (what :func:`packed_batch` needs)."""
+    """Whether ``batch``'s rows per expert are known on the host (:func:`packed_batch` then packs it
+    to exactly its rows)."""
     return batch.expected_m is None and not isinstance(batch.num_rows, torch.Tensor)
 
 
-def packed_batch(batch: ContiguousBatch) -> tuple[ContiguousBatch, torch.Tensor] | None:
+def packed_batch(batch: ContiguousBatch) -> tuple[ContiguousBatch, torch.Tensor]:
     """``batch`` without its padding rows, and the rows of ``batch`` that the packed rows came
-    from (``[R]`` int64 on its device), or ``None`` when the valid row count is not known on the
-    host (segment sizes on the device). No host synchronisation: the rows are found with
-    ``nonzero_static`` of that count, and the packed offsets and slot positions are computed on
-    the device (so a CUDA graph may hold it)."""
-    if not host_sized(batch):
-        return None
-    total = int(sum(batch.num_rows))
+    from (``[R]`` int64 on its device). No host synchronisation: the rows are found with
+    ``nonzero_static`` and the packed offsets and slot positions are computed on the device (so a
+    CUDA graph may hold it).
+
+    A host-sized batch packs to exactly its valid rows. A batch whose sizes stayed on the device
+    packs to one row per (token, slot) of ``slot_pos``, the most valid rows it can have: rows past
+    the valid ones are spare (``m_indices`` -1, past the packed ``expert_offsets[-1]``, its
+    ``expected_m`` kept), and their entry in the returned rows is ``batch.x.shape[0]``, one past
+    the last row of ``batch``."""
+    m = batch.m_indices.numel()
     valid = batch.m_indices >= 0
-    rows = torch.nonzero_static(valid, size=total).squeeze(1)
-    experts = batch.m_indices.index_select(0, rows).long()
-    counts = torch.zeros(batch.num_experts, dtype=torch.int64, device=rows.device)
-    counts.scatter_add_(0, experts, torch.ones_like(experts))
+    sized = host_sized(batch)
+    size = int(sum(batch.num_rows)) if sized else batch.slot_pos.numel()
+    rows = torch.nonzero_static(valid, size=size, fill_value=m).squeeze(1)
+    inside = rows.clamp(max=max(m - 1, 0))
+    experts = torch.where(rows < m, batch.m_indices.index_select(0, inside), -1).long()
+    bins = torch.where(experts >= 0, experts, batch.num_experts)  # spare rows counted in an extra bin
+    counts = torch.zeros(batch.num_experts + 1, dtype=torch.int64, device=rows.device)
+    counts.scatter_add_(0, bins, torch.ones_like(bins))
+    counts = counts[: batch.num_experts]
     offsets = torch.zeros(batch.num_experts + 1, dtype=torch.int32, device=rows.device)
     offsets[1:] = counts.cumsum(0).to(torch.int32)
     new_row = torch.cumsum(valid.to(torch.int64), 0) - 1  # packed index of each valid row
     slot = batch.slot_pos
     slot_pos = torch.where(slot >= 0, new_row.index_select(0, slot.clamp(min=0).reshape(-1)).view_as(slot), slot)
-    take = (lambda t: None if t is None else t.index_select(0, rows))  # noqa: E731
-    small = ContiguousBatch(take(batch.x), take(batch.x_scale), offsets, take(batch.m_indices), slot_pos,
-                            list(batch.num_rows))  # fmt: skip
+    take = (lambda t: None if t is None else t.index_select(0, inside))  # noqa: E731
+    num_rows = list(batch.num_rows) if sized else counts.to(torch.int32)
+    small = ContiguousBatch(take(batch.x), take(batch.x_scale), offsets, experts.to(torch.int32), slot_pos, num_rows,
+                            None if sized else batch.expected_m)  # fmt: skip
     return small, rows
 
 
@@ -753,12 +764,10 @@ class CutlassBackend(ExpertsBackend):
     def int8_kernel(self, batch: ContiguousBatch) -> str:
         """``"cutlass"`` or ``"triton"``: which GEMMs an INT8 batch runs on, by its rows per expert
         (:func:`batch_rows_per_expert`) and the measured crossover of this GPU and scheme
-        (:func:`int8_rule`; without data, CUTLASS). The crossovers are measured on host-sized
-        batches, which the Triton branch runs packed to their rows; a batch whose sizes stayed on
-        the device could only run padded there, so it takes CUTLASS. The rule is logged once per
-        GPU and scheme."""
-        if not host_sized(batch):
-            return "cutlass"
+        (:func:`int8_rule`; without data, CUTLASS). A batch whose sizes stayed on the device is
+        judged by the dispatcher's hint (a host number, fixed inside a CUDA graph), so a captured
+        decode step runs the Triton branch below the crossover as an eager one does. The rule is
+        logged once per GPU and scheme."""
         return int8_rule(batch.x.device, self.scheme.name).kernel_for(batch_rows_per_expert(batch))
 
     def run_contiguous(
@@ -782,18 +791,16 @@ class CutlassBackend(ExpertsBackend):
         return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
 
     def _triton_pass(self, batch: ContiguousBatch, weights: ExpertWeights, out_dtype: torch.dtype) -> torch.Tensor:
-        """The Triton backend's pass. A batch sized on the host runs packed to segments of exactly
-        its rows (:func:`packed_batch`: the Triton GEMMs tile any segment and would spend as many
-        MMAs on the 128-row layout's padding as on its rows), its output rows put back in their
-        padded places (padding rows hold anything); a batch whose sizes stayed on the device runs
-        as laid out."""
-        packed = packed_batch(batch)
-        if packed is None:
-            return self._triton_below_crossover.run_contiguous(batch, weights, out_dtype)
-        small, rows = packed
+        """The Triton backend's pass on the batch packed to segments of its rows
+        (:func:`packed_batch`: the Triton GEMMs tile any segment and would spend as many MMAs on
+        the 128-row layout's padding as on its rows), its output rows put back in their padded
+        places (padding rows hold anything). The packed spare rows of a batch sized on the device
+        land in one extra row past the end, dropped."""
+        small, rows = packed_batch(batch)
         out = self._triton_below_crossover.run_contiguous(small, weights, out_dtype)
-        full = torch.empty((batch.x.shape[0], out.shape[1]), dtype=out.dtype, device=out.device)
-        return full.index_copy_(0, rows, out)
+        m = batch.x.shape[0]
+        full = torch.empty((m + 1, out.shape[1]), dtype=out.dtype, device=out.device)
+        return full.index_copy_(0, rows, out)[:m]
 
     def _run_fp8(self, batch: ContiguousBatch, weights: ExpertWeights) -> torch.Tensor:
         """quantize (1x128 e4m3, unless it arrived so) -> GEMM1 -> silu(gate) * up requantized to

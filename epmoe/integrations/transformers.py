@@ -19,7 +19,7 @@ Three entries:
 * :func:`from_pretrained` here builds the model on the meta device and reads only this rank's
   experts from the checkpoint (expert parallelism under ``torchrun``).
 
-Tested with transformers 5.17.0 (:data:`TESTED_VERSIONS`). The loader uses transformers' own
+Tested with transformers 5.17.0 (GPU and CPU) and 5.24.0 (CPU) (:data:`TESTED_VERSIONS`). The loader uses transformers' own
 checkpoint key renamings (``transformers.core_model_loading.rename_source_key``), an internal API.
 """
 
@@ -52,9 +52,18 @@ log = logging.getLogger("epmoe")
 
 IMPLEMENTATION = "epmoe"
 """The name under which the experts forward is registered in transformers' ExpertsInterface."""
-TESTED_VERSIONS = ("5.17.0",)
+TESTED_VERSIONS = ("5.17.0", "5.24.0")
 LAYER_ATTR = "epmoe_layer"
 """The submodule of an experts module that holds its DeepEPMoELayer once converted."""
+VALIDATE_DEFAULT = False
+"""The layers' ``validate`` unless the caller passes one. The layer's per-batch value checks (ids in
+range, finite weights) cost a host synchronisation per MoE layer and forward, which serialises an
+eager decode step and forbids CUDA-graph capture; here they check what the model's own router
+guarantees: its ids are a top-k over the model's ``E`` experts (the layer is built with that ``E``,
+from the module's weights, at enable time), and its weights are finite unless the hidden states
+are not, in which case the token's output is non-finite as in the eager model (never a plausible
+wrong value). The shape, dtype and device checks still run on every forward (host-only, no sync).
+Pass ``validate=True`` to have the value checks too."""
 _SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv")
 _SINGLE_FILE = "model.safetensors"
 
@@ -168,7 +177,8 @@ def build_layer(module: nn.Module, quant: str = "bf16", group=None, *, device=No
         device: where the layer lives (default: where the module's weights are; required when
             they are on the meta device).
         **layer_kwargs: more ``DeepEPMoELayer`` arguments (``backend``, ``dispatch``,
-            ``accumulator``, ``validate``, ...).
+            ``accumulator``, ...). ``validate`` defaults to ``False`` here (see
+            :data:`VALIDATE_DEFAULT`).
 
     Returns:
         The layer, its weights not loaded (NaN): :func:`load_module_experts` fills them.
@@ -185,6 +195,7 @@ def build_layer(module: nn.Module, quant: str = "bf16", group=None, *, device=No
             raise ValueError(f"{type(module).__name__} is on the meta device: pass device=")
         device = w13.device
     kwargs = dict(layer_kwargs)
+    kwargs.setdefault("validate", VALIDATE_DEFAULT)
     if not get_scheme(quant).quantized:
         kwargs.setdefault("params_dtype", w13.dtype)
     return DeepEPMoELayer(e, _top_k(module), h, i, quant=quant, group=group, device=device, **kwargs)
@@ -276,7 +287,8 @@ def enable(model: nn.Module, quant: str = "bf16", group=None, **layer_kwargs) ->
         group: process group of expert parallelism (``None``: the default group when one is
             initialized, else one process). Every rank runs the whole model on its own batch.
         **layer_kwargs: more ``DeepEPMoELayer`` arguments (``backend``, ``dispatch``,
-            ``accumulator``, ``validate``, ...); routing arguments have no effect here.
+            ``accumulator``, ...; ``validate`` defaults to ``False``, :data:`VALIDATE_DEFAULT`);
+            routing arguments have no effect here.
 
     Returns:
         ``model``, converted in place.

@@ -723,7 +723,8 @@ def test_layer_cutlass_int8_block_local(monkeypatch):
 def test_cutlass_int8_triton_branch_packed_and_capturable(scheme_name):
     """The branch below the crossover: the Triton pass on the batch packed to its rows equals the
     Triton backend's on the unpadded layout, and runs inside a CUDA graph (no host sync), as the
-    crossover benchmark times it for small batches."""
+    crossover benchmark times it for small batches; so does a batch whose sizes stayed on the
+    device."""
     from cases import make_case
     from epmoe.experts import cutlass_backend as cb
     from epmoe.experts.base import ExpertWeights
@@ -753,3 +754,16 @@ def test_cutlass_int8_triton_branch_packed_and_capturable(scheme_name):
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(gather_weighted(captured, padded.slot_pos, w), gather_weighted(got, padded.slot_pos, w), rtol=0, atol=0)
+    # Sizes on the device (local dispatch, a captured decode step): packed to its slots, same rows.
+    device_sized = to_contiguous(x, None, ids, LE, 128, expected_m=2)
+    reference = gather_weighted(want, exact.slot_pos, w)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        eager = backend.run_kernel(device_sized, weights, torch.bfloat16, "triton")
+        with torch.cuda.graph(graph, stream=stream):
+            captured = backend.run_kernel(device_sized, weights, torch.bfloat16, "triton")
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    for out in (eager, captured):
+        torch.testing.assert_close(gather_weighted(out, device_sized.slot_pos, w), reference, rtol=0, atol=0)
