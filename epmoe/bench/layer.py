@@ -61,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser, standard: bool = True, schemes: tu
     p.add_argument("--json", default=None, help="write results here")
     if standard:
         p.add_argument("--plot", default=None, help="write a PNG of the phases here (needs the 'plot' extra)")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds both ranks together may take")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds all ranks together may take")
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace,
