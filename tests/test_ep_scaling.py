@@ -245,3 +245,26 @@ def test_tests_part_runs_pytest_with_the_rank_count(tmp_path):
     if not torch.cuda.is_available():
         assert got["counts"]["skipped"] == len(got["cases"]) > 0
         assert all("needs 8 CUDA GPUs" in c["message"] for c in got["cases"]), got["cases"]
+
+
+def test_run_writes_one_json_with_every_part_and_fails_on_a_failed_test(tmp_path, monkeypatch, capsys):
+    """``run`` with the GPU pieces replaced: the JSON holds the header, the tests part and the
+    layer part with its summary; a failed test makes the exit code 1, and the table is printed."""
+    ranks = _ranks(4, {"bf16": [8.0] * 4, "int8_channel": [4.0] * 4})
+    monkeypatch.setattr(es, "machine", lambda n: {"gpu_names": ["NVIDIA H200"] * n})
+    monkeypatch.setattr(es.bench_layer, "launch", lambda fn, args, what, world: (ranks, 0))
+    counts = dict(passed=3, failed=0, error=0, skipped=0)
+    monkeypatch.setattr(es, "run_tests", lambda n, t, d: dict(returncode=0, error=None, cases=[], counts=dict(counts)))
+    out = tmp_path / "r" / "s.json"
+    p = es.build_parser()
+    args = es.check_args(p, p.parse_args(["--gpus", "4", "--json", str(out), "--commit", "given"]))
+    assert es.run(args) == 0
+    doc = json.loads(out.read_text())
+    assert doc["kind"] == "ep_scaling" and doc["gpus"] == 4 and doc["parts"] == ["tests", "layer"]
+    assert doc["commit"] and doc["date"] and doc["config"]["local_experts"] == 64
+    assert doc["redundant_experts"].startswith("not implemented")
+    assert doc["summary"]["prefill"]["int8_channel"]["x_bf16"] == pytest.approx(2.0)
+    assert len(doc["layer"]["ranks"]) == 4 and doc["tests"]["counts"] == counts
+    assert "| 4 | prefill (4096 tokens/rank) | int8_channel |" in capsys.readouterr().out
+    counts["failed"] = 1
+    assert es.run(args) == 1
