@@ -34,8 +34,7 @@ import torch
 from epmoe import timing
 from epmoe.bench.experts import bf16_grouped_mm_pass
 from epmoe.bench.layer import (
-    E, H, I, K, WORLD, add_arguments, bench_phases, build_layers, check_args, interleaved, launch, rank_setup,
-    write_json,
+    E, H, I, K, add_arguments, bench_phases, build_layers, check_args, interleaved, launch, rank_setup, write_json,
 )  # fmt: skip
 
 DC_ROUNDS = 4
@@ -129,7 +128,7 @@ def _deepep_raw(owner, layer, x_in, ids, w, mode, iters, warmup, device):
     xb = x_in.to(torch.bfloat16).contiguous()
     use_fp8 = layer.dispatcher.cfg.low_latency_payload == "fp8_group"
     plan = owner.plan
-    y = _combine_input(cache, (E // WORLD, plan.ll_max_tokens * WORLD, H), device)
+    y = _combine_input(cache, (layer.num_local_experts, plan.ll_max_tokens * layer.world_size, H), device)
     times = time_both(
         lambda: buf.low_latency_dispatch(xb, ids, plan.ll_max_tokens, E, use_fp8=use_fp8)[2],
         lambda handle: buf.low_latency_combine(y, ids, w, handle), iters, warmup, device,
@@ -150,6 +149,24 @@ def _layer_dc(layer, x_in, ids, w, iters, warmup, device):
         between=lambda d: (_combine_input(cache, (*d.x.shape[:-1], H), device), d),
     )  # fmt: skip
     return times
+
+
+def dc_comparison(owner, layer, x, ids, w, mode, iters, warmup, device) -> dict:
+    """DeepEP's own dispatch + combine (:func:`_deepep_raw`) against the layer dispatcher's
+    (:func:`_layer_dc`) on the same batch, ``DC_ROUNDS`` rounds alternating which side runs
+    first (neither always meets a warmer GPU), medians: ``{"deepep_ms": {...}, "layer_dc_ms":
+    {...}, "<phase>_overhead_pct": ...}`` (every rank must call it: both sides are collectives)."""
+    rounds = []
+    for i in range(DC_ROUNDS):
+        sides = [lambda: _deepep_raw(owner, layer, x, ids, w, mode, iters, warmup, device),
+                 lambda: _layer_dc(layer, x, ids, w, iters, warmup, device)]  # fmt: skip
+        order = (0, 1) if i % 2 == 0 else (1, 0)
+        got = {side: sides[side]() for side in order}
+        rounds.append((got[0], got[1]))
+    keys = ("dispatch_ms", "combine_ms", "dispatch_host_us", "combine_host_us",
+            "dispatch_pipelined_ms", "combine_pipelined_ms")  # fmt: skip
+    raw, ours = ({k: statistics.median(r[side][k] for r in rounds) for k in keys} for side in (0, 1))
+    return dict(deepep_ms=raw, layer_dc_ms=ours, **_overheads(raw, ours))
 
 
 def _overheads(raw: dict, ours: dict) -> dict:
@@ -241,7 +258,8 @@ def _graph_dc(owner, layer, x_in, ids, w, iters, device):
         buf, plan = owner.get(), owner.plan
         use_fp8 = layer.dispatcher.cfg.low_latency_payload == "fp8_group"
         xb = x_in.to(torch.bfloat16).contiguous()
-        y = torch.zeros(E // WORLD, plan.ll_max_tokens * WORLD, H, dtype=torch.bfloat16, device=device)
+        y = torch.zeros(layer.num_local_experts, plan.ll_max_tokens * layer.world_size, H, dtype=torch.bfloat16,
+                        device=device)  # fmt: skip
 
         def raw():
             _, _, handle, _, _ = buf.low_latency_dispatch(xb, ids, plan.ll_max_tokens, E, use_fp8=use_fp8)
@@ -278,8 +296,8 @@ def _ll_int8_study(owner, x, ids, device, iters, warmup):
 
     if owner.clean_low_latency():
         timing.barrier(device)
-    buf, plan = owner.get(), owner.plan
-    hint = expected_rows_per_expert(x.shape[0], WORLD, K, E)  # what the layer's backend is given
+    buf, plan, world = owner.get(), owner.plan, owner.world_size
+    hint = expected_rows_per_expert(x.shape[0], world, K, E)  # what the layer's backend is given
     out = {}
     recv = {}
     for wire in ("bf16", "fp8"):
@@ -313,7 +331,7 @@ def _ll_int8_study(owner, x, ids, device, iters, warmup):
                 src = handle[0][e, :c].long()
                 rng = handle[1][e]
                 src_rank = torch.empty(c, dtype=torch.long, device=device)
-                for j in range(WORLD):
+                for j in range(world):
                     begin, n = int(rng[j]) >> 32, int(rng[j]) & 0xFFFFFFFF
                     src_rank[begin : begin + n] = j
                 order = torch.argsort(src_rank * 1_000_000 + src)
@@ -343,19 +361,7 @@ def _rank_main(rank, world, port, args):
         for phase, mode, layer, (x, ids, w) in bench_phases(layers, batches):
             row = dict(backend=layer.backend.name, dispatcher=layer.dispatcher.name, payload=layer.payload)
             ref = layer(x, topk_ids=ids, topk_weights=w)
-            # Alternating rounds, medians: neither side always runs first on a warmer GPU.
-            rounds = []
-            for i in range(DC_ROUNDS):
-                sides = [lambda: _deepep_raw(owner, layer, x, ids, w, mode, args.iters, args.warmup, device),
-                         lambda: _layer_dc(layer, x, ids, w, args.iters, args.warmup, device)]  # fmt: skip
-                order = (0, 1) if i % 2 == 0 else (1, 0)
-                got = {side: sides[side]() for side in order}
-                rounds.append((got[0], got[1]))
-            keys = ("dispatch_ms", "combine_ms", "dispatch_host_us", "combine_host_us",
-                    "dispatch_pipelined_ms", "combine_pipelined_ms")  # fmt: skip
-            raw, ours = ({k: statistics.median(r[side][k] for r in rounds) for k in keys} for side in (0, 1))
-            row["deepep_ms"], row["layer_dc_ms"] = raw, ours
-            row.update(_overheads(raw, ours))
+            row.update(dc_comparison(owner, layer, x, ids, w, mode, args.iters, args.warmup, device))
             if mode == "normal":
                 row["no_host_sync"] = _no_host_sync(layer, layers["bounded"], x, ids, w, ref, args.iters,
                                                     args.warmup, device)  # fmt: skip

@@ -18,7 +18,7 @@ from cases import CASE_NAMES, make_case
 from epmoe.launch import init_process_group
 from epmoe.layer import DeepEPMoELayer
 from epmoe.quant import get_scheme
-from helpers import make_weights
+from helpers import SCHEME_NAMES, make_weights
 from reference import moe_reference, rel_err
 
 E, K, H, I = 16, 4, 256, 128
@@ -41,34 +41,45 @@ def emulated_tolerance(scheme: str, dtype: torch.dtype, backend: str) -> float:
     return 3e-2 if scheme == "fp8_block" and backend in ("deepgemm", "cutlass") else 1.5e-2
 
 
-def run_suite(rank, world, port, device_type, schemes, dispatch, backend, out_path):
-    """Runs every (scheme, case); writes one JSON line per result to ``out_path.<rank>``."""
+def suite_plan(schemes=SCHEME_NAMES, dispatch="all_to_all", backend="torch", cases=CASE_NAMES, shape=(E, K, H, I)):
+    """One part of a :func:`run_suite` launch: every (scheme, case) on a layer of ``shape``
+    (experts, top-k, hidden, intermediate) built with ``dispatch`` and ``backend``."""
+    return dict(schemes=tuple(schemes), dispatch=dispatch, backend=backend, cases=tuple(cases), shape=tuple(shape))
+
+
+def run_suite(rank, world, port, device_type, plans, out_path):
+    """Runs every :func:`suite_plan` of ``plans`` in one process group (spawning ranks costs more
+    than a tiny case on a small CPU); writes one JSON line per result, tagged with its plan's
+    index, to ``out_path.<rank>``."""
     device = init(rank, world, port, device_type)
+    dtype = torch.float32 if device_type == "cpu" else torch.bfloat16
     results = []
     try:
-        for scheme in schemes:
-            dtype = torch.float32 if device_type == "cpu" else torch.bfloat16
-            layer = DeepEPMoELayer(
-                E, K, H, I, quant=scheme, backend=backend, dispatch=dispatch, device=device,
-                params_dtype=dtype, timeout_s=60,
-            )  # fmt: skip
-            stored, (w13, w2) = make_weights(E, H, I, scheme)
-            layer.load_experts(*[None if t is None else t.to(device) for t in stored])
-            _, (f13, f2) = make_weights(E, H, I, "bf16")
-            for case in CASE_NAMES:
-                x, ids, w = make_case(case, rank, E, K, H)
-                xin = x.to(device, dtype)
-                out = layer(xin, topk_ids=ids.to(device), topk_weights=w.to(device))
-                row = dict(rank=rank, scheme=scheme, case=case, tokens=x.shape[0],
-                           backend=layer.backend.name, dispatch=layer.dispatcher.name,
-                           shape_ok=tuple(out.shape) == tuple(x.shape) and out.dtype == dtype)  # fmt: skip
-                if x.shape[0]:
-                    xr = xin.float().cpu()
-                    row["err_emulated"] = rel_err(out.cpu(), moe_reference(xr, ids, w, w13, w2, scheme))
-                    row["err_exact"] = rel_err(out.cpu(), moe_reference(xr, ids, w, f13, f2))
-                    row["bound"] = get_scheme(scheme).rel_error_bound
-                    row["tol_emulated"] = emulated_tolerance(scheme, dtype, layer.backend.name)
-                results.append(row)
+        for index, plan in enumerate(plans):
+            experts, top_k, hidden, inter = plan["shape"]
+            backend = plan["backend"]
+            for scheme in plan["schemes"]:
+                layer = DeepEPMoELayer(
+                    experts, top_k, hidden, inter, quant=scheme, backend=backend, dispatch=plan["dispatch"],
+                    device=device, params_dtype=dtype, timeout_s=60,
+                )  # fmt: skip
+                stored, (w13, w2) = make_weights(experts, hidden, inter, scheme)
+                layer.load_experts(*[None if t is None else t.to(device) for t in stored])
+                _, (f13, f2) = make_weights(experts, hidden, inter, "bf16")
+                for case in plan["cases"]:
+                    x, ids, w = make_case(case, rank, experts, top_k, hidden)
+                    xin = x.to(device, dtype)
+                    out = layer(xin, topk_ids=ids.to(device), topk_weights=w.to(device))
+                    row = dict(plan=index, rank=rank, scheme=scheme, case=case, tokens=x.shape[0],
+                               backend=layer.backend.name, dispatch=layer.dispatcher.name,
+                               shape_ok=tuple(out.shape) == tuple(x.shape) and out.dtype == dtype)  # fmt: skip
+                    if x.shape[0]:
+                        xr = xin.float().cpu()
+                        row["err_emulated"] = rel_err(out.cpu(), moe_reference(xr, ids, w, w13, w2, scheme))
+                        row["err_exact"] = rel_err(out.cpu(), moe_reference(xr, ids, w, f13, f2))
+                        row["bound"] = get_scheme(scheme).rel_error_bound
+                        row["tol_emulated"] = emulated_tolerance(scheme, dtype, layer.backend.name)
+                    results.append(row)
     except Exception:
         results.append(dict(rank=rank, error=traceback.format_exc()))
         raise

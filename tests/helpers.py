@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from epmoe.quant import dequantize_weight, get_scheme, quantize_weight
 
 SCHEME_NAMES = ("bf16", "int8_channel", "int8_block", "fp8_block")
+
+GPU_WORLD_ENV = "EPMOE_TEST_GPUS"
+"""Ranks of the multi-GPU EP tests (tests/gpu/test_ep_nccl.py, test_deepep.py); default 2.
+``benchmarks/ep_scaling.py --gpus N`` runs them with it set to N."""
+
+
+def gpu_world_size() -> int:
+    """The multi-GPU EP tests' rank count from ``EPMOE_TEST_GPUS`` (an integer >= 2; default 2)."""
+    raw = os.environ.get(GPU_WORLD_ENV, "2")
+    try:
+        world = int(raw)
+    except ValueError:
+        world = 0
+    if world < 2:
+        raise ValueError(f"{GPU_WORLD_ENV}={raw!r}; allowed: an integer >= 2 (ranks, one GPU each)")
+    return world
 
 
 def make_weights(num_experts: int, hidden: int, inter: int, scheme: str, seed: int = 0):

@@ -90,3 +90,17 @@ def test_experts_is_stacked_only_without_its_stages():
     assert experts == [0.0, 3.0]
     tops = [b[-1] + v[-1] for _, v, b, _ in segments]
     assert tops[-1] == pytest.approx(3.7)
+
+
+@pytest.mark.parametrize("world, normal, low_latency", [(2, (1, 1), (6, 2)), (4, (3, 1), (7, 1)), (8, (4, 0), (8, 0))])
+def test_bytes_sent_counts_rows_per_destination_rank(world, normal, low_latency):
+    """One token's 8 experts seen from rank 1 (remote rows, local rows): normal mode sends one row
+    per destination rank, low-latency one per expert. At 4 ranks they sit on ranks 0, 1, 2, 3
+    and four more on 0; at 8 on ranks 0, 2, 4, 6 (none local); at 2 six on rank 0."""
+    import torch
+
+    ids = torch.tensor([[0, 65, 130, 195, 1, 2, 3, 4]])
+    for mode, (remote, local) in (("normal", normal), ("low_latency", low_latency)):
+        got = bench_layer.bytes_sent(ids, 1, 100, mode, world)
+        assert (got["rows_remote"], got["rows_local"]) == (remote, local), (world, mode, got)
+        assert got["combine_remote"] == remote * bench_layer.H * 2

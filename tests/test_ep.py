@@ -1,27 +1,39 @@
-"""Expert parallelism over gloo with EP in {1, 2, 4}: each rank matches a float64 reference."""
+"""Expert parallelism over gloo with EP in {1, 2, 4, 8}: each rank matches a float64 reference."""
 
 import json
 
 import pytest
 
 import ep_worker
+from ep_worker import suite_plan
 from epmoe.launch import run_ranks as launch_ranks
 from helpers import SCHEME_NAMES
 
 
-def run_ranks(world, tmp_path, schemes=SCHEME_NAMES, dispatch="all_to_all", device="cpu", backend="torch"):
+def run_plans(world, tmp_path, plans, device="cpu") -> list[list[dict]]:
+    """The rows of each :func:`ep_worker.suite_plan` of ``plans``, all run in one launch."""
     out = str(tmp_path / "res")
-    launch_ranks(ep_worker.run_suite, world, device, schemes, dispatch, backend, out)
+    launch_ranks(ep_worker.run_suite, world, device, plans, out)
     rows = []
     for r in range(world):
         with open(f"{out}.{r}") as f:
             rows += [json.loads(line) for line in f]
-    return rows
+    assert not [r for r in rows if "error" in r]
+    return [[r for r in rows if r["plan"] == i] for i in range(len(plans))]
 
 
-def check(rows, world, dispatch):
+def run_ranks(world, tmp_path, schemes=SCHEME_NAMES, dispatch="all_to_all", device="cpu", backend="torch"):
+    return run_plans(world, tmp_path, [suite_plan(schemes, dispatch, backend)], device)[0]
+
+
+def check(rows, world, dispatch, plan=None):
+    """Every row matches its references; with ``plan``: every rank ran each of its (scheme,
+    case) pairs."""
     assert not [r for r in rows if "error" in r]
     assert {r["rank"] for r in rows} == set(range(world))
+    if plan is not None:
+        got = sorted((r["rank"], r["scheme"], r["case"]) for r in rows)
+        assert got == sorted((k, s, c) for k in range(world) for s in plan["schemes"] for c in plan["cases"])
     for r in rows:
         assert r["shape_ok"], r
         assert r["dispatch"] == dispatch
@@ -29,13 +41,27 @@ def check(rows, world, dispatch):
             assert r["err_emulated"] < r["tol_emulated"], r
             assert r["err_exact"] < r["bound"], r
     # The case that starves a rank really ran with zero tokens there.
-    if world > 1:
+    if world > 1 and any(r["case"] == "no_tokens" for r in rows):
         assert any(r["case"] == "no_tokens" and r["tokens"] == 0 for r in rows)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_all_to_all_matches_reference(world, tmp_path):
-    check(run_ranks(world, tmp_path), world, "all_to_all")
+    plan = suite_plan()
+    check(run_plans(world, tmp_path, [plan])[0], world, "all_to_all", plan)
+
+
+def test_eight_ranks_torch_and_triton_interpreter(tmp_path):
+    """EP = 8, a DeepSeek node's group (2 local experts each here, most of a token's experts on
+    other ranks): every scheme and routing case on the torch backend, then the Triton backend
+    (its interpreter on a CPU) on a tiny shape for one case, int8_block's 128-wide blocks and
+    E_loc = 2 segments included. One launch: 8 spawned ranks cost more than the cases."""
+    full = suite_plan()
+    tiny = suite_plan(("int8_block",), backend="triton", cases=("random",), shape=(16, 2, 128, 128))
+    torch_rows, triton_rows = run_plans(8, tmp_path, [full, tiny])
+    check(torch_rows, 8, "all_to_all", full)
+    check(triton_rows, 8, "all_to_all", tiny)
+    assert {r["backend"] for r in torch_rows} == {"torch"} and {r["backend"] for r in triton_rows} == {"triton"}
 
 
 def test_ep1_in_a_process_group(tmp_path):

@@ -1,7 +1,9 @@
 """``epmoe bench layer``: the EP layer over DeepEP on 2 GPUs at DeepSeek-V3 shapes.
 
 Two ranks (:func:`epmoe.launch.run_ranks`, NCCL), 256 experts, top-8, H = 7168, I = 2048 (128
-experts per rank), one shared :class:`~epmoe.dispatch.DeepEPBuffer`:
+experts per rank), one shared :class:`~epmoe.dispatch.DeepEPBuffer`. The pieces below take the
+rank count from the process group (``benchmarks/ep_scaling.py`` runs them on 2, 4 or 8 ranks);
+the command itself runs on 2:
 
 * prefill: 4096 tokens per rank, ``deepep_normal``; decode: 128 tokens per rank,
   ``deepep_low_latency``; schemes bf16, int8_channel (fp32 and int32 accumulator), int8_block
@@ -40,12 +42,15 @@ backend places them (Triton), so a stacked plot draws it only where they are mis
 EXPERT_STAGES = ("quantize", "gemm1", "activation", "gemm2")
 
 
-def add_arguments(p: argparse.ArgumentParser, standard: bool = True) -> None:
+def add_arguments(p: argparse.ArgumentParser, standard: bool = True, schemes: tuple[str, ...] = SCHEMES,
+                  default_schemes: tuple[str, ...] | None = None) -> None:  # fmt: skip
     """The options of ``epmoe bench layer`` (torch-free: ``--help`` imports nothing heavy);
-    ``standard=False``: those of the layer studies (no ``--rounds``, no ``--plot``)."""
+    ``standard=False``: those of the layer studies (no ``--rounds``, no ``--plot``). ``schemes``:
+    what ``--schemes`` may name, ``default_schemes`` its default (all of ``schemes``)."""
     p.add_argument("--prefill-tokens", type=int, default=4096, help="tokens per rank of the prefill batch")
     p.add_argument("--decode-tokens", type=int, default=128, help="tokens per rank of the decode batch")
-    p.add_argument("--schemes", default=",".join(SCHEMES), help=f"comma-separated subset of {','.join(SCHEMES)}")
+    p.add_argument("--schemes", default=",".join(default_schemes or schemes),
+                   help=f"comma-separated subset of {','.join(schemes)}")  # fmt: skip
     p.add_argument("--backend", default="auto", help="experts backend of every layer (as DeepEPMoELayer(backend=))")
     p.add_argument("--iters", type=int, default=10, help="timed iterations (the same on every rank)")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations before each timing")
@@ -56,10 +61,11 @@ def add_arguments(p: argparse.ArgumentParser, standard: bool = True) -> None:
     p.add_argument("--json", default=None, help="write results here")
     if standard:
         p.add_argument("--plot", default=None, help="write a PNG of the phases here (needs the 'plot' extra)")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds both ranks together may take")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds all ranks together may take")
 
 
-def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace,
+               schemes: tuple[str, ...] = SCHEMES) -> argparse.Namespace:  # fmt: skip
     from epmoe.dispatch.deepep_dispatch.sizing import check_num_sms
 
     from .plotting import check_plot
@@ -69,9 +75,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
         check_num_sms(args.num_sms)
     except ValueError as exc:
         p.error(f"--num-sms: {exc}")
-    bad = [s for s in args.schemes.split(",") if s not in SCHEMES]
+    bad = [s for s in args.schemes.split(",") if s not in schemes]
     if bad:
-        p.error(f"--schemes {bad} unknown; allowed: {list(SCHEMES)}")
+        p.error(f"--schemes {bad} unknown; allowed: {list(schemes)}")
     for name, least in (("iters", 1), ("warmup", 0), ("rounds", 0), ("prefill_tokens", 1), ("decode_tokens", 1)):
         if getattr(args, name, least) < least:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)}; must be >= {least}")
@@ -153,20 +159,20 @@ def open_buffer(args, world):
     return owner
 
 
-def bytes_sent(ids, rank, payload_row_bytes, mode):
-    """Bytes this rank sends: dispatch (payload rows + metadata) and, for the combine, the BF16
-    rows that come back; split into remote (other ranks) and local (this rank)."""
+def bytes_sent(ids, rank, payload_row_bytes, mode, world=WORLD):
+    """Bytes this rank sends to the ``world`` ranks: dispatch (payload rows + metadata) and, for
+    the combine, the BF16 rows that come back; split into remote (other ranks) and local (this rank)."""
     import torch
 
-    e_loc = E // WORLD
+    e_loc = E // world
     dest = ids // e_loc  # [T, K]
     if mode == "normal":  # one row per (token, destination rank), top-k ids + weights with it
-        on = torch.zeros(ids.shape[0], WORLD, dtype=torch.bool, device=ids.device)
+        on = torch.zeros(ids.shape[0], world, dtype=torch.bool, device=ids.device)
         on.scatter_(1, dest, True)
         per_rank = on.sum(0).tolist()
         meta = K * (8 + 4)
     else:  # low-latency: one message per (token, selected expert), 16-byte header
-        per_rank = torch.bincount(dest.reshape(-1), minlength=WORLD).tolist()
+        per_rank = torch.bincount(dest.reshape(-1), minlength=world).tolist()
         meta = 16
     row = payload_row_bytes + meta
     remote = sum(c for r, c in enumerate(per_rank) if r != rank)
@@ -217,20 +223,39 @@ def bench_phases(layers: dict, batches: dict):
     yield "decode", "low_latency", layers["low_latency"], batches["decode"]
 
 
-def _rank_main(rank, world, port, args):
+def measure(rank, args, device, owner, batches, *, accept=None, extra=None) -> dict:
+    """Every scheme of ``args.schemes`` on this rank: the whole layer, its phases and bytes per
+    phase, then (``args.rounds``) the schemes in turns. Every rank calls it with the same
+    arguments (the forwards are collectives).
+
+    Args:
+        accept: ``(scheme, layers) -> reason or None``: a reason skips the scheme (recorded under
+            ``skipped``); it must give the same answer on every rank.
+        extra: ``(scheme, phase, mode, layer, (x, ids, w)) -> dict`` merged into each row (more
+            measurements on the same layer and batch).
+
+    Returns:
+        ``{"rank", "world_size", "schemes": {scheme: {phase: row}}, "skipped": {scheme: reason},
+        "interleaved": ...}``.
+    """
     import torch
     import torch.distributed as dist
 
     from epmoe import timing
 
-    t0 = time.time()
-    device, owner, batches = rank_setup(rank, world, port, args)
     (xp, idp, wp), (xd, idd, wd) = batches["prefill"], batches["decode"]
-    res: dict = dict(rank=rank, schemes={})
+    world = dist.get_world_size()
+    res: dict = dict(rank=rank, world_size=world, schemes={}, skipped={})
     turns: dict[str, dict] = {"prefill": {}, "decode": {}}  # per phase, scheme -> one forward
     try:  # a failing rank raises: the launcher ends its peer, which may wait in a collective
         for scheme in args.schemes.split(","):
             layers = build_layers(scheme, args, owner, device)
+            reason = accept(scheme, layers) if accept else None
+            if reason:
+                res["skipped"][scheme] = reason
+                del layers
+                torch.cuda.empty_cache()
+                continue
             entry = {}
             for phase, mode, layer, (x, ids, w) in bench_phases(layers, batches):
                 row = dict(backend=layer.backend.name, dispatcher=layer.dispatcher.name, payload=layer.payload,
@@ -241,22 +266,35 @@ def _rank_main(rank, world, port, args):
                 row["tokens_per_s"] = x.shape[0] / row["layer_ms"] * 1e3
                 row["phases_ms"] = timing.profile_phases(forward, args.iters, args.warmup, device)
                 row["output_abs_sum"] = float(ref.float().abs().sum())  # compares runs and configs
-                row["bytes"] = bytes_sent(ids, rank, payload_row_bytes(layer.payload), mode)
+                row["bytes"] = bytes_sent(ids, rank, payload_row_bytes(layer.payload), mode, world)
+                if extra:
+                    row.update(extra(scheme, phase, mode, layer, (x, ids, w)))
                 entry[phase] = row
             res["schemes"][scheme] = entry
             if args.rounds:
                 # Kept for the comparison under the same load below: every scheme's weights stay
-                # on the GPU until then (~11 GB BF16 + ~5.6 GB per INT8 scheme per rank here).
+                # on the GPU until then (~11 GB BF16 + ~5.6 GB per INT8 scheme per rank on 2 ranks).
                 lb, ll = layers["bounded"], layers["low_latency"]
                 turns["prefill"][scheme] = lambda lay=lb: lay(xp, topk_ids=idp, topk_weights=wp)
                 turns["decode"][scheme] = lambda lay=ll: lay(xd, topk_ids=idd, topk_weights=wd)
             del layers
             torch.cuda.empty_cache()
-        if args.rounds:
+        if args.rounds and res["schemes"]:
             res["interleaved"] = {phase: interleaved(fns, args.iters, args.warmup, args.rounds, device)
                                   for phase, fns in turns.items()}  # fmt: skip
     finally:
         turns.clear()
+    return res
+
+
+def _rank_main(rank, world, port, args):
+    import torch.distributed as dist
+
+    from epmoe import timing
+
+    t0 = time.time()
+    device, owner, batches = rank_setup(rank, world, port, args)
+    res = measure(rank, args, device, owner, batches)
     res["rank_seconds"] = time.time() - t0
     timing.barrier(device)
     owner.close()
@@ -270,7 +308,7 @@ def _summary(ranks, args):
 
     r0 = ranks[0]
     out = dict(
-        config=dict(num_experts=E, top_k=K, hidden=H, intermediate=I, world_size=WORLD,
+        config=dict(num_experts=E, top_k=K, hidden=H, intermediate=I, world_size=len(ranks),
                     prefill_tokens=args.prefill_tokens, decode_tokens=args.decode_tokens,
                     iters=args.iters, warmup=args.warmup, rounds=args.rounds,
                     backend_requested=args.backend, deepep_normal_num_sms=args.num_sms,
@@ -366,18 +404,18 @@ def _plot(summary, path):
     fig.savefig(path, dpi=120)
 
 
-def launch(rank_main, args: argparse.Namespace, what: str) -> tuple[list | None, int]:
-    """``rank_main`` on both GPUs: ``(per-rank results, 0)``, or ``(None, exit code)`` after
+def launch(rank_main, args: argparse.Namespace, what: str, world: int = WORLD) -> tuple[list | None, int]:
+    """``rank_main`` on ``world`` GPUs: ``(per-rank results, 0)``, or ``(None, exit code)`` after
     saying on stderr why not (too few GPUs: 2; a rank failed or timed out: 1)."""
     import torch
 
     from epmoe.launch import RankError, run_ranks
 
-    if not torch.cuda.is_available() or torch.cuda.device_count() < WORLD:
-        print(f"{what} needs {WORLD} CUDA GPUs", file=sys.stderr)
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        print(f"{what} needs {world} CUDA GPUs", file=sys.stderr)
         return None, 2
     try:
-        return run_ranks(rank_main, WORLD, args, timeout_s=args.timeout), 0
+        return run_ranks(rank_main, world, args, timeout_s=args.timeout), 0
     except (RankError, TimeoutError) as exc:
         print(f"{what} failed: {exc}", file=sys.stderr)
         return None, 1

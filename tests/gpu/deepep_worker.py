@@ -29,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/ (cases, helpers, reference)
 
 from cases import CASE_NAMES, make_case  # noqa: E402
-from helpers import make_weights  # noqa: E402
+from helpers import gpu_world_size, make_weights  # noqa: E402
 from reference import moe_reference, rel_err  # noqa: E402
 
 from epmoe.dispatch.deepep_dispatch import DeepEPBuffer  # noqa: E402
@@ -41,7 +41,15 @@ from epmoe.quant import get_scheme  # noqa: E402
 from epmoe.routing import select_experts  # noqa: E402
 
 E, K, H, I = 16, 4, 2048, 256
-CAP = 64  # low-latency capacity: covers the largest case (43 tokens on rank 1)
+
+
+def _capacity(world: int) -> int:
+    """Low-latency capacity: 64, or more where a routing case of some rank is larger (the random
+    case grows with the rank: 43 tokens on rank 1, 79 on rank 7)."""
+    return max(64, *(make_case(c, r, E, K, H)[0].shape[0] for c in CASE_NAMES for r in range(world)))
+
+
+CAP = _capacity(gpu_world_size())
 TOL_EMULATED = 1.5e-2  # bf16 outputs and bf16 round trips (as tests/ep_worker.py)
 # FP8 backends keep GEMM1's output in bf16 before the e4m3 requantization: a 2^-9 nudge flips
 # ~3% of the e4m3 codes (one 2^-4 step each), about 2% on the output.
@@ -90,6 +98,9 @@ def _compare(out, x, ids, w, scheme, weights, exact):
 
 
 def run_all(rank, world, port, dispatches, schemes, backends, out_path):
+    if _capacity(world) > CAP:
+        raise ValueError(f"{world} ranks need a low-latency capacity of {_capacity(world)}, this worker has "
+                         f"{CAP}: launch it with EPMOE_TEST_GPUS={world}")  # fmt: skip
     device = _init(rank, world, port)
     f = open(f"{out_path}.{rank}", "w")
 

@@ -1,8 +1,8 @@
-"""DeepEP dispatch on two GPUs: every (dispatch x scheme x backend) against a float64 reference,
+"""DeepEP dispatch on ``EPMOE_TEST_GPUS`` GPUs (default two): every (dispatch x scheme x backend) against a float64 reference,
 CUDA-graph capture and replay in low-latency mode, and auto mode over the capacity.
 
-Skipped unless ``deep_ep`` imports and two CUDA GPUs are present. All checks share one launch of
-two ranks (tests/gpu/deepep_worker.py) because a DeepEP buffer and NVSHMEM are set up once per
+Skipped unless ``deep_ep`` imports and that many CUDA GPUs are present. All checks share one launch of
+the ranks (tests/gpu/deepep_worker.py) because a DeepEP buffer and NVSHMEM are set up once per
 process; each test below reads its part of the results.
 """
 
@@ -19,6 +19,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
+from helpers import gpu_world_size  # noqa: E402
+
+WORLD = gpu_world_size()
+
 
 def _deep_ep_reason() -> str:
     try:
@@ -32,7 +36,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.multigpu,
     pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"
+        not torch.cuda.is_available() or torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} CUDA GPUs"
     ),
     pytest.mark.skipif(bool(_deep_ep_reason()), reason=_deep_ep_reason() or "deep_ep present"),
 ]
@@ -51,13 +55,13 @@ def results(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("deepep") / "res")
     failure = None
     try:
-        run_ranks(deepep_worker.run_all, 2, DISPATCHES, SCHEMES, BACKENDS, out, timeout_s=DEADLINE_S)
+        run_ranks(deepep_worker.run_all, WORLD, DISPATCHES, SCHEMES, BACKENDS, out, timeout_s=DEADLINE_S)
     except TimeoutError:
         failure = f"the DeepEP workers did not finish within {DEADLINE_S:.0f} s"
     except RankError as exc:  # a rank exited with an error; rows tell which
         failure = f"a DeepEP worker failed: {exc}"
     rows = []
-    for r in range(2):
+    for r in range(WORLD):
         if os.path.exists(f"{out}.{r}"):
             with open(f"{out}.{r}") as f:
                 rows += [json.loads(line) for line in f]
@@ -95,14 +99,14 @@ def test_every_combination_matches_reference(results):
         assert any(
             r["dispatch"] == dispatch and r["case"] == "no_tokens" and r["tokens"] == 0 for r in ran
         )
-    assert {r["rank"] for r in ran} == {0, 1}
+    assert {r["rank"] for r in ran} == set(range(WORLD))
     print(sorted({(r["dispatch"], r["scheme"], r["backend"], r["payload"]) for r in ran}))
 
 
 def test_low_latency_cuda_graph_replay(results):
     _no_errors(results)
     rows = [r for r in results["rows"] if r.get("kind") == "graph"]
-    assert {r["rank"] for r in rows} == {0, 1}, rows
+    assert {r["rank"] for r in rows} == set(range(WORLD)), rows
     for r in rows:
         assert len(r["replays"]) == 2
         for rep in r["replays"]:
@@ -114,7 +118,7 @@ def test_low_latency_cuda_graph_replay(results):
 def test_auto_over_capacity_runs_normal_and_logs_once(results):
     _no_errors(results)
     rows = [r for r in results["rows"] if r.get("kind") == "auto_over_capacity"]
-    assert {r["rank"] for r in rows} == {0, 1}, rows
+    assert {r["rank"] for r in rows} == set(range(WORLD)), rows
     for r in rows:
         modes = [b["mode"] for b in r["batches"]]
         # Rank 0 was over the capacity in the first two batches: every rank ran normal mode.
@@ -130,7 +134,7 @@ def test_auto_over_capacity_runs_normal_and_logs_once(results):
 def test_normal_mode_refuses_capture_and_recovers(results):
     _no_errors(results)
     rows = [r for r in results["rows"] if r.get("kind") == "normal_capture"]
-    assert {r["rank"] for r in rows} == {0, 1}, rows
+    assert {r["rank"] for r in rows} == set(range(WORLD)), rows
     for r in rows:
         assert r["messages"] and "deepep_normal is not CUDA-graph capturable" in r["messages"][0], r
         assert r["err_emulated"] < r["tol_emulated"] and r["err_exact"] < r["bound"], r
