@@ -14,12 +14,18 @@ import traceback
 import torch
 import torch.distributed as dist
 
+import interpreter_patches
+
 from cases import CASE_NAMES, make_case
 from epmoe.launch import init_process_group
 from epmoe.layer import DeepEPMoELayer
 from epmoe.quant import get_scheme
 from helpers import SCHEME_NAMES, make_weights
 from reference import moe_reference, rel_err
+
+# Spawned ranks do not run conftest.py: the Triton-interpreter fixes the CPU tests rely on are
+# applied here too (no effect on compiled kernels).
+interpreter_patches.apply()
 
 E, K, H, I = 16, 4, 256, 128
 
