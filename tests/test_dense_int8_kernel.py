@@ -45,12 +45,12 @@ def _rel(a, b):
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 def test_small_m_kernel_against_float64(scheme, acc, m, fused):
     gen = torch.Generator().manual_seed(m)
-    n, k = 40, 256  # N not a multiple of the tile: masked stores; K two block steps
+    n, k = 40, 256  # N not a multiple of the tile: masked stores
     w, ws = _weights(n, k, scheme, gen)
     x = torch.randn(m, k, generator=gen)
     x[0, 3] = 9.0  # an outlier sets row 0's scale
     bias = torch.randn(n, generator=gen) if m % 2 else None
-    cfg = SmallMConfig(16 if m <= 16 else 64, 16, 128, 4, 2, fused)
+    cfg = SmallMConfig(16 if m <= 16 else 64, 16, 256, 4, 2, fused)  # block: two scale blocks per K step
     out = dense_int8_small_m(x.to(DEVICE), w.to(DEVICE), ws.to(DEVICE), None if bias is None else bias.to(DEVICE),
                              scheme=scheme, accumulator=acc, config=cfg)  # fmt: skip
     assert out.dtype == torch.float32 and out.shape == (m, n)
@@ -101,18 +101,72 @@ def test_refusals():
 
 def test_config_rule():
     """Narrow N tiles until two programs per SM; fused only while the activations a program
-    reads stay within its weight bytes; the block scheme steps one scale block."""
+    reads stay within its weight bytes; deeper stages where programs have SMs to themselves."""
     sms = 132
-    kv_a = small_m_config(1, 576, 7168, "int8_channel", sms)
-    assert kv_a.block_n == 16 and kv_a.fused and kv_a.block_k == 256 and kv_a.num_stages == 5
-    assert small_m_config(16, 576, 7168, "int8_channel", sms)[2:5] == (512, 4, 4)  # 16 KB stages
-    assert small_m_config(16, 576, 7168, "int8_channel", sms).fused is False
-    wide = small_m_config(16, 36864, 7168, "int8_channel", sms)
-    assert wide.block_n == 128 and wide.fused
+    kv_a = small_m_config(1, 576, 7168, "int8_channel", sms)  # 36 programs: one per SM
+    assert kv_a == (16, 16, 512, 4, 6, True)
+    assert small_m_config(16, 576, 7168, "int8_channel", sms) == (16, 16, 512, 4, 8, False)
+    wide = small_m_config(16, 36864, 7168, "int8_channel", sms)  # 288 programs share SMs
+    assert wide == (16, 128, 128, 4, 3, True)  # 20 KB stages: three programs per SM
     assert small_m_config(64, 36864, 7168, "int8_channel", sms).fused is False
-    assert small_m_config(4, 1536, 7168, "int8_block", sms).block_k == 128
+    assert small_m_config(4, 1536, 7168, "int8_block", sms)[2] == 512
+    assert small_m_config(4, 1536, 384, "int8_block", sms)[2] == 128  # the longest dividing K
     for m in (1, 16, 64):
-        for n, k in ((1536, 7168), (24576, 1536), (7168, 18432)):
-            cfg = small_m_config(m, n, k, "int8_channel", sms)
-            stage = cfg.block_m * cfg.block_k * (2 if cfg.fused else 1) + cfg.block_n * cfg.block_k
-            assert cfg.num_stages * stage <= 72 * 1024  # three programs fit on one SM
+        for n, k in ((1536, 7168), (24576, 1536), (7168, 18432), (36864, 7168)):
+            for scheme in ("int8_channel", "int8_block"):
+                cfg = small_m_config(m, n, k, scheme, sms)
+                stage = cfg.block_m * cfg.block_k * (2 if cfg.fused else 1) + cfg.block_n * cfg.block_k
+                shared = -(-n // cfg.block_n) * -(-m // cfg.block_m) > sms
+                assert cfg.num_stages * stage <= (72 if shared else 160) * 1024
+                assert k % cfg.block_k == 0 or scheme == "int8_channel"
+
+
+_COMPILE = r"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from epmoe.kernels.common import next_pow2
+from epmoe.kernels.dense_int8 import dense_small_m_kernel as fn, small_m_config
+
+for scheme, m, n, k in (("int8_channel", 1, 576, 7168), ("int8_channel", 16, 1536, 7168), ("int8_block", 2, 24576, 1536)):
+    cfg = small_m_config(m, n, k, scheme, 132)
+    sig = {a: "i32" for a in fn.arg_names}
+    sig.update(X="*bf16" if cfg.fused else "*i8", XS="*fp32", W="*i8", WS="*fp32", BIAS="*fp32", OUT="*bf16")
+    const = dict(FUSED=cfg.fused, BLOCK_SCALES=scheme == "int8_block", INT_ACC=scheme == "int8_channel",
+                 HAS_BIAS=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=True,
+                 X_ROWS=min(next_pow2(m), cfg.block_m), QMAX=127.0, SCALE=128)
+    sig.update({c: "constexpr" for c in const})
+    # What the JIT infers for these shapes: 16-byte aligned pointers, strides and sizes divisible by 16.
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
+             for a in ("X", "XS", "W", "WS", "BIAS", "OUT", "N", "K", "stride_xm", "stride_wn", "stride_om")}
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(c),): v for c, v in const.items()}, attrs=attrs)
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    ptx = ck.asm["ptx"]
+    print(scheme, m, cfg.fused, ck.metadata.shared, ptx.count("cp.async"), ptx.count("mma"))
+"""
+
+
+def test_small_m_kernel_compiles_for_sm90():
+    """The kernel compiles for an H100/H200 (sm_90, the triton wheel's ptxas; no GPU needed) with
+    its weight loads pipelined through shared memory (cp.async): a fused config, an unfused one,
+    and the block scheme. The interpreter runs the Python, not this lowering."""
+    import os
+    import subprocess
+    import sys
+
+    triton = pytest.importorskip("triton")
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("the triton wheel has no ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                         env.get("PYTHONPATH", "")])  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.split("\n")[:3]
+    assert [ln.split()[:3] for ln in lines] == [["int8_channel", "1", "True"], ["int8_channel", "16", "False"],
+                                                ["int8_block", "2", "True"]]  # fmt: skip
+    for ln in lines:
+        shared, cp_async, mma = map(int, ln.split()[3:])
+        assert cp_async > 0 and mma > 0 and shared <= 227 * 1024

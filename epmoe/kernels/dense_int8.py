@@ -11,10 +11,12 @@ is one kernel that
 * quantizes the activations itself when they are few (``fused``): each program reads its rows'
   float activations, forms the per-token scale from the row's amax (channel: one pass over K
   before the GEMM loop) or each 1x128 group's scale on the fly (block), and turns every K tile
-  into INT8 codes right before the MMA. The activations are read from L2 by every program, so
-  this is chosen only while those reads stay below the program's weight bytes
-  (:func:`small_m_config`); above that a per-token / per-group quantizer runs first (two
-  launches, the codes read once per program);
+  into INT8 codes right before the MMA. Only the batch's rows are quantized (rounded up to a
+  power of two); the MMA's 16-row minimum is met by repeating them, and the copies' outputs are
+  never stored. Every program repeats this work on activations it reads from L2, so it is chosen
+  only while those reads stay below the program's weight bytes (:func:`small_m_config`); above
+  that a per-token / per-group quantizer runs first (two launches, the codes read once per
+  program);
 * applies both scales (and the bias, in fp32) in the epilogue and stores the output dtype.
 
 The codes are those of :mod:`epmoe.kernels.quantize` bit for bit (the same device functions:
@@ -22,7 +24,9 @@ The codes are those of :mod:`epmoe.kernels.quantize` bit for bit (the same devic
 accumulator makes the K sum exact.
 
 No split-K: every output tile is owned by one program, so there is no workspace, no atomics, no
-second launch, and the result does not depend on a reduction order.
+second launch, and the result does not depend on a reduction order. The weight tiles are loaded
+with 16-byte accesses and pipelined through shared memory (``cp.async``) when K and the row
+strides are multiples of 16, which the JIT sees for every DeepSeek shape.
 """
 
 from __future__ import annotations
@@ -41,9 +45,12 @@ from .quantize import INT8_QMAX, amax_bits, codes, per_group_quant, per_token_qu
 SCHEMES = ("int8_channel", "int8_block")
 SCALE_BLOCK = 128
 PROGRAMS_PER_SM = 2
-SMEM_BUDGET = 72 * 1024
-"""Bytes of shared memory a program's pipelined stages may take: three programs fit on an
+SMEM_SHARED = 72 * 1024
+"""Shared memory a program's pipeline stages may take when programs share SMs: three fit on an
 H100/H200 SM (227 KB), so a grid of two or three programs per SM runs in one wave."""
+SMEM_ALONE = 160 * 1024
+"""... and when the grid has no more programs than SMs (narrow layers): each program has an SM
+to itself, and deeper stages keep more of its weight bytes in flight."""
 
 
 class SmallMConfig(NamedTuple):
@@ -68,7 +75,10 @@ def small_m_config(m: int, n: int, k: int, scheme: str, sms: int) -> SmallMConfi
     ``block_n`` is the widest of 128, 64, 32, 16 that still gives ``PROGRAMS_PER_SM`` programs
     per SM (16 when none does). ``fused`` holds when the activations a program reads from L2
     (channel: two passes of bf16 rows, block: one) are at most its weight bytes:
-    ``4 m <= block_n`` (channel) or ``2 m <= block_n`` (block).
+    ``4 m <= block_n`` (channel) or ``2 m <= block_n`` (block). ``block_k`` starts at 512
+    (block scheme: the longest of 512, 256, 128 dividing K) and is halved until four stages fit
+    the shared-memory budget; then as many stages as fit, 2 to 5 (8 when programs have SMs to
+    themselves).
     """
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     m_tiles = -(-m // block_m)
@@ -77,22 +87,46 @@ def small_m_config(m: int, n: int, k: int, scheme: str, sms: int) -> SmallMConfi
         if -(-n // cand) * m_tiles >= PROGRAMS_PER_SM * sms:
             block_n = cand
             break
+    alone = -(-n // block_n) * m_tiles <= sms
+    budget, max_stages = (SMEM_ALONE, 8) if alone else (SMEM_SHARED, 5)
     passes = 2 if scheme == "int8_channel" else 1
     fused = 2 * passes * m <= block_n
     if scheme == "int8_block":
-        block_k = SCALE_BLOCK  # one activation group and one weight block per K step
+        block_k = next(b for b in (512, 256, SCALE_BLOCK) if k % b == 0)
     else:
         block_k = max(32, min(512, next_pow2(k)))
-        if fused and block_m > 16:
-            block_k = min(block_k, 256)  # the fp32 activation tile lives in registers
+    if fused and block_m > 16:
+        block_k = min(block_k, 256)  # the fp32 activation tile lives in registers
     x_bytes = 2 if fused else 1
     stage = block_m * block_k * x_bytes + block_n * block_k
     # Four stages in flight keep the HBM pipe full; shorter K steps before fewer stages.
-    while block_k > 128 and 4 * stage > SMEM_BUDGET:
+    while block_k > 128 and 4 * stage > budget:
         block_k //= 2
         stage = block_m * block_k * x_bytes + block_n * block_k
-    stages = max(2, min(5, SMEM_BUDGET // stage))
+    stages = max(2, min(max_stages, budget // stage))
     return SmallMConfig(block_m, block_n, block_k, 4, stages, fused)
+
+
+@triton.jit
+def _rows_to_tile(t, BLOCK_M: tl.constexpr, X_ROWS: tl.constexpr, COLS: tl.constexpr):
+    """``t [X_ROWS, COLS]`` repeated down to ``BLOCK_M`` rows (row ``i`` is ``t[i % X_ROWS]``): the
+    MMA needs 16 rows, the quantization only the batch's few; the copies' outputs are never
+    stored."""
+    if X_ROWS == BLOCK_M:
+        out = t
+    else:
+        out = tl.reshape(tl.broadcast_to(t[None, :, :], (BLOCK_M // X_ROWS, X_ROWS, COLS)), (BLOCK_M, COLS))
+    return out
+
+
+@triton.jit
+def _rows_to_vec(t, BLOCK_M: tl.constexpr, X_ROWS: tl.constexpr):
+    """:func:`_rows_to_tile` for a ``[X_ROWS]`` vector (per-row scales)."""
+    if X_ROWS == BLOCK_M:
+        out = t
+    else:
+        out = tl.reshape(tl.broadcast_to(t[None, :], (BLOCK_M // X_ROWS, X_ROWS)), (BLOCK_M,))
+    return out
 
 
 @triton.jit
@@ -102,11 +136,18 @@ def dense_small_m_kernel(
     stride_xm, stride_xsm, stride_wn, stride_wsn, stride_wsk, stride_om,
     FUSED: tl.constexpr, BLOCK_SCALES: tl.constexpr, INT_ACC: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    QMAX: tl.constexpr,
+    X_ROWS: tl.constexpr, QMAX: tl.constexpr, SCALE: tl.constexpr,
 ):
     """``OUT[m, n] = sa . sw . sum_k q[m, k] w[n, k] (+ bias[n])`` for one ``[BLOCK_M, BLOCK_N]``
-    tile. ``FUSED``: ``X`` is float and quantized here (``XS`` unused); else ``X`` holds int8
-    codes and ``XS`` their scales (``[M, 1]`` channel, ``[M, K / 128]`` block)."""
+    tile. ``FUSED``: ``X`` is float and quantized here (``XS`` unused), ``X_ROWS`` rows of it at
+    a time (the batch's rows, a power of two up to ``BLOCK_M``); else ``X`` holds int8 codes and
+    ``XS`` their scales (``[M, 1]`` channel, ``[M, K / SCALE]`` block).
+
+    Each K step of ``BLOCK_K`` columns is ``BLOCK_K / SUB`` sub-steps of ``SUB`` columns: one
+    for the channel scheme, one per ``SCALE``-column block for the block scheme (whose scales
+    change every block), so a long step keeps many weight bytes in flight either way."""
+    SUB: tl.constexpr = SCALE if BLOCK_SCALES else BLOCK_K
+    GROUPS: tl.constexpr = BLOCK_K // SUB
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -116,22 +157,29 @@ def dense_small_m_kernel(
     n_ok = offs_n < N
     # Clamped weight rows keep every weight load in bounds without a mask; the store is masked.
     cols = tl.where(n_ok, offs_n, 0).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = X + rows[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = W + cols[:, None] * stride_wn + offs_k[None, :]
+    offs_s = tl.arange(0, SUB)
+    w_base = W + cols[:, None] * stride_wn + offs_s[None, :]
+    if FUSED:
+        # Only the batch's rows are quantized: the codes' ALU work is per row, not per MMA row.
+        offs_xm = pid_m * BLOCK_M + tl.arange(0, X_ROWS)
+        xm_ok = offs_xm < M
+        x_base = X + tl.where(xm_ok, offs_xm, 0).to(tl.int64)[:, None] * stride_xm + offs_s[None, :]
+    else:
+        x_base = X + rows[:, None] * stride_xm + offs_s[None, :]
     k_steps = tl.cdiv(K, BLOCK_K)
 
     if not BLOCK_SCALES:
         if FUSED:
             # The row's scale needs its whole amax before the first code: one pass over K.
-            amax = tl.zeros([BLOCK_M], dtype=tl.int32)
+            amax = tl.zeros([X_ROWS], dtype=tl.int32)
             for kk in range(0, k_steps):
-                k_ok = offs_k < K - kk * BLOCK_K
-                x = tl.load(x_ptrs + kk * BLOCK_K, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                k_ok = offs_s < K - kk * BLOCK_K
+                x = tl.load(x_base + kk * BLOCK_K, mask=xm_ok[:, None] & k_ok[None, :], other=0.0)
                 amax = tl.maximum(amax, amax_bits(x.to(tl.float32), 1))
-            sa = scale_of(amax, QMAX)
-            rcp = tl.div_rn(1.0, sa)
-            finite = sa < float("inf")
+            sa_x = scale_of(amax, QMAX)
+            rcp = tl.div_rn(1.0, sa_x)
+            finite = sa_x < float("inf")
+            sa = _rows_to_vec(sa_x, BLOCK_M, X_ROWS)
         else:
             sa = tl.load(XS + rows * stride_xsm)
 
@@ -140,38 +188,41 @@ def dense_small_m_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kk in range(0, k_steps):
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-        else:
-            k_ok = offs_k < K - kk * BLOCK_K
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0)
-        if FUSED:
+        for g in tl.static_range(GROUPS):
+            k0 = kk * BLOCK_K + g * SUB
             if EVEN_K:
-                x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0).to(tl.float32)
+                w = tl.load(w_base + k0)
             else:
-                x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+                k_ok = offs_s < K - k0
+                w = tl.load(w_base + k0, mask=k_ok[None, :], other=0)
+            if FUSED:
+                if EVEN_K:
+                    x = tl.load(x_base + k0, mask=xm_ok[:, None], other=0.0).to(tl.float32)
+                else:
+                    x = tl.load(x_base + k0, mask=xm_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+                if BLOCK_SCALES:
+                    sa_x = scale_of(amax_bits(x, 1), QMAX)
+                    q = codes(x, sa_x[:, None], tl.div_rn(1.0, sa_x)[:, None], (sa_x < float("inf"))[:, None],
+                              QMAX, False)  # fmt: skip
+                    sa_k = _rows_to_vec(sa_x, BLOCK_M, X_ROWS)
+                else:
+                    q = codes(x, sa_x[:, None], rcp[:, None], finite[:, None], QMAX, False)
+                a = _rows_to_tile(q, BLOCK_M, X_ROWS, SUB)
+            else:
+                if EVEN_K:
+                    a = tl.load(x_base + k0)
+                else:
+                    a = tl.load(x_base + k0, mask=k_ok[None, :], other=0)
+                if BLOCK_SCALES:
+                    sa_k = tl.load(XS + rows * stride_xsm + k0 // SCALE)
             if BLOCK_SCALES:
-                sa_k = scale_of(amax_bits(x, 1), QMAX)
-                a = codes(x, sa_k[:, None], tl.div_rn(1.0, sa_k)[:, None], (sa_k < float("inf"))[:, None], QMAX, False)
+                sw = tl.load(WS + (cols // SCALE) * stride_wsn + (k0 // SCALE) * stride_wsk)
+                part = tl.dot(a, tl.trans(w), out_dtype=tl.int32).to(tl.float32)
+                acc += part * (sa_k[:, None] * sw[None, :])
+            elif INT_ACC:
+                acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)
             else:
-                a = codes(x, sa[:, None], rcp[:, None], finite[:, None], QMAX, False)
-        else:
-            if EVEN_K:
-                a = tl.load(x_ptrs)
-            else:
-                a = tl.load(x_ptrs, mask=k_ok[None, :], other=0)
-            if BLOCK_SCALES:
-                sa_k = tl.load(XS + rows * stride_xsm + kk)
-        if BLOCK_SCALES:
-            sw = tl.load(WS + (cols // BLOCK_K) * stride_wsn + kk * stride_wsk)  # BLOCK_K is the scale block
-            part = tl.dot(a, tl.trans(w), out_dtype=tl.int32).to(tl.float32)
-            acc += part * (sa_k[:, None] * sw[None, :])
-        elif INT_ACC:
-            acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)
-        else:
-            acc += tl.dot(a, tl.trans(w), out_dtype=tl.int32).to(tl.float32)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+                acc += tl.dot(a, tl.trans(w), out_dtype=tl.int32).to(tl.float32)
 
     if BLOCK_SCALES:
         res = acc
@@ -243,8 +294,8 @@ def dense_int8_small_m(
         cfg = config
     if cfg.fused and quantized:
         raise ValueError("config.fused=True quantizes float x; int8 x with x_scale needs fused=False")
-    if block and cfg.block_k != SCALE_BLOCK:
-        raise ValueError(f"config.block_k={cfg.block_k}; scheme='int8_block' steps one {SCALE_BLOCK}-column block at a time")
+    if block and (cfg.block_k % SCALE_BLOCK or k % cfg.block_k):
+        raise ValueError(f"config.block_k={cfg.block_k}; scheme='int8_block' needs a multiple of {SCALE_BLOCK} dividing K={k}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
@@ -261,6 +312,7 @@ def dense_int8_small_m(
         x.stride(0), xs.stride(0), weight.stride(0), ws.stride(0), ws.stride(1), out.stride(0),
         FUSED=cfg.fused, BLOCK_SCALES=block, INT_ACC=accumulator == "int32", HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-        QMAX=INT8_QMAX, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        X_ROWS=min(next_pow2(m), cfg.block_m),
+        QMAX=INT8_QMAX, SCALE=SCALE_BLOCK, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
