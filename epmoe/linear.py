@@ -326,10 +326,17 @@ class _SmallBatch:
 
 
 def _small_m(lin, x2, s, out_dtype):
+    return _small_m_kernel()(x2, lin.weight, lin.weight_scale, lin.bias, scheme=lin.scheme,
+                             accumulator=lin.accumulator, x_scale=s, out_dtype=out_dtype)  # fmt: skip
+
+
+@functools.cache
+def _small_m_kernel():
+    """The kernel's wrapper, imported on first use (this module imports without Triton) and then
+    looked up without an import statement's host cost on every call."""
     from .kernels.dense_int8 import dense_int8_small_m
 
-    return dense_int8_small_m(x2, lin.weight, lin.weight_scale, lin.bias, scheme=lin.scheme,
-                              accumulator=lin.accumulator, x_scale=s, out_dtype=out_dtype)  # fmt: skip
+    return dense_int8_small_m
 
 
 class _TorchImpl(_Impl):
