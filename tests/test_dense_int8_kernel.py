@@ -100,24 +100,26 @@ def test_refusals():
 
 
 def test_config_rule():
-    """Narrow N tiles until two programs per SM; fused only while the activations a program
-    reads stay within its weight bytes; deeper stages where programs have SMs to themselves."""
+    """Narrow N tiles until two programs per SM (never narrower than half the row tile); fused
+    only while the activations a program reads stay within its weight bytes; longer K steps and
+    deeper stages where programs have SMs to themselves."""
     sms = 132
-    kv_a = small_m_config(1, 576, 7168, "int8_channel", sms)  # 36 programs: one per SM
-    assert kv_a == (16, 16, 512, 4, 6, True)
-    assert small_m_config(16, 576, 7168, "int8_channel", sms) == (16, 16, 512, 4, 8, False)
-    wide = small_m_config(16, 36864, 7168, "int8_channel", sms)  # 288 programs share SMs
-    assert wide == (16, 128, 128, 4, 3, True)  # 20 KB stages: three programs per SM
+    assert small_m_config(1, 576, 7168, "int8_channel", sms) == (16, 16, 1024, 4, 8, True)  # kv_a: 36 programs
+    assert small_m_config(16, 576, 7168, "int8_channel", sms) == (16, 16, 1024, 4, 5, False)
+    assert small_m_config(64, 576, 7168, "int8_channel", sms)[:2] == (64, 32)
+    assert small_m_config(16, 36864, 7168, "int8_channel", sms) == (16, 128, 128, 4, 3, True)  # 288 programs
     assert small_m_config(64, 36864, 7168, "int8_channel", sms).fused is False
-    assert small_m_config(4, 1536, 7168, "int8_block", sms)[2] == 512
+    assert small_m_config(4, 1536, 7168, "int8_block", sms)[2] == 1024
     assert small_m_config(4, 1536, 384, "int8_block", sms)[2] == 128  # the longest dividing K
-    for m in (1, 16, 64):
-        for n, k in ((1536, 7168), (24576, 1536), (7168, 18432), (36864, 7168)):
+    for m in (1, 4, 16, 64):
+        for n, k in ((576, 7168), (1536, 7168), (24576, 1536), (7168, 18432), (36864, 7168)):
             for scheme in ("int8_channel", "int8_block"):
                 cfg = small_m_config(m, n, k, scheme, sms)
-                stage = cfg.block_m * cfg.block_k * (2 if cfg.fused else 1) + cfg.block_n * cfg.block_k
+                x_rows = min(1 << (m - 1).bit_length(), cfg.block_m) if cfg.fused else cfg.block_m
+                stage = x_rows * cfg.block_k * (2 if cfg.fused else 1) + cfg.block_n * cfg.block_k
                 shared = -(-n // cfg.block_n) * -(-m // cfg.block_m) > sms
                 assert cfg.num_stages * stage <= (72 if shared else 160) * 1024
+                assert cfg.block_n >= cfg.block_m // 2
                 assert k % cfg.block_k == 0 or scheme == "int8_channel"
 
 

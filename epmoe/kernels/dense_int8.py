@@ -68,42 +68,50 @@ class SmallMConfig(NamedTuple):
 
 
 @functools.lru_cache(maxsize=4096)
-def small_m_config(m: int, n: int, k: int, scheme: str, sms: int) -> SmallMConfig:
+def small_m_config(m: int, n: int, k: int, scheme: str, sms: int, fused: bool | None = None) -> SmallMConfig:
     """The launch for an ``[m, k] x [n, k]^T`` call on a GPU with ``sms`` SMs (cached: the
-    forward looks it up on every call).
+    forward looks it up on every call). ``fused``: ``None`` for the rule below, or forced (int8
+    activations with their scales take ``False``); the stages are sized for the choice.
 
     ``block_n`` is the widest of 128, 64, 32, 16 that still gives ``PROGRAMS_PER_SM`` programs
-    per SM (16 when none does). ``fused`` holds when the activations a program reads from L2
+    per SM, and never narrower than half of ``block_m``. ``fused`` holds when the activations a program reads from L2
     (channel: two passes of bf16 rows, block: one) are at most its weight bytes:
-    ``4 m <= block_n`` (channel) or ``2 m <= block_n`` (block). ``block_k`` starts at 512
-    (block scheme: the longest of 512, 256, 128 dividing K) and is halved until four stages fit
-    the shared-memory budget; then as many stages as fit, 2 to 5 (8 when programs have SMs to
-    themselves).
+    ``4 m <= block_n`` (channel) or ``2 m <= block_n`` (block). ``block_k`` starts at 512, or
+    1024 when programs have SMs to themselves (block scheme: the longest such multiple of 128
+    dividing K), and is halved until four stages fit the shared-memory budget; then as many
+    stages as fit, 2 to 5 (8 when programs have SMs to themselves). A fused stage holds the
+    batch's rows of bf16 activations, an unfused one ``block_m`` rows of codes.
     """
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     m_tiles = -(-m // block_m)
-    block_n = 16
+    # Every program reads its block_m rows of activations whole: tiles at least half as wide as
+    # tall keep those reads within twice the program's weight bytes.
+    block_n = max(16, block_m // 2)
     for cand in (128, 64, 32):
-        if -(-n // cand) * m_tiles >= PROGRAMS_PER_SM * sms:
+        if cand > block_n and -(-n // cand) * m_tiles >= PROGRAMS_PER_SM * sms:
             block_n = cand
             break
     alone = -(-n // block_n) * m_tiles <= sms
-    budget, max_stages = (SMEM_ALONE, 8) if alone else (SMEM_SHARED, 5)
+    budget, max_stages, max_k = (SMEM_ALONE, 8, 1024) if alone else (SMEM_SHARED, 5, 512)
     passes = 2 if scheme == "int8_channel" else 1
-    fused = 2 * passes * m <= block_n
+    if fused is None:
+        fused = 2 * passes * m <= block_n
+    x_rows = min(next_pow2(m), block_m) if fused else block_m
     if scheme == "int8_block":
-        block_k = next(b for b in (512, 256, SCALE_BLOCK) if k % b == 0)
+        block_k = next(b for b in (1024, 512, 256, SCALE_BLOCK) if b <= max_k and k % b == 0)
     else:
-        block_k = max(32, min(512, next_pow2(k)))
-    if fused and block_m > 16:
+        block_k = max(32, min(max_k, next_pow2(k)))
+    if fused and x_rows > 8:
         block_k = min(block_k, 256)  # the fp32 activation tile lives in registers
     x_bytes = 2 if fused else 1
-    stage = block_m * block_k * x_bytes + block_n * block_k
+
+    def stage(bk):
+        return x_rows * bk * x_bytes + block_n * bk
+
     # Four stages in flight keep the HBM pipe full; shorter K steps before fewer stages.
-    while block_k > 128 and 4 * stage > budget:
+    while block_k > 128 and 4 * stage(block_k) > budget:
         block_k //= 2
-        stage = block_m * block_k * x_bytes + block_n * block_k
-    stages = max(2, min(max_stages, budget // stage))
+    stages = max(2, min(max_stages, budget // stage(block_k)))
     return SmallMConfig(block_m, block_n, block_k, 4, stages, fused)
 
 
@@ -287,11 +295,7 @@ def dense_int8_small_m(
         raise ValueError("x_scale goes with int8 x (codes), and only with them")
     if out_dtype is None:
         out_dtype = torch.bfloat16 if quantized else x.dtype
-    if config is None:
-        cfg = small_m_config(m, n, k, scheme, _sms(x.device))
-        cfg = cfg._replace(fused=False) if quantized else cfg
-    else:
-        cfg = config
+    cfg = config if config is not None else small_m_config(m, n, k, scheme, _sms(x.device), False if quantized else None)
     if cfg.fused and quantized:
         raise ValueError("config.fused=True quantizes float x; int8 x with x_scale needs fused=False")
     if block and (cfg.block_k % SCALE_BLOCK or k % cfg.block_k):

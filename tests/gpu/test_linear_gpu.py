@@ -100,8 +100,7 @@ def test_small_batch_kernel_every_element(scheme, acc, k, m, fused, dtype):
     x[0, 5] = 40.0  # an outlier sets row 0's scale
     cfg = None
     if fused is not None:
-        cfg = small_m_config(m, n, k, scheme, torch.cuda.get_device_properties(DEV).multi_processor_count)
-        cfg = cfg._replace(fused=fused)
+        cfg = small_m_config(m, n, k, scheme, torch.cuda.get_device_properties(DEV).multi_processor_count, fused)
     out = dense_int8_small_m(x, w, ws, bias, scheme=scheme, accumulator=acc, config=cfg)
     assert out.dtype == dtype and out.shape == (m, n)
     xd = ref_codes(x, None if scheme == "int8_channel" else 128)
