@@ -305,26 +305,29 @@ def run(args) -> dict:
 
 
 def _sweep(group, x) -> dict:
-    """Best of a few small-batch launches for this call (GPU time, CUDA graph)."""
+    """Best of a few small-batch launches for this call (GPU time, CUDA graph): N tiles, K steps
+    and fused or not, each with as many stages as fit 160 KB of shared memory."""
+    from epmoe.kernels.common import next_pow2
     from epmoe.kernels.dense_int8 import SmallMConfig, dense_int8_small_m
 
     mod = group[0]
-    m = x.shape[0]
+    m, k = x.shape
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_ks = (128,) if mod.scheme == "int8_block" else (256, 512)
+    block_ks = [b for b in (256, 512, 1024) if mod.scheme == "int8_channel" or k % b == 0] or [128]
     results = []
     for bn in (16, 32, 64, 128):
         for bk in block_ks:
-            for stages in (3, 4):
-                for fused in (True, False):
-                    cfg = SmallMConfig(block_m, bn, bk, 4, stages, fused)
-                    fns = [lambda mod=mod, cfg=cfg: dense_int8_small_m(
-                        x, mod.weight, mod.weight_scale, mod.bias, scheme=mod.scheme,
-                        accumulator=mod.accumulator, config=cfg) for mod in group]  # fmt: skip
-                    try:
-                        results.append((time_graph(fns, max(2 * len(fns), 8)), cfg.to_dict()))
-                    except Exception as exc:  # a launch the SM cannot take: reported, not fatal
-                        print(f"  config {cfg.to_dict()} failed: {type(exc).__name__}", file=sys.stderr)
+            for fused in (True, False):
+                x_rows = min(next_pow2(m), block_m) if fused else block_m
+                stage = x_rows * bk * (2 if fused else 1) + bn * bk
+                cfg = SmallMConfig(block_m, bn, bk, 4, max(2, min(8, 160 * 1024 // stage)), fused)
+                fns = [lambda mod=mod, cfg=cfg: dense_int8_small_m(
+                    x, mod.weight, mod.weight_scale, mod.bias, scheme=mod.scheme,
+                    accumulator=mod.accumulator, config=cfg) for mod in group]  # fmt: skip
+                try:
+                    results.append((time_graph(fns, max(2 * len(fns), 8)), cfg.to_dict()))
+                except Exception as exc:  # a launch the SM cannot take: reported, not fatal
+                    print(f"  config {cfg.to_dict()} failed: {type(exc).__name__}", file=sys.stderr)
     if not results:
         return {}
     best = min(results, key=lambda r: r[0])
