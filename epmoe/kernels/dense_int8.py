@@ -295,11 +295,15 @@ def dense_int8_small_m(
         raise ValueError("x_scale goes with int8 x (codes), and only with them")
     if out_dtype is None:
         out_dtype = torch.bfloat16 if quantized else x.dtype
-    cfg = config if config is not None else small_m_config(m, n, k, scheme, _sms(x.device), False if quantized else None)
+    cfg = config
+    if cfg is None:
+        cfg = small_m_config(m, n, k, scheme, _sms(x.device), False if quantized else None)
     if cfg.fused and quantized:
         raise ValueError("config.fused=True quantizes float x; int8 x with x_scale needs fused=False")
     if block and (cfg.block_k % SCALE_BLOCK or k % cfg.block_k):
-        raise ValueError(f"config.block_k={cfg.block_k}; scheme='int8_block' needs a multiple of {SCALE_BLOCK} dividing K={k}")
+        raise ValueError(
+            f"config.block_k={cfg.block_k}; scheme='int8_block' needs a multiple of {SCALE_BLOCK} dividing K={k}"
+        )
     if x.stride(-1) != 1:
         x = x.contiguous()
     device = x.device
