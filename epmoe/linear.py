@@ -26,6 +26,10 @@ raises :class:`~epmoe.experts.select.BackendUnavailableError`):
   scales applied afterwards where it applies (``int8_channel``; on CUDA for more than 16 rows and
   K, N multiples of 8), else dequantized fp32 math.
 
+Batches of at most :data:`SMALL_M_MAX` rows take one path on both GPU backends: the small-batch
+kernel of :mod:`epmoe.kernels.dense_int8` (the activations quantized inside the GEMM while they
+are few, a grid of narrow N tiles that keeps every SM reading the weight).
+
 ``backend="auto"`` walks cutlass -> triton -> torch (``int8_block``: triton -> torch); ``triton``
 is picked automatically on CUDA only (its CPU interpreter is for tests).
 """
@@ -56,6 +60,10 @@ DENSE_BACKENDS = ("cutlass", "triton", "torch")
 AUTO_ORDER = {"int8_channel": ("cutlass", "triton", "torch"), "int8_block": ("triton", "torch")}
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ROW_BLOCK = 128
+SMALL_M_MAX = 64
+"""Rows up to which the triton and cutlass backends run the small-batch kernel
+(:mod:`epmoe.kernels.dense_int8`): there the work is one read of the weight, which the tiled
+GEMMs' wide tiles spread over too few SMs."""
 """Rows of a tile of the project's CUTLASS kernel: its one segment is padded to a multiple."""
 _ALL_ROWS = 2**31 - 1
 """``masked_m`` of the Triton path: clamped to the batch's row count inside the kernel."""
@@ -234,8 +242,9 @@ def select_dense_backend(
             impl = _CutlassImpl(_cutlass_decision(scheme, accumulator, device, k, n, os.environ)[0])
         else:
             impl = _TritonImpl() if name == "triton" else _TorchImpl()
+        small = f"; batches of <= {SMALL_M_MAX} rows run the Triton small-batch kernel" if name != "torch" else ""
         lines.append(f"dense backend {impl.label!r} chosen for scheme={scheme!r}, accumulator={accumulator!r}, "
-                     f"[{n}, {k}] on {device}: {reason}")  # fmt: skip
+                     f"[{n}, {k}] on {device}: {reason}{small}")  # fmt: skip
         return impl, lines
     raise BackendUnavailableError(f"no dense backend can run scheme={scheme!r} on {device}: " + "; ".join(lines))
 
@@ -271,6 +280,10 @@ def dense_gemm_config(mode: str, accumulator: str, n: int, k: int, m: int, devic
     return cfg
 
 
+_cached_gemm_config = functools.lru_cache(maxsize=4096)(dense_gemm_config)
+"""The forward's lookup: one dict hit instead of the table walk and tile narrowing per call."""
+
+
 # ------------------------------------------------------------------------------ implementations
 class _Impl:
     """One backend's three stages. ``quantize`` may return more rows than it was given (whole row
@@ -288,6 +301,42 @@ class _Impl:
 
     def gemm(self, lin: "Int8Linear", q, s, out_dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
+
+    def linear(self, lin: "Int8Linear", x2: torch.Tensor) -> torch.Tensor:
+        """Quantize and multiply ``x2 [M, K]``; may return more than ``M`` rows (see ``quantize``)."""
+        q, s = self.quantize(x2, lin.scheme)
+        return self.gemm(lin, q, s, x2.dtype)
+
+
+class _SmallBatch:
+    """Batches of at most ``SMALL_M_MAX`` rows run :func:`epmoe.kernels.dense_int8.dense_int8_small_m`
+    (one launch: the weight read once by programs on every SM, the activations quantized inside
+    the GEMM while they are few); larger ones the backend's own quantizer and GEMM. Mixed into the
+    GPU backends ahead of their class."""
+
+    def linear(self, lin, x2):
+        if x2.shape[0] <= SMALL_M_MAX:
+            return _small_m(lin, x2, None, x2.dtype)
+        return super().linear(lin, x2)
+
+    def gemm(self, lin, q, s, out_dtype, **kw):
+        if q.shape[0] <= SMALL_M_MAX and not kw:
+            return _small_m(lin, q, s, out_dtype)
+        return super().gemm(lin, q, s, out_dtype, **kw)
+
+
+def _small_m(lin, x2, s, out_dtype):
+    return _small_m_kernel()(x2, lin.weight, lin.weight_scale, lin.bias, scheme=lin.scheme,
+                             accumulator=lin.accumulator, x_scale=s, out_dtype=out_dtype)  # fmt: skip
+
+
+@functools.cache
+def _small_m_kernel():
+    """The kernel's wrapper, imported on first use (this module imports without Triton) and then
+    looked up without an import statement's host cost on every call."""
+    from .kernels.dense_int8 import dense_int8_small_m
+
+    return dense_int8_small_m
 
 
 class _TorchImpl(_Impl):
@@ -322,7 +371,7 @@ def _int_mm_applies(q: torch.Tensor, w: torch.Tensor) -> bool:
     return q.device.type == "cuda" and m > 16 and k % 8 == 0 and w.shape[0] % 8 == 0
 
 
-class _TritonImpl(_Impl):
+class _TritonGemm(_Impl):
     name = label = "triton"
 
     def quantize(self, x2, scheme):
@@ -342,7 +391,7 @@ class _TritonImpl(_Impl):
 
         m, k = q.shape
         n = lin.out_features
-        cfg = config if config is not None else dense_gemm_config(lin.scheme, lin.accumulator, n, k, m, q.device)
+        cfg = config if config is not None else _cached_gemm_config(lin.scheme, lin.accumulator, n, k, m, q.device)
         out = grouped_gemm_masked(
             q.view(1, m, k), lin.weight.unsqueeze(0), lin._all_rows, mode=lin.scheme,
             a_scale=s.view(1, m, s.shape[-1]), b_scale=lin.weight_scale.unsqueeze(0),
@@ -353,7 +402,11 @@ class _TritonImpl(_Impl):
         return out
 
 
-class _CutlassImpl(_Impl):
+class _TritonImpl(_SmallBatch, _TritonGemm):
+    pass
+
+
+class _CutlassGemm(_Impl):
     """``impl="epmoe"``: the project's kernel, rows padded to 128-row blocks (the padding rows'
     codes and scales are left uninitialised: they are computed and never returned). ``"sgl"``:
     sgl-kernel's ``int8_scaled_mm`` (any rows, bias fused)."""
@@ -403,6 +456,10 @@ class _CutlassImpl(_Impl):
         if lin.bias is not None:
             out += lin.bias.to(out.dtype)
         return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
+class _CutlassImpl(_SmallBatch, _CutlassGemm):
+    pass
 
 
 # ------------------------------------------------------------------------------ the modules
@@ -614,8 +671,7 @@ class Int8Linear(nn.Module):
         m = x2.shape[0]
         if m == 0:
             return x.new_zeros(*x.shape[:-1], self.out_features)
-        q, s = self._impl.quantize(x2, self.scheme)
-        out = self._impl.gemm(self, q, s, x.dtype)[:m]
+        out = self._impl.linear(self, x2)[:m]
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -713,9 +769,8 @@ class Int8MLP(nn.Module):
         m = x2.shape[0]
         if m == 0:
             return x.new_zeros(x.shape)
-        q, s = gu._impl.quantize(x2, gu.scheme)
         # The padded rows (if any) stay through both GEMMs; they are dropped at the end.
-        gate_up = gu._impl.gemm(gu, q, s, x.dtype)
+        gate_up = gu._impl.linear(gu, x2)
         h, hs = self.down_proj._impl.silu_quantize(gate_up, gu.scheme)
         out = self.down_proj._impl.gemm(self.down_proj, h, hs, x.dtype)[:m]
         return out.reshape(x.shape)

@@ -14,6 +14,8 @@ from epmoe.experts.select import BackendUnavailableError  # noqa: E402
 from epmoe.linear import Int8Linear, Int8MLP  # noqa: E402
 from test_linear import ref_linear, ref_mlp, rel  # noqa: E402  (tests/ is on sys.path: conftest)
 
+from benchmarks.bench_dense_int8 import ref_codes  # noqa: E402  (plain torch; the repository root is on sys.path)
+
 DEV = torch.device("cuda")
 CASES = [("triton", "int8_channel", "int32"), ("triton", "int8_channel", "fp32"),
          ("triton", "int8_block", "fp32"), ("cutlass", "int8_channel", "int32")]  # fmt: skip
@@ -64,3 +66,69 @@ def test_mlp_against_float64(backend, scheme, acc, m, monkeypatch):
         y = mlp(x)
     assert y.dtype == torch.bfloat16 and y.shape == (m, h)
     assert rel(y, ref_mlp(mlp, x)) <= 1e-2
+
+
+# ------------------------------------------------------------------ the small-batch kernel
+def _ref_weight(w: torch.Tensor, ws: torch.Tensor, scheme: str) -> torch.Tensor:
+    if scheme == "int8_channel":
+        return w.double() * ws.double()
+    full = ws.double().repeat_interleave(128, 0).repeat_interleave(128, 1)
+    return w.double() * full[: w.shape[0], : w.shape[1]]
+
+
+SMALL_CASES = [("int8_channel", "int32", 1000), ("int8_channel", "fp32", 1000), ("int8_block", "fp32", 1024)]
+
+
+@pytest.mark.parametrize("scheme,acc,k", SMALL_CASES, ids=["channel-int32", "channel-fp32", "block"])
+@pytest.mark.parametrize("m", [1, 7, 16, 33, 64])
+@pytest.mark.parametrize("fused", [None, True, False], ids=["default", "fused", "unfused"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_small_batch_kernel_every_element(scheme, acc, k, m, fused, dtype):
+    """Every output element within one output rounding (2^-8 relative) plus the fp32 epilogue /
+    accumulation error (2^-17 of the sum of |terms|) of the float64 product of the dequantized
+    operands; the activation codes come from the rule in plain torch (``ref_codes``), not the
+    kernel."""
+    from epmoe.kernels.dense_int8 import dense_int8_small_m, small_m_config
+
+    n = 584  # not a multiple of any N tile: masked stores; K=1000 (channel): masked K steps
+    g = torch.Generator(device=DEV).manual_seed(m)
+    w = torch.randint(-127, 128, (n, k), device=DEV, dtype=torch.int8, generator=g)
+    shape = (n, 1) if scheme == "int8_channel" else (-(-n // 128), k // 128)
+    ws = torch.rand(shape, device=DEV, generator=g) * 1e-3 + 1e-4
+    bias = torch.randn(n, device=DEV, generator=g) if m % 2 else None
+    x = (torch.randn(m, k, device=DEV, generator=g) * 2).to(dtype)
+    x[0, 5] = 40.0  # an outlier sets row 0's scale
+    cfg = None
+    if fused is not None:
+        cfg = small_m_config(m, n, k, scheme, torch.cuda.get_device_properties(DEV).multi_processor_count, fused)
+    out = dense_int8_small_m(x, w, ws, bias, scheme=scheme, accumulator=acc, config=cfg)
+    assert out.dtype == dtype and out.shape == (m, n)
+    xd = ref_codes(x, None if scheme == "int8_channel" else 128)
+    wd = _ref_weight(w, ws, scheme)
+    ref = xd @ wd.t()
+    mag = xd.abs() @ wd.abs().t()
+    if bias is not None:
+        ref, mag = ref + bias.double(), mag + bias.double().abs()
+    err = (out.double() - ref).abs()
+    bound = 2.0**-8 * ref.abs() + 2.0**-17 * mag
+    assert bool((err <= bound).all()), f"worst excess {float((err - bound).max()):.3g}"
+
+
+@pytest.mark.parametrize("backend,scheme,acc", CASES, ids=["-".join(c) for c in CASES])
+def test_small_batch_forward_is_graph_capturable(backend, scheme, acc, monkeypatch):
+    """The decode path (16 rows) replays in a CUDA graph and equals its eager result."""
+    mod, _ = _module(backend, scheme, acc, 1024, 576, True, monkeypatch)
+    x = torch.randn(16, 1024, device=DEV, dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = mod(x)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            mod(x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = mod(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)

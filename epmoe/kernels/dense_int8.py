@@ -1,0 +1,329 @@
+"""W8A8 INT8 dense GEMM for small batches (decode): one launch reads the weight once.
+
+At a few rows the dense linear is bound by reading its INT8 weight (half of BF16's bytes), and at
+that size every extra launch, and every program that sits idle, shows. So the small-batch path
+is one kernel that
+
+* runs a ``(ceil(N / BLOCK_N), ceil(M / BLOCK_M))`` grid whose N tiles are narrow enough (down to
+  16 weight rows) to put at least two programs on every SM: a weight-read-bound GEMM needs all
+  SMs pulling from HBM, and a wide tile on a narrow layer (``kv_a``: 576 outputs) would leave
+  most of them idle;
+* quantizes the activations itself when they are few (``fused``): each program reads its rows'
+  float activations, forms the per-token scale from the row's amax (channel: one pass over K
+  before the GEMM loop) or each 1x128 group's scale on the fly (block), and turns every K tile
+  into INT8 codes right before the MMA. Only the batch's rows are quantized (rounded up to a
+  power of two); the MMA's 16-row minimum is met by repeating them, and the copies' outputs are
+  never stored. Every program repeats this work on activations it reads from L2, so it is chosen
+  only while those reads stay below the program's weight bytes (:func:`small_m_config`); above
+  that a per-token / per-group quantizer runs first (two launches, the codes read once per
+  program);
+* applies both scales (and the bias, in fp32) in the epilogue and stores the output dtype.
+
+The codes are those of :mod:`epmoe.kernels.quantize` bit for bit (the same device functions:
+``amax_bits``, ``scale_of``, ``codes``), so fused and unfused runs agree, and the int32
+accumulator makes the K sum exact.
+
+No split-K: every output tile is owned by one program, so there is no workspace, no atomics, no
+second launch, and the result does not depend on a reduction order. The weight tiles are loaded
+with 16-byte accesses and pipelined through shared memory (``cp.async``) when K and the row
+strides are multiples of 16, which the JIT sees for every DeepSeek shape.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import devices
+from .common import next_pow2, placeholder
+from .quantize import INT8_QMAX, amax_bits, codes, per_group_quant, per_token_quant_int8, scale_of
+
+SCHEMES = ("int8_channel", "int8_block")
+SCALE_BLOCK = 128
+PROGRAMS_PER_SM = 2
+SMEM_SHARED = 72 * 1024
+"""Shared memory a program's pipeline stages may take when programs share SMs: three fit on an
+H100/H200 SM (227 KB), so a grid of two or three programs per SM runs in one wave."""
+SMEM_ALONE = 160 * 1024
+"""... and when the grid has no more programs than SMs (narrow layers): each program has an SM
+to itself, and deeper stages keep more of its weight bytes in flight."""
+
+
+class SmallMConfig(NamedTuple):
+    """Tiles, warps, pipeline stages, and whether the kernel quantizes the activations itself."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    fused: bool
+
+    def to_dict(self) -> dict:
+        return self._asdict()
+
+
+@functools.lru_cache(maxsize=4096)
+def small_m_config(m: int, n: int, k: int, scheme: str, sms: int, fused: bool | None = None) -> SmallMConfig:
+    """The launch for an ``[m, k] x [n, k]^T`` call on a GPU with ``sms`` SMs (cached: the
+    forward looks it up on every call). ``fused``: ``None`` for the rule below, or forced (int8
+    activations with their scales take ``False``); the stages are sized for the choice.
+
+    ``block_n`` is the widest of 128, 64, 32, 16 that still gives ``PROGRAMS_PER_SM`` programs
+    per SM, and never narrower than half of ``block_m``. ``fused`` holds when the activations a program reads from L2
+    (channel: two passes of bf16 rows, block: one) are at most its weight bytes:
+    ``4 m <= block_n`` (channel) or ``2 m <= block_n`` (block). ``block_k`` starts at 512, or
+    1024 when programs have SMs to themselves (block scheme: the longest such multiple of 128
+    dividing K), and is halved until four stages fit the shared-memory budget; then as many
+    stages as fit, 2 to 5 (8 when programs have SMs to themselves). A fused stage holds the
+    batch's rows of bf16 activations, an unfused one ``block_m`` rows of codes.
+    """
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    m_tiles = -(-m // block_m)
+    # Every program reads its block_m rows of activations whole: tiles at least half as wide as
+    # tall keep those reads within twice the program's weight bytes.
+    block_n = max(16, block_m // 2)
+    for cand in (128, 64, 32):
+        if cand > block_n and -(-n // cand) * m_tiles >= PROGRAMS_PER_SM * sms:
+            block_n = cand
+            break
+    alone = -(-n // block_n) * m_tiles <= sms
+    budget, max_stages, max_k = (SMEM_ALONE, 8, 1024) if alone else (SMEM_SHARED, 5, 512)
+    passes = 2 if scheme == "int8_channel" else 1
+    if fused is None:
+        fused = 2 * passes * m <= block_n
+    x_rows = min(next_pow2(m), block_m) if fused else block_m
+    if scheme == "int8_block":
+        block_k = next(b for b in (1024, 512, 256, SCALE_BLOCK) if b <= max_k and k % b == 0)
+    else:
+        block_k = max(32, min(max_k, next_pow2(k)))
+    if fused and x_rows > 8:
+        block_k = min(block_k, 256)  # the fp32 activation tile lives in registers
+    x_bytes = 2 if fused else 1
+
+    def stage(bk):
+        return x_rows * bk * x_bytes + block_n * bk
+
+    # Four stages in flight keep the HBM pipe full; shorter K steps before fewer stages.
+    while block_k > 128 and 4 * stage(block_k) > budget:
+        block_k //= 2
+    stages = max(2, min(max_stages, budget // stage(block_k)))
+    return SmallMConfig(block_m, block_n, block_k, 4, stages, fused)
+
+
+@triton.jit
+def _rows_to_tile(t, BLOCK_M: tl.constexpr, X_ROWS: tl.constexpr, COLS: tl.constexpr):
+    """``t [X_ROWS, COLS]`` repeated down to ``BLOCK_M`` rows (row ``i`` is ``t[i % X_ROWS]``): the
+    MMA needs 16 rows, the quantization only the batch's few; the copies' outputs are never
+    stored."""
+    if X_ROWS == BLOCK_M:
+        out = t
+    else:
+        out = tl.reshape(tl.broadcast_to(t[None, :, :], (BLOCK_M // X_ROWS, X_ROWS, COLS)), (BLOCK_M, COLS))
+    return out
+
+
+@triton.jit
+def _rows_to_vec(t, BLOCK_M: tl.constexpr, X_ROWS: tl.constexpr):
+    """:func:`_rows_to_tile` for a ``[X_ROWS]`` vector (per-row scales)."""
+    if X_ROWS == BLOCK_M:
+        out = t
+    else:
+        out = tl.reshape(tl.broadcast_to(t[None, :], (BLOCK_M // X_ROWS, X_ROWS)), (BLOCK_M,))
+    return out
+
+
+@triton.jit
+def dense_small_m_kernel(
+    X, XS, W, WS, BIAS, OUT,
+    M, N, K,
+    stride_xm, stride_xsm, stride_wn, stride_wsn, stride_wsk, stride_om,
+    FUSED: tl.constexpr, BLOCK_SCALES: tl.constexpr, INT_ACC: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    X_ROWS: tl.constexpr, QMAX: tl.constexpr, SCALE: tl.constexpr,
+):
+    """``OUT[m, n] = sa . sw . sum_k q[m, k] w[n, k] (+ bias[n])`` for one ``[BLOCK_M, BLOCK_N]``
+    tile. ``FUSED``: ``X`` is float and quantized here (``XS`` unused), ``X_ROWS`` rows of it at
+    a time (the batch's rows, a power of two up to ``BLOCK_M``); else ``X`` holds int8 codes and
+    ``XS`` their scales (``[M, 1]`` channel, ``[M, K / SCALE]`` block).
+
+    Each K step of ``BLOCK_K`` columns is ``BLOCK_K / SUB`` sub-steps of ``SUB`` columns: one
+    for the channel scheme, one per ``SCALE``-column block for the block scheme (whose scales
+    change every block), so a long step keeps many weight bytes in flight either way."""
+    SUB: tl.constexpr = SCALE if BLOCK_SCALES else BLOCK_K
+    GROUPS: tl.constexpr = BLOCK_K // SUB
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    rows = tl.where(m_ok, offs_m, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    # Clamped weight rows keep every weight load in bounds without a mask; the store is masked.
+    cols = tl.where(n_ok, offs_n, 0).to(tl.int64)
+    offs_s = tl.arange(0, SUB)
+    w_base = W + cols[:, None] * stride_wn + offs_s[None, :]
+    if FUSED:
+        # Only the batch's rows are quantized: the codes' ALU work is per row, not per MMA row.
+        offs_xm = pid_m * BLOCK_M + tl.arange(0, X_ROWS)
+        xm_ok = offs_xm < M
+        x_base = X + tl.where(xm_ok, offs_xm, 0).to(tl.int64)[:, None] * stride_xm + offs_s[None, :]
+    else:
+        x_base = X + rows[:, None] * stride_xm + offs_s[None, :]
+    k_steps = tl.cdiv(K, BLOCK_K)
+
+    if not BLOCK_SCALES:
+        if FUSED:
+            # The row's scale needs its whole amax before the first code: one pass over K.
+            amax = tl.zeros([X_ROWS], dtype=tl.int32)
+            for kk in range(0, k_steps):
+                k_ok = offs_s < K - kk * BLOCK_K
+                x = tl.load(x_base + kk * BLOCK_K, mask=xm_ok[:, None] & k_ok[None, :], other=0.0)
+                amax = tl.maximum(amax, amax_bits(x.to(tl.float32), 1))
+            sa_x = scale_of(amax, QMAX)
+            rcp = tl.div_rn(1.0, sa_x)
+            finite = sa_x < float("inf")
+            sa = _rows_to_vec(sa_x, BLOCK_M, X_ROWS)
+        else:
+            sa = tl.load(XS + rows * stride_xsm)
+
+    if INT_ACC:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, k_steps):
+        for g in tl.static_range(GROUPS):
+            k0 = kk * BLOCK_K + g * SUB
+            if EVEN_K:
+                w = tl.load(w_base + k0)
+            else:
+                k_ok = offs_s < K - k0
+                w = tl.load(w_base + k0, mask=k_ok[None, :], other=0)
+            if FUSED:
+                if EVEN_K:
+                    x = tl.load(x_base + k0, mask=xm_ok[:, None], other=0.0).to(tl.float32)
+                else:
+                    x = tl.load(x_base + k0, mask=xm_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+                if BLOCK_SCALES:
+                    sa_x = scale_of(amax_bits(x, 1), QMAX)
+                    q = codes(x, sa_x[:, None], tl.div_rn(1.0, sa_x)[:, None], (sa_x < float("inf"))[:, None],
+                              QMAX, False)  # fmt: skip
+                    sa_k = _rows_to_vec(sa_x, BLOCK_M, X_ROWS)
+                else:
+                    q = codes(x, sa_x[:, None], rcp[:, None], finite[:, None], QMAX, False)
+                a = _rows_to_tile(q, BLOCK_M, X_ROWS, SUB)
+            else:
+                if EVEN_K:
+                    a = tl.load(x_base + k0)
+                else:
+                    a = tl.load(x_base + k0, mask=k_ok[None, :], other=0)
+                if BLOCK_SCALES:
+                    sa_k = tl.load(XS + rows * stride_xsm + k0 // SCALE)
+            if BLOCK_SCALES:
+                sw = tl.load(WS + (cols // SCALE) * stride_wsn + (k0 // SCALE) * stride_wsk)
+                part = tl.dot(a, tl.trans(w), out_dtype=tl.int32).to(tl.float32)
+                acc += part * (sa_k[:, None] * sw[None, :])
+            elif INT_ACC:
+                acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)
+            else:
+                acc += tl.dot(a, tl.trans(w), out_dtype=tl.int32).to(tl.float32)
+
+    if BLOCK_SCALES:
+        res = acc
+    else:
+        sw = tl.load(WS + cols * stride_wsn)
+        res = acc.to(tl.float32) * (sa[:, None] * sw[None, :])
+    if HAS_BIAS:
+        res += tl.load(BIAS + cols).to(tl.float32)[None, :]
+    o_ptrs = OUT + rows[:, None] * stride_om + offs_n[None, :]
+    tl.store(o_ptrs, res.to(OUT.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _sms(device: torch.device) -> int:
+    return devices.sm_count(device) if device.type == "cuda" else 4
+
+
+def dense_int8_small_m(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    scheme: str,
+    accumulator: str,
+    x_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: SmallMConfig | None = None,
+) -> torch.Tensor:
+    """``x [M, K] @ dequant(weight [N, K])^T (+ bias)`` with W8A8 INT8 codes, for small ``M``.
+
+    Args:
+        x: ``[M, K]`` float activations (quantized per token / per 1x128 group, fused into the
+            GEMM when :func:`small_m_config` says so, else by the quantizer kernel first), or
+            int8 codes with ``x_scale``.
+        weight: ``[N, K]`` int8, rows contiguous.
+        weight_scale: fp32 ``[N, 1]`` (``int8_channel``) or ``[ceil(N/128), K/128]`` (``int8_block``).
+        bias: optional float ``[N]`` added in fp32 before the output rounding.
+        scheme: ``"int8_channel"`` or ``"int8_block"`` (K a multiple of 128).
+        accumulator: ``"int32"`` (channel only: exact K sum) or ``"fp32"`` (each K step's exact
+            int32 product added in fp32).
+        x_scale: fp32 scales of int8 ``x``: ``[M, 1]`` or ``[M, K/128]``.
+        out_dtype: the output dtype (default: ``x``'s; bf16 for int8 ``x``).
+        config: a launch (default :func:`small_m_config`, unfused for int8 ``x``); a fused
+            config with int8 ``x`` is refused.
+
+    Returns:
+        ``[M, N]`` of ``out_dtype``.
+    """
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme={scheme!r}; allowed: {list(SCHEMES)}")
+    if accumulator == "int32" and scheme != "int8_channel":
+        raise ValueError("accumulator='int32' needs scheme='int8_channel' (block scales apply per K step)")
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or weight.dtype != torch.int8 or weight.stride(1) != 1:
+        raise ValueError(f"weight: {weight.dtype} {tuple(weight.shape)}; allowed: int8 [N, {k}] with contiguous rows")
+    block = scheme == "int8_block"
+    if block and k % SCALE_BLOCK:
+        raise ValueError(f"x: K={k}; scheme='int8_block' needs a multiple of {SCALE_BLOCK}")
+    quantized = x.dtype == torch.int8
+    if quantized != (x_scale is not None):
+        raise ValueError("x_scale goes with int8 x (codes), and only with them")
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if quantized else x.dtype
+    cfg = config
+    if cfg is None:
+        cfg = small_m_config(m, n, k, scheme, _sms(x.device), False if quantized else None)
+    if cfg.fused and quantized:
+        raise ValueError("config.fused=True quantizes float x; int8 x with x_scale needs fused=False")
+    if block and (cfg.block_k % SCALE_BLOCK or k % cfg.block_k):
+        raise ValueError(
+            f"config.block_k={cfg.block_k}; scheme='int8_block' needs a multiple of {SCALE_BLOCK} dividing K={k}"
+        )
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    device = x.device
+    out = torch.empty((m, n), dtype=out_dtype, device=device)
+    if m == 0 or n == 0:
+        return out
+    if not cfg.fused and not quantized:
+        x, x_scale = per_group_quant(x, SCALE_BLOCK, torch.int8) if block else per_token_quant_int8(x)
+    unused = placeholder(device, torch.float32)  # never read: its flag is off
+    xs = unused if x_scale is None else x_scale
+    ws = weight_scale
+    # Plain integer arithmetic: triton.cdiv is a constexpr_function whose call costs host time.
+    grid = (-(-n // cfg.block_n), -(-m // cfg.block_m))
+    dense_small_m_kernel[grid](
+        x, xs, weight, ws, unused if bias is None else bias, out,
+        m, n, k,
+        x.stride(0), xs.stride(0), weight.stride(0), ws.stride(0), ws.stride(1), out.stride(0),
+        FUSED=cfg.fused, BLOCK_SCALES=block, INT_ACC=accumulator == "int32", HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
+        X_ROWS=min(next_pow2(m), cfg.block_m),
+        QMAX=INT8_QMAX, SCALE=SCALE_BLOCK, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out

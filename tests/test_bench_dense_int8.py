@@ -1,0 +1,49 @@
+"""benchmarks/bench_dense_int8.py dry-run on CPU (--device cpu --tiny): every variant runs, the
+float64 checks come out right, the JSON, summary, table and plot are written. Times on CPU mean
+nothing; the script's measuring needs the GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from benchmarks import bench_dense_int8 as bench
+
+
+def test_plain_torch_int_mm_path_against_float64():
+    """The user's plain-torch path (the baseline of the target) is right, padding included."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 64, generator=g)
+    wq = torch.randint(-127, 128, (24, 64), generator=g, dtype=torch.int8)
+    ws = torch.rand(1, 24, generator=g) * 1e-2
+    out = bench.int_mm_quant(x, wq.t(), ws)
+    ref = bench.ref_codes(x, None) @ (wq.double() * ws.double().t()).t()
+    assert float((out.double() - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_dry_run_writes_rows_for_every_variant(tmp_path, monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.delenv("SGLANG_CUTLASS_MOE", raising=False)
+    out = tmp_path / "dense.json"
+    assert bench.main(["--device", "cpu", "--tiny", "--m", "1", "7", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["gpu"] == "cpu (dry run)" and result["rows"]
+    variants = {r["variant"] for r in result["rows"]}
+    assert variants == {"bf16", "int_mm+quant", "int_mm", "epmoe auto", "epmoe triton", "epmoe triton block"}
+    for r in result["rows"]:
+        if r["variant"] == "int_mm":
+            assert r["int_mm_exact"]
+        else:
+            assert r["rel_err_vs_fp64"] < (1e-2 if r["variant"] == "bf16" else 5e-2)
+        if "max_err_vs_dequant" in r:
+            assert r["max_err_vs_dequant"] < 1e-2  # bf16 output (the interpreter truncates): 2^-8
+        if r["variant"] == "epmoe triton":
+            assert r["path"] == "small-batch kernel" and r["config"]["block_n"] == 16
+    assert set(result["summary"]) == variants - {"bf16"}
+    assert "tiny_a" in bench.table(result)
+    if importlib.util.find_spec("matplotlib") is not None:  # the plot extra
+        bench.plot(result, str(tmp_path / "dense.png"))
+        assert (tmp_path / "dense.png").stat().st_size > 0

@@ -1,0 +1,174 @@
+"""The small-batch W8A8 INT8 dense kernel (epmoe.kernels.dense_int8) under the interpreter,
+against float64 references that quantize the activations on their own (test_linear's
+``ref_quant_rows``), fused and unfused, both schemes, both accumulators, with and without bias."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epmoe.kernels.dense_int8 import SmallMConfig, dense_int8_small_m, small_m_config
+from test_linear import ref_quant_rows  # tests/ is on sys.path (conftest)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# fp32 output; a rare activation code on the other side of a rounding boundary between the fp32
+# quantizer and the float64 one (~1e-4 of the norm): far below the ~1e-2 of quantization itself.
+TIGHT = 1e-3
+CASES = [("int8_channel", "int32"), ("int8_channel", "fp32"), ("int8_block", "fp32")]
+
+
+def _weights(n, k, scheme, gen):
+    w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    shape = (n, 1) if scheme == "int8_channel" else (-(-n // 128), k // 128)
+    ws = torch.rand(shape, generator=gen) * 1e-2 + 1e-3
+    return w, ws
+
+
+def _ref(x, w, ws, bias, scheme):
+    if scheme == "int8_channel":
+        wf = w.double() * ws.double()
+        xq = ref_quant_rows(x, None)
+    else:
+        full = ws.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
+        wf = w.double() * full
+        xq = ref_quant_rows(x, 128)
+    out = xq @ wf.t()
+    return out if bias is None else out + bias.double()
+
+
+def _rel(a, b):
+    return float((a.double().cpu() - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("scheme,acc", CASES, ids=["channel-int32", "channel-fp32", "block"])
+@pytest.mark.parametrize("m", [1, 7, 128, 1000])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_small_m_kernel_against_float64(scheme, acc, m, fused):
+    gen = torch.Generator().manual_seed(m)
+    n, k = 40, 256  # N not a multiple of the tile: masked stores
+    w, ws = _weights(n, k, scheme, gen)
+    x = torch.randn(m, k, generator=gen)
+    x[0, 3] = 9.0  # an outlier sets row 0's scale
+    bias = torch.randn(n, generator=gen) if m % 2 else None
+    cfg = SmallMConfig(16 if m <= 16 else 64, 16, 256, 4, 2, fused)  # block: two scale blocks per K step
+    out = dense_int8_small_m(x.to(DEVICE), w.to(DEVICE), ws.to(DEVICE), None if bias is None else bias.to(DEVICE),
+                             scheme=scheme, accumulator=acc, config=cfg)  # fmt: skip
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    assert _rel(out, _ref(x, w, ws, bias, scheme)) <= TIGHT
+
+
+@pytest.mark.parametrize("scheme,acc", CASES, ids=["channel-int32", "channel-fp32", "block"])
+def test_fused_equals_quantize_then_gemm(scheme, acc):
+    """The fused kernel forms the very codes of the quantizer kernel: equal outputs (int32: the
+    same exact sum; fp32: the same K steps)."""
+    gen = torch.Generator().manual_seed(5)
+    n, k = 24, 384
+    w, ws = _weights(n, k, scheme, gen)
+    x = (torch.randn(3, k, generator=gen) * 3).to(DEVICE)
+    args = (w.to(DEVICE), ws.to(DEVICE))
+    fused = dense_int8_small_m(x, *args, scheme=scheme, accumulator=acc, config=SmallMConfig(16, 16, 128, 4, 2, True))
+    plain = dense_int8_small_m(x, *args, scheme=scheme, accumulator=acc, config=SmallMConfig(16, 16, 128, 4, 2, False))
+    torch.testing.assert_close(fused, plain, rtol=0, atol=0)
+
+
+def test_uneven_k_and_fp16_output():
+    """Channel K not a multiple of the K tile (masked K loads), fp16 in and out, default config."""
+    gen = torch.Generator().manual_seed(2)
+    n, k = 33, 200
+    w, ws = _weights(n, k, "int8_channel", gen)
+    x = torch.randn(5, k, generator=gen).half()
+    out = dense_int8_small_m(x.to(DEVICE), w.to(DEVICE), ws.to(DEVICE), scheme="int8_channel", accumulator="int32")
+    assert out.dtype == torch.float16
+    assert _rel(out, _ref(x.float(), w, ws, None, "int8_channel")) <= 2e-3
+
+
+def test_refusals():
+    w = torch.zeros(16, 128, dtype=torch.int8, device=DEVICE)
+    ws = torch.ones(16, 1, device=DEVICE)
+    x = torch.zeros(2, 128, device=DEVICE)
+    with pytest.raises(ValueError, match="scheme="):
+        dense_int8_small_m(x, w, ws, scheme="fp8", accumulator="fp32")
+    with pytest.raises(ValueError, match="accumulator='int32'"):
+        dense_int8_small_m(x, w, torch.ones(1, 1, device=DEVICE), scheme="int8_block", accumulator="int32")
+    with pytest.raises(ValueError, match="weight:"):
+        dense_int8_small_m(torch.zeros(2, 64, device=DEVICE), w, ws, scheme="int8_channel", accumulator="int32")
+    with pytest.raises(ValueError, match="x_scale"):
+        dense_int8_small_m(x.to(torch.int8), w, ws, scheme="int8_channel", accumulator="int32")
+    with pytest.raises(ValueError, match="fused"):
+        dense_int8_small_m(x.to(torch.int8), w, ws, scheme="int8_channel", accumulator="int32",
+                           x_scale=torch.ones(2, 1, device=DEVICE), config=SmallMConfig(16, 16, 128, 4, 2, True))  # fmt: skip
+
+
+def test_config_rule():
+    """Narrow N tiles until two programs per SM (never narrower than half the row tile); fused
+    only while the activations a program reads stay within its weight bytes; longer K steps and
+    deeper stages where programs have SMs to themselves."""
+    sms = 132
+    assert small_m_config(1, 576, 7168, "int8_channel", sms) == (16, 16, 1024, 4, 8, True)  # kv_a: 36 programs
+    assert small_m_config(16, 576, 7168, "int8_channel", sms) == (16, 16, 1024, 4, 5, False)
+    assert small_m_config(64, 576, 7168, "int8_channel", sms)[:2] == (64, 32)
+    assert small_m_config(16, 36864, 7168, "int8_channel", sms) == (16, 128, 128, 4, 3, True)  # 288 programs
+    assert small_m_config(64, 36864, 7168, "int8_channel", sms).fused is False
+    assert small_m_config(4, 1536, 7168, "int8_block", sms)[2] == 1024
+    assert small_m_config(4, 1536, 384, "int8_block", sms)[2] == 128  # the longest dividing K
+    for m in (1, 4, 16, 64):
+        for n, k in ((576, 7168), (1536, 7168), (24576, 1536), (7168, 18432), (36864, 7168)):
+            for scheme in ("int8_channel", "int8_block"):
+                cfg = small_m_config(m, n, k, scheme, sms)
+                x_rows = min(1 << (m - 1).bit_length(), cfg.block_m) if cfg.fused else cfg.block_m
+                stage = x_rows * cfg.block_k * (2 if cfg.fused else 1) + cfg.block_n * cfg.block_k
+                shared = -(-n // cfg.block_n) * -(-m // cfg.block_m) > sms
+                assert cfg.num_stages * stage <= (72 if shared else 160) * 1024
+                assert cfg.block_n >= cfg.block_m // 2
+                assert k % cfg.block_k == 0 or scheme == "int8_channel"
+
+
+_COMPILE = r"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from epmoe.kernels.common import next_pow2
+from epmoe.kernels.dense_int8 import dense_small_m_kernel as fn, small_m_config
+
+for scheme, m, n, k in (("int8_channel", 1, 576, 7168), ("int8_channel", 16, 1536, 7168), ("int8_block", 2, 24576, 1536)):
+    cfg = small_m_config(m, n, k, scheme, 132)
+    sig = {a: "i32" for a in fn.arg_names}
+    sig.update(X="*bf16" if cfg.fused else "*i8", XS="*fp32", W="*i8", WS="*fp32", BIAS="*fp32", OUT="*bf16")
+    const = dict(FUSED=cfg.fused, BLOCK_SCALES=scheme == "int8_block", INT_ACC=scheme == "int8_channel",
+                 HAS_BIAS=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=True,
+                 X_ROWS=min(next_pow2(m), cfg.block_m), QMAX=127.0, SCALE=128)
+    sig.update({c: "constexpr" for c in const})
+    # What the JIT infers for these shapes: 16-byte aligned pointers, strides and sizes divisible by 16.
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
+             for a in ("X", "XS", "W", "WS", "BIAS", "OUT", "N", "K", "stride_xm", "stride_wn", "stride_om")}
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(c),): v for c, v in const.items()}, attrs=attrs)
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    ptx = ck.asm["ptx"]
+    print(scheme, m, cfg.fused, ck.metadata.shared, ptx.count("cp.async"), ptx.count("mma"))
+"""
+
+
+def test_small_m_kernel_compiles_for_sm90():
+    """The kernel compiles for an H100/H200 (sm_90, the triton wheel's ptxas; no GPU needed) with
+    its weight loads pipelined through shared memory (cp.async): a fused config, an unfused one,
+    and the block scheme. The interpreter runs the Python, not this lowering."""
+    import os
+    import subprocess
+    import sys
+
+    triton = pytest.importorskip("triton")
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("the triton wheel has no ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                         env.get("PYTHONPATH", "")])  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.split("\n")[:3]
+    assert [ln.split()[:3] for ln in lines] == [["int8_channel", "1", "True"], ["int8_channel", "16", "False"],
+                                                ["int8_block", "2", "True"]]  # fmt: skip
+    for ln in lines:
+        shared, cp_async, mma = map(int, ln.split()[3:])
+        assert cp_async > 0 and mma > 0 and shared <= 227 * 1024
