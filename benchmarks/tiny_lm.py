@@ -135,6 +135,7 @@ def split_corpus(fraction: float) -> Split:
         train_tokens=int(train_ids.size), train_sha256=digest(train_ids),
         heldout_documents=len(held), heldout_tokens=int(held_ids.size), heldout_sha256=digest(held_ids),
         heldout_names=[n for n, _ in held],
+        heldout_document_sha256={n: hashlib.sha256(d).hexdigest()[:16] for n, d in held},
     )  # fmt: skip
     return Split(train_ids, held_ids, [n for n, _ in train], [n for n, _ in held], info)
 
@@ -266,6 +267,23 @@ def read_data(root: Path) -> tuple[np.ndarray, dict]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: train first (benchmarks/train_tiny_moe.py --ckpt {root})")
     return np.load(path), json.loads((root / DATA_JSON).read_text())
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend; SystemExit naming the extra without it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise SystemExit(f"plots need matplotlib (pip install 'epmoe[plot]'): {exc}") from None
+    return plt
+
+
+def save_figure(fig, path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 @dataclass
