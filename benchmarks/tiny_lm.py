@@ -73,9 +73,13 @@ def stdlib_root() -> Path:
 
 def corpus() -> list[tuple[str, bytes]]:
     """``(name, bytes)`` of every document, sorted by name: ``pydoc:<topic>`` and ``stdlib:<path>``."""
-    import pydoc_data.topics
+    try:
+        import pydoc_data.topics
 
-    docs = [(f"pydoc:{k}", v.encode("utf-8")) for k, v in pydoc_data.topics.topics.items()]
+        topics = pydoc_data.topics.topics
+    except ImportError:  # some distributions split pydoc_data off; data.json then counts 0 topics
+        topics = {}
+    docs = [(f"pydoc:{k}", v.encode("utf-8")) for k, v in topics.items()]
     root = stdlib_root()
     for path in root.rglob("*.py"):
         rel = path.relative_to(root)
@@ -131,6 +135,7 @@ def split_corpus(fraction: float) -> Split:
     info = dict(
         python=platform.python_version(), stdlib=str(stdlib_root()), split_salt=SPLIT_SALT,
         heldout_fraction=fraction, documents=len(docs),
+        pydoc_topics=sum(n.startswith("pydoc:") for n, _ in docs),
         train_documents=len(train), train_pydoc_topics=sum(n.startswith("pydoc:") for n, _ in train),
         train_tokens=int(train_ids.size), train_sha256=digest(train_ids),
         heldout_documents=len(held), heldout_tokens=int(held_ids.size), heldout_sha256=digest(held_ids),

@@ -251,8 +251,9 @@ def train(a: argparse.Namespace) -> dict:
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         for p, master in pairs:
-            master.grad = p.grad.float()
-            p.grad = None
+            if p.grad is not None:  # a parameter the batch did not reach keeps no gradient
+                master.grad = p.grad.float()
+                p.grad = None
         torch.nn.utils.clip_grad_norm_([m for g in opt.param_groups for m in g["params"]], a.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
