@@ -79,6 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-experts", default="grouped_mm", help="transformers experts implementation of the reference")
     p.add_argument("--ep-sequences", type=int, default=2, help="sequences per rank of the EP check (0: skip it)")
     p.add_argument("--ep-seq-len", type=int, default=128, help="tokens per sequence of the EP check")
+    p.add_argument("--ep-variants", default=None, help="comma-separated variants of the EP check (default: every epmoe one run)")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
 
 
@@ -100,6 +101,10 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> argparse.Na
                     "auto, torch, triton, cutlass, deepgemm")  # fmt: skip
         forced[key] = name
     a.forced = forced
+    ep = [v for v in (a.ep_variants or ",".join(a.variant_list)).split(",") if v and v != REFERENCE]
+    if [v for v in ep if v not in a.variant_list]:
+        p.error(f"--ep-variants: {[v for v in ep if v not in a.variant_list]} are not among --variants {a.variant_list}")
+    a.ep_list = ep
     for name in ("max_tokens", "batch", "ep_seq_len"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(a, name)}; allowed: >= 1")
@@ -371,15 +376,14 @@ def evaluate(a: argparse.Namespace) -> dict:
 
     ep = None
     if a.ep_sequences:
-        ep_variants = [v for v in a.variant_list if v != REFERENCE]
-        ep = ep_check(ckpt, work, ep_variants, windows, a.ep_sequences, min(a.ep_seq_len, seq_len), work / "ep")
+        ep = ep_check(ckpt, work, a.ep_list, windows, a.ep_sequences, min(a.ep_seq_len, seq_len), work / "ep")
         print(f"EP = 2 over gloo against EP = 1 ({ep['sequences_per_rank']} x {ep['seq_len']} tokens per rank, "
               f"CPU, torch backends): {'all logits bitwise identical' if ep['all_identical'] else 'DIFFERENT'} "
               f"({ep['ep1_seconds']:.0f} s + {ep['ep2_seconds']:.0f} s)", flush=True)  # fmt: skip
 
     return dict(
         kind="epmoe tiny DeepSeek-V3 LM accuracy per scheme", **facts.asdict(),
-        args={k: v for k, v in vars(a).items() if k not in ("forced", "variant_list")},
+        args={k: v for k, v in vars(a).items() if k not in ("forced", "variant_list", "ep_list")},
         data={k: v for k, v in data.items() if k != "heldout_names"}, heldout_names=data.get("heldout_names"),
         windows=int(windows.shape[0]), seq_len=seq_len, tokens_scored=int(windows.shape[0] * (seq_len - 1)),
         reference=REFERENCE, convert_seconds=convert_s, rows=rows, expert_input_outliers=outliers, ep=ep,
