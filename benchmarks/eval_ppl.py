@@ -185,6 +185,33 @@ def backends_used(model) -> dict:
                 int8_linears=sum(isinstance(m, Int8Linear) for m in model.modules()))  # fmt: skip
 
 
+class SelectionLog(logging.Handler):
+    """The distinct INFO+ lines of the ``epmoe`` logger while a variant loads: every backend and
+    dispatcher the layers and dense linears considered, with the reason each other was refused."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        line = record.getMessage()
+        if line not in self.lines and len(self.lines) < 40:
+            self.lines.append(line)
+
+    def __enter__(self) -> "SelectionLog":
+        self.logger = logging.getLogger("epmoe")
+        self.saved = self.logger.level, self.logger.propagate  # (self.level is this handler's threshold)
+        self.logger.setLevel(logging.INFO)
+        self.logger.propagate = False  # the lines go to the JSON, not to the console
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.saved[0])
+        self.logger.propagate = self.saved[1]
+
+
 # ------------------------------------------------------------------------------- outliers
 class ExpertInputAmax:
     """Per-channel amax of the routed experts' input (``hidden_states [T, H]``) per MoE layer,
@@ -341,8 +368,10 @@ def evaluate(a: argparse.Namespace) -> dict:
                    requested_backend=None if v == REFERENCE else backend_of(v, a.forced))  # fmt: skip
         t = time.time()
         try:
-            model = load_variant(v, ckpt, work, device, backend_of(v, a.forced), a.dense_backend, a.hf_experts)
+            with SelectionLog() as selection:
+                model = load_variant(v, ckpt, work, device, backend_of(v, a.forced), a.dense_backend, a.hf_experts)
             row["load_seconds"] = time.time() - t
+            row["selection_log"] = selection.lines
             row["backends"] = backends_used(model)
             hooks = ExpertInputAmax(model) if v == REFERENCE else None
             t = time.time()
