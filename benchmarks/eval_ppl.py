@@ -266,7 +266,7 @@ def _ep_logits(ckpt: str, work: str, variants: list[str], seqs) -> dict:
     for v in variants:
         model = load_variant(v, Path(ckpt), Path(work), torch.device("cpu"), "torch", "torch", "eager")
         with torch.no_grad():
-            out[v] = model(input_ids=torch.from_numpy(seqs)).logits.float().numpy()
+            out[v] = model(input_ids=torch.from_numpy(seqs), use_cache=False).logits.float().numpy()
         out[v + ":backends"] = backends_used(model)
         del model
     return out

@@ -194,7 +194,7 @@ def score(model, windows: np.ndarray, batch: int, device, reference_top1=None, h
     with torch.no_grad():
         for i in range(0, windows.shape[0], batch):
             ids = torch.from_numpy(windows[i : i + batch]).to(device)
-            logits = model(input_ids=ids).logits[:, :-1].float()
+            logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
             targets = ids[:, 1:]
             logp = torch.log_softmax(logits, dim=-1)
             nll += float(-logp.gather(-1, targets.unsqueeze(-1)).sum().double())

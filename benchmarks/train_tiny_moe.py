@@ -248,7 +248,7 @@ def train(a: argparse.Namespace) -> dict:
             g["lr"] = lr
         epoch, batch = next(batches)
         ids = torch.from_numpy(batch).to(device, non_blocking=True)
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         for p, master in pairs:
             if p.grad is not None:  # a parameter the batch did not reach keeps no gradient
@@ -287,7 +287,7 @@ def train(a: argparse.Namespace) -> dict:
     model.eval()
     with torch.no_grad():
         _, batch = next(batches)
-        model(input_ids=torch.from_numpy(batch).to(device))
+        model(input_ids=torch.from_numpy(batch).to(device), use_cache=False)
     balance = load.imbalance()
     load.active = False
 
