@@ -145,3 +145,33 @@ def test_eval_every_variant_and_ep2_identical(trained, tmp_path):
     assert all(o["max_over_median"] >= 1.0 for o in out["expert_input_outliers"])
     table = eval_ppl.render_table(json.loads((tmp_path / "eval.json").read_text()))
     assert all(f"| {v} |" in table for v in VARIANTS.split(","))
+
+
+# ------------------------------------------------------------------------------ the eval CLI
+@pytest.mark.parametrize("argv,needle", [
+    (["--variants", "hf,int4"], "--variants: unknown ['int4']"),
+    (["--backend", "fp8_block"], "--backend 'fp8_block'"),
+    (["--backend", "int8_block_dense=triton"], "--backend 'int8_block_dense=triton'"),
+    (["--backend", "fp8_block=magic"], "--backend 'fp8_block=magic'"),
+    (["--ep-variants", "int8_block"], "--ep-variants: ['int8_block'] are not among"),
+    (["--max-tokens", "0"], "--max-tokens=0"),
+])  # fmt: skip
+def test_eval_arguments_are_checked(argv, needle, capsys):
+    with pytest.raises(SystemExit):
+        eval_ppl.main(["--ckpt", "unused", "--variants", "hf,bf16"] + argv)  # a later --variants wins
+    assert needle in capsys.readouterr().err
+
+
+def test_table_names_the_backend_and_a_failed_row():
+    row = dict(variant="fp8_block", scheme="fp8_block", accumulator=None, dense_int8=False, weights="fp8",
+               implementation="epmoe", requested_backend="cutlass", error="BackendUnavailableError: no headers")
+    ref = dict(variant="hf", scheme="bf16", accumulator=None, dense_int8=False, weights="bf16",
+               implementation="transformers grouped_mm", backends={"experts": []}, perplexity=3.5,
+               delta_pct=0.0, top1_agreement=1.0)
+    dense = dict(variant="int8_block_dense", scheme="int8_block", accumulator=None, dense_int8=True,
+                 weights="int8_block-dense", implementation="epmoe", backends={"experts": ["triton"],
+                 "dense_int8": ["triton"]}, perplexity=3.52, delta_pct=0.5714, top1_agreement=0.9912)
+    table = eval_ppl.render_table(dict(reference="hf", rows=[ref, row, dense], device="cuda", gpu="H200"))
+    assert "| hf | bf16 | - | BF16 | bf16 | transformers grouped_mm | 3.5000 | +0.000 | 100.00 % |" in table
+    assert "| fp8_block | fp8_block | - | BF16 | fp8 | cutlass | error: BackendUnavailableError: no headers" in table
+    assert "| int8_block_dense | int8_block | - | INT8 (Int8Linear, triton) | int8_block-dense | triton | 3.5200 | +0.571 | 99.12 % |" in table
