@@ -174,15 +174,21 @@ def backends_used(model) -> dict:
     from epmoe.layer import DeepEPMoELayer
     from epmoe.linear import Int8Linear
 
-    experts, dispatch, dense = set(), set(), set()
+    experts, dispatch, dense, rules = set(), set(), set(), set()
     for m in model.modules():
         if isinstance(m, DeepEPMoELayer):
             experts.add(m.backend.name)
             dispatch.add(m.dispatcher.name)
+            if m.backend.name == "cutlass" and m.scheme.name.startswith("int8"):
+                # This backend runs an INT8 batch on Triton below a measured rows-per-expert crossover.
+                from epmoe.experts.cutlass_backend import int8_rule
+
+                rules.add(int8_rule(m.device, m.scheme.name).describe())
         elif isinstance(m, Int8Linear):
             dense.add(m.backend_name)
     return dict(experts=sorted(experts), dispatch=sorted(dispatch), dense_int8=sorted(dense),
-                int8_linears=sum(isinstance(m, Int8Linear) for m in model.modules()))  # fmt: skip
+                int8_linears=sum(isinstance(m, Int8Linear) for m in model.modules()),
+                cutlass_int8_rule=sorted(rules))  # fmt: skip
 
 
 class SelectionLog(logging.Handler):
@@ -410,11 +416,14 @@ def evaluate(a: argparse.Namespace) -> dict:
               f"CPU, torch backends): {'all logits bitwise identical' if ep['all_identical'] else 'DIFFERENT'} "
               f"({ep['ep1_seconds']:.0f} s + {ep['ep2_seconds']:.0f} s)", flush=True)  # fmt: skip
 
+    config = json.loads((ckpt / tiny_lm.BF16_DIR / "config.json").read_text())
+    mean_rows = a.batch * seq_len * config["num_experts_per_tok"] / config["n_routed_experts"]
     return dict(
         kind="epmoe tiny DeepSeek-V3 LM accuracy per scheme", **facts.asdict(),
         args={k: v for k, v in vars(a).items() if k not in ("forced", "variant_list", "ep_list")},
         data={k: v for k, v in data.items() if k != "heldout_names"}, heldout_names=data.get("heldout_names"),
-        windows=int(windows.shape[0]), seq_len=seq_len, tokens_scored=int(windows.shape[0] * (seq_len - 1)),
+        windows=int(windows.shape[0]), seq_len=seq_len, batch=a.batch,
+        mean_rows_per_expert_per_forward=mean_rows, tokens_scored=int(windows.shape[0] * (seq_len - 1)),
         reference=REFERENCE, convert_seconds=convert_s, rows=rows, expert_input_outliers=outliers, ep=ep,
         seconds=time.time() - t_all,
     )  # fmt: skip
