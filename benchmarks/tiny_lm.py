@@ -271,7 +271,11 @@ def read_data(root: Path) -> tuple[np.ndarray, dict]:
     path = root / HELDOUT_TOKENS
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: train first (benchmarks/train_tiny_moe.py --ckpt {root})")
-    return np.load(path), json.loads((root / DATA_JSON).read_text())
+    tokens, data = np.load(path), json.loads((root / DATA_JSON).read_text())
+    digest = hashlib.sha256(tokens.tobytes()).hexdigest()
+    if digest != data["heldout_sha256"]:
+        raise ValueError(f"{path} has SHA-256 {digest}; {root / DATA_JSON} records {data['heldout_sha256']}")
+    return tokens, data
 
 
 def pyplot():

@@ -315,7 +315,7 @@ def train(a: argparse.Namespace) -> dict:
         parameters=n_params, experts_implementation=impl, experts_implementation_refused=refused,
         data=split.info, steps=step, planned_steps=planned, stopped_by=stopped_by,
         train_seconds=train_s, eval_seconds=eval_s, save_seconds=save_s,
-        tokens_seen=step * a.batch * a.seq_len,
+        tokens_seen=step * a.batch * a.seq_len, tokens_per_second=step * a.batch * a.seq_len / max(train_s, 1e-9),
         heldout=dict(perplexity=scored["perplexity"], initial_perplexity=initial, targets=scored["targets"], windows=int(windows.shape[0]),
                      seq_len=a.seq_len, unigram_perplexity=unigram),
         router_balance=balance, fp8_copy=fp8, curve=curve,

@@ -102,6 +102,11 @@ def test_saved_split_and_checkpoints(trained):
     docs = dict(tiny_lm.corpus())  # this Python's: the tokens saved are these documents' bytes
     assert np.array_equal(held, tiny_lm.encode([(n, docs[n]) for n in data["heldout_names"]]))
     assert data["heldout_tokens"] == held.size and data["python"] and data["train_documents"] > 100
+    np.save(root / "other.npy", held[1:])  # a different held-out file is refused, naming both hashes
+    (root / "other.npy").replace(ckpt / tiny_lm.HELDOUT_TOKENS)
+    with pytest.raises(ValueError, match="records"):
+        tiny_lm.read_data(ckpt)
+    np.save(ckpt / tiny_lm.HELDOUT_TOKENS, held)
 
     fp8 = ckpt / tiny_lm.FP8_DIR
     config = json.loads((fp8 / "config.json").read_text())
