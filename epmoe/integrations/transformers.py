@@ -404,6 +404,31 @@ def _dequantize(name: str, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
         raise ValueError(f"{name}: {exc}") from None
 
 
+def _set_int8_linear(model: nn.Module, base: str, tensors: dict[str, torch.Tensor], device, accumulator, backend) -> None:
+    """Replace the ``nn.Linear`` at ``base`` by an :class:`~epmoe.linear.Int8Linear` holding its
+    stored INT8 weight and scale (``weight_scale`` ``[N, 1]``: ``int8_channel``; block
+    ``weight_scale_inv``: ``int8_block``)."""
+    from ..linear import Int8Linear
+
+    parent_name, _, attr = base.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    linear = getattr(parent, attr, None)
+    if not isinstance(linear, nn.Linear):
+        raise ValueError(f"{base}.weight is int8 but {base} is a {type(linear).__name__}, not an nn.Linear")
+    scale = next(t for k, t in tensors.items() if k != "weight")
+    scheme = "int8_channel" if tuple(scale.shape) == (linear.out_features, 1) else "int8_block"
+    if scheme == "int8_channel" and accumulator is None:
+        accumulator = "fp32"  # the experts' default, so one accumulator runs the whole model
+    has_bias = linear.bias is not None
+    module = Int8Linear(linear.in_features, linear.out_features, has_bias, scheme,
+                        accumulator if scheme == "int8_channel" else None, backend, device=device)  # fmt: skip
+    module.load_weights({k: t.to(device) for k, t in tensors.items()})
+    if has_bias and linear.bias.device.type != "meta":  # read before the weight: carried over
+        with torch.no_grad():
+            module.bias.copy_(linear.bias.float())
+    setattr(parent, attr, module)
+
+
 def _set_tensor(model: nn.Module, key: str, tensor: torch.Tensor, device) -> None:
     path, _, attr = key.rpartition(".")
     module = model.get_submodule(path)
@@ -426,6 +451,9 @@ def from_pretrained(
     group=None,
     device=None,
     dtype: torch.dtype | None = None,
+    *,
+    int8_dense: bool = False,
+    dense_backend: str = "auto",
     **layer_kwargs,
 ) -> nn.Module:
     """Load a transformers MoE checkpoint directory with its experts in ``DeepEPMoELayer``,
@@ -446,6 +474,13 @@ def from_pretrained(
         group: process group of expert parallelism (``None``: the default group if initialized).
         device: where the model runs (default: the current CUDA device, else CPU).
         dtype: the model's float dtype (default: the config's, else bfloat16).
+        int8_dense: run every ``nn.Linear`` whose weight the checkpoint stores as INT8 (an
+            ``epmoe convert --dense`` output: attention, dense MLPs, shared experts; without
+            ``--dense`` only the shared experts) as an :class:`~epmoe.linear.Int8Linear` with the
+            stored weight and scale, instead of dequantizing it. Its accumulator is the layer's
+            ``accumulator`` (``int8_channel``; default fp32), its scheme the stored one.
+        dense_backend: the ``Int8Linear`` backend (``"auto"``, ``"cutlass"``, ``"triton"``,
+            ``"torch"``) with ``int8_dense``.
         **layer_kwargs: more ``DeepEPMoELayer`` arguments.
 
     Returns:
@@ -463,6 +498,11 @@ def from_pretrained(
         raise ValueError(
             f"{root} stores {stored} experts; quant={quant!r} would requantize INT8 codes (load it "
             f"with quant={stored!r}, or convert the FP8 source to {quant!r})"
+        )
+    if int8_dense and stored not in ("int8_channel", "int8_block"):
+        raise ValueError(
+            f"int8_dense=True needs INT8 linear weights; {root} stores {stored} (convert the FP8 "
+            "checkpoint with `epmoe convert --dense` first)"
         )
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
@@ -530,9 +570,13 @@ def from_pretrained(
             base, _, kind = key.rpartition(".")
             if kind in _SCALE_SUFFIXES or t.dtype in (torch.int8, torch.float8_e4m3fn):
                 slot = pending.setdefault(base, {})
-                slot["scale" if kind in _SCALE_SUFFIXES else "weight"] = t
+                slot[kind if kind in _SCALE_SUFFIXES else "weight"] = t
                 if len(slot) == 2:
-                    _set_tensor(model, base + ".weight", _dequantize(base, slot["weight"], slot["scale"]), device)
+                    if int8_dense and slot["weight"].dtype == torch.int8:
+                        _set_int8_linear(model, base, slot, device, layer_kwargs.get("accumulator"), dense_backend)
+                    else:
+                        scale = next(v for k, v in slot.items() if k != "weight")
+                        _set_tensor(model, base + ".weight", _dequantize(base, slot["weight"], scale), device)
                     del pending[base]
                 continue
             _set_tensor(model, key, t, device)
