@@ -35,10 +35,18 @@ def _op(name: str):
     return register
 
 
-def _kernels():
-    from .kernels import activation, grouped_gemm, permute, quantize
+_KERNELS: tuple = ()
 
-    return activation, grouped_gemm, permute, quantize
+
+def _kernels():
+    """``(activation, grouped_gemm, permute, quantize)``, imported on first use (Triton is needed
+    only where they run) and kept: an import statement per call costs microseconds of host time."""
+    global _KERNELS
+    if not _KERNELS:
+        from .kernels import activation, grouped_gemm, permute, quantize
+
+        _KERNELS = (activation, grouped_gemm, permute, quantize)
+    return _KERNELS
 
 
 # ------------------------------------------------------------------------------------- quantize
