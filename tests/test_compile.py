@@ -24,6 +24,7 @@ from epmoe.experts.base import ExpertWeights
 from epmoe.experts.torch_backend import TorchBackend
 from epmoe.layouts import MaskedBatch, _to_contiguous_torch, _to_contiguous_torch_device, gather_weighted
 from epmoe.quant.schemes import get_scheme
+from test_deepep_cpu import fake_deep_ep  # noqa: F401 - the stand-in deep_ep fixture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPILER = "aot_eager"
@@ -261,3 +262,32 @@ def test_torch_masked_path_traced_matches_eager(quant):
     for ex, n in enumerate(batch.masked_m.tolist()):
         torch.testing.assert_close(got[ex, :n], ref[ex, :n], rtol=1e-5, atol=1e-5)
         assert (got[ex, n:] == 0).all()
+
+
+def test_deepep_low_latency_breaks_only_at_send_and_combine(fake_deep_ep):
+    """With a stand-in ``deep_ep`` (tests/test_deepep_cpu.py): DeepEP's calls are opaque to dynamo,
+    so the dispatcher breaks the graph at its send and its combine and nowhere else; the experts
+    between them (here the torch backend's masked path) trace."""
+    from test_deepep_cpu import _FakeLowLatencyBuffer
+
+    from epmoe.dispatch.base import DispatchConfig
+    from epmoe.dispatch.deepep_dispatch.dispatchers import DeepEPLowLatencyDispatcher
+    from epmoe.routing import select_experts
+
+    fake_deep_ep.Buffer = _FakeLowLatencyBuffer
+    cfg = DispatchConfig(num_experts=16, hidden_size=2048, top_k=2, world_size=2, max_tokens_per_rank=4)
+    disp = DeepEPLowLatencyDispatcher(cfg)
+    scheme = get_scheme("bf16")
+    weights = ExpertWeights(scheme, torch.zeros(8, 32, 2048, dtype=torch.bfloat16), torch.zeros(8, 2048, 16, dtype=torch.bfloat16))
+    backend = TorchBackend(scheme)
+
+    def step(x, logits):  # a decode step's MoE: routing, then the dispatcher and the experts
+        ids, w = select_experts(logits, 2)
+        d = disp.dispatch(x, ids, w)
+        y = backend.run_masked(MaskedBatch(d.x, d.x_scale, d.masked_m, d.expected_m), weights, torch.bfloat16)
+        return disp.combine(y, d)
+
+    e = torch._dynamo.explain(step)(torch.randn(3, 2048), torch.randn(3, 16))
+    reasons = {str(b.reason).split("Skip inlining function <function ")[-1].split(" ")[0] for b in e.break_reasons}
+    assert reasons == {"DeepEPLowLatencyDispatcher.send", "DeepEPLowLatencyDispatcher.combine"}, e.break_reasons
+    disp.buffer.close()

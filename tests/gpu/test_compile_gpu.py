@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 SIZES = dict(hidden=512, inter=256, experts=16, top_k=4, shared_inter=256)
 CASES = [("bf16", "triton"), ("int8_channel", "triton"), ("int8_block", "triton"), ("fp8_block", "cutlass"),
          ("int8_channel", "cutlass")]  # fmt: skip
+REDUCE_OVERHEAD = {("int8_channel", "triton"), ("fp8_block", "cutlass")}
 # Relative error (norm) of a block on a GPU backend against the same block on the torch backend:
 # the layer's own bounds, plus bf16 rounding of the dense parts that Inductor fuses differently.
 BOUNDS = {"bf16": 2e-2, "int8_channel": 5e-2, "int8_block": 5e-2, "fp8_block": 8e-2}
@@ -46,6 +47,9 @@ def _block(quant, backend, seed=0):
             pytest.skip(f"{backend} cannot run {quant} here: {exc}")
         raise
     fill_random(block, seed)
+    # Well separated router logits: a bf16 rounding that Inductor fuses differently from eager must
+    # not flip a token's top-k choice (that would be a different computation, not an error).
+    block.gate.weight.data.mul_(30)
     return block
 
 
@@ -129,13 +133,12 @@ def test_compiled_block_fullgraph_matches_eager_and_reference(quant, backend):
     block = _block(quant, backend)
     assert block.experts.backend.name == backend
     ref_block = _reference(block, quant)
-    compiled = torch.compile(block, fullgraph=True, dynamic=False)
-    for t in (1, 8):
-        x = _x(t, 10 + t)
-        eager, ref, got = block(x), ref_block(x), compiled(x)
-        assert torch.isfinite(got).all()
-        assert rel(got, eager) < 1e-2, (quant, backend, t, rel(got, eager))
-        assert rel(got, ref) < BOUNDS[quant], (quant, backend, t, rel(got, ref))
+    compiled = torch.compile(block, fullgraph=True, dynamic=False)  # one compile per case: GPU time is scarce
+    x = _x(4, 14)
+    eager, ref, got = block(x), ref_block(x), compiled(x)
+    assert torch.isfinite(got).all()
+    assert rel(got, eager) < 2e-2, (quant, backend, rel(got, eager))
+    assert rel(got, ref) < BOUNDS[quant], (quant, backend, rel(got, ref))
 
 
 # CUTLASS INT8 picks its GEMMs by the host's row counts in eager mode and runs device-sized in a
@@ -149,11 +152,12 @@ def test_reduce_overhead_and_manual_graph_replay_new_inputs(quant, backend):
 
     block = _block(quant, backend)
     t = 8
-    fn = torch.compile(block, fullgraph=True, dynamic=False, mode="reduce-overhead")
-    for i in range(3):  # warm-up, record, replay
-        fn(_x(t, 100 + i))
-    x = _x(t, 200)
-    assert rel(fn(x).clone(), block(x)) < 1e-2
+    if (quant, backend) in REDUCE_OVERHEAD:  # a compile each: two cases cover both backends
+        fn = torch.compile(block, fullgraph=True, dynamic=False, mode="reduce-overhead")
+        for i in range(3):  # warm-up, record, replay
+            fn(_x(t, 100 + i))
+        x = _x(t, 200)
+        assert rel(fn(x).clone(), block(x)) < 2e-2
 
     static = _x(t, 300)
     graph, out = captured(lambda: block(static), torch.device("cuda"))
@@ -168,35 +172,39 @@ def test_reduce_overhead_and_manual_graph_replay_new_inputs(quant, backend):
 # ---------------------------------------------------------------------- a transformers model
 @torch.no_grad()
 def test_hf_model_decode_compiled_with_cuda_graphs_matches_eager():
-    transformers = pytest.importorskip("transformers")
+    """A tiny Qwen3-MoE model (fp32: eager and Inductor then agree to rounding, no top-k flips)
+    with its experts in the layer: prefill eagerly into a StaticCache, then decode steps through
+    ``torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")``, fed the tokens the
+    eager decode chose, against the eager decode's logits."""
+    pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM, StaticCache
 
     from epmoe.integrations import transformers as et
 
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(et.tiny_config("qwen3_moe"), dtype=torch.bfloat16).eval()
+        model = AutoModelForCausalLM.from_config(et.tiny_config("qwen3_moe"), dtype=torch.float32).eval()
     et.enable(model, "bf16")
     ids = torch.randint(0, 96, (2, 5), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     length, steps = ids.shape[1], 6
 
-    def decode(forward):
+    def decode(forward, tokens=None):
         cache = StaticCache(config=model.config, max_cache_len=32)
         out = model(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(length, device="cuda"))
         tok = out.logits[:, -1:].argmax(-1)
-        toks, logits = [tok], []
+        chosen, logits = [tok], []
         for i in range(steps):
+            if tokens is not None:
+                tok = tokens[:, i : i + 1]
             pos = torch.tensor([length + i], device="cuda")
             lg = forward(tok, past_key_values=cache, use_cache=True, cache_position=pos).logits[:, -1].float().clone()
             logits.append(lg)
             tok = lg.argmax(-1, keepdim=True)
-            toks.append(tok)
-        return torch.cat(toks, 1), torch.stack(logits)
+            chosen.append(tok)
+        return torch.cat(chosen, 1), torch.stack(logits)
 
     ref_tokens, ref_logits = decode(model.forward)
     step = torch.compile(model.forward, fullgraph=True, dynamic=False, mode="reduce-overhead")
-    tokens, logits = decode(step)
-    assert rel(logits, ref_logits) < 2e-2, rel(logits, ref_logits)
-    # bf16 fusions may flip a near-tie: most greedy tokens agree.
-    assert (tokens == ref_tokens).float().mean() >= 0.75, (tokens, ref_tokens)
-    assert transformers.__version__
+    _, logits = decode(step, ref_tokens)
+    for i in range(steps):
+        assert rel(logits[i], ref_logits[i]) < 5e-3, (i, rel(logits[i], ref_logits[i]))
