@@ -29,7 +29,7 @@ from .layouts import MaskedBatch, gather_weighted, to_contiguous
 from .quant.payload import choose_payloads
 from .quant.schemes import BLOCK, get_scheme
 from .routing import check_routing_config, select_experts
-from .tensors import as_contiguous, capturing, check_positive_int, host_reads_allowed, keeping_dtypes
+from .tensors import as_contiguous, check_positive_int, host_reads_allowed, keeping_dtypes
 from .timing import phase
 
 log = logging.getLogger("epmoe")

@@ -69,7 +69,7 @@ class TorchBackend(ExpertsBackend):
     def run_contiguous(
         self, batch: ContiguousBatch, weights: ExpertWeights, out_dtype: torch.dtype
     ) -> torch.Tensor:
-        if batch.expected_m is not None or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             xq = gemm_input(batch.x, batch.x_scale, self.scheme)
             return _each_expert_over_all_rows(xq, weights, batch.m_indices, out_dtype)
         out = torch.zeros(batch.x.shape[0], weights.hidden_size, dtype=out_dtype, device=batch.x.device)
