@@ -22,8 +22,11 @@ Ratios: each graphed / compiled step against ``experts_graph`` (the target: glue
 5 % -- ``layer_graph`` is the measure of the layer's own glue; the block adds its dense parts) and
 eager against the best graphed step at batch 1 (target >= 1.3x).
 
-Run (one H200, about 3-4 minutes; ``--budget-s`` stops compiling when the time is spent, and the
-rows skipped so are marked):
+The MoE layers run with ``validate=False`` (an engine's decode step reads nothing back for checks).
+
+Run (one H200, at most about 4 minutes: ``--budget-s`` (default 200) bounds the whole run's compiles;
+each scheme gets an equal share of what is left, CUDA-graph mode and small batches first, and a
+compile that would start past its share is skipped, its row saying so):
 
     SGLANG_CUTLASS_MOE=1 python benchmarks/compile_decode.py results.json --plot results.png
 
