@@ -153,11 +153,15 @@ def test_reduce_overhead_and_manual_graph_replay_new_inputs(quant, backend):
     block = _block(quant, backend)
     t = 8
     if (quant, backend) in REDUCE_OVERHEAD:  # a compile each: two cases cover both backends
+        from torch._dynamo.utils import counters
+
+        skips = counters["inductor"]["cudagraph_skips"]
         fn = torch.compile(block, fullgraph=True, dynamic=False, mode="reduce-overhead")
         for i in range(3):  # warm-up, record, replay
             fn(_x(t, 100 + i))
         x = _x(t, 200)
         assert rel(fn(x).clone(), block(x)) < 2e-2
+        assert counters["inductor"]["cudagraph_skips"] == skips, "Inductor did not use a CUDA graph (see its log)"
 
     static = _x(t, 300)
     graph, out = captured(lambda: block(static), torch.device("cuda"))
@@ -204,7 +208,11 @@ def test_hf_model_decode_compiled_with_cuda_graphs_matches_eager():
         return torch.cat(chosen, 1), torch.stack(logits)
 
     ref_tokens, ref_logits = decode(model.forward)
+    from torch._dynamo.utils import counters
+
+    skips = counters["inductor"]["cudagraph_skips"]
     step = torch.compile(model.forward, fullgraph=True, dynamic=False, mode="reduce-overhead")
     _, logits = decode(step, ref_tokens)
+    assert counters["inductor"]["cudagraph_skips"] == skips, "Inductor did not use a CUDA graph (see its log)"
     for i in range(steps):
         assert rel(logits[i], ref_logits[i]) < 5e-3, (i, rel(logits[i], ref_logits[i]))
