@@ -108,7 +108,8 @@ class DeepEPMoELayer(nn.Module):
         low_latency_int8_payload: for INT8 schemes over low-latency dispatch, ``"float"`` (send
             BF16, quantize after) or ``"fp8_group"`` (send FP8, requantize); see docs/dispatch-deepep.md.
         validate: check inputs (shapes, dtypes, expert-id range, finite router logits); range and
-            finiteness checks cost a host sync and are skipped during CUDA-graph capture.
+            finiteness checks cost a host sync and are skipped during CUDA-graph capture and while
+            ``torch.compile`` traces (docs/compile.md).
     """
 
     def __init__(
