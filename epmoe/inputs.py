@@ -1,12 +1,13 @@
 """Checks of what ``DeepEPMoELayer.forward`` is given: hidden states, router logits or explicit
 top-k ids and weights. Shape, dtype and device checks cost no host sync; value checks (finite
-logits, expert-id range, repeated experts) cost one, and are skipped during CUDA-graph capture."""
+logits, expert-id range, repeated experts) cost one, and are skipped during CUDA-graph capture and
+while ``torch.compile`` traces the forward (a compiled graph holds no host read)."""
 
 from __future__ import annotations
 
 import torch
 
-from .tensors import capturing, check_tensor
+from .tensors import check_tensor, host_reads_allowed
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 """Dtypes of ``hidden_states`` (and of unquantized weights) the layer takes."""
@@ -83,14 +84,15 @@ def check_forward_values(
     distinct_experts: bool,
 ) -> None:
     """Value checks that need a host sync (one for all of them); skipped while a CUDA graph is
-    being captured on ``device``. Call after :func:`check_forward_inputs`.
+    being captured on ``device`` and while dynamo traces (:func:`~epmoe.tensors.host_reads_allowed`).
+    Call after :func:`check_forward_inputs`.
 
     Args:
         num_experts: ids must lie in ``[0, num_experts)``, or be ``-1`` (a padded slot).
         dispatch_name: the dispatcher, named in the repeated-expert error.
         distinct_experts: the dispatcher needs distinct experts per token (fixed-capacity slabs).
     """
-    if capturing(device):
+    if not host_reads_allowed(device):
         return
     check_logits = router_logits is not None and router_logits.numel() > 0
     check_ids = topk_ids is not None and topk_ids.numel() > 0

@@ -29,7 +29,7 @@ from .layouts import MaskedBatch, gather_weighted, to_contiguous
 from .quant.payload import choose_payloads
 from .quant.schemes import BLOCK, get_scheme
 from .routing import check_routing_config, select_experts
-from .tensors import as_contiguous, capturing, check_positive_int, keeping_dtypes
+from .tensors import as_contiguous, check_positive_int, host_reads_allowed, keeping_dtypes
 from .timing import phase
 
 log = logging.getLogger("epmoe")
@@ -108,7 +108,8 @@ class DeepEPMoELayer(nn.Module):
         low_latency_int8_payload: for INT8 schemes over low-latency dispatch, ``"float"`` (send
             BF16, quantize after) or ``"fp8_group"`` (send FP8, requantize); see docs/dispatch-deepep.md.
         validate: check inputs (shapes, dtypes, expert-id range, finite router logits); range and
-            finiteness checks cost a host sync and are skipped during CUDA-graph capture.
+            finiteness checks cost a host sync and are skipped during CUDA-graph capture and while
+            ``torch.compile`` traces (docs/compile.md).
     """
 
     def __init__(
@@ -386,8 +387,10 @@ class DeepEPMoELayer(nn.Module):
         bias = self.e_score_correction_bias
         if bias is None or bias.device.type == "meta":
             return
+        if not host_reads_allowed(self.device):
+            return  # under capture or compile: checked by the eager forwards (warm-up) only
         key = (bias.data_ptr(), bias._version)
-        if key == self._bias_checked or capturing(self.device):
+        if key == self._bias_checked:
             return
         if not bool(torch.isfinite(bias).all()):
             raise ValueError(
@@ -481,10 +484,10 @@ class DeepEPMoELayer(nn.Module):
         materialized yet, and the collective's tensor needs a real device): it compares at its
         first forward instead, which is collective anyway. A mismatch raises on every rank,
         before any token moves."""
-        if capturing(device):
+        if not host_reads_allowed(device):
             raise RuntimeError(
                 "the first forward of a DeepEPMoELayer compares its arguments over the group (one "
-                "collective); run one batch eagerly before capturing a CUDA graph"
+                "collective); run one batch eagerly before capturing a CUDA graph or compiling"
             )
         check_agreement(
             {k: str(v) for k, v in self._fingerprint().items()}, what="DeepEPMoELayer arguments",
@@ -494,6 +497,10 @@ class DeepEPMoELayer(nn.Module):
         self._agreed = True
 
     def _weights(self) -> ExpertWeights:
+        if torch.compiler.is_compiling():
+            # Traced into the graph (contiguous views and fp32 scales: no-ops on loaded
+            # weights); the eager cache's storage pointers do not exist on fake tensors.
+            return self.backend.prepare_weights(self.expert_weights())
         weights = self.expert_weights()
         tensors = (weights.w13, weights.w2, weights.w13_scale, weights.w2_scale)
         key = tuple(None if t is None else (t.data_ptr(), t._version, t.dtype, t.shape) for t in tensors)
@@ -510,7 +517,7 @@ class DeepEPMoELayer(nn.Module):
         with phase("epmoe.scatter"):
             batch = to_contiguous(
                 d.x, d.x_scale, d.topk_ids, self.num_local_experts, self.backend.alignment, d.padded_rows,
-                expected_m=d.expected_m if self.backend.device_segments else None,
+                expected_m=self._segment_hint(d),
             )
         with phase("epmoe.experts"):
             out = self.backend.run_contiguous(batch, self._weights(), dtype)
@@ -519,6 +526,29 @@ class DeepEPMoELayer(nn.Module):
             weights = torch.ones_like(weights)
         with phase("epmoe.gather"):
             return gather_weighted(out, batch.slot_pos, weights, dtype)
+
+    def _segment_hint(self, d: Dispatched) -> int | None:
+        """``expected_m`` for the scatter: a rows-per-expert hint when the segment sizes are to
+        stay on the device (no host read), ``None`` for a batch sized on the host.
+
+        Device sizes need a backend that takes them (``device_segments``, or ``compile_segments``
+        while dynamo traces) and no host sizes from the dispatcher. A backend that picks its
+        kernels by the host's row counts (``prefers_host_sizes``) gets them in eager mode unless
+        the dispatcher already skipped the read; while a CUDA graph is captured or dynamo traces,
+        nothing may read back, so every such backend gets device sizes then. Dispatchers that
+        did not wait for their counts give the hint; otherwise it is the mean over the slots."""
+        b = self.backend
+        if d.padded_rows is not None:
+            return None
+        compiling = torch.compiler.is_compiling()
+        if not (b.device_segments or (compiling and b.compile_segments)):
+            return None
+        if d.expected_m is not None:
+            return d.expected_m
+        if b.prefers_host_sizes and host_reads_allowed(self.device):
+            return None
+        slots = d.topk_ids.shape[0] * d.topk_ids.shape[1]
+        return max(1, -(-slots // self.num_local_experts))
 
     @property
     def payload(self) -> str:

@@ -28,10 +28,11 @@ from .tensors import check_positive_int
 
 
 def kernel_permute():
-    """The Triton row-movement kernels, imported only where a GPU runs them."""
-    from .kernels import permute
+    """The Triton row-movement kernels (as :mod:`epmoe.ops` registers them for ``torch.compile``),
+    imported only where a GPU runs them."""
+    from . import ops
 
-    return permute
+    return ops
 
 
 @dataclass
@@ -139,7 +140,8 @@ def to_contiguous(
         expected_m: without ``padded_rows``, skip the read-back: on CUDA the segment sizes stay
             on the device, the rows are allocated for the worst case (``R * k`` plus
             ``E * (alignment - 1)``) and the batch carries this rows-per-expert hint (see
-            :attr:`ContiguousBatch.expected_m`). Ignored on the CPU path.
+            :attr:`ContiguousBatch.expected_m`). On the CPU the same layout comes from torch
+            operations of static shapes (what ``torch.compile`` traces without a host read).
 
     Returns:
         A :class:`ContiguousBatch` whose padding rows are zero (scale 1 when quantized scales exist).
@@ -148,6 +150,8 @@ def to_contiguous(
         _check_padded_rows(padded_rows, num_experts, alignment)
     check_positive_int("expected_m", expected_m, optional=True)
     if not x.is_cuda:
+        if padded_rows is None and expected_m is not None:
+            return _to_contiguous_torch_device(x, x_scale, topk_ids, num_experts, alignment, expected_m)
         return _to_contiguous_torch(x, x_scale, topk_ids, num_experts, alignment)
     return _to_contiguous_kernels(x, x_scale, topk_ids, num_experts, alignment, padded_rows, expected_m)
 
@@ -243,6 +247,46 @@ def _to_contiguous_torch(x, x_scale, topk_ids, num_experts, alignment) -> Contig
     return ContiguousBatch(out_x, out_scale, offsets.to(torch.int32), m_indices, slot_pos, num_rows)
 
 
+def _to_contiguous_torch_device(x, x_scale, topk_ids, num_experts, alignment, expected_m) -> ContiguousBatch:
+    """:func:`_to_contiguous_torch` without the host read: the counts, offsets and positions stay
+    tensors and every shape follows from the input shapes (rows for the worst case, as the Triton
+    :func:`~epmoe.kernels.permute.slot_layout`), so ``torch.compile`` traces it in one graph."""
+    r, k = topk_ids.shape
+    device = x.device
+    m = r * k + num_experts * (alignment - 1)  # permute.max_rows
+    flat = topk_ids.reshape(-1).long()
+    valid = (flat >= 0) & (flat < num_experts)
+    key = torch.where(valid, flat, num_experts)  # foreign slots sort last, into an extra bin
+    order = torch.sort(key, stable=True).indices
+    experts = key[order]
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    room = (counts[:num_experts] + alignment - 1) // alignment * alignment
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    offsets[1:] = torch.cumsum(room, 0)
+    first = torch.cumsum(counts, 0) - counts
+    within = torch.arange(r * k, device=device) - first[experts]
+    placed = experts < num_experts
+    # Foreign slots go to a scratch row m, dropped below: every index stays in range.
+    pos = torch.where(placed, offsets[experts.clamp(max=num_experts - 1)] + within, m)
+    m_indices = torch.full((m + 1,), -1, dtype=torch.int32, device=device)
+    m_indices[pos] = torch.where(placed, experts, -1).to(torch.int32)
+    slot_pos = torch.full((r * k,), -1, dtype=torch.int64, device=device)
+    slot_pos[order] = torch.where(placed, pos, -1)
+    src = order // k
+    out_x = x.new_zeros((m + 1, x.shape[1]))
+    out_x[pos] = x[src]
+    out_scale = None
+    if x_scale is not None:
+        out_scale = x_scale.new_ones((m + 1, x_scale.shape[1]))
+        out_scale[pos] = x_scale[src]
+        out_scale = out_scale[:m]
+    return ContiguousBatch(
+        out_x[:m], out_scale, offsets.to(torch.int32), m_indices[:m], slot_pos.reshape(r, k),
+        counts[:num_experts].to(torch.int32), expected_m,
+    )  # fmt: skip
+
+
 def gather_weighted(
     expert_out: torch.Tensor,
     slot_pos: torch.Tensor,
@@ -264,12 +308,13 @@ def gather_weighted(
         return kernel_permute().gather_weighted(expert_out, slot_pos, topk_weights.float(), out_dtype)
     r, k = slot_pos.shape
     out = torch.zeros(r, expert_out.shape[1], dtype=torch.float32, device=expert_out.device)
+    weights = topk_weights.float()
     for j in range(k):
         pos = slot_pos[:, j]
-        hit = (pos >= 0).nonzero().squeeze(1)
-        # Only valid rows are read: padding rows may hold garbage (even NaN) from the backend.
-        rows = expert_out[pos[hit]].float()
-        out.index_add_(0, hit, rows * topk_weights[hit, j].float().unsqueeze(1))
+        # Invalid slots select zeros, never their row's product: padding rows may hold garbage
+        # (even NaN) from the backend. No boolean indexing: the shapes stay static (torch.compile).
+        rows = expert_out.index_select(0, pos.clamp(min=0)).float()
+        out += torch.where((pos >= 0).unsqueeze(1), rows * weights[:, j : j + 1], 0.0)
     return out.to(out_dtype)
 
 

@@ -14,6 +14,13 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
+def host_reads_allowed(device: torch.device) -> bool:
+    """Whether a forward may read device values back on the host: not while dynamo traces it
+    (``torch.compile``; a read would break the graph) nor while a CUDA graph is being captured."""
+    # is_compiling() first: dynamo folds it to a constant and never sees the CUDA queries.
+    return not torch.compiler.is_compiling() and not capturing(device)
+
+
 def check_positive_int(name: str, value, *, optional: bool = False) -> int | None:
     """``value`` as an ``int``; raises ``ValueError`` naming ``name`` unless it is an integer >= 1
     (or ``None`` when ``optional``). NumPy integers count, ``bool`` does not."""

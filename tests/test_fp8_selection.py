@@ -325,7 +325,8 @@ def test_cutlass_int8_needs_int32_accumulator_and_headers(monkeypatch, tmp_path)
         cb.CutlassBackend(int8)
     backend = cb.CutlassBackend(int8, accumulator="int32")
     assert backend.alignment == cb.ROW_BLOCK and backend.device_segments
-    assert not cb.CutlassBackend(get_scheme("fp8_block")).device_segments
+    assert cb.CutlassBackend(get_scheme("fp8_block")).device_segments  # FP8 skips spare rows too
+    assert backend.prefers_host_sizes and not cb.CutlassBackend(get_scheme("fp8_block")).prefers_host_sizes
     assert AUTO_ORDER["int8_channel"][0] == "cutlass"
     cpu = torch.device("cpu")
     # Without SGLANG_CUTLASS_MOE (or without a GPU) the machine rule refuses first.
@@ -582,11 +583,15 @@ def test_backend_plumbing_contiguous(monkeypatch, name):
             from epmoe.quant.reference import quantize_rows
 
             xin, xs = quantize_rows(x, torch.float8_e4m3fn, 448.0, 128)
-        batch = to_contiguous(xin, xs, ids, PE, backend.alignment)
-        out = backend.run_contiguous(batch, weights, torch.float32)
-        assert out.dtype == torch.float32 and out.shape == (batch.x.shape[0], PH)
-        got = gather_weighted(out, batch.slot_pos, w)
-        assert rel_err(got, ref) < 2e-2, (payload, rel_err(got, ref))
+        # CUTLASS also takes a batch whose segment sizes stayed on the device (spare rows past
+        # the last segment, skipped by the row-wise stages, never written by the GEMMs).
+        for hint in (None, 2) if name == "cutlass" else (None,):
+            batch = to_contiguous(xin, xs, ids, PE, backend.alignment, expected_m=hint)
+            assert (batch.expected_m is not None) == (hint is not None)
+            out = backend.run_contiguous(batch, weights, torch.float32)
+            assert out.dtype == torch.float32 and out.shape == (batch.x.shape[0], PH)
+            got = gather_weighted(out, batch.slot_pos, w)
+            assert rel_err(got, ref) < 2e-2, (payload, hint, rel_err(got, ref))
 
 
 def _fake_int8_grouped_gemm(a, a_scale, b, b_scale, expert_offsets, out=None):
@@ -798,11 +803,10 @@ def test_a_backend_refuses_a_scheme_it_does_not_run(module, cls):
     backend_cls(get_scheme(sorted(backend_cls.schemes)[0]))  # its own schemes are accepted
 
 
-@pytest.mark.parametrize("backend_path", ["epmoe.experts.deepgemm_backend:DeepGemmBackend",
-                                          "epmoe.experts.cutlass_backend:CutlassBackend"])
+@pytest.mark.parametrize("backend_path", ["epmoe.experts.deepgemm_backend:DeepGemmBackend"])
 def test_fp8_backends_refuse_a_batch_with_spare_rows(backend_path):
-    """DeepGEMM and CUTLASS run over every row of the batch: one sized for the worst case with
-    its segment sizes on the device is refused with a readable error, not computed."""
+    """DeepGEMM runs over every row of the batch: one sized for the worst case with its segment
+    sizes on the device is refused with a readable error, not computed (CUTLASS takes it)."""
     import importlib
 
     from epmoe.layouts import ContiguousBatch

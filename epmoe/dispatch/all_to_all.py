@@ -124,6 +124,9 @@ class AllToAllDispatcher(Dispatcher):
         q, q_scale = quantize_payload(x, self.cfg.payload)
         return self.send(q, q_scale, topk_ids, topk_weights, input_dtype=x.dtype)
 
+    # Opaque to torch.compile: the header exchange reads counts back on the host and the
+    # collectives are asynchronous; a compiled model breaks its graph here, once (docs/compile.md).
+    @torch.compiler.disable
     def send(self, x, x_scale, topk_ids, topk_weights, *, input_dtype: torch.dtype | None = None) -> Dispatched:
         """As :meth:`Dispatcher.send`, plus:
 
@@ -177,6 +180,7 @@ class AllToAllDispatcher(Dispatcher):
             topk_weights=weights,
         )
 
+    @torch.compiler.disable  # a collective: one graph break (docs/compile.md)
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         h: _Handle = dispatched.handle
         back = self._exchange(

@@ -75,6 +75,12 @@ class ExpertsBackend(ABC):
         device_segments: ``run_contiguous`` takes a batch whose segment sizes live only on the
             device (``ContiguousBatch.expected_m`` set, spare rows past the last segment), so the
             layer need not read the counts back; otherwise it gets exact host-sized batches.
+        prefers_host_sizes: with ``device_segments``, the backend still picks its kernels by the
+            host's row counts when they can be had (the layer then reads them back in eager
+            mode; under CUDA-graph capture and ``torch.compile`` it gets device sizes).
+        compile_segments: while ``torch.compile`` traces, ``run_contiguous`` takes device-sized
+            batches even without ``device_segments`` (a traceable path of its own), so a compiled
+            graph holds no host read.
 
     Instances carry only configuration (scheme, accumulator); nothing per batch.
     """
@@ -83,6 +89,8 @@ class ExpertsBackend(ABC):
     schemes: ClassVar[frozenset[str]]
     layouts: ClassVar[frozenset[str]]
     device_segments: ClassVar[bool] = False
+    prefers_host_sizes: ClassVar[bool] = False
+    compile_segments: ClassVar[bool] = False
 
     def __init__(self, scheme: QuantScheme, *, accumulator: str = "fp32") -> None:
         if scheme.name not in type(self).schemes:
@@ -188,20 +196,26 @@ def check_weights(weights: ExpertWeights, scheme: QuantScheme) -> None:
 
 
 def fp8_gemm_input(
-    x: torch.Tensor, x_scale: torch.Tensor | None, hidden: int, masked_m: torch.Tensor | None = None
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    hidden: int,
+    masked_m: torch.Tensor | None = None,
+    expected_m: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GEMM1's operand as e4m3 with ``[.., K/128]`` fp32 scales: used as it is when it arrived so
     (DeepEP low-latency FP8 keeps its MN-major, TMA-aligned scales), else quantized (float input)
     or requantized (another quantized format) with the Triton quantizer of
-    :mod:`epmoe.kernels.quantize`; ``masked_m`` (masked layout) limits that to the valid rows."""
-    from ..kernels import quantize
+    :mod:`epmoe.kernels.quantize` (through :mod:`epmoe.ops`); ``masked_m`` (masked layout) limits that to the
+    valid rows, ``expected_m`` (with it) sizes the quantizer's grid."""
+    from .. import ops
 
     if x.shape[-1] != hidden:
         raise ValueError(f"x has hidden size {x.shape[-1]}; the weights expect {hidden}")
+    rows = expected_m if masked_m is not None else None  # a grid hint only over masked rows
     if x_scale is None:
         if not x.is_floating_point():
             raise TypeError(f"x of dtype {x.dtype} arrived without x_scale")
-        return quantize.per_group_quant(x, BLOCK, torch.float8_e4m3fn, masked_m=masked_m)
+        return ops.per_group_quant(x, BLOCK, torch.float8_e4m3fn, masked_m=masked_m, expected_m=rows)
     if x.dtype == torch.float8_e4m3fn and x_scale.shape[-1] == hidden // BLOCK:
         return x, x_scale.float()
-    return quantize.per_group_quant(x, BLOCK, torch.float8_e4m3fn, x_scale, masked_m=masked_m)
+    return ops.per_group_quant(x, BLOCK, torch.float8_e4m3fn, x_scale, masked_m=masked_m, expected_m=rows)

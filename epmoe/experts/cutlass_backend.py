@@ -701,10 +701,14 @@ class CutlassBackend(ExpertsBackend):
         the layout to one expert; sgl-kernel's FP8 op takes any segments."""
         return 1 if not self.int8 and _use_sgl() else ROW_BLOCK
 
+    device_segments = True
+    """Batches may keep their segment sizes on the device: the GEMMs read the offsets there and
+    skip the blocks past the last segment, the row-wise stages skip the spare rows
+    (:func:`~epmoe.experts.stages.spare_row_slab`)."""
+
     @property
-    def device_segments(self) -> bool:  # type: ignore[override]
-        """INT8 batches may keep their segment sizes on the device (the kernel reads the offsets
-        there and skips the spare rows' blocks); the FP8 path runs over every row."""
+    def prefers_host_sizes(self) -> bool:  # type: ignore[override]
+        """INT8 picks CUTLASS or Triton GEMMs by the host's rows per expert (:meth:`int8_kernel`)."""
         return self.int8
 
     @classmethod
@@ -804,21 +808,25 @@ class CutlassBackend(ExpertsBackend):
 
     def _run_fp8(self, batch: ContiguousBatch, weights: ExpertWeights) -> torch.Tensor:
         """quantize (1x128 e4m3, unless it arrived so) -> GEMM1 -> silu(gate) * up requantized to
-        1x128 e4m3 -> GEMM2, bf16 out; every row of ``batch.x`` runs."""
-        from ..kernels import activation
+        1x128 e4m3 -> GEMM2, bf16 out. With spare rows (``batch.expected_m``) the row-wise stages
+        skip them as in :meth:`_run_int8` and the GEMMs leave them unwritten."""
+        from .. import ops
 
-        self.require_exact_batch(batch)
         hidden = weights.hidden_size
         if batch.x.shape[0] == 0:
             return torch.empty((0, hidden), dtype=torch.bfloat16, device=batch.x.device)
+        offsets = batch.expert_offsets
+        bound, lift, drop = spare_row_slab(batch)
+        gemm = functools.partial(ops.cutlass_grouped_gemm, "fp8_block")
         with phase("epmoe.quantize"):
-            a, a_scale = fp8_gemm_input(batch.x, batch.x_scale, hidden)
+            a, a_scale = fp8_gemm_input(lift(batch.x), lift(batch.x_scale), hidden, *bound)
         with phase("epmoe.gemm1"):
-            gate_up = grouped_gemm(a, a_scale, weights.w13, weights.w13_scale, batch.expert_offsets)
+            gate_up = gemm(drop(a), drop(a_scale), weights.w13, weights.w13_scale, offsets)
         with phase("epmoe.activation"):
-            h, h_scale = activation.silu_and_mul_quant(gate_up, "group", BLOCK, torch.float8_e4m3fn)
+            rows = stages.row_args(*bound)
+            h, h_scale = ops.silu_and_mul_quant(lift(gate_up), "group", BLOCK, torch.float8_e4m3fn, **rows)
         with phase("epmoe.gemm2"):
-            return grouped_gemm(h, h_scale, weights.w2, weights.w2_scale, batch.expert_offsets)
+            return gemm(drop(h), drop(h_scale), weights.w2, weights.w2_scale, offsets)
 
     def _run_int8(self, batch: ContiguousBatch, weights: ExpertWeights) -> torch.Tensor:
         """quantize (per token or per 1x128 group, unless it arrived so) -> GEMM1 -> silu(gate) *
@@ -829,8 +837,10 @@ class CutlassBackend(ExpertsBackend):
         :meth:`TritonBackend.run_contiguous` (:func:`~epmoe.experts.stages.spare_row_slab`), and
         the GEMMs skip the blocks past the last segment."""
         check_weights(weights, self.scheme)
-        gemm = int8_block_grouped_gemm if self.scheme.name == "int8_block" else int8_grouped_gemm
+        from .. import ops
+
         scheme = self.scheme
+        gemm = functools.partial(ops.cutlass_grouped_gemm, scheme.name)
         offsets = batch.expert_offsets
         bound, lift, drop = spare_row_slab(batch)
         with phase("epmoe.quantize"):

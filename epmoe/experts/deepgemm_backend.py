@@ -247,7 +247,7 @@ class DeepGemmBackend(ExpertsBackend):
     def run_contiguous(
         self, batch: ContiguousBatch, weights: ExpertWeights, out_dtype: torch.dtype
     ) -> torch.Tensor:
-        from ..kernels import activation
+        from .. import ops
 
         self.require_exact_batch(batch)
         m = batch.x.shape[0]
@@ -257,17 +257,17 @@ class DeepGemmBackend(ExpertsBackend):
         with phase("epmoe.quantize"):
             a, a_scale = fp8_gemm_input(batch.x, batch.x_scale, weights.hidden_size)
         with phase("epmoe.gemm1"):
-            gate_up = gemm_contiguous(a, a_scale, weights.w13, weights.w13_scale, m_indices)
+            gate_up = ops.deepgemm_contiguous(a, a_scale, weights.w13, weights.w13_scale, m_indices)
         with phase("epmoe.activation"):
-            h, h_scale = activation.silu_and_mul_quant(gate_up, "group", BLOCK, torch.float8_e4m3fn)
+            h, h_scale = ops.silu_and_mul_quant(gate_up, "group", BLOCK, torch.float8_e4m3fn)
         with phase("epmoe.gemm2"):
-            out = gemm_contiguous(h, h_scale, weights.w2, weights.w2_scale, m_indices)
+            out = ops.deepgemm_contiguous(h, h_scale, weights.w2, weights.w2_scale, m_indices)
         return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
 
     def run_masked(
         self, batch: MaskedBatch, weights: ExpertWeights, out_dtype: torch.dtype
     ) -> torch.Tensor:
-        from ..kernels import activation
+        from .. import ops
 
         cap = batch.x.shape[1]
         masked_m = batch.masked_m.to(device=batch.x.device, dtype=torch.int32).contiguous()
@@ -278,13 +278,13 @@ class DeepGemmBackend(ExpertsBackend):
             a, a_scale = fp8_gemm_input(x, xs, weights.hidden_size, masked_m=masked_m)
         expected_m = max(1, int(batch.expected_m))
         with phase("epmoe.gemm1"):
-            gate_up = gemm_masked(a, a_scale, weights.w13, weights.w13_scale, masked_m, expected_m)
+            gate_up = ops.deepgemm_masked(a, a_scale, weights.w13, weights.w13_scale, masked_m, expected_m)
         with phase("epmoe.activation"):
-            h, h_scale = activation.silu_and_mul_quant(
+            h, h_scale = ops.silu_and_mul_quant(
                 gate_up, "group", BLOCK, torch.float8_e4m3fn, masked_m=masked_m
             )
         with phase("epmoe.gemm2"):
-            out = gemm_masked(h, h_scale, weights.w2, weights.w2_scale, masked_m, expected_m)[:, :cap]
+            out = ops.deepgemm_masked(h, h_scale, weights.w2, weights.w2_scale, masked_m, expected_m)[:, :cap]
         return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
 
     # -------------------------------------------------------------------------------- warmup

@@ -17,10 +17,11 @@ from .base import ExpertWeights
 
 
 def kernels():
-    """Import the Triton kernels lazily: importing the backends must not need Triton."""
-    from ..kernels import activation, grouped_gemm, quantize
+    """The Triton kernels' entry points, as :mod:`epmoe.ops` registers them for ``torch.compile``
+    (it imports the kernels lazily: importing the backends must not need Triton)."""
+    from .. import ops
 
-    return activation, grouped_gemm, quantize
+    return ops
 
 
 def spare_row_slab(batch: ContiguousBatch):
@@ -55,7 +56,7 @@ def gemm1_input(
     quantized in another (``x_scale`` then its scales). ``masked_m``: ``[E]`` valid rows per
     segment of an ``[E, cap, H]`` ``x``; ``expected_m``: the rows per segment the row-wise kernels'
     grid is sized for. Returns the operand and its fp32 scales (``None`` for BF16)."""
-    _, _, qz = kernels()
+    qz = kernels()
     hidden = x.shape[-1]
     if hidden != weights.hidden_size:
         raise ValueError(f"x has hidden size {hidden} but w13 {tuple(weights.w13.shape)} expects {weights.hidden_size}")
@@ -87,7 +88,7 @@ def activation(
     """``silu(gate) * up`` of GEMM1's output ``gate_up`` (``[..., 2I]``), requantized for a
     quantized ``scheme`` (per token or per 1x128 group, as its activations); rows as in
     :func:`gemm1_input`. Returns GEMM2's operand and its scales (``None`` for BF16)."""
-    act, _, _ = kernels()
+    act = kernels()
     rows = row_args(masked_m, expected_m)
     if not scheme.quantized:
         return act.silu_and_mul(gate_up, weights.w2.dtype, **rows), None

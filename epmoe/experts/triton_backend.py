@@ -107,7 +107,7 @@ class TritonBackend(ExpertsBackend):
         """GEMM1 (``which=1``: ``w13``) or GEMM2 (``which=2``: ``w2``), on the contiguous layout
         (``expert_offsets``; ``a`` may be a ``[1, M, K]`` slab with spare rows, ``expected_m``
         then the rows-per-expert hint) or, given ``masked_m``, the masked one."""
-        _, gg, _ = stages.kernels()
+        gg = stages.kernels()
         w, w_scale = (weights.w13, weights.w13_scale) if which == 1 else (weights.w2, weights.w2_scale)
         kw = dict(mode=self.scheme.name, a_scale=a_scale, b_scale=w_scale, accumulator=self.accumulator,
                   out_dtype=out_dtype, expected_m=expected_m)  # fmt: skip

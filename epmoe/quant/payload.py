@@ -50,7 +50,7 @@ def quantize_payload(x: torch.Tensor, payload: str) -> tuple[torch.Tensor, torch
         return x, None
     qdtype, qmax, group = _FORMATS[payload]
     if x.is_cuda:
-        from ..kernels import quantize as kq  # Triton is needed only on a GPU
+        from .. import ops as kq  # Triton is needed only on a GPU
 
         if group is None:
             return kq.per_token_quant_int8(x)

@@ -177,6 +177,9 @@ class DeepEPNormalDispatcher(_OneMode):
     payloads = frozenset(PAYLOADS)
     modes_needed = ("normal",)
 
+    # DeepEP's calls are pybind functions, opaque to torch.compile: a compiled model breaks its
+    # graph once here and once at combine (docs/compile.md).
+    @torch.compiler.disable
     def send(self, x, x_scale, topk_ids, topk_weights, *, global_max_tokens: int | None = None) -> Dispatched:
         """As :meth:`Dispatcher.send`, plus:
 
@@ -244,6 +247,7 @@ class DeepEPNormalDispatcher(_OneMode):
             topk_ids=recv_ids, topk_weights=recv_w, **sizes,
         )  # fmt: skip
 
+    @torch.compiler.disable  # DeepEP's combine (docs/compile.md)
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         h: NormalHandle = dispatched.handle
         out, _, _ = self.buffer.get().combine(
@@ -266,6 +270,9 @@ class DeepEPLowLatencyDispatcher(_OneMode):
     payloads = frozenset({"float"})  # FP8 is cast inside DeepEP (cfg.low_latency_payload)
     modes_needed = ("low_latency",)
 
+    # DeepEP's calls are pybind functions, opaque to torch.compile: a compiled model breaks its
+    # graph once here and once at combine (docs/compile.md).
+    @torch.compiler.disable
     def send(self, x, x_scale, topk_ids, topk_weights) -> Dispatched:
         if x_scale is not None:
             raise ValueError(
@@ -302,6 +309,7 @@ class DeepEPLowLatencyDispatcher(_OneMode):
             combine_applies_weights=True,
         )  # fmt: skip
 
+    @torch.compiler.disable  # DeepEP's combine (docs/compile.md)
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         h: LowLatencyHandle = dispatched.handle
         out, _, _ = self.buffer.get().low_latency_combine(
@@ -376,6 +384,7 @@ class DeepEPAutoDispatcher(_DeepEPBase):
     def send(self, x, x_scale, topk_ids, topk_weights) -> Dispatched:
         return self._route(x, x_scale, topk_ids, topk_weights, quantized=True)
 
+    @torch.compiler.disable  # a collective and DeepEP's calls (docs/compile.md)
     def _route(self, x, x_scale, topk_ids, topk_weights, quantized: bool) -> Dispatched:
         self.buffer.get()
         # Clean before the all-reduce in _decide(): the collective orders every rank's clean
@@ -399,6 +408,7 @@ class DeepEPAutoDispatcher(_DeepEPBase):
                                   "such batches wait on the host for DeepEP's receive counts")  # fmt: skip
         return self.normal.send(x, x_scale, topk_ids, topk_weights, global_max_tokens=global_max)
 
+    @torch.compiler.disable  # DeepEP's combine (docs/compile.md)
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         if isinstance(dispatched.handle, LowLatencyHandle):
             return self.low_latency.combine(y, dispatched)

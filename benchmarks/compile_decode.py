@@ -1,0 +1,407 @@
+"""Decode step of a DeepSeek-V3-shaped decoder block on one GPU: eager vs torch.compile (default and
+reduce-overhead) vs a manual CUDA graph, per scheme and batch, against the experts pass alone in a
+CUDA graph (what the glue and the host add on top of the expert GEMMs).
+
+The block: RMSNorm -> attention stand-in (two dense bf16 linears, residual) -> RMSNorm -> fp32 router
+-> DeepEPMoELayer (128 local experts, top-8, dispatch='local') + one shared expert (bf16 MLP),
+residual. Sizes H=7168, I=2048, shared I=2048. Schemes: bf16 and int8_channel on the Triton backend,
+fp8_block on the CUTLASS backend (needs SGLANG_CUTLASS_MOE=1 and the CUTLASS headers; skipped with
+the reason otherwise; DeepGEMM is not used).
+
+Per scheme and batch, medians of epmoe.timing.kernel_ms (triton's do_bench; a captured graph is
+timed by replaying it):
+
+* ``eager``: the block's forward;
+* ``compiled``: ``torch.compile(block, fullgraph=True, dynamic=False)`` (one compile per batch size);
+* ``reduce_overhead``: the same with ``mode="reduce-overhead"`` (Inductor's CUDA graphs);
+* ``graph``: the eager forward captured in a ``torch.CUDAGraph`` and replayed;
+* ``layer_graph``: the MoE layer's forward alone (routing, scatter, experts, gather) captured;
+* ``experts_graph``: ``layer.backend.run_contiguous`` alone on the prepared batch, captured.
+
+Ratios: each graphed / compiled step against ``experts_graph`` (the target: glue and host add at most
+5 % -- ``layer_graph`` is the measure of the layer's own glue; the block adds its dense parts) and
+eager against the best graphed step at batch 1 (target >= 1.3x).
+
+The MoE layers run with ``validate=False`` (an engine's decode step reads nothing back for checks).
+
+Run (one H200, at most about 4 minutes: ``--budget-s`` (default 200) bounds the whole run's compiles;
+each scheme gets an equal share of what is left, CUDA-graph mode and small batches first, and a
+compile that would start past its share is skipped, its row saying so):
+
+    SGLANG_CUTLASS_MOE=1 python benchmarks/compile_decode.py results.json --plot results.png
+
+CPU dry run of everything but the GPU paths (torch backend, aot_eager, tiny sizes):
+
+    python benchmarks/compile_decode.py /tmp/dry.json --device cpu --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from epmoe import DeepEPMoELayer
+from epmoe.layouts import to_contiguous
+from epmoe.timing import kernel_ms
+
+SCHEMES = ("bf16", "int8_channel", "fp8_block")
+BACKENDS = {"bf16": "triton", "int8_channel": "triton", "fp8_block": "cutlass"}
+BATCHES = (1, 8, 32, 128)
+MODES = ("eager", "compiled", "reduce_overhead", "graph", "layer_graph", "experts_graph")
+FULL = dict(hidden=7168, inter=2048, experts=128, top_k=8, shared_inter=2048)
+TINY = dict(hidden=256, inter=128, experts=8, top_k=2, shared_inter=128)
+
+
+class DecoderBlock(nn.Module):
+    """A decode step's worth of a DeepSeek-V3 decoder layer: an attention stand-in (two dense
+    linears), then the MoE block (fp32 router, routed experts in ``DeepEPMoELayer``, one shared
+    expert), each with a pre-norm and a residual."""
+
+    def __init__(self, hidden, inter, experts, top_k, shared_inter, *, quant, backend, device, dtype=torch.bfloat16,
+                 **layer_kwargs):  # fmt: skip
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.norm1, self.norm2 = nn.RMSNorm(hidden, **kw), nn.RMSNorm(hidden, **kw)
+        self.q_proj = nn.Linear(hidden, hidden, bias=False, **kw)
+        self.o_proj = nn.Linear(hidden, hidden, bias=False, **kw)
+        self.gate = nn.Linear(hidden, experts, bias=False, device=device)
+        self.experts = DeepEPMoELayer(experts, top_k, hidden, inter, quant=quant, backend=backend, dispatch="local",
+                                      device=device, params_dtype=dtype, **layer_kwargs)  # fmt: skip
+        self.shared_gate_up = nn.Linear(hidden, 2 * shared_inter, bias=False, **kw)
+        self.shared_down = nn.Linear(shared_inter, hidden, bias=False, **kw)
+
+    def moe(self, y: torch.Tensor) -> torch.Tensor:
+        gate, up = self.shared_gate_up(y).chunk(2, dim=-1)
+        return self.experts(y, self.gate(y.float())) + self.shared_down(F.silu(gate) * up)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.o_proj(F.silu(self.q_proj(self.norm1(x))))
+        return h + self.moe(self.norm2(h))
+
+
+@torch.no_grad()
+def fill_random(block: DecoderBlock, seed: int = 0) -> None:
+    """Random weights of plausible magnitude in every parameter, the experts' in their storage
+    dtype (codes and scales drawn directly: nothing here measures accuracy against a float model),
+    a few experts at a time so that no full-size fp32 copy exists."""
+    dev = block.experts.w13_weight.device
+    g = torch.Generator(device=dev).manual_seed(seed)
+    for name, p in block.named_parameters():
+        for chunk in p.split(8) if p.dim() == 3 else (p,):
+            if chunk.dtype == torch.int8:
+                chunk.copy_(torch.randint(-127, 128, chunk.shape, device=dev, dtype=torch.int8, generator=g))
+            elif chunk.dtype == torch.float8_e4m3fn:
+                chunk.copy_((torch.randn(chunk.shape, device=dev, generator=g) * 64).clamp(-448, 448).to(chunk.dtype))
+            elif "scale" in name:
+                # int8 codes ~U(-127, 127) / e4m3 ~N(0, 64) times this: weights of ~0.01-0.02.
+                chunk.copy_(torch.full(chunk.shape, 1e-4 if block.experts.scheme.qdtype == torch.int8 else 3e-4, device=dev))
+            elif "norm" in name:
+                chunk.fill_(1.0)
+            else:
+                fan_in = chunk.shape[-1]
+                chunk.copy_(torch.randn(chunk.shape, device=dev, generator=g) / math.sqrt(fan_in))
+
+
+def captured(fn, device):
+    """``fn`` captured in a CUDA graph after two eager warm-up calls on a side stream; returns the
+    graph (replay it) and the output tensor the replays write."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def experts_pass(layer: DeepEPMoELayer, y: torch.Tensor, logits: torch.Tensor):
+    """``(fn, batch)``: the backend's experts pass alone on the batch the layer's forward would
+    build for ``y`` (routed, dispatched, scattered here, outside what is timed)."""
+    ids, w = layer.route(logits)
+    d = layer.dispatcher.dispatch(y, ids, w)
+    backend = layer.backend
+    # What the layer does (DeepEPMoELayer._segment_hint): device-side segment sizes for a backend
+    # that takes them (Triton), exact host sizes otherwise (the CUTLASS FP8 kernel).
+    hint = max(1, -(-ids.numel() // layer.num_local_experts)) if backend.device_segments else None
+    batch = to_contiguous(d.x, d.x_scale, d.topk_ids, layer.num_local_experts, backend.alignment, expected_m=hint)
+    weights = layer.backend.prepare_weights(layer.expert_weights())
+    return (lambda: backend.run_contiguous(batch, weights, y.dtype)), batch
+
+
+def commit_of(arg: str | None) -> str | None:
+    if arg:
+        return arg
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=root, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("out", help="JSON results path")
+    p.add_argument("--schemes", default=",".join(SCHEMES), help=f"comma-separated, of {list(SCHEMES)}")
+    p.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated token counts")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {list(MODES)}")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--tiny", action="store_true", help=f"tiny sizes {TINY} (a dry run)")
+    p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time per measurement")
+    p.add_argument("--budget-s", type=float, default=200.0,
+                   help="seconds for the whole run: each scheme gets an equal share of what is left for its compiles; "
+                        "a compile that would start past its share is skipped (its row says so)")
+    p.add_argument("--compile-backend", default=None, help="torch.compile backend (default: inductor on CUDA, aot_eager on CPU)")
+    p.add_argument("--commit", default=None, help="commit to record when git is not available")
+    p.add_argument("--plot", default=None, help="also draw the table into this image (matplotlib)")
+    args = p.parse_args(argv)
+    args.schemes = [s for s in args.schemes.split(",") if s]
+    args.batches = [int(b) for b in args.batches.split(",") if b]
+    args.modes = [m for m in args.modes.split(",") if m]
+    for name, got, allowed in (("--schemes", args.schemes, SCHEMES), ("--modes", args.modes, MODES)):
+        bad = [v for v in got if v not in allowed]
+        if bad:
+            p.error(f"{name}: {bad} not in {list(allowed)}")
+    if any(b < 1 for b in args.batches):
+        p.error(f"--batches: {args.batches}; each must be >= 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: CUDA is not available here (use --device cpu --tiny for a dry run)")
+    if args.plot:
+        from epmoe.bench.plotting import check_plot
+
+        check_plot(p, args.plot)
+    return args
+
+
+class Runner:
+    """Times the modes of one scheme's block at each batch; keeps the rows."""
+
+    def __init__(self, args, block: DecoderBlock, scheme: str, started: float):
+        self.args, self.block, self.scheme, self.started = args, block, scheme, started
+        self.device = torch.device(args.device)
+        self.cuda = self.device.type == "cuda"
+        self.compiler = args.compile_backend or ("inductor" if self.cuda else "aot_eager")
+        self.compiled: dict[str, object] = {}
+        self.rows: list[dict] = []
+
+    def row(self, batch, mode, ms=None, skipped=None, **extra):
+        r = dict(scheme=self.scheme, backend=self.block.experts.backend.name, batch=batch, mode=mode, ms=ms,
+                 skipped=skipped, **extra)  # fmt: skip
+        self.rows.append(r)
+        shown = f"{ms:9.4f} ms" if ms is not None else f"skipped: {skipped}"
+        print(f"{self.scheme:13s} T={batch:4d} {mode:16s} {shown} {extra if extra else ''}", flush=True)
+
+    def time(self, fn) -> float:
+        return kernel_ms(fn, rep_ms=self.args.rep_ms, device=self.device)
+
+    def compiled_fn(self, mode: str):
+        if mode not in self.compiled:
+            kw = dict(fullgraph=True, dynamic=False, backend=self.compiler)
+            if mode == "reduce_overhead":
+                kw["mode"] = "reduce-overhead"
+            self.compiled[mode] = torch.compile(self.block, **kw)
+        return self.compiled[mode]
+
+    def guarded(self, t: int, mode: str, fn) -> None:
+        """Run one measurement; a failure is recorded as a skipped row with its error, and the
+        other measurements go on."""
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - reported in the row, never hidden
+            self.row(t, mode, skipped=f"error: {type(exc).__name__}: {str(exc)[:300]}")
+
+    def inputs(self, t: int) -> torch.Tensor:
+        g = torch.Generator(device=self.device).manual_seed(1000 + t)
+        return torch.randn(t, self.block.q_proj.in_features, device=self.device, generator=g).to(torch.bfloat16)
+
+    @torch.no_grad()
+    def cheap_modes(self, t: int) -> None:
+        """Every mode that compiles nothing: eager, the captured graphs, the experts pass."""
+        a, block, dev = self.args, self.block, self.device
+        x = self.inputs(t)
+        ref = block(x)
+        if "eager" in a.modes:
+            self.guarded(t, "eager", lambda: self.row(t, "eager", self.time(lambda: block(x))))
+        for mode in ("graph", "layer_graph"):
+            if mode in a.modes and not self.cuda:
+                self.row(t, mode, skipped="needs CUDA (CUDA graphs)")
+        if self.cuda and "graph" in a.modes:
+
+            def graph_mode():
+                graph, out = captured(lambda: block(x), dev)
+                graph.replay()
+                self.row(t, "graph", self.time(graph.replay), rel_err=rel_err(out, ref))
+
+            self.guarded(t, "graph", graph_mode)
+        y = block.norm2(x)
+        logits = block.gate(y.float())
+        if self.cuda and "layer_graph" in a.modes:
+            self.guarded(t, "layer_graph", lambda: self.row(t, "layer_graph", self.time(
+                captured(lambda: block.experts(y, logits), dev)[0].replay)))  # fmt: skip
+        if "experts_graph" in a.modes:
+
+            def experts_mode():
+                fn, batch = experts_pass(block.experts, y, logits)
+                if self.cuda:
+                    self.row(t, "experts_graph", self.time(captured(fn, dev)[0].replay), rows=int(batch.x.shape[0]))
+                else:
+                    self.row(t, "experts_graph", self.time(fn), rows=int(batch.x.shape[0]), note="eager on CPU")
+
+            self.guarded(t, "experts_graph", experts_mode)
+
+    @torch.no_grad()
+    def compiled_mode(self, t: int, mode: str, deadline: float) -> None:
+        """``mode`` (``compiled`` / ``reduce_overhead``) at batch ``t``, unless ``deadline`` (a
+        ``time.perf_counter()`` value) has passed: then the row says so."""
+        if mode == "reduce_overhead" and not self.cuda:
+            self.row(t, mode, skipped="needs CUDA (CUDA graphs)")
+            return
+        if time.perf_counter() > deadline:
+            self.row(t, mode, skipped=f"time budget (--budget-s {self.args.budget_s:g}) spent before this compile")
+            return
+        x = self.inputs(t)
+        ref = self.block(x)
+
+        def run():
+            from torch._dynamo.utils import counters
+
+            fn = self.compiled_fn(mode)
+            skips = counters["inductor"]["cudagraph_skips"]
+            t0 = time.perf_counter()
+            fn(x)  # compiles for this batch size (dynamic=False)
+            out = fn(x).clone()  # reduce-overhead records its graph on a later call
+            compile_s = time.perf_counter() - t0
+            extra = dict(compile_s=round(compile_s, 2), rel_err=rel_err(out, ref))
+            if mode == "reduce_overhead":  # Inductor falls back to no CUDA graph and says so only here
+                extra["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips
+            self.row(t, mode, self.time(lambda: fn(x)), **extra)
+
+        self.guarded(t, mode, run)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30))
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per scheme and batch: each graphed / compiled mode against ``experts_graph`` and eager."""
+    out = []
+    keys = sorted({(r["scheme"], r["batch"]) for r in rows}, key=lambda k: (SCHEMES.index(k[0]), k[1]))
+    for scheme, t in keys:
+        ms = {r["mode"]: r["ms"] for r in rows if r["scheme"] == scheme and r["batch"] == t and r["ms"] is not None}
+        s = dict(scheme=scheme, batch=t)
+        for mode in ("compiled", "reduce_overhead", "graph", "layer_graph"):
+            if mode in ms and "experts_graph" in ms:
+                s[f"{mode}_vs_experts_graph"] = round(ms[mode] / ms["experts_graph"], 4)
+            if mode in ms and "eager" in ms:
+                s[f"eager_vs_{mode}"] = round(ms["eager"] / ms[mode], 4)
+        if "layer_graph_vs_experts_graph" in s:
+            s["glue_target_met"] = s["layer_graph_vs_experts_graph"] <= 1.05
+        best = [ms[m] for m in ("reduce_overhead", "graph") if m in ms]
+        if t == 1 and best and "eager" in ms:
+            s["eager_vs_best_graphed"] = round(ms["eager"] / min(best), 4)
+            s["speedup_target_met"] = s["eager_vs_best_graphed"] >= 1.3
+        out.append(s)
+    return out
+
+
+def plot(rows: list[dict], path: str) -> None:
+    from epmoe.bench.plotting import pyplot
+
+    plt = pyplot()
+    schemes = [s for s in SCHEMES if any(r["scheme"] == s for r in rows)]
+    fig, axes = plt.subplots(1, len(schemes), figsize=(5 * len(schemes), 4), squeeze=False)
+    for ax, scheme in zip(axes[0], schemes):
+        mine = [r for r in rows if r["scheme"] == scheme and r["ms"] is not None]
+        batches = sorted({r["batch"] for r in mine})
+        modes = [m for m in MODES if any(r["mode"] == m for r in mine)]
+        width = 0.8 / max(1, len(modes))
+        for i, mode in enumerate(modes):
+            vals = [next((r["ms"] for r in mine if r["batch"] == b and r["mode"] == mode), 0.0) for b in batches]
+            ax.bar([j + i * width for j in range(len(batches))], vals, width, label=mode)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(batches))], [str(b) for b in batches])
+        ax.set_xlabel("tokens per decode step")
+        ax.set_ylabel("ms (median)")
+        ax.set_title(scheme)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    # One compiled graph per batch size and mode (dynamic=False): more than dynamo's default limit.
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
+    started = time.perf_counter()
+    device = torch.device(args.device)
+    sizes = TINY if args.tiny else FULL
+    import triton
+
+    result = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        commit=commit_of(args.commit), device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        torch=torch.__version__, triton=triton.__version__, sizes=sizes, batches=args.batches,
+        env={k: os.environ.get(k) for k in ("SGLANG_CUTLASS_MOE", "EPMOE_BACKEND")}, rows=[], skipped_schemes={},
+    )  # fmt: skip
+    rows: list[dict] = []
+    for scheme in args.schemes:
+        backend = BACKENDS[scheme] if device.type == "cuda" else "torch"
+        try:
+            # validate=False: an engine's decode step does not read its inputs back for checks
+            # (validate=True adds one host sync per eager forward; compiled graphs skip it anyway).
+            block = DecoderBlock(**sizes, quant=scheme, backend=backend, device=device, validate=False).eval()
+        except (ValueError, RuntimeError) as exc:  # the backend cannot run here: say why, go on
+            result["skipped_schemes"][scheme] = f"{type(exc).__name__}: {exc}"
+            print(f"{scheme}: skipped: {exc}", flush=True)
+            continue
+        fill_random(block)
+        runner = Runner(args, block, scheme, started)
+        for t in args.batches:
+            runner.cheap_modes(t)
+        # Compiling takes most of the run: this scheme gets an equal share of what is left of the
+        # budget, batch 1 and the CUDA-graph mode first (what the targets are about).
+        left = len(args.schemes) - args.schemes.index(scheme)
+        deadline = time.perf_counter() + max(0.0, args.budget_s - (time.perf_counter() - started)) / left
+        for mode in ("reduce_overhead", "compiled"):
+            if mode in args.modes:
+                for t in args.batches:
+                    runner.compiled_mode(t, mode, deadline)
+        rows += runner.rows
+        del block, runner
+        torch._dynamo.reset()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    result["rows"] = rows
+    result["summary"] = summarize(rows)
+    result["wall_s"] = round(time.perf_counter() - started, 1)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot)
+    print("\nscheme        T    eager  compiled  red-ovh    graph  layer_g  experts_g  ratios")
+    for s in result["summary"]:
+        ms = {r["mode"]: r["ms"] for r in rows if r["scheme"] == s["scheme"] and r["batch"] == s["batch"]}
+        cell = lambda m: f"{ms[m]:8.3f}" if ms.get(m) is not None else "       -"  # noqa: E731
+        ratios = {k: v for k, v in s.items() if k not in ("scheme", "batch")}
+        print(f"{s['scheme']:13s}{s['batch']:4d} {cell('eager')} {cell('compiled')} {cell('reduce_overhead')} "
+              f"{cell('graph')} {cell('layer_graph')} {cell('experts_graph')}   {ratios}")  # fmt: skip
+    print(f"wall {result['wall_s']} s -> {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

@@ -1,0 +1,293 @@
+"""torch.compile of models that hold the layer (CPU): the registered custom ops (opcheck), the
+example DeepSeek block compiled with ``fullgraph=True`` against its eager result (torch backend,
+and the Triton backend under the interpreter), graph breaks per dispatcher, and the traceable
+torch paths (device-sized scatter, masked reference) against their eager forms.
+
+The CPU tests compile with ``backend="aot_eager"``: dynamo and AOT autograd run in full (what
+``fullgraph`` and the fake implementations are about) without Inductor's C++ code generation,
+which costs about a minute per model on two cores. The GPU tests (tests/gpu/test_compile_gpu.py)
+compile with Inductor.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from epmoe import DeepEPMoELayer, ops
+from epmoe.experts.base import ExpertWeights
+from epmoe.experts.torch_backend import TorchBackend
+from epmoe.layouts import MaskedBatch, _to_contiguous_torch, _to_contiguous_torch_device, gather_weighted
+from epmoe.quant.schemes import get_scheme
+from test_deepep_cpu import fake_deep_ep  # noqa: F401 - the stand-in deep_ep fixture
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMPILER = "aot_eager"
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("deepseek_moe_block", os.path.join(ROOT, "examples", "deepseek_moe_block.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses resolve their annotations through it
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------------------------- custom ops
+def _ids(r, k, e, g):
+    return torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(r)])
+
+
+def _op_cases():
+    """``{qualified op name: (args, kwargs)}`` at tiny shapes where every output element is
+    written (opcheck compares runs; rows a kernel leaves unwritten would differ)."""
+    g = torch.Generator().manual_seed(0)
+    e, cap, k_dim, n = 2, 4, 128, 32  # K and N the GPU kernels tile without edge cases
+    x = torch.randn(6, k_dim, generator=g)
+    q8 = torch.randint(-127, 128, (6, k_dim), generator=g, dtype=torch.int8)
+    q8_scale = torch.rand(6, 1, generator=g) + 0.1
+    full = torch.full((e,), cap, dtype=torch.int32)
+    gate_up = torch.randn(e, cap, 2 * k_dim, generator=g)
+    a = torch.randn(6, k_dim, generator=g)
+    b = torch.randn(e, n, k_dim, generator=g)
+    offsets = torch.tensor([0, 2, 6], dtype=torch.int32)
+    ids = _ids(3, 2, 4, g)
+    slot_pos = torch.tensor([[0, 3], [1, -1], [2, 4]], dtype=torch.int64)
+    return {
+        "epmoe::per_token_quant_int8": ((x, None, None, None), {}),
+        "epmoe::per_group_quant": ((q8.float(), 16, torch.int8, None, None, None), {}),
+        "epmoe::silu_and_mul": ((gate_up, torch.float32, full, 2), {}),
+        "epmoe::silu_and_mul_quant": ((gate_up.reshape(-1, 2 * k_dim), "group", 16, torch.int8, None, None), {}),
+        "epmoe::grouped_gemm": ((a, b, offsets, False, "bf16", None, None, "fp32", torch.float32, None), {}),
+        "epmoe::grouped_gemm[masked]": (
+            (q8[:4].reshape(e, 2, k_dim), torch.randint(-127, 128, (e, n, k_dim), generator=g, dtype=torch.int8),
+             torch.full((e,), 2, dtype=torch.int32), True, "int8_channel", q8_scale[:4].reshape(e, 2, 1),
+             torch.rand(e, n, 1, generator=g) + 0.1, "int32", torch.float32, 1), {}),  # fmt: skip
+        "epmoe::slot_layout": ((ids, 4, 2), {}),
+        "epmoe::slot_positions": ((ids, torch.tensor([0, 2, 4, 5, 6], dtype=torch.int32), 6), {}),
+        "epmoe::scatter_rows": ((q8[:3], slot_pos, 6, q8_scale[:3], True), {}),
+        "epmoe::gather_weighted": ((x, slot_pos, torch.rand(3, 2, generator=g), torch.float32), {}),
+    }
+
+
+GPU_ONLY = {"epmoe::cutlass_grouped_gemm", "epmoe::deepgemm_contiguous", "epmoe::deepgemm_masked"}
+"""CUTLASS and DeepGEMM run on a GPU only: opchecked in tests/gpu/test_compile_gpu.py."""
+
+
+def test_every_registered_op_has_an_opcheck_case():
+    assert set(ops.OPS) == {name.split("[")[0] for name in _op_cases()} | GPU_ONLY
+    for name in ops.OPS:
+        assert name.startswith(f"{ops.NAMESPACE}::")
+
+
+@pytest.mark.parametrize("name", sorted(_op_cases()))
+def test_opcheck(name):
+    args, kwargs = _op_cases()[name]
+    op = getattr(torch.ops.epmoe, name.split("::")[1].split("[")[0]).default
+    torch.library.opcheck(op, args, kwargs)
+
+
+def test_gpu_only_ops_have_fake_shapes_without_a_gpu():
+    """The CUTLASS / DeepGEMM ops trace (meta tensors reach only their fake implementations)."""
+    meta = dict(device="meta")
+    a = torch.empty(256, 256, dtype=torch.float8_e4m3fn, **meta)
+    a_scale = torch.empty(256, 2, **meta)
+    b = torch.empty(3, 384, 256, dtype=torch.float8_e4m3fn, **meta)
+    b_scale = torch.empty(3, 3, 2, **meta)
+    offsets = torch.empty(4, dtype=torch.int32, **meta)
+    out = torch.ops.epmoe.cutlass_grouped_gemm("fp8_block", a, a_scale, b, b_scale, offsets)
+    assert (out.shape, out.dtype) == ((256, 384), torch.bfloat16)
+    out = torch.ops.epmoe.deepgemm_contiguous(a, a_scale, b, b_scale, torch.empty(256, dtype=torch.int32, **meta))
+    assert (out.shape, out.dtype) == ((256, 384), torch.bfloat16)
+    a3, s3 = a.reshape(2, 128, 256), a_scale.reshape(2, 128, 2)
+    out = torch.ops.epmoe.deepgemm_masked(a3, s3, b[:2], b_scale[:2], torch.empty(2, dtype=torch.int32, **meta), 8)
+    assert (out.shape, out.dtype) == ((2, 128, 384), torch.bfloat16)
+
+
+# ------------------------------------------------------------------------ the example block
+def _block(backend: str, quant: str):
+    ex = _example()
+    cfg = ex.MoEConfig(hidden_size=128, moe_intermediate_size=128, n_routed_experts=8, n_shared_experts=1,
+                       num_experts_per_tok=2, n_group=4, topk_group=2)  # fmt: skip
+    block = ex.DeepseekV3MoE(cfg, quant=quant, device="cpu")
+    block.experts = DeepEPMoELayer(
+        cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size, quant=quant,
+        backend=backend, device="cpu", scoring_func="sigmoid", num_expert_group=cfg.n_group,
+        topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor, use_correction_bias=True,
+    )  # fmt: skip
+    tensors = list(ex.random_checkpoint(cfg, quant))
+    block.experts.load_weights((nt for nt in tensors if ".shared_experts." not in nt[0]), strict=True)
+    block.load_shared_experts(nt for nt in tensors if ".shared_experts." in nt[0])
+    return block, cfg
+
+
+@pytest.mark.parametrize("backend,quant", [("torch", "int8_channel"), ("triton", "int8_channel")])
+def test_example_block_compiles_in_one_graph_and_matches_eager(backend, quant):
+    block, cfg = _block(backend, quant)
+    assert block.experts.backend.name == backend
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, cfg.hidden_size, generator=g).bfloat16()
+    with torch.no_grad():
+        ref = block(x)
+        compiled = torch.compile(block, fullgraph=True, backend=COMPILER)
+        out = compiled(x)
+    assert torch.isfinite(ref).all() and ref.abs().max() > 0
+    # The same kernels and torch ops in the same order: equal up to one bf16 rounding.
+    torch.testing.assert_close(out.float(), ref.float(), rtol=8e-3, atol=8e-3 * float(ref.abs().max()))
+
+
+# ---------------------------------------------------------------------- graph breaks per dispatcher
+def _layer(dispatch: str) -> DeepEPMoELayer:
+    g = torch.Generator().manual_seed(2)
+    layer = DeepEPMoELayer(8, 2, 64, 32, quant="int8_channel", backend="torch", dispatch=dispatch, device="cpu",
+                           params_dtype=torch.float32)  # fmt: skip
+    from epmoe.quant import quantize_weight
+
+    w13, s13 = quantize_weight(torch.randn(8, 64, 64, generator=g) / 8, layer.scheme)
+    w2, s2 = quantize_weight(torch.randn(8, 64, 32, generator=g) / 6, layer.scheme)
+    layer.load_experts(w13, w2, s13, s2)
+    return layer
+
+
+def test_local_dispatch_has_no_graph_break():
+    layer = _layer("local")
+    x, logits = torch.randn(5, 64), torch.randn(5, 8)
+    e = torch._dynamo.explain(layer)(x, logits)
+    assert (e.graph_count, e.graph_break_count) == (1, 0), e.break_reasons
+
+
+@pytest.fixture
+def single_rank_group():
+    """A one-rank gloo group: all_to_all runs its collectives (with itself)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_all_to_all_breaks_only_at_its_send_and_combine(single_rank_group):
+    layer = _layer("all_to_all")
+    assert layer.dispatcher.name == "all_to_all"
+    x, logits = torch.randn(5, 64), torch.randn(5, 8)
+    e = torch._dynamo.explain(layer)(x, logits)
+    # The two documented breaks and no other: the dispatcher's host-synced send and its collective
+    # combine (dynamo reports the send once per frame it unwinds: forward, then dispatch).
+    reasons = {str(b.reason).split("Skip inlining function <function ")[-1].split(" ")[0] for b in e.break_reasons}
+    assert reasons == {"AllToAllDispatcher.send", "AllToAllDispatcher.combine"}, e.break_reasons
+    assert e.graph_break_count == 2
+
+
+# ------------------------------------------------------------------- validation while compiling
+def test_value_checks_run_eagerly_and_are_skipped_while_compiling():
+    layer = _layer("local")
+    x, logits = torch.randn(4, 64), torch.randn(4, 8)
+    compiled = torch.compile(layer, fullgraph=True, backend=COMPILER)
+    compiled(x, logits)
+    bad = logits.clone()
+    bad[1, 3] = float("nan")
+    with pytest.raises(ValueError, match="router_logits contain NaN"):
+        layer(x, bad)
+    # The compiled graph holds no host read: the NaN row is routed like any other, and the
+    # tokens whose logits are finite keep their results.
+    out = compiled(x, bad)
+    torch.testing.assert_close(out[[0, 2, 3]], layer(x[[0, 2, 3]], logits[[0, 2, 3]]), rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------- traceable torch paths
+@pytest.mark.parametrize("alignment", [1, 4])
+def test_device_sized_scatter_matches_the_host_sized_one(alignment):
+    g = torch.Generator().manual_seed(3)
+    r, k, e = 7, 3, 5
+    ids = torch.randint(0, e, (r, k), generator=g)
+    ids[2] = -1  # a token with no local slot
+    ids[4, 1] = ids[4, 0]  # an expert named twice by one token
+    ids[5, 2] = e + 2  # another rank's expert
+    x = torch.randn(r, 16, generator=g)
+    xs = torch.rand(r, 2, generator=g)
+    host = _to_contiguous_torch(x, xs, ids, e, alignment)
+    dev = _to_contiguous_torch_device(x, xs, ids, e, alignment, expected_m=2)
+    assert dev.x.shape[0] == r * k + e * (alignment - 1) and dev.expected_m == 2
+    assert dev.num_rows.tolist() == host.num_rows
+    m = host.expert_offsets[-1].item()
+    torch.testing.assert_close(dev.expert_offsets, host.expert_offsets, rtol=0, atol=0)
+    torch.testing.assert_close(dev.slot_pos, host.slot_pos, rtol=0, atol=0)
+    torch.testing.assert_close(dev.m_indices[:m], host.m_indices, rtol=0, atol=0)
+    assert (dev.m_indices[m:] == -1).all()
+    torch.testing.assert_close(dev.x[:m], host.x, rtol=0, atol=0)
+    torch.testing.assert_close(dev.x_scale[:m], host.x_scale, rtol=0, atol=0)
+    assert (dev.x[m:] == 0).all()
+    w = torch.rand(r, k, generator=g)
+    torch.testing.assert_close(gather_weighted(dev.x, dev.slot_pos, w), gather_weighted(host.x, host.slot_pos, w))
+
+
+def test_gather_ignores_nan_on_unused_rows():
+    out = torch.tensor([[1.0, 2.0], [float("nan"), float("nan")], [3.0, 4.0]])
+    slot_pos = torch.tensor([[0, -1], [2, 0]])
+    w = torch.tensor([[0.5, 7.0], [1.0, 2.0]])
+    got = gather_weighted(out, slot_pos, w)
+    torch.testing.assert_close(got, torch.tensor([[0.5, 1.0], [5.0, 8.0]]))
+
+
+@pytest.mark.parametrize("quant", ["fp8_block"])
+def test_torch_masked_path_traced_matches_eager(quant):
+    scheme = get_scheme(quant)
+    g = torch.Generator().manual_seed(4)
+    e, cap, h, i = 3, 4, 128, 128
+    from epmoe.quant import quantize_weight
+
+    w13, s13 = quantize_weight(torch.randn(e, 2 * i, h, generator=g) / 11, scheme)
+    w2, s2 = quantize_weight(torch.randn(e, h, i, generator=g) / 11, scheme)
+    weights = ExpertWeights(scheme, w13, w2, s13, s2)
+    x = torch.randn(e, cap, h, generator=g)
+    x[1, 3] = float("nan")  # garbage past masked_m must not leak
+    batch = MaskedBatch(x, None, torch.tensor([2, 3, 0], dtype=torch.int32), 2)
+    backend = TorchBackend(scheme)
+    ref = backend.run_masked(batch, weights, torch.float32)
+    fn = torch.compile(lambda xx, mm: backend.run_masked(MaskedBatch(xx, None, mm, 2), weights, torch.float32),
+                       fullgraph=True, backend=COMPILER)  # fmt: skip
+    got = fn(x, batch.masked_m)
+    for ex, n in enumerate(batch.masked_m.tolist()):
+        torch.testing.assert_close(got[ex, :n], ref[ex, :n], rtol=1e-5, atol=1e-5)
+        assert (got[ex, n:] == 0).all()
+
+
+def test_deepep_low_latency_breaks_only_at_send_and_combine(fake_deep_ep):
+    """With a stand-in ``deep_ep`` (tests/test_deepep_cpu.py): DeepEP's calls are opaque to dynamo,
+    so the dispatcher breaks the graph at its send and its combine and nowhere else; the experts
+    between them (here the torch backend's masked path) trace."""
+    from test_deepep_cpu import _FakeLowLatencyBuffer
+
+    from epmoe.dispatch.base import DispatchConfig
+    from epmoe.dispatch.deepep_dispatch.dispatchers import DeepEPLowLatencyDispatcher
+    from epmoe.routing import select_experts
+
+    fake_deep_ep.Buffer = _FakeLowLatencyBuffer
+    cfg = DispatchConfig(num_experts=16, hidden_size=2048, top_k=2, world_size=2, max_tokens_per_rank=4)
+    disp = DeepEPLowLatencyDispatcher(cfg)
+    scheme = get_scheme("bf16")
+    weights = ExpertWeights(scheme, torch.zeros(8, 32, 2048, dtype=torch.bfloat16), torch.zeros(8, 2048, 16, dtype=torch.bfloat16))
+    backend = TorchBackend(scheme)
+
+    def step(x, logits):  # a decode step's MoE: routing, then the dispatcher and the experts
+        ids, w = select_experts(logits, 2)
+        d = disp.dispatch(x, ids, w)
+        y = backend.run_masked(MaskedBatch(d.x, d.x_scale, d.masked_m, d.expected_m), weights, torch.bfloat16)
+        return disp.combine(y, d)
+
+    e = torch._dynamo.explain(step)(torch.randn(3, 2048), torch.randn(3, 16))
+    reasons = {str(b.reason).split("Skip inlining function <function ")[-1].split(" ")[0] for b in e.break_reasons}
+    assert reasons == {"DeepEPLowLatencyDispatcher.send", "DeepEPLowLatencyDispatcher.combine"}, e.break_reasons
+    disp.buffer.close()
