@@ -291,3 +291,19 @@ def test_deepep_low_latency_breaks_only_at_send_and_combine(fake_deep_ep):
     reasons = {str(b.reason).split("Skip inlining function <function ")[-1].split(" ")[0] for b in e.break_reasons}
     assert reasons == {"DeepEPLowLatencyDispatcher.send", "DeepEPLowLatencyDispatcher.combine"}, e.break_reasons
     disp.buffer.close()
+
+
+def test_cutlass_fp8_alignment_traces_without_a_package_lookup(monkeypatch):
+    """The FP8 implementation (sgl-kernel's op or the package's kernel) is decided when the backend
+    is built: the forward reads ``alignment``, and dynamo (torch 2.11) cannot trace importlib's
+    ``find_spec`` behind the decision (fp8_block failed to compile on the GPU that way)."""
+    from epmoe.experts import cutlass_backend as cb
+
+    backend = cb.CutlassBackend(get_scheme("fp8_block"))
+
+    def looked_up():
+        raise AssertionError("the sgl-kernel lookup ran in the forward")
+
+    monkeypatch.setattr(cb, "_use_sgl", looked_up)
+    fn = torch.compile(lambda x: x + backend.alignment, fullgraph=True, backend="eager")
+    assert fn(torch.zeros(1)).item() == backend.alignment == cb.ROW_BLOCK

@@ -689,6 +689,9 @@ class CutlassBackend(ExpertsBackend):
         # too), so a Triton backend of the same scheme is held as a composed part for that
         # branch only; the CUTLASS pass calls the shared row-wise stages (stages.py) directly.
         self._triton_below_crossover = TritonBackend(scheme, accumulator=accumulator) if self.int8 else None
+        # Decided once: the forward reads it (alignment) and torch.compile cannot trace the
+        # package lookup behind it (importlib's find_spec).
+        self._sgl_fp8 = not self.int8 and _use_sgl()
 
     @property
     def int8(self) -> bool:
@@ -699,7 +702,7 @@ class CutlassBackend(ExpertsBackend):
     def alignment(self) -> int:
         """Rows each expert segment is padded to: the project's kernels give each 128-row block of
         the layout to one expert; sgl-kernel's FP8 op takes any segments."""
-        return 1 if not self.int8 and _use_sgl() else ROW_BLOCK
+        return 1 if self._sgl_fp8 else ROW_BLOCK
 
     device_segments = True
     """Batches may keep their segment sizes on the device: the GEMMs read the offsets there and
