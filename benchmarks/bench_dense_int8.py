@@ -14,7 +14,7 @@ For each shape (N x K weight) and batch M, side by side in one process:
 * ``int_mm``: ``torch._int_mm`` alone on already quantized rows (its int32 output, no scales);
 * ``epmoe auto / triton / cutlass``: ``Int8Linear.forward`` (activation quantization included),
   ``int8_channel`` with the int32 accumulator; ``cutlass`` only with ``SGLANG_CUTLASS_MOE=1`` where
-  it can run (its batches of <= 64 rows run the Triton small-batch kernel, as in the module);
+  it can run (its batches of <= SMALL_M_MAX rows run the Triton small-batch kernel, as in the module);
   ``epmoe triton block``: ``int8_block`` (fp32 accumulator).
 
 Three times per cell, because they answer different questions:
