@@ -326,11 +326,12 @@ def plot(rows: list[dict], path: str) -> None:
     for ax, scheme in zip(axes[0], schemes):
         mine = [r for r in rows if r["scheme"] == scheme and r["ms"] is not None]
         batches = sorted({r["batch"] for r in mine})
-        modes = [m for m in MODES if any(r["mode"] == m for r in mine)]
+        # Every mode keeps its slot and colour in every panel (a mode a scheme skipped is an empty slot).
+        modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
         width = 0.8 / max(1, len(modes))
         for i, mode in enumerate(modes):
             vals = [next((r["ms"] for r in mine if r["batch"] == b and r["mode"] == mode), 0.0) for b in batches]
-            ax.bar([j + i * width for j in range(len(batches))], vals, width, label=mode)
+            ax.bar([j + i * width for j in range(len(batches))], vals, width, label=mode, color=f"C{i}")
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(batches))], [str(b) for b in batches])
         ax.set_xlabel("tokens per decode step")
         ax.set_ylabel("ms (median)")
