@@ -232,11 +232,8 @@ def fresh_extension():
     cb.load_extension.cache_clear()
 
 
-def test_load_extension_takes_a_cached_build_without_compiling(fresh_extension, monkeypatch, tmp_path):
-    """A library already in the cache directory is loaded as it is: no compiler is asked for."""
-    from torch.utils import cpp_extension
-
-    cb = fresh_extension
+def _cached_build(cb, monkeypatch, tmp_path):
+    """Stand-in CUTLASS headers and an (empty) cached library for them; ``(name, build, library)``."""
     inc = tmp_path / "include"
     (inc / "cutlass").mkdir(parents=True)
     (inc / "cute").mkdir()
@@ -244,9 +241,18 @@ def test_load_extension_takes_a_cached_build_without_compiling(fresh_extension, 
     monkeypatch.setenv("EPMOE_CUTLASS_DIR", str(inc))
     monkeypatch.setenv("EPMOE_CACHE_DIR", str(tmp_path / "cache"))
     name, build, library = cb._library(inc)
-    assert build == tmp_path / "cache" / "cutlass" / name
     build.mkdir(parents=True)
     library.write_bytes(b"")
+    return name, build, library
+
+
+def test_load_extension_takes_a_cached_build_without_compiling(fresh_extension, monkeypatch, tmp_path):
+    """A library already in the cache directory is loaded as it is: no compiler is asked for."""
+    from torch.utils import cpp_extension
+
+    cb = fresh_extension
+    name, build, library = _cached_build(cb, monkeypatch, tmp_path)
+    assert build == tmp_path / "cache" / "cutlass" / name
     loaded = []
     monkeypatch.setattr(torch.ops, "load_library", loaded.append)
     monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: pytest.fail("compiled despite a cached build"))
@@ -259,15 +265,7 @@ def test_load_extension_does_not_load_a_second_copy(fresh_extension, monkeypatch
     as a test module with its own build does) are returned as they are: loading a second copy of
     the library would register them again, which aborts the process inside torch."""
     cb = fresh_extension
-    inc = tmp_path / "include"
-    (inc / "cutlass").mkdir(parents=True)
-    (inc / "cute").mkdir()
-    (inc / "cutlass" / "cutlass.h").write_text("")
-    monkeypatch.setenv("EPMOE_CUTLASS_DIR", str(inc))
-    monkeypatch.setenv("EPMOE_CACHE_DIR", str(tmp_path / "cache"))
-    name, build, library = cb._library(inc)
-    build.mkdir(parents=True)
-    library.write_bytes(b"")
+    name, build, library = _cached_build(cb, monkeypatch, tmp_path)
     monkeypatch.setattr(torch.ops, "load_library", lambda path: pytest.fail(f"loaded {path} a second time"))
     assert not cb._registered(name)
     lib = torch.library.Library(name, "DEF")  # stands in for the copy loaded earlier
