@@ -514,10 +514,11 @@ class DeepEPMoELayer(nn.Module):
             batch = MaskedBatch(d.x, d.x_scale, d.masked_m, d.expected_m)
             with phase("epmoe.experts"):
                 return self.backend.run_masked(batch, self._weights(), dtype)
+        hint = self._segment_hint(d)
+        align = self.backend.alignment if hint is None else self.backend.alignment_for(hint, self.device)
         with phase("epmoe.scatter"):
             batch = to_contiguous(
-                d.x, d.x_scale, d.topk_ids, self.num_local_experts, self.backend.alignment, d.padded_rows,
-                expected_m=self._segment_hint(d),
+                d.x, d.x_scale, d.topk_ids, self.num_local_experts, align, d.padded_rows, expected_m=hint
             )
         with phase("epmoe.experts"):
             out = self.backend.run_contiguous(batch, self._weights(), dtype)

@@ -65,6 +65,9 @@ class ContiguousBatch:
     slot_pos: torch.Tensor
     num_rows: list[int] | torch.Tensor
     expected_m: int | None = None
+    alignment: int | None = None
+    """What every segment length is a multiple of: the ``alignment`` :func:`to_contiguous` laid the
+    batch out for; ``None`` for a batch built otherwise (not recorded)."""
 
     @property
     def num_experts(self) -> int:
@@ -190,7 +193,7 @@ def _to_contiguous_kernels(
         offsets, slot_pos, m_indices, counts = permute.slot_layout(topk_ids, num_experts, alignment)
         m = m_indices.numel()
         out_x, out_scale = permute.scatter_rows(x, slot_pos, m, x_scale, fill_unused=alignment > 1)
-        return ContiguousBatch(out_x, out_scale, offsets, m_indices, slot_pos, counts, expected_m)
+        return ContiguousBatch(out_x, out_scale, offsets, m_indices, slot_pos, counts, expected_m, alignment)
     device = x.device
     num_rows: list[int] | None = None
     if padded_rows is None:
@@ -214,7 +217,7 @@ def _to_contiguous_kernels(
         num_rows = counts
     # Without padding every row is written, so the output needs no memset.
     out_x, out_scale = permute.scatter_rows(x, slot_pos, m, x_scale, fill_unused=alignment > 1)
-    return ContiguousBatch(out_x, out_scale, offsets, m_indices, slot_pos, num_rows)
+    return ContiguousBatch(out_x, out_scale, offsets, m_indices, slot_pos, num_rows, alignment=alignment)
 
 
 def _to_contiguous_torch(x, x_scale, topk_ids, num_experts, alignment) -> ContiguousBatch:
@@ -244,7 +247,7 @@ def _to_contiguous_torch(x, x_scale, topk_ids, num_experts, alignment) -> Contig
     if x_scale is not None:
         out_scale = x_scale.new_ones((m, x_scale.shape[1]))
         out_scale[pos] = x_scale[slots // k]
-    return ContiguousBatch(out_x, out_scale, offsets.to(torch.int32), m_indices, slot_pos, num_rows)
+    return ContiguousBatch(out_x, out_scale, offsets.to(torch.int32), m_indices, slot_pos, num_rows, alignment=alignment)
 
 
 def _to_contiguous_torch_device(x, x_scale, topk_ids, num_experts, alignment, expected_m) -> ContiguousBatch:
@@ -283,7 +286,7 @@ def _to_contiguous_torch_device(x, x_scale, topk_ids, num_experts, alignment, ex
         out_scale = out_scale[:m]
     return ContiguousBatch(
         out_x[:m], out_scale, offsets.to(torch.int32), m_indices[:m], slot_pos.reshape(r, k),
-        counts[:num_experts].to(torch.int32), expected_m,
+        counts[:num_experts].to(torch.int32), expected_m, alignment,
     )  # fmt: skip
 
 

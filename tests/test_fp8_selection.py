@@ -1003,3 +1003,43 @@ def test_cutlass_triton_branch_runs_packed_segments(scheme_name):
     assert bool((rows[valid:] == device_sized.x.shape[0]).all())
     got = gather_weighted(backend.run_kernel(device_sized, weights, torch.float32, "triton"), device_sized.slot_pos, w)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter on CPU")
+def test_cutlass_int8_small_batches_are_laid_out_for_the_triton_pass(monkeypatch):
+    """A batch the layer lays out itself (local dispatch) below the crossover gets the Triton
+    pass's alignment: it runs as it is, with no 128-row padding to compute on or pack away, and
+    equals the Triton backend's pass; above the crossover it gets the CUTLASS kernels' 128 rows."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from cases import make_case
+    from helpers import make_weights
+
+    from epmoe.experts import cutlass_backend as cb
+    from epmoe.experts.base import ExpertWeights
+    from epmoe.experts.triton_backend import TritonBackend
+    from epmoe.layouts import gather_weighted, to_contiguous
+    from epmoe.quant import get_scheme
+
+    scheme = get_scheme("int8_channel")
+    data = {"cpu": {"int8_channel": dict(measured=_measured((2, 1.0, 2.0), (8, 3.0, 2.0)), cutlass_from_rows_per_expert=8)}}
+    monkeypatch.setattr(cb, "crossover_data", lambda: data)
+    cb._rule.cache_clear()
+    try:
+        backend = cb.CutlassBackend(scheme, accumulator="int32")
+        cpu = torch.device("cpu")
+        assert backend.alignment_for(4, cpu) == 1 and backend.alignment_for(8, cpu) == cb.ROW_BLOCK
+        stored, _ = make_weights(PE, PH, PI, "int8_channel")
+        weights = backend.prepare_weights(ExpertWeights(scheme, *stored))
+        x, ids, w = make_case("empty_experts", 0, PE, PK, PH)
+        batch = to_contiguous(x, None, ids, PE, backend.alignment_for(4, cpu), expected_m=4)
+        assert batch.alignment == 1 and backend.int8_kernel(batch) == "triton"
+        monkeypatch.setattr(cb, "packed_batch", lambda b: pytest.fail("packed a batch laid out for Triton"))
+        got = gather_weighted(backend.run_contiguous(batch, weights, torch.float32), batch.slot_pos, w)
+        exact = to_contiguous(x, None, ids, PE, 1)
+        want = gather_weighted(TritonBackend(scheme, accumulator="int32").run_contiguous(exact, weights, torch.float32),
+                               exact.slot_pos, w)  # fmt: skip
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    finally:
+        cb._rule.cache_clear()

@@ -449,3 +449,20 @@ def test_module_dtype_casts_keep_quantized_weights_scales_and_bias(scheme):
     torch.testing.assert_close(layer(x.bfloat16(), logits), before, rtol=0, atol=0)
     model.to(torch.device("meta"), torch.bfloat16)  # a device move still moves them, dtypes kept
     assert all(v.device.type == "meta" and v.dtype == state[k].dtype for k, v in layer.state_dict().items())
+
+
+def test_layer_lays_a_batch_out_for_the_backend_kernel_of_its_size(monkeypatch):
+    """With the segment sizes kept on the device (local dispatch's rows-per-expert hint), the layer
+    asks the backend for the alignment of a batch of that size (``alignment_for``: the cutlass
+    backend's Triton pass wants none of the CUTLASS kernels' 128-row padding)."""
+    import epmoe.layer as layer_module
+
+    layer, _ = build("int8_channel", dispatch="local", backend="triton")
+    asked, laid = [], []
+    monkeypatch.setattr(layer.backend, "alignment_for", lambda rows, device: asked.append((rows, device)) or 16)
+    real = layer_module.to_contiguous
+    monkeypatch.setattr(layer_module, "to_contiguous", lambda *a, **k: laid.append(a[4]) or real(*a, **k))
+    x, ids, w = make_case("random", 0, E, K, H)
+    layer(x, topk_ids=ids, topk_weights=w)
+    hint = -(-ids.numel() // E)
+    assert asked == [(hint, layer.device)] and laid == [16]

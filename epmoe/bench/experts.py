@@ -169,7 +169,7 @@ def uniform_batch(problem: Problem, m: int, device: torch.device, dtype: torch.d
     m_indices = torch.arange(problem.e, device=device, dtype=torch.int32).repeat_interleave(seg)
     m_indices.view(problem.e, seg)[:, m:] = -1
     valid = (m_indices >= 0).nonzero().squeeze(1)
-    return ContiguousBatch(x, None, offsets, m_indices, valid.unsqueeze(1), [m] * problem.e)
+    return ContiguousBatch(x, None, offsets, m_indices, valid.unsqueeze(1), [m] * problem.e, alignment=alignment)
 
 
 # ------------------------------------------------------------------------------- stages
@@ -259,11 +259,13 @@ def load_extra(spec: str):
 def backend_pass(problem: Problem, backend, m: int, batch, refs: dict, seed: int, accuracy_experts: int):
     """``(whole pass, reference rows)`` of any :class:`~epmoe.experts.base.ExpertsBackend` on
     ``batch`` (``m`` rows per expert, with its float64 ``refs``); a backend that needs aligned
-    segments gets the same rows rebuilt from ``seed`` with its alignment, and references of its own."""
+    segments gets the same rows rebuilt from ``seed`` with the alignment the layer would lay them out
+    for (``alignment_for``), and references of its own."""
     dtype = batch.x.dtype
     w = backend.prepare_weights(weights_for(problem, backend.scheme.name))
-    if backend.alignment > 1 and m % backend.alignment:
-        batch = uniform_batch(problem, m, batch.x.device, dtype, seed, backend.alignment)
+    align = backend.alignment_for(m, batch.x.device)
+    if align > 1 and m % align:
+        batch = uniform_batch(problem, m, batch.x.device, dtype, seed, align)
         refs = reference_rows(problem, batch, accuracy_experts)
     return (lambda: backend.run_contiguous(batch, w, dtype)), refs
 

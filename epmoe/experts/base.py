@@ -111,6 +111,12 @@ class ExpertsBackend(ABC):
         """Rows each expert segment of the contiguous layout is padded to."""
         return 1
 
+    def alignment_for(self, rows_per_expert: int, device: torch.device) -> int:
+        """The alignment for a batch of about ``rows_per_expert`` rows per expert on ``device``,
+        when the layer lays the batch out itself (local and all-to-all dispatch): a backend that
+        runs other kernels by batch size may want less padding for some of them."""
+        return self.alignment
+
     @classmethod
     def available(cls, device: torch.device) -> tuple[bool, str]:
         """Whether the libraries and hardware this backend needs are present on ``device``."""

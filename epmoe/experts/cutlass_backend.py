@@ -704,6 +704,13 @@ class CutlassBackend(ExpertsBackend):
         the layout to one expert; sgl-kernel's FP8 op takes any segments."""
         return 1 if self._sgl_fp8 else ROW_BLOCK
 
+    def alignment_for(self, rows_per_expert: int, device: torch.device) -> int:
+        """INT8 batches that the measured rule gives to the Triton pass are laid out for it
+        (no 128-row padding to compute on or pack away); the rest for the CUTLASS kernels."""
+        if self.int8 and int8_rule(device, self.scheme.name).kernel_for(rows_per_expert) == "triton":
+            return self._triton_below_crossover.alignment
+        return self.alignment
+
     device_segments = True
     """Batches may keep their segment sizes on the device: the GEMMs read the offsets there and
     skip the blocks past the last segment, the row-wise stages skip the spare rows
@@ -798,11 +805,14 @@ class CutlassBackend(ExpertsBackend):
         return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
 
     def _triton_pass(self, batch: ContiguousBatch, weights: ExpertWeights, out_dtype: torch.dtype) -> torch.Tensor:
-        """The Triton backend's pass on the batch packed to segments of its rows
-        (:func:`packed_batch`: the Triton GEMMs tile any segment and would spend as many MMAs on
-        the 128-row layout's padding as on its rows), its output rows put back in their padded
-        places (padding rows hold anything). The packed spare rows of a batch sized on the device
-        land in one extra row past the end, dropped."""
+        """The Triton backend's pass. A batch laid out without padding (:meth:`alignment_for`: the
+        layer's own scatter) runs as it is; a 128-row layout (a dispatcher's, e.g. DeepEP normal) is packed
+        to segments of its rows first (:func:`packed_batch`: the Triton GEMMs tile any segment and
+        would spend as many MMAs on the padding as on its rows), its output rows put back in their
+        padded places (padding rows hold anything). The packed spare rows of a batch sized on the
+        device land in one extra row past the end, dropped."""
+        if batch.alignment == 1:  # no padding rows: laid out for this pass (alignment_for)
+            return self._triton_below_crossover.run_contiguous(batch, weights, out_dtype)
         small, rows = packed_batch(batch)
         out = self._triton_below_crossover.run_contiguous(small, weights, out_dtype)
         m = batch.x.shape[0]
