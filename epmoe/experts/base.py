@@ -113,7 +113,7 @@ class ExpertsBackend(ABC):
 
     def alignment_for(self, rows_per_expert: int, device: torch.device) -> int:
         """The alignment for a batch of about ``rows_per_expert`` rows per expert on ``device``,
-        when the layer lays the batch out itself (local and all-to-all dispatch): a backend that
+        when the layer lays the batch out itself from a rows-per-expert hint (local dispatch): a backend that
         runs other kernels by batch size may want less padding for some of them."""
         return self.alignment
 
