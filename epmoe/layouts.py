@@ -311,6 +311,8 @@ def gather_weighted(
         return kernel_permute().gather_weighted(expert_out, slot_pos, topk_weights.float(), out_dtype)
     r, k = slot_pos.shape
     out = torch.zeros(r, expert_out.shape[1], dtype=torch.float32, device=expert_out.device)
+    if expert_out.shape[0] == 0:  # no slot of the batch is local (every id -1, or other ranks')
+        return out.to(out_dtype)
     weights = topk_weights.float()
     for j in range(k):
         pos = slot_pos[:, j]

@@ -32,6 +32,20 @@ def test_local_minus_one_slots_contribute_nothing(validate):
     assert (out[3] == 0).all()
 
 
+@pytest.mark.parametrize("validate", [True, False])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_batch_of_only_minus_one_slots_gives_zeros(validate, backend):
+    """No slot of the batch selects an expert: nothing reaches the experts and every token gets
+    zeros (the documented rule), rather than an error from indexing an empty expert output."""
+    layer = DeepEPMoELayer(E, K, H, I, backend=backend, dispatch="local", device="cpu", params_dtype=torch.float32,
+                           validate=validate)  # fmt: skip
+    stored, _ = make_weights(E, H, I, "bf16")
+    layer.load_experts(*stored)
+    x = torch.randn(5, H)
+    out = layer(x, topk_ids=torch.full((5, K), -1), topk_weights=torch.rand(5, K))
+    assert out.shape == x.shape and bool((out == 0).all())
+
+
 def test_validation_accepts_minus_one_refuses_other_negatives_and_repeats_only_real_ids():
     w = torch.ones(2, K)
 
