@@ -136,15 +136,19 @@ def time_eager(fns: list, calls: int) -> tuple[float, float]:
 
 
 def ref_codes(x: torch.Tensor, group: int | None) -> torch.Tensor:
-    """The activations the INT8 kernels multiply, by the project's rule written in plain torch
-    (fp32 scale ``amax / 127``, the fp32 quotient rounded half to even), dequantized in float64;
-    per row, or per 1 x ``group``."""
+    """The activations the INT8 kernels multiply, by the project's rule in plain torch
+    (:func:`epmoe.quant.reference.quantize_rows`: fp32 scale ``amax / 127`` correctly rounded, the
+    fp32 quotient rounded half to even), dequantized in float64; per row, or per 1 x ``group``.
+
+    Not ``amax / 127.0``: on CUDA, torch divides by a Python number as a multiplication by its
+    fp32 reciprocal, which misses the correctly rounded scale by an ulp for ~4% of amax values
+    and so moves the codes of near-tie elements (bf16 inputs have many exact ties)."""
+    from epmoe.quant.reference import quantize_rows
+
     m, k = x.shape
     g = k if group is None else group
-    xg = x.float().reshape(m, k // g, g)
-    s = xg.abs().amax(-1, keepdim=True).clamp(min=1e-10) / 127.0
-    q = torch.round(xg / s).clamp(-127, 127)
-    return (q.double() * s.double()).reshape(m, k)
+    q, s = quantize_rows(x, torch.int8, 127.0, group)
+    return (q.double().reshape(m, k // g, g) * s.double().unsqueeze(-1)).reshape(m, k)
 
 
 def int_mm_quant(x: torch.Tensor, wq_t: torch.Tensor, ws_row: torch.Tensor) -> torch.Tensor:
