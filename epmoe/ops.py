@@ -25,14 +25,24 @@ OPS: list[str] = []
 """Qualified names of every op registered here (what the opcheck tests walk)."""
 
 
-def _op(name: str):
-    """Register the decorated function as ``epmoe::name`` (no mutated arguments)."""
+class _Op:
+    """A kernel entry point registered as the custom op ``epmoe::name`` (no mutated arguments).
+    Calls go through the op only while dynamo traces; eager calls run the same function directly,
+    since an op call costs about 10 us of host time, which eager decode pays per launch."""
 
-    def register(fn):
+    def __init__(self, name: str, fn) -> None:
         OPS.append(f"{NAMESPACE}::{name}")
-        return torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())(fn)
+        self.fn = fn
+        self.op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())(fn)
+        self.register_fake = self.op.register_fake
 
-    return register
+    def __call__(self, *args):
+        return self.op(*args) if is_compiling() else self.fn(*args)
+
+
+def _op(name: str):
+    """Register the decorated function as ``epmoe::name`` (:class:`_Op`)."""
+    return lambda fn: _Op(name, fn)
 
 
 _KERNELS: tuple = ()
@@ -82,16 +92,12 @@ def _(x, group_size, dtype, x_scale, masked_m, expected_m):
 
 def per_token_quant_int8(x, x_scale=None, *, masked_m=None, expected_m=None):
     """:func:`epmoe.kernels.quantize.per_token_quant_int8`."""
-    if is_compiling():
-        return _per_token_quant_int8(x, x_scale, masked_m, expected_m)
-    return _kernels()[3].per_token_quant_int8(x, x_scale, masked_m=masked_m, expected_m=expected_m)
+    return _per_token_quant_int8(x, x_scale, masked_m, expected_m)
 
 
 def per_group_quant(x, group_size=128, dtype=torch.int8, x_scale=None, *, masked_m=None, expected_m=None):
     """:func:`epmoe.kernels.quantize.per_group_quant`."""
-    if is_compiling():
-        return _per_group_quant(x, group_size, dtype, x_scale, masked_m, expected_m)
-    return _kernels()[3].per_group_quant(x, group_size, dtype, x_scale, masked_m=masked_m, expected_m=expected_m)
+    return _per_group_quant(x, group_size, dtype, x_scale, masked_m, expected_m)
 
 
 # ----------------------------------------------------------------------------------- activation
@@ -130,18 +136,13 @@ def _(gate_up, granularity, group_size, dtype, masked_m, expected_m):
 
 def silu_and_mul(gate_up, out_dtype=None, *, masked_m=None, expected_m=None):
     """:func:`epmoe.kernels.activation.silu_and_mul`."""
-    if is_compiling():
-        return _silu_and_mul(gate_up, gate_up.dtype if out_dtype is None else out_dtype, masked_m, expected_m)
-    return _kernels()[0].silu_and_mul(gate_up, out_dtype, masked_m=masked_m, expected_m=expected_m)
+    return _silu_and_mul(gate_up, gate_up.dtype if out_dtype is None else out_dtype, masked_m, expected_m)
 
 
 def silu_and_mul_quant(gate_up, granularity="token", group_size=128, dtype=torch.int8, *, masked_m=None,
                        expected_m=None):  # fmt: skip
     """:func:`epmoe.kernels.activation.silu_and_mul_quant`."""
-    if is_compiling():
-        return _silu_and_mul_quant(gate_up, granularity, group_size, dtype, masked_m, expected_m)
-    act = _kernels()[0]
-    return act.silu_and_mul_quant(gate_up, granularity, group_size, dtype, masked_m=masked_m, expected_m=expected_m)
+    return _silu_and_mul_quant(gate_up, granularity, group_size, dtype, masked_m, expected_m)
 
 
 # --------------------------------------------------------------------------------- grouped GEMM
@@ -175,10 +176,7 @@ def _gemm(masked: bool):
 
 def _grouped(masked, a, b, segments, *, mode, a_scale=None, b_scale=None, accumulator="fp32",
              out_dtype=torch.bfloat16, expected_m=None):  # fmt: skip
-    if is_compiling():
-        return _grouped_gemm(a, b, segments, masked, mode, a_scale, b_scale, accumulator, out_dtype, expected_m)
-    return _gemm(masked)(a, b, segments, mode=mode, a_scale=a_scale, b_scale=b_scale, accumulator=accumulator,
-                         out_dtype=out_dtype, expected_m=expected_m)  # fmt: skip
+    return _grouped_gemm(a, b, segments, masked, mode, a_scale, b_scale, accumulator, out_dtype, expected_m)
 
 
 def grouped_gemm_contiguous(a, b, expert_offsets, **kwargs):
@@ -255,31 +253,23 @@ def _(expert_out, slot_pos, topk_weights, out_dtype):
 
 def slot_layout(topk_ids, num_experts, alignment=1):
     """:func:`epmoe.kernels.permute.slot_layout`."""
-    if is_compiling():
-        return _slot_layout(topk_ids, num_experts, alignment)
-    return _kernels()[2].slot_layout(topk_ids, num_experts, alignment)
+    return _slot_layout(topk_ids, num_experts, alignment)
 
 
 def slot_positions(topk_ids, expert_offsets, num_rows):
     """:func:`epmoe.kernels.permute.slot_positions`."""
-    if is_compiling():
-        return _slot_positions(topk_ids, expert_offsets, num_rows)
-    return _kernels()[2].slot_positions(topk_ids, expert_offsets, num_rows)
+    return _slot_positions(topk_ids, expert_offsets, num_rows)
 
 
 def scatter_rows(x, slot_pos, num_out_rows, x_scale=None, *, fill_unused=True):
     """:func:`epmoe.kernels.permute.scatter_rows`."""
-    if is_compiling():
-        out = _scatter_rows(x, slot_pos, num_out_rows, x_scale, fill_unused)
-        return out[0], (out[1] if len(out) > 1 else None)
-    return _kernels()[2].scatter_rows(x, slot_pos, num_out_rows, x_scale, fill_unused=fill_unused)
+    out = _scatter_rows(x, slot_pos, num_out_rows, x_scale, fill_unused)
+    return out[0], (out[1] if len(out) > 1 else None)
 
 
 def gather_weighted(expert_out, slot_pos, topk_weights, out_dtype=torch.float32):
     """:func:`epmoe.kernels.permute.gather_weighted`."""
-    if is_compiling():
-        return _gather_weighted(expert_out, slot_pos, topk_weights, out_dtype)
-    return _kernels()[2].gather_weighted(expert_out, slot_pos, topk_weights, out_dtype)
+    return _gather_weighted(expert_out, slot_pos, topk_weights, out_dtype)
 
 
 # ------------------------------------------------------------------------ CUTLASS and DeepGEMM
@@ -312,9 +302,7 @@ def _(kind, a, a_scale, b, b_scale, expert_offsets):
 def cutlass_grouped_gemm(kind, a, a_scale, b, b_scale, expert_offsets):
     """One of the CUTLASS grouped GEMMs of :mod:`epmoe.experts.cutlass_backend` (``kind`` in
     :data:`CUTLASS_GEMMS`); ``[M, N]`` bf16."""
-    if is_compiling():
-        return _cutlass_grouped_gemm(kind, a, a_scale, b, b_scale, expert_offsets)
-    return _cutlass_fn(kind)(a, a_scale, b, b_scale, expert_offsets)
+    return _cutlass_grouped_gemm(kind, a, a_scale, b, b_scale, expert_offsets)
 
 
 def _deepgemm():
@@ -350,13 +338,9 @@ def _(a, a_scale, b, b_scale, masked_m, expected_m):
 
 def deepgemm_contiguous(a, a_scale, b, b_scale, m_indices):
     """:func:`epmoe.experts.deepgemm_backend.gemm_contiguous`."""
-    if is_compiling():
-        return _deepgemm_contiguous(a, a_scale, b, b_scale, m_indices)
-    return _deepgemm().gemm_contiguous(a, a_scale, b, b_scale, m_indices)
+    return _deepgemm_contiguous(a, a_scale, b, b_scale, m_indices)
 
 
 def deepgemm_masked(a, a_scale, b, b_scale, masked_m, expected_m):
     """:func:`epmoe.experts.deepgemm_backend.gemm_masked`."""
-    if is_compiling():
-        return _deepgemm_masked(a, a_scale, b, b_scale, masked_m, expected_m)
-    return _deepgemm().gemm_masked(a, a_scale, b, b_scale, masked_m, expected_m)
+    return _deepgemm_masked(a, a_scale, b, b_scale, masked_m, expected_m)

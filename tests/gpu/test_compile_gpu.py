@@ -107,7 +107,7 @@ def test_opcheck_cutlass(kind):
 
     # The op object itself: on the H200 (torch 2.11) a lookup through torch.ops.epmoe once found no
     # cutlass_grouped_gemm after the Triton ops' opchecks (not reproduced on CPU).
-    torch.library.opcheck(ops._cutlass_grouped_gemm, (kind, a, a_scale, b, b_scale, offsets))
+    torch.library.opcheck(ops._cutlass_grouped_gemm.op, (kind, a, a_scale, b, b_scale, offsets))
 
 
 def test_opcheck_deepgemm():
