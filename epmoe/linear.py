@@ -60,6 +60,7 @@ DENSE_BACKENDS = ("cutlass", "triton", "torch")
 AUTO_ORDER = {"int8_channel": ("cutlass", "triton", "torch"), "int8_block": ("triton", "torch")}
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ROW_BLOCK = 128
+"""Rows of a tile of the project's CUTLASS kernel: its one segment is padded to a multiple."""
 SMALL_M_MAX = 8
 """Rows up to which the triton and cutlass backends run the small-batch kernel
 (:mod:`epmoe.kernels.dense_int8`): there the work is one read of the weight, which the tiled
@@ -67,7 +68,6 @@ GEMMs' wide tiles spread over too few SMs. The kernel takes up to 64 rows, but o
 outputs for 16 to 64 rows exceeded its test's per-element bound against float64 (1 and 7 rows
 were within it; the test's reference formed its scales an ulp off on CUDA, fixed since), so until
 a GPU run confirms the kernel there, larger batches take the tiled GEMMs."""
-"""Rows of a tile of the project's CUTLASS kernel: its one segment is padded to a multiple."""
 _ALL_ROWS = 2**31 - 1
 """``masked_m`` of the Triton path: clamped to the batch's row count inside the kernel."""
 
