@@ -307,3 +307,31 @@ def test_cutlass_fp8_alignment_traces_without_a_package_lookup(monkeypatch):
     monkeypatch.setattr(cb, "_use_sgl", looked_up)
     fn = torch.compile(lambda x: x + backend.alignment, fullgraph=True, backend="eager")
     assert fn(torch.zeros(1)).item() == backend.alignment == cb.ROW_BLOCK
+
+
+@pytest.mark.parametrize("quant", ["int8_channel", "int8_block"])
+def test_cutlass_int8_kernel_choice_traces_and_follows_the_rule(quant, monkeypatch):
+    """The INT8 kernel choice (``alignment_for``, ``int8_kernel``) reads the crossover file and the
+    GPU name, which dynamo cannot trace (``posix.stat``: the compiled block on CUTLASS INT8 failed
+    that way on the GPU). Traced, the choice is the rule's, at sizes either side of the crossover,
+    also when the batch size is dynamic."""
+    from epmoe.experts import cutlass_backend as cb
+
+    measured = [dict(rows_per_expert=r, triton_ms=t, cutlass_ms=c) for r, t, c in ((8, 1.0, 2.0), (16, 2.0, 1.0), (64, 3.0, 1.0))]
+    monkeypatch.setattr(cb, "crossover_data", lambda: {"cpu": {quant: {"measured": measured, "source": "test"}}})
+    cb._rule.cache_clear()
+    try:
+        backend = cb.CutlassBackend(get_scheme(quant), accumulator="int32" if quant == "int8_channel" else "fp32")
+        rule = cb.int8_rule(torch.device("cpu"), quant)
+
+        def step(x):
+            rows = x.shape[0] // 2
+            return x + backend.alignment_for(rows, x.device) + 1000 * (cb.int8_kernel_for(x.device, quant, rows) == "cutlass")
+
+        fn = torch.compile(step, fullgraph=True, backend="eager")
+        for n in (2, 30, 32, 34, 4, 8):
+            want = backend.alignment_for(n // 2, torch.device("cpu")) + 1000 * (rule.kernel_for(n // 2) == "cutlass")
+            assert fn(torch.zeros(n))[0].item() == want, n
+        assert rule.kernel_for(1) == "triton" and rule.kernel_for(16) == "cutlass"
+    finally:
+        cb._rule.cache_clear()

@@ -45,6 +45,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -605,6 +606,21 @@ def int8_rule(device: torch.device, scheme: str) -> RowsRule:
     return _rule(gpu, scheme)
 
 
+@torch.compiler.assume_constant_result
+def _cutlass_from(device: torch.device, scheme: str) -> int:
+    """:func:`int8_rule`'s threshold, a plain int (``sys.maxsize``: never CUTLASS). The forward
+    asks for it, and under ``torch.compile`` the answer is taken once at trace time as a constant:
+    the rule reads the crossover file and the GPU name, which dynamo cannot trace."""
+    rule = int8_rule(device, scheme)
+    return sys.maxsize if rule.cutlass_from is None else rule.cutlass_from
+
+
+def int8_kernel_for(device: torch.device, scheme: str, rows_per_expert: int) -> str:
+    """``"triton"`` or ``"cutlass"``: :meth:`RowsRule.kernel_for` of :func:`int8_rule`, traceable
+    (``rows_per_expert`` may be a symbolic size)."""
+    return "triton" if rows_per_expert < _cutlass_from(torch.device(device), scheme) else "cutlass"
+
+
 @functools.lru_cache(maxsize=None)
 def _rule(gpu: str, scheme: str) -> RowsRule:
     rule = int8_rows_rule(crossover_data(), gpu, scheme)
@@ -707,7 +723,7 @@ class CutlassBackend(ExpertsBackend):
     def alignment_for(self, rows_per_expert: int, device: torch.device) -> int:
         """INT8 batches that the measured rule gives to the Triton pass are laid out for it
         (no 128-row padding to compute on or pack away); the rest for the CUTLASS kernels."""
-        if self.int8 and int8_rule(device, self.scheme.name).kernel_for(rows_per_expert) == "triton":
+        if self.int8 and int8_kernel_for(device, self.scheme.name, rows_per_expert) == "triton":
             return self._triton_below_crossover.alignment
         return self.alignment
 
@@ -782,7 +798,7 @@ class CutlassBackend(ExpertsBackend):
         judged by the dispatcher's hint (a host number, fixed inside a CUDA graph), so a captured
         decode step runs the Triton branch below the crossover as an eager one does. The rule is
         logged once per GPU and scheme."""
-        return int8_rule(batch.x.device, self.scheme.name).kernel_for(batch_rows_per_expert(batch))
+        return int8_kernel_for(batch.x.device, self.scheme.name, batch_rows_per_expert(batch))
 
     def run_contiguous(
         self, batch: ContiguousBatch, weights: ExpertWeights, out_dtype: torch.dtype
