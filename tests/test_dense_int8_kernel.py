@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epmoe.kernels.dense_int8 import SmallMConfig, dense_int8_small_m, small_m_config
+from epmoe.kernels.dense_int8 import SmallMConfig, dense_int8_small_m, small_m_config, split_plan
 from test_linear import ref_quant_rows  # tests/ is on sys.path (conftest)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -100,16 +100,19 @@ def test_refusals():
 
 
 def test_config_rule():
-    """Narrow N tiles until two programs per SM (never narrower than half the row tile); fused
-    only while the activations a program reads stay within its weight bytes; longer K steps and
-    deeper stages where programs have SMs to themselves."""
+    """Narrow N tiles until two programs per SM (never narrower than half the row tile); K split
+    where even the narrowest tiles leave fewer programs than that; fused only while the
+    activations a program reads stay within its weight bytes (twice them when K is split); longer
+    K steps and deeper stages where programs have SMs to themselves."""
     sms = 132
-    assert small_m_config(1, 576, 7168, "int8_channel", sms) == (16, 16, 1024, 4, 8, True)  # kv_a: 36 programs
-    assert small_m_config(16, 576, 7168, "int8_channel", sms) == (16, 16, 1024, 4, 5, False)
+    assert small_m_config(1, 576, 7168, "int8_channel", sms) == (16, 16, 512, 4, 5, True, 8)  # kv_a: 36 N tiles
+    assert split_plan(7168, small_m_config(1, 576, 7168, "int8_channel", sms)) == (1024, 7)
+    assert small_m_config(16, 576, 7168, "int8_channel", sms) == (16, 16, 512, 4, 4, False, 8)
     assert small_m_config(64, 576, 7168, "int8_channel", sms)[:2] == (64, 32)
-    assert small_m_config(16, 36864, 7168, "int8_channel", sms) == (16, 128, 128, 4, 3, True)  # 288 programs
+    assert small_m_config(16, 36864, 7168, "int8_channel", sms) == (16, 128, 128, 4, 3, True, 1)  # 288 programs
+    assert small_m_config(1, 7168, 18432, "int8_channel", sms).split_k == 1  # 448 programs
     assert small_m_config(64, 36864, 7168, "int8_channel", sms).fused is False
-    assert small_m_config(4, 1536, 7168, "int8_block", sms)[2] == 1024
+    assert small_m_config(4, 1536, 7168, "int8_block", sms)[2] == 512
     assert small_m_config(4, 1536, 384, "int8_block", sms)[2] == 128  # the longest dividing K
     for m in (1, 4, 16, 64):
         for n, k in ((576, 7168), (1536, 7168), (24576, 1536), (7168, 18432), (36864, 7168)):
@@ -117,10 +120,58 @@ def test_config_rule():
                 cfg = small_m_config(m, n, k, scheme, sms)
                 x_rows = min(1 << (m - 1).bit_length(), cfg.block_m) if cfg.fused else cfg.block_m
                 stage = x_rows * cfg.block_k * (2 if cfg.fused else 1) + cfg.block_n * cfg.block_k
-                shared = -(-n // cfg.block_n) * -(-m // cfg.block_m) > sms
+                shared = -(-n // cfg.block_n) * -(-m // cfg.block_m) * cfg.split_k > sms
                 assert cfg.num_stages * stage <= (72 if shared else 160) * 1024
                 assert cfg.block_n >= cfg.block_m // 2
                 assert k % cfg.block_k == 0 or scheme == "int8_channel"
+                k_split, splits = split_plan(k, cfg)
+                assert k_split % cfg.block_k == 0 and (splits - 1) * k_split < k <= splits * k_split
+
+
+@pytest.mark.parametrize("scheme,acc", CASES, ids=["channel-int32", "channel-fp32", "block"])
+@pytest.mark.parametrize("m", [1, 7, 128, 1000])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_split_k_against_float64(scheme, acc, m, fused):
+    """Split-K (three K shares, the last one short; channel: K not a multiple of the K step) against
+    the float64 reference, with a bias on odd batches; the int32 sum of the shares is the one-pass
+    sum, so the channel int32 output equals the unsplit kernel's bit for bit."""
+    gen = torch.Generator().manual_seed(100 + m)
+    n = 40
+    k = 1000 if scheme == "int8_channel" else 1024
+    w, ws = _weights(n, k, scheme, gen)
+    x = torch.randn(m, k, generator=gen)
+    x[0, 7] = -11.0
+    bias = torch.randn(n, generator=gen) if m % 2 else None
+    bm = 16 if m <= 16 else 64
+    cfg = SmallMConfig(bm, 16, 128, 4, 2, fused, 3)
+    assert split_plan(k, cfg) == (384, 3)
+    dev = [t if t is None else t.to(DEVICE) for t in (x, w, ws, bias)]
+    out = dense_int8_small_m(*dev, scheme=scheme, accumulator=acc, config=cfg)
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    assert _rel(out, _ref(x, w, ws, bias, scheme)) <= TIGHT
+    if acc == "int32":
+        one = dense_int8_small_m(*dev, scheme=scheme, accumulator=acc, config=cfg._replace(split_k=1))
+        torch.testing.assert_close(out, one, rtol=0, atol=0)
+
+
+def test_split_k_fp16_output_and_config_checks():
+    """A split launch into fp16 (the reduction's one rounding), and the config's own checks."""
+    gen = torch.Generator().manual_seed(9)
+    n, k = 24, 768
+    w, ws = _weights(n, k, "int8_channel", gen)
+    x = torch.randn(3, k, generator=gen).half()
+    cfg = SmallMConfig(16, 16, 256, 4, 2, True, 2)
+    out = dense_int8_small_m(x.to(DEVICE), w.to(DEVICE), ws.to(DEVICE), scheme="int8_channel", accumulator="int32",
+                             config=cfg)  # fmt: skip
+    assert out.dtype == torch.float16
+    assert _rel(out, _ref(x.float(), w, ws, None, "int8_channel")) <= 2e-3
+    assert SmallMConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="split_k=0"):
+        SmallMConfig.from_dict({**cfg.to_dict(), "split_k": 0})
+    with pytest.raises(ValueError, match="block_n=24"):
+        SmallMConfig.from_dict({**cfg.to_dict(), "block_n": 24})
+    with pytest.raises(ValueError, match="unknown keys"):
+        SmallMConfig.from_dict({**cfg.to_dict(), "BLOCK_M": 16})
 
 
 _COMPILE = r"""
@@ -131,13 +182,17 @@ from triton.compiler import ASTSource
 from epmoe.kernels.common import next_pow2
 from epmoe.kernels.dense_int8 import dense_small_m_kernel as fn, small_m_config
 
-for scheme, m, n, k in (("int8_channel", 1, 576, 7168), ("int8_channel", 16, 1536, 7168), ("int8_block", 2, 24576, 1536)):
+for scheme, m, n, k in (("int8_channel", 1, 576, 7168), ("int8_channel", 16, 1536, 7168), ("int8_block", 2, 24576, 1536),
+                        ("int8_channel", 64, 7168, 2048)):
     cfg = small_m_config(m, n, k, scheme, 132)
     sig = {a: "i32" for a in fn.arg_names}
-    sig.update(X="*bf16" if cfg.fused else "*i8", XS="*fp32", W="*i8", WS="*fp32", BIAS="*fp32", OUT="*bf16")
+    split = cfg.split_k > 1
+    out = ("*i32" if scheme == "int8_channel" else "*fp32") if split else "*bf16"
+    sig.update(X="*bf16" if cfg.fused else "*i8", XS="*fp32", W="*i8", WS="*fp32", BIAS="*fp32", OUT=out,
+               SA_OUT="*fp32")
     const = dict(FUSED=cfg.fused, BLOCK_SCALES=scheme == "int8_block", INT_ACC=scheme == "int8_channel",
                  HAS_BIAS=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=True,
-                 X_ROWS=min(next_pow2(m), cfg.block_m), QMAX=127.0, SCALE=128)
+                 X_ROWS=min(next_pow2(m), cfg.block_m), QMAX=127.0, SCALE=128, SPLIT=split)
     sig.update({c: "constexpr" for c in const})
     # What the JIT infers for these shapes: 16-byte aligned pointers, strides and sizes divisible by 16.
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
@@ -147,13 +202,25 @@ for scheme, m, n, k in (("int8_channel", 1, 576, 7168), ("int8_channel", 16, 153
                         options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     ptx = ck.asm["ptx"]
     print(scheme, m, cfg.fused, ck.metadata.shared, ptx.count("cp.async"), ptx.count("mma"))
+
+from epmoe.kernels.dense_int8 import split_k_reduce_kernel as red
+for scheme in ("int8_channel", "int8_block"):
+    sig = {a: "i32" for a in red.arg_names}
+    sig.update(P="*i32" if scheme == "int8_channel" else "*fp32", SA="*fp32", WS="*fp32", BIAS="*fp32", OUT="*bf16")
+    const = dict(BLOCK_SCALES=scheme == "int8_block", INT_ACC=scheme == "int8_channel", HAS_BIAS=True,
+                 BLOCK_M=16, BLOCK_N=128)
+    sig.update({c: "constexpr" for c in const})
+    src = ASTSource(red, sig, constexprs={(red.arg_names.index(c),): v for c, v in const.items()})
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+print("reduce ok")
 """
 
 
 def test_small_m_kernel_compiles_for_sm90():
     """The kernel compiles for an H100/H200 (sm_90, the triton wheel's ptxas; no GPU needed) with
-    its weight loads pipelined through shared memory (cp.async): a fused config, an unfused one,
-    and the block scheme. The interpreter runs the Python, not this lowering."""
+    its weight loads pipelined through shared memory (cp.async): a fused split-K config (kv_a at
+    one row), an unfused one, the block scheme, an unfused split at 64 rows; and the split-K
+    reduction for both schemes. The interpreter runs the Python, not this lowering."""
     import os
     import subprocess
     import sys
@@ -166,9 +233,10 @@ def test_small_m_kernel_compiles_for_sm90():
                                          env.get("PYTHONPATH", "")])  # fmt: skip
     done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.split("\n")[:3]
+    lines = done.stdout.split("\n")[:4]
     assert [ln.split()[:3] for ln in lines] == [["int8_channel", "1", "True"], ["int8_channel", "16", "False"],
-                                                ["int8_block", "2", "True"]]  # fmt: skip
+                                                ["int8_block", "2", "True"], ["int8_channel", "64", "False"]]  # fmt: skip
+    assert done.stdout.split("\n")[4] == "reduce ok"
     for ln in lines:
         shared, cp_async, mma = map(int, ln.split()[3:])
         assert cp_async > 0 and mma > 0 and shared <= 227 * 1024

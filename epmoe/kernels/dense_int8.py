@@ -48,6 +48,12 @@ PROGRAMS_PER_SM = 2
 SMEM_SHARED = 72 * 1024
 """Shared memory a program's pipeline stages may take when programs share SMs: three fit on an
 H100/H200 SM (227 KB), so a grid of two or three programs per SM runs in one wave."""
+REDUCE_BLOCK_M = 16
+REDUCE_BLOCK_N = 128
+"""Tile of the split-K reduction: a few partial rows per program, 512-byte row segments."""
+MIN_SPLIT_COLS = 512
+"""Fewest K columns a split-K share keeps: below it the partial sums' traffic and the reduction
+cost more than the programs they add."""
 SMEM_ALONE = 160 * 1024
 """... and when the grid has no more programs than SMs (narrow layers): each program has an SM
 to itself, and deeper stages keep more of its weight bytes in flight."""
@@ -62,23 +68,51 @@ class SmallMConfig(NamedTuple):
     num_warps: int
     num_stages: int
     fused: bool
+    split_k: int = 1
+    """Programs that share each output tile's K range (split-K); above 1 each writes its partial
+    sums and :func:`split_k_reduce_kernel` adds them in a fixed order and applies the epilogue."""
 
     def to_dict(self) -> dict:
         return self._asdict()
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "SmallMConfig":
+        unknown = set(d) - set(cls._fields)
+        missing = set(cls._fields) - set(cls._field_defaults) - set(d)
+        if unknown or missing:
+            raise ValueError(f"small-batch config {d}: unknown keys {sorted(unknown)}, missing {sorted(missing)}; "
+                             f"allowed: {list(cls._fields)}")  # fmt: skip
+        cfg = cls(**{k: (bool(v) if k == "fused" else int(v)) for k, v in d.items()})
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        for name in ("block_m", "block_n", "block_k", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"small-batch config {name}={v}; allowed: a power of two")
+        if self.split_k < 1:
+            raise ValueError(f"small-batch config split_k={self.split_k}; allowed: >= 1")
+        if self.block_m < 16 or self.block_n < 16 or self.block_k < 32 or self.num_stages < 1:
+            raise ValueError(f"small-batch config {self}: block_m, block_n >= 16, block_k >= 32, num_stages >= 1")
+
 
 @functools.lru_cache(maxsize=4096)
 def small_m_config(m: int, n: int, k: int, scheme: str, sms: int, fused: bool | None = None) -> SmallMConfig:
-    """The launch for an ``[m, k] x [n, k]^T`` call on a GPU with ``sms`` SMs (cached: the
-    forward looks it up on every call). ``fused``: ``None`` for the rule below, or forced (int8
-    activations with their scales take ``False``); the stages are sized for the choice.
+    """The default launch for an ``[m, k] x [n, k]^T`` call on a GPU with ``sms`` SMs (cached:
+    the forward looks it up on every call). ``fused``: ``None`` for the rule below, or forced
+    (int8 activations with their scales take ``False``); the stages are sized for the choice.
 
     ``block_n`` is the widest of 128, 64, 32, 16 that still gives ``PROGRAMS_PER_SM`` programs
-    per SM, and never narrower than half of ``block_m``. ``fused`` holds when the activations a program reads from L2
-    (channel: two passes of bf16 rows, block: one) are at most its weight bytes:
-    ``4 m <= block_n`` (channel) or ``2 m <= block_n`` (block). ``block_k`` starts at 512, or
-    1024 when programs have SMs to themselves (block scheme: the longest such multiple of 128
-    dividing K), and is halved until four stages fit the shared-memory budget; then as many
+    per SM, and never narrower than half of ``block_m``. Where even the narrowest tiles leave
+    fewer programs than that (narrow layers: ``kv_a``, ``q_a``), K is split: ``split_k`` doubles
+    while the grid is short of ``PROGRAMS_PER_SM`` programs per SM and each share keeps at least
+    ``MIN_SPLIT_COLS`` columns. ``fused`` holds when the activations a program reads from L2 are
+    at most its weight bytes (channel: an amax pass over the whole row plus its share, ``2 m
+    (split_k + 1) <= block_n``, relaxed to twice the weight bytes when K is split; block: its
+    share once, ``2 m <= block_n``). ``block_k`` starts at 512, or 1024 when programs have SMs
+    to themselves (block scheme: the longest such multiple of 128 dividing K), no longer than a
+    split's share, and is halved until four stages fit the shared-memory budget; then as many
     stages as fit, 2 to 5 (8 when programs have SMs to themselves). A fused stage holds the
     batch's rows of bf16 activations, an unfused one ``block_m`` rows of codes.
     """
@@ -91,16 +125,23 @@ def small_m_config(m: int, n: int, k: int, scheme: str, sms: int, fused: bool | 
         if cand > block_n and -(-n // cand) * m_tiles >= PROGRAMS_PER_SM * sms:
             block_n = cand
             break
-    alone = -(-n // block_n) * m_tiles <= sms
+    programs = -(-n // block_n) * m_tiles
+    split = 1
+    while programs * split < PROGRAMS_PER_SM * sms and k // (2 * split) >= MIN_SPLIT_COLS:
+        split *= 2
+    alone = programs * split <= sms
     budget, max_stages, max_k = (SMEM_ALONE, 8, 1024) if alone else (SMEM_SHARED, 5, 512)
-    passes = 2 if scheme == "int8_channel" else 1
     if fused is None:
-        fused = 2 * passes * m <= block_n
+        if scheme == "int8_block":
+            fused = 2 * m <= block_n
+        else:
+            fused = 2 * m * (split + 1) <= block_n * (2 if split > 1 else 1)
     x_rows = min(next_pow2(m), block_m) if fused else block_m
+    share = -(-k // split)
     if scheme == "int8_block":
-        block_k = next(b for b in (1024, 512, 256, SCALE_BLOCK) if b <= max_k and k % b == 0)
+        block_k = next(b for b in (1024, 512, 256, SCALE_BLOCK) if b <= max_k and k % b == 0 and (b <= share or b == SCALE_BLOCK))
     else:
-        block_k = max(32, min(max_k, next_pow2(k)))
+        block_k = max(32, min(max_k, next_pow2(k), max(128, 1 << (share.bit_length() - 1))))
     if fused and x_rows > 8:
         block_k = min(block_k, 256)  # the fp32 activation tile lives in registers
     x_bytes = 2 if fused else 1
@@ -112,7 +153,14 @@ def small_m_config(m: int, n: int, k: int, scheme: str, sms: int, fused: bool | 
     while block_k > 128 and 4 * stage(block_k) > budget:
         block_k //= 2
     stages = max(2, min(max_stages, budget // stage(block_k)))
-    return SmallMConfig(block_m, block_n, block_k, 4, stages, fused)
+    return SmallMConfig(block_m, block_n, block_k, 4, stages, fused, split)
+
+
+def split_plan(k: int, cfg: SmallMConfig) -> tuple[int, int]:
+    """``(columns per split, splits launched)`` of ``cfg`` on a K of ``k``: each share a whole
+    number of ``block_k`` steps, so fewer splits than asked may remain."""
+    k_split = -(-(-(-k // cfg.split_k)) // cfg.block_k) * cfg.block_k
+    return k_split, -(-k // k_split)
 
 
 @triton.jit
@@ -139,12 +187,12 @@ def _rows_to_vec(t, BLOCK_M: tl.constexpr, X_ROWS: tl.constexpr):
 
 @triton.jit
 def dense_small_m_kernel(
-    X, XS, W, WS, BIAS, OUT,
-    M, N, K,
-    stride_xm, stride_xsm, stride_wn, stride_wsn, stride_wsk, stride_om,
+    X, XS, W, WS, BIAS, OUT, SA_OUT,
+    M, N, K, K_SPLIT,
+    stride_xm, stride_xsm, stride_wn, stride_wsn, stride_wsk, stride_om, stride_os,
     FUSED: tl.constexpr, BLOCK_SCALES: tl.constexpr, INT_ACC: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    X_ROWS: tl.constexpr, QMAX: tl.constexpr, SCALE: tl.constexpr,
+    X_ROWS: tl.constexpr, QMAX: tl.constexpr, SCALE: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """``OUT[m, n] = sa . sw . sum_k q[m, k] w[n, k] (+ bias[n])`` for one ``[BLOCK_M, BLOCK_N]``
     tile. ``FUSED``: ``X`` is float and quantized here (``XS`` unused), ``X_ROWS`` rows of it at
@@ -153,11 +201,17 @@ def dense_small_m_kernel(
 
     Each K step of ``BLOCK_K`` columns is ``BLOCK_K / SUB`` sub-steps of ``SUB`` columns: one
     for the channel scheme, one per ``SCALE``-column block for the block scheme (whose scales
-    change every block), so a long step keeps many weight bytes in flight either way."""
+    change every block), so a long step keeps many weight bytes in flight either way.
+
+    ``SPLIT``: program ``(.., .., s)`` takes the K columns ``[s K_SPLIT, (s + 1) K_SPLIT)`` (a
+    multiple of ``BLOCK_K``) and stores its raw sums (int32, or fp32 already scaled per K block)
+    at ``OUT + s stride_os`` with no epilogue; with ``FUSED`` channel scales, the programs of the
+    first N tile and K range also store the rows' scales at ``SA_OUT``, which the reduction needs."""
     SUB: tl.constexpr = SCALE if BLOCK_SCALES else BLOCK_K
     GROUPS: tl.constexpr = BLOCK_K // SUB
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     rows = tl.where(m_ok, offs_m, 0).to(tl.int64)
@@ -190,12 +244,20 @@ def dense_small_m_kernel(
             sa = _rows_to_vec(sa_x, BLOCK_M, X_ROWS)
         else:
             sa = tl.load(XS + rows * stride_xsm)
+    else:
+        sa = tl.zeros([BLOCK_M], dtype=tl.float32)  # never read: block sums are scaled per K block
 
     if INT_ACC:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kk in range(0, k_steps):
+    if SPLIT:
+        step_lo = pid_k * (K_SPLIT // BLOCK_K)
+        step_hi = tl.minimum(k_steps, step_lo + K_SPLIT // BLOCK_K)
+    else:
+        step_lo = 0
+        step_hi = k_steps
+    for kk in range(step_lo, step_hi):
         for g in tl.static_range(GROUPS):
             k0 = kk * BLOCK_K + g * SUB
             if EVEN_K:
@@ -232,6 +294,23 @@ def dense_small_m_kernel(
             else:
                 acc += tl.dot(a, tl.trans(w), out_dtype=tl.int32).to(tl.float32)
 
+    if SPLIT:
+        if FUSED and not BLOCK_SCALES:
+            if (pid_n == 0) & (pid_k == 0):
+                tl.store(SA_OUT + offs_xm, sa_x, mask=xm_ok)
+        p_ptrs = OUT + pid_k.to(tl.int64) * stride_os + rows[:, None] * stride_om + offs_n[None, :]
+        tl.store(p_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        _epilogue(acc, sa, WS, BIAS, OUT, rows, cols, offs_n, m_ok, n_ok, stride_wsn, stride_om,
+                  BLOCK_SCALES, HAS_BIAS)  # fmt: skip
+
+
+@triton.jit
+def _epilogue(acc, sa, WS, BIAS, OUT, rows, cols, offs_n, m_ok, n_ok, stride_wsn, stride_om,
+              BLOCK_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Both scales (channel; block sums are scaled per K block already), the bias in fp32, one
+    rounding to the output dtype: shared by the one-pass kernel and the split-K reduction, so a
+    split int32 sum gives the unsplit output bit for bit."""
     if BLOCK_SCALES:
         res = acc
     else:
@@ -241,6 +320,39 @@ def dense_small_m_kernel(
         res += tl.load(BIAS + cols).to(tl.float32)[None, :]
     o_ptrs = OUT + rows[:, None] * stride_om + offs_n[None, :]
     tl.store(o_ptrs, res.to(OUT.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def split_k_reduce_kernel(
+    P, SA, WS, BIAS, OUT,
+    M, N, SPLITS,
+    stride_ps, stride_pm, stride_sam, stride_wsn, stride_om,
+    BLOCK_SCALES: tl.constexpr, INT_ACC: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """``OUT = epilogue(sum_s P[s])``: the split-K partial sums added in split order (int32: exact;
+    fp32: one fixed order, so a result does not depend on which program finished first)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    rows = tl.where(m_ok, offs_m, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    cols = tl.where(n_ok, offs_n, 0).to(tl.int64)
+    p_ptrs = P + rows[:, None] * stride_pm + cols[None, :]
+    if INT_ACC:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in range(0, SPLITS):
+        acc += tl.load(p_ptrs + s * stride_ps)
+    if BLOCK_SCALES:
+        sa = tl.zeros([BLOCK_M], dtype=tl.float32)  # never read: block sums are scaled per K block
+    else:
+        sa = tl.load(SA + rows * stride_sam)
+    _epilogue(acc, sa, WS, BIAS, OUT, rows, cols, offs_n, m_ok, n_ok, stride_wsn, stride_om,
+              BLOCK_SCALES, HAS_BIAS)  # fmt: skip
 
 
 def _sms(device: torch.device) -> int:
@@ -315,15 +427,33 @@ def dense_int8_small_m(
     unused = placeholder(device, torch.float32)  # never read: its flag is off
     xs = unused if x_scale is None else x_scale
     ws = weight_scale
+    b = unused if bias is None else bias
+    int_acc = accumulator == "int32"
+    k_split, splits = split_plan(k, cfg)
+    split = splits > 1
+    if split:
+        part = torch.empty((splits, m, n), dtype=torch.int32 if int_acc else torch.float32, device=device)
+        sa_out = torch.empty((m, 1), dtype=torch.float32, device=device) if cfg.fused and not block else unused
+    else:
+        part, sa_out = out, unused
     # Plain integer arithmetic: triton.cdiv is a constexpr_function whose call costs host time.
-    grid = (-(-n // cfg.block_n), -(-m // cfg.block_m))
+    grid = (-(-n // cfg.block_n), -(-m // cfg.block_m), splits)
     dense_small_m_kernel[grid](
-        x, xs, weight, ws, unused if bias is None else bias, out,
-        m, n, k,
-        x.stride(0), xs.stride(0), weight.stride(0), ws.stride(0), ws.stride(1), out.stride(0),
-        FUSED=cfg.fused, BLOCK_SCALES=block, INT_ACC=accumulator == "int32", HAS_BIAS=bias is not None,
+        x, xs, weight, ws, b, part, sa_out,
+        m, n, k, k_split,
+        x.stride(0), xs.stride(0), weight.stride(0), ws.stride(0), ws.stride(1), part.stride(-2),
+        part.stride(0) if split else 0,
+        FUSED=cfg.fused, BLOCK_SCALES=block, INT_ACC=int_acc, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
         X_ROWS=min(next_pow2(m), cfg.block_m),
-        QMAX=INT8_QMAX, SCALE=SCALE_BLOCK, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        QMAX=INT8_QMAX, SCALE=SCALE_BLOCK, SPLIT=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    if split:
+        sa = sa_out if cfg.fused else xs
+        bm = min(next_pow2(m), REDUCE_BLOCK_M)
+        split_k_reduce_kernel[(-(-n // REDUCE_BLOCK_N), -(-m // bm))](
+            part, sa, ws, b, out, m, n, splits,
+            part.stride(0), part.stride(1), sa.stride(0), ws.stride(0), out.stride(0),
+            BLOCK_SCALES=block, INT_ACC=int_acc, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=REDUCE_BLOCK_N,
+        )  # fmt: skip
     return out
