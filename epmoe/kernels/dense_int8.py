@@ -186,6 +186,18 @@ def _rows_to_vec(t, BLOCK_M: tl.constexpr, X_ROWS: tl.constexpr):
 
 
 @triton.jit
+def _tile(pid_n, pid_m, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Output columns of tile ``(pid_n, pid_m)`` and which exist, the same clamped into range,
+    and its rows (which exist, clamped, int64). Clamped indices keep every load in bounds without
+    a mask; the stores are masked."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    return offs_n, n_ok, tl.where(n_ok, offs_n, 0).to(tl.int64), m_ok, tl.where(m_ok, offs_m, 0).to(tl.int64)
+
+
+@triton.jit
 def dense_small_m_kernel(
     X, XS, W, WS, BIAS, OUT, SA_OUT,
     M, N, K, K_SPLIT,
@@ -212,13 +224,7 @@ def dense_small_m_kernel(
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < M
-    rows = tl.where(m_ok, offs_m, 0).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    # Clamped weight rows keep every weight load in bounds without a mask; the store is masked.
-    cols = tl.where(n_ok, offs_n, 0).to(tl.int64)
+    offs_n, n_ok, cols, m_ok, rows = _tile(pid_n, pid_m, M, N, BLOCK_M, BLOCK_N)
     offs_s = tl.arange(0, SUB)
     w_base = W + cols[:, None] * stride_wn + offs_s[None, :]
     if FUSED:
@@ -332,14 +338,7 @@ def split_k_reduce_kernel(
 ):
     """``OUT = epilogue(sum_s P[s])``: the split-K partial sums added in split order (int32: exact;
     fp32: one fixed order, so a result does not depend on which program finished first)."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < M
-    rows = tl.where(m_ok, offs_m, 0).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    cols = tl.where(n_ok, offs_n, 0).to(tl.int64)
+    offs_n, n_ok, cols, m_ok, rows = _tile(tl.program_id(0), tl.program_id(1), M, N, BLOCK_M, BLOCK_N)
     p_ptrs = P + rows[:, None] * stride_pm + cols[None, :]
     if INT_ACC:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
