@@ -26,9 +26,11 @@ raises :class:`~epmoe.experts.select.BackendUnavailableError`):
   scales applied afterwards where it applies (``int8_channel``; on CUDA for more than 16 rows and
   K, N multiples of 8), else dequantized fp32 math.
 
-Batches of at most :data:`SMALL_M_MAX` rows take one path on both GPU backends: the small-batch
-kernel of :mod:`epmoe.kernels.dense_int8` (the activations quantized inside the GEMM while they
-are few, a grid of narrow N tiles that keeps every SM reading the weight).
+Small batches take one path on both GPU backends: the small-batch kernel of
+:mod:`epmoe.kernels.dense_int8` (the activations quantized inside the GEMM while they are few, a
+grid of narrow N tiles, K split across programs where the layer is too narrow to keep every SM
+reading the weight). Where that path ends, and its launch, come from the device's measured table
+(:mod:`epmoe.kernels.dense_configs`), else from :data:`SMALL_M_MAX` and the kernel's own rule.
 
 ``backend="auto"`` walks cutlass -> triton -> torch (``int8_block``: triton -> torch); ``triton``
 is picked automatically on CUDA only (its CPU interpreter is for tests).
@@ -61,13 +63,13 @@ AUTO_ORDER = {"int8_channel": ("cutlass", "triton", "torch"), "int8_block": ("tr
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ROW_BLOCK = 128
 """Rows of a tile of the project's CUTLASS kernel: its one segment is padded to a multiple."""
-SMALL_M_MAX = 8
+SMALL_M_MAX = 64
 """Rows up to which the triton and cutlass backends run the small-batch kernel
-(:mod:`epmoe.kernels.dense_int8`): there the work is one read of the weight, which the tiled
-GEMMs' wide tiles spread over too few SMs. The kernel takes up to 64 rows, but on the H200 its
-outputs for 16 to 64 rows exceeded its test's per-element bound against float64 (1 and 7 rows
-were within it; the test's reference formed its scales an ulp off on CUDA, fixed since), so until
-a GPU run confirms the kernel there, larger batches take the tiled GEMMs."""
+(:mod:`epmoe.kernels.dense_int8`) where the device has no measured table
+(:mod:`epmoe.kernels.dense_configs`, which sets the crossover per shape where it has one): there
+the work is one read of the weight, which the tiled GEMMs' wide tiles spread over too few SMs.
+(The same number as ``dense_configs.SMALL_M_MAX``, which this module cannot import without
+Triton.)"""
 _ALL_ROWS = 2**31 - 1
 """``masked_m`` of the Triton path: clamped to the batch's row count inside the kernel."""
 
@@ -245,7 +247,8 @@ def select_dense_backend(
             impl = _CutlassImpl(_cutlass_decision(scheme, accumulator, device, k, n, os.environ)[0])
         else:
             impl = _TritonImpl() if name == "triton" else _TorchImpl()
-        small = f"; batches of <= {SMALL_M_MAX} rows run the Triton small-batch kernel" if name != "torch" else ""
+        small = "; small batches run the Triton small-batch kernel (per-shape crossover from the device's dense table, "\
+            f"else <= {SMALL_M_MAX} rows)" if name != "torch" else ""
         lines.append(f"dense backend {impl.label!r} chosen for scheme={scheme!r}, accumulator={accumulator!r}, "
                      f"[{n}, {k}] on {device}: {reason}{small}")  # fmt: skip
         return impl, lines
@@ -312,34 +315,49 @@ class _Impl:
 
 
 class _SmallBatch:
-    """Batches of at most ``SMALL_M_MAX`` rows run :func:`epmoe.kernels.dense_int8.dense_int8_small_m`
-    (one launch: the weight read once by programs on every SM, the activations quantized inside
-    the GEMM while they are few); larger ones the backend's own quantizer and GEMM. Mixed into the
-    GPU backends ahead of their class."""
+    """Batches that the dense plan (:func:`epmoe.kernels.dense_configs.dense_plan`: the device's
+    measured table, else up to ``SMALL_M_MAX`` rows) gives to the small-batch kernel run
+    :func:`epmoe.kernels.dense_int8.dense_int8_small_m` (one launch, or two with split-K: the
+    weight read by programs on every SM, the activations quantized inside the GEMM while they
+    are few); the others the backend's own quantizer and GEMM. Mixed into the GPU backends ahead
+    of their class."""
 
     def linear(self, lin, x2):
-        if x2.shape[0] <= SMALL_M_MAX:
-            return _small_m(lin, x2, None, x2.dtype)
+        kernel, cfg = _plan(lin, x2)
+        if kernel == "small_m":
+            return _small_m(lin, x2, None, x2.dtype, cfg)
         return super().linear(lin, x2)
 
     def gemm(self, lin, q, s, out_dtype, **kw):
-        if q.shape[0] <= SMALL_M_MAX and not kw:
-            return _small_m(lin, q, s, out_dtype)
+        if not kw:
+            kernel, cfg = _plan(lin, q)
+            if kernel == "small_m":
+                # Codes with their scales: the same launch without the fused quantization.
+                return _small_m(lin, q, s, out_dtype, cfg._replace(fused=False))
         return super().gemm(lin, q, s, out_dtype, **kw)
 
 
-def _small_m(lin, x2, s, out_dtype):
-    return _small_m_kernel()(x2, lin.weight, lin.weight_scale, lin.bias, scheme=lin.scheme,
-                             accumulator=lin.accumulator, x_scale=s, out_dtype=out_dtype)  # fmt: skip
+def _plan(lin, x2):
+    return _dense_kernels().dense_plan(lin.scheme, lin.accumulator, lin.out_features, lin.in_features,
+                                       x2.shape[0], x2.device)  # fmt: skip
+
+
+def _small_m(lin, x2, s, out_dtype, cfg):
+    return _dense_kernels().dense_int8_small_m(x2, lin.weight, lin.weight_scale, lin.bias, scheme=lin.scheme,
+                                               accumulator=lin.accumulator, x_scale=s, out_dtype=out_dtype,
+                                               config=cfg)  # fmt: skip
 
 
 @functools.cache
-def _small_m_kernel():
-    """The kernel's wrapper, imported on first use (this module imports without Triton) and then
-    looked up without an import statement's host cost on every call."""
+def _dense_kernels():
+    """The kernel and plan functions, imported on first use (this module imports without
+    Triton) and then looked up without an import statement's host cost on every call."""
+    from types import SimpleNamespace
+
+    from .kernels.dense_configs import dense_plan
     from .kernels.dense_int8 import dense_int8_small_m
 
-    return dense_int8_small_m
+    return SimpleNamespace(dense_plan=dense_plan, dense_int8_small_m=dense_int8_small_m)
 
 
 class _TorchImpl(_Impl):

@@ -1,0 +1,111 @@
+"""Which kernel runs one dense INT8 linear call, and with which launch: per device, scheme,
+accumulator, shape and batch, as measured by ``benchmarks/sweep_dense_int8.py``.
+
+Tables ship as package data beside the grouped GEMM's, one file per device name,
+``epmoe/configs/dense_int8_<device>.json`` (``EPMOE_CONFIG_DIR`` is searched first)::
+
+    {"device": "NVIDIA H200", "triton": "3.6.0", "source": "...", "measured": {...},
+     "configs": {"int8_channel_int32": {"N=576,K=7168": {
+         "1": {"kernel": "small_m", "config": {"block_m": 16, ..., "split_k": 8}},
+         "1024": {"kernel": "tiled"}}}}}
+
+``small_m`` is :func:`epmoe.kernels.dense_int8.dense_int8_small_m` with that launch (split-K
+included); ``tiled`` is the backend's own quantizer and tiled GEMM (Triton grouped GEMM, or the
+CUTLASS kernel with ``SGLANG_CUTLASS_MOE=1``). A batch takes the entry of the smallest bucket
+that is >= its rows (the largest bucket past the end). Without an entry the rule is
+:func:`default_plan`: the small-batch kernel's own launch rule up to :data:`SMALL_M_MAX` rows,
+the tiled GEMM above.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from .configs import PACKAGE_DIR, _bucket_index, config_filename, device_name, shape_key
+from .dense_int8 import SmallMConfig, small_m_config
+
+KERNELS = ("small_m", "tiled")
+FILE_PREFIX = "dense_int8_"
+SMALL_M_MAX = 64
+"""Rows up to which the default rule runs the small-batch kernel: there a dense linear is a
+read of its weight, which the tiled GEMMs' 128-wide tiles spread over too few SMs."""
+
+
+def mode_key(scheme: str, accumulator: str) -> str:
+    return f"{scheme}_{accumulator}"
+
+
+def table_path(name: str, directory: Path | str = PACKAGE_DIR) -> Path:
+    return Path(directory) / (FILE_PREFIX + config_filename(name))
+
+
+@functools.lru_cache(maxsize=None)
+def load_dense_table(name: str) -> dict:
+    """``{mode: {shape_key: (buckets ascending, plans)}}`` of a device's table, parsed and checked
+    once (empty when none ships)."""
+    dirs = [Path(p) for p in os.environ.get("EPMOE_CONFIG_DIR", "").split(os.pathsep) if p]
+    for d in dirs + [PACKAGE_DIR]:
+        path = table_path(name, d)
+        if path.is_file():
+            return parse_table(json.loads(path.read_text()), str(path))
+    return {}
+
+
+def parse_table(data: dict, where: str = "table") -> dict:
+    """The checked, parsed form of a table file's JSON (see the module doc)."""
+    configs = data.get("configs") if isinstance(data, dict) else None
+    if not isinstance(configs, dict):
+        raise ValueError(f"{where}: expected a JSON object with a 'configs' object")
+    out: dict = {}
+    for mode, shapes in configs.items():
+        for shape, buckets in shapes.items():
+            parsed = {}
+            for bucket, entry in buckets.items():
+                kernel = entry.get("kernel")
+                if kernel not in KERNELS:
+                    raise ValueError(f"{where}: {mode} {shape} bucket {bucket}: kernel={kernel!r}; allowed: {list(KERNELS)}")
+                cfg = SmallMConfig.from_dict(entry["config"]) if kernel == "small_m" else None
+                parsed[int(bucket)] = (kernel, cfg)
+            order = sorted(parsed)
+            out.setdefault(mode, {})[shape] = (tuple(order), tuple(parsed[b] for b in order))
+    return out
+
+
+def default_plan(scheme: str, n: int, k: int, m: int, sms: int) -> tuple[str, SmallMConfig | None]:
+    """The rule without a measured entry: the small-batch kernel (its own launch rule) up to
+    :data:`SMALL_M_MAX` rows, the tiled GEMM above."""
+    if m <= SMALL_M_MAX:
+        return "small_m", small_m_config(m, n, k, scheme, sms)
+    return "tiled", None
+
+
+@functools.lru_cache(maxsize=8192)
+def dense_plan(scheme: str, accumulator: str, n: int, k: int, m: int, device: torch.device) -> tuple[str, SmallMConfig | None]:
+    """``(kernel, launch)`` for an ``[m, k] x [n, k]^T`` call on ``device``: the device table's
+    entry where one exists, else :func:`default_plan` (cached: the forward asks on every call)."""
+    from .. import devices
+
+    sms = devices.sm_count(device) if device.type == "cuda" else 4
+    table = load_dense_table(device_name(device)) if device.type == "cuda" else {}
+    hit = table.get(mode_key(scheme, accumulator), {}).get(shape_key(n, k))
+    if not hit:
+        return default_plan(scheme, n, k, m, sms)
+    bounds, plans = hit
+    return plans[_bucket_index(bounds, m)]
+
+
+def write_dense_table(path: Path | str, configs: dict, **meta) -> None:
+    """Write a table the way :func:`load_dense_table` reads it (checked first), ``meta`` beside
+    ``configs``; clears the caches of loaded tables and plans."""
+    data = {**meta, "configs": configs}
+    parse_table(data, str(path))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    load_dense_table.cache_clear()
+    dense_plan.cache_clear()

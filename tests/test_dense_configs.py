@@ -1,0 +1,79 @@
+"""The dense INT8 plan (epmoe.kernels.dense_configs): measured tables as the sweep writes them,
+bucket choice, the default rule, and the refusals of a malformed table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from epmoe.kernels import dense_configs as dc
+from epmoe.kernels.dense_int8 import SmallMConfig, small_m_config
+
+CFG = SmallMConfig(16, 16, 512, 4, 5, True, 8)
+TABLE = {"int8_channel_int32": {"N=576,K=7168": {
+    "1": {"kernel": "small_m", "config": CFG.to_dict()},
+    "64": {"kernel": "small_m", "config": CFG._replace(block_m=64, fused=False).to_dict()},
+    "1024": {"kernel": "tiled"},
+}}}  # fmt: skip
+
+
+def test_table_round_trip_and_buckets(tmp_path):
+    path = dc.table_path("Some GPU", tmp_path)
+    assert path.name == "dense_int8_Some_GPU.json"
+    dc.write_dense_table(path, TABLE, device="Some GPU", source="test")
+    data = json.loads(path.read_text())
+    assert data["device"] == "Some GPU" and data["configs"] == TABLE
+    bounds, plans = dc.parse_table(data)["int8_channel_int32"]["N=576,K=7168"]
+    assert bounds == (1, 64, 1024)
+    assert plans == (("small_m", CFG), ("small_m", CFG._replace(block_m=64, fused=False)), ("tiled", None))
+
+
+def test_plan_reads_the_device_table(tmp_path, monkeypatch):
+    """A CUDA device whose name has a table: the smallest bucket >= M, the largest past the end;
+    other shapes and modes take the default rule. (No GPU needed: the device facts are stubbed.)"""
+    from epmoe import devices
+    from epmoe.kernels import configs
+
+    dc.write_dense_table(dc.table_path("Some GPU", tmp_path), TABLE)
+    monkeypatch.setenv("EPMOE_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setattr(configs, "device_name", lambda device=None: "Some GPU")
+    monkeypatch.setattr(dc, "device_name", lambda device=None: "Some GPU")
+    monkeypatch.setattr(devices, "sm_count", lambda device=None: 132)
+    dc.load_dense_table.cache_clear()
+    dc.dense_plan.cache_clear()
+    try:
+        dev = torch.device("cuda", 0)
+        assert dc.dense_plan("int8_channel", "int32", 576, 7168, 1, dev) == ("small_m", CFG)
+        assert dc.dense_plan("int8_channel", "int32", 576, 7168, 2, dev)[1].block_m == 64
+        assert dc.dense_plan("int8_channel", "int32", 576, 7168, 300, dev) == ("tiled", None)
+        assert dc.dense_plan("int8_channel", "int32", 576, 7168, 99999, dev) == ("tiled", None)
+        # No entry: the default rule.
+        assert dc.dense_plan("int8_block", "fp32", 576, 7168, 1, dev) == (
+            "small_m", small_m_config(1, 576, 7168, "int8_block", 132))
+        assert dc.dense_plan("int8_channel", "int32", 1536, 7168, 65, dev) == ("tiled", None)
+    finally:
+        dc.load_dense_table.cache_clear()
+        dc.dense_plan.cache_clear()
+
+
+def test_default_rule():
+    assert dc.default_plan("int8_channel", 576, 7168, dc.SMALL_M_MAX, 132)[0] == "small_m"
+    assert dc.default_plan("int8_channel", 576, 7168, dc.SMALL_M_MAX + 1, 132) == ("tiled", None)
+    from epmoe.linear import SMALL_M_MAX
+
+    assert SMALL_M_MAX == dc.SMALL_M_MAX
+
+
+def test_malformed_tables_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="'configs' object"):
+        dc.parse_table({"device": "x"})
+    with pytest.raises(ValueError, match="kernel='cublas'"):
+        dc.parse_table({"configs": {"int8_channel_int32": {"N=1,K=1": {"1": {"kernel": "cublas"}}}}})
+    bad = {"configs": {"m": {"N=1,K=1": {"1": {"kernel": "small_m", "config": {**CFG.to_dict(), "block_k": 100}}}}}}
+    with pytest.raises(ValueError, match="block_k=100"):
+        dc.parse_table(bad)
+    with pytest.raises(ValueError, match="block_k=100"):
+        dc.write_dense_table(tmp_path / "t.json", bad["configs"])
+    assert not (tmp_path / "t.json").exists()
