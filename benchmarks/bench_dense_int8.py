@@ -14,7 +14,7 @@ For each shape (N x K weight) and batch M, side by side in one process:
 * ``int_mm``: ``torch._int_mm`` alone on already quantized rows (its int32 output, no scales);
 * ``epmoe auto / triton / cutlass``: ``Int8Linear.forward`` (activation quantization included),
   ``int8_channel`` with the int32 accumulator; ``cutlass`` only with ``SGLANG_CUTLASS_MOE=1`` where
-  it can run (its batches of <= SMALL_M_MAX rows run the Triton small-batch kernel, as in the module);
+  it can run (batches the dense plan gives to the small-batch kernel run it, as in the module);
   ``epmoe triton block``: ``int8_block`` (fp32 accumulator).
 
 Three times per cell, because they answer different questions:
@@ -196,6 +196,8 @@ def run(args) -> dict:
 
     import epmoe
     from epmoe.experts.select import BackendUnavailableError
+    from epmoe.kernels.configs import device_name
+    from epmoe.kernels.dense_configs import dense_plan, load_dense_table
     from epmoe.linear import SMALL_M_MAX, Int8Linear, _cached_gemm_config
     from epmoe.quant.reference import dequantize_weight, quantize_weight
     from epmoe.quant.schemes import SCHEMES
@@ -274,11 +276,11 @@ def run(args) -> dict:
                     row["int8_peak_fraction"] = round(2 * m * n * k / (best * 1e-6) / INT8_PEAK, 3)
                     if label.startswith("epmoe"):
                         mod = mods[label][0]
-                        if m <= SMALL_M_MAX and mod.backend_name != "torch":
-                            from epmoe.kernels.dense_int8 import _sms, small_m_config
-
+                        kernel, small_cfg = (dense_plan(mod.scheme, mod.accumulator, n, k, m, dev)
+                                             if mod.backend_name != "torch" else ("tiled", None))  # fmt: skip
+                        if kernel == "small_m":
                             row["path"] = "small-batch kernel"
-                            row["config"] = small_m_config(m, n, k, mod.scheme, _sms(dev)).to_dict()
+                            row["config"] = small_cfg.to_dict()
                         else:
                             row["path"] = mod.backend_name
                             if mod.backend_name == "triton":
@@ -288,9 +290,6 @@ def run(args) -> dict:
             show = {r["variant"]: r.get("graph_us", r["us"]) for r in cell}
             print(f"{name:15s} M={m:6d} " + " ".join(f"{v.replace('epmoe ', '')}={t:.1f}" for v, t in show.items())
                   + f"  [{time.perf_counter() - t_start:.0f} s]", flush=True)  # fmt: skip
-            if args.sweep and cuda and m <= SMALL_M_MAX:
-                for label in [lb for lb in mods if lb in ("epmoe triton", "epmoe triton block")]:
-                    rows.append(dict(shape=name, N=n, K=k, M=m, variant=label + " sweep", **_sweep(mods[label], x)))
             del x, q_in, fns
         del mods, w, w_copies, wq_t, deq_ch, deq_blk, w64
         if cuda:
@@ -303,40 +302,11 @@ def run(args) -> dict:
         command=" ".join([os.path.basename(sys.executable), *sys.argv]),
         sglang_cutlass_moe=os.environ.get("SGLANG_CUTLASS_MOE"), warmup_ms=args.warmup, rep_ms=args.rep,
         rotate_bytes=ROTATE_BYTES, max_copies=MAX_COPIES, graph_max_m=GRAPH_MAX_M, eager_max_m=EAGER_MAX_M,
-        small_m_max=SMALL_M_MAX, bandwidth_Bps=BANDWIDTH, int8_peak_ops=INT8_PEAK, targets=TARGETS,
+        small_m_max=SMALL_M_MAX, dense_table=bool(load_dense_table(device_name(dev))) if cuda else False,
+        bandwidth_Bps=BANDWIDTH, int8_peak_ops=INT8_PEAK, targets=TARGETS,
         refusals=refusals, backends=backends, seconds=round(time.perf_counter() - t_start, 1), rows=rows,
         summary=summary(rows),
     )  # fmt: skip
-
-
-def _sweep(group, x) -> dict:
-    """Best of a few small-batch launches for this call (GPU time, CUDA graph): N tiles, K steps
-    and fused or not, each with as many stages as fit 160 KB of shared memory."""
-    from epmoe.kernels.common import next_pow2
-    from epmoe.kernels.dense_int8 import SmallMConfig, dense_int8_small_m
-
-    mod = group[0]
-    m, k = x.shape
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_ks = [b for b in (256, 512, 1024) if mod.scheme == "int8_channel" or k % b == 0] or [128]
-    results = []
-    for bn in (16, 32, 64, 128):
-        for bk in block_ks:
-            for fused in (True, False):
-                x_rows = min(next_pow2(m), block_m) if fused else block_m
-                stage = x_rows * bk * (2 if fused else 1) + bn * bk
-                cfg = SmallMConfig(block_m, bn, bk, 4, max(2, min(8, 160 * 1024 // stage)), fused)
-                fns = [lambda mod=mod, cfg=cfg: dense_int8_small_m(
-                    x, mod.weight, mod.weight_scale, mod.bias, scheme=mod.scheme,
-                    accumulator=mod.accumulator, config=cfg) for mod in group]  # fmt: skip
-                try:
-                    results.append((time_graph(fns, max(2 * len(fns), 8)), cfg.to_dict()))
-                except Exception as exc:  # a launch the SM cannot take: reported, not fatal
-                    print(f"  config {cfg.to_dict()} failed: {type(exc).__name__}", file=sys.stderr)
-    if not results:
-        return {}
-    best = min(results, key=lambda r: r[0])
-    return dict(best_graph_us=round(best[0], 2), best_config=best[1], tried=len(results))
 
 
 def summary(rows: list[dict]) -> dict:
@@ -408,19 +378,34 @@ def plot(result: dict, path: str) -> None:
 
 
 def table(result: dict) -> str:
-    """The short table printed last: per shape and M, us (graph where measured, else do_bench)."""
-    rows = [r for r in result["rows"] if "us" in r]
+    """The short table printed last, per shape and M: us of bf16, int_mm+quant and each epmoe
+    variant (CUDA-graph replay where measured, else do_bench), each epmoe variant's speed-up over
+    bf16 and over int_mm+quant, and its fraction of the INT8 weight-read floor."""
+    rows = [r for r in result["rows"] if "us" in r and r["variant"] != "int_mm"]
     variants = list(dict.fromkeys(r["variant"] for r in rows))
+    epmoe = [v for v in variants if v.startswith("epmoe")]
+
+    def t(r):
+        return r.get("graph_us", r["us"])
+
     head = f"{'shape':15s} {'M':>6s} " + " ".join(f"{v.replace('epmoe ', '')[:13]:>13s}" for v in variants)
+    head += "".join(f" | {v.replace('epmoe ', '')[:12]:>12s} x bf16  x i_mm  floor" for v in epmoe)
     lines = [head]
     for key in dict.fromkeys((r["shape"], r["M"]) for r in rows):
         by = {r["variant"]: r for r in rows if (r["shape"], r["M"]) == key}
-        cells = []
-        for v in variants:
-            r = by.get(v)
-            cells.append(f"{'-':>13s}" if r is None else f"{r.get('graph_us', r['us']):13.1f}")
-        lines.append(f"{key[0]:15s} {key[1]:6d} " + " ".join(cells))
-    lines.append("(us per call: CUDA-graph replay for M <= %d, do_bench median above)" % GRAPH_MAX_M)
+        cells = [f"{'-':>13s}" if by.get(v) is None else f"{t(by[v]):13.1f}" for v in variants]
+        line = f"{key[0]:15s} {key[1]:6d} " + " ".join(cells)
+        for v in epmoe:
+            r, b, i = by.get(v), by.get("bf16"), by.get("int_mm+quant")
+            if r is None:
+                line += f" | {'-':>12s}"
+                continue
+            floor = r.get("floor_fraction_graph_us", r.get("floor_fraction_us"))
+            line += (f" | {'':12s} {t(b) / t(r) if b else float('nan'):6.2f} {t(i) / t(r) if i else float('nan'):6.2f}"
+                     f" {floor:6.2f}")  # fmt: skip
+        lines.append(line)
+    lines.append("(us per call: CUDA-graph replay for M <= %d, do_bench median above; x bf16 / x i_mm: speed-up "
+                 "over bf16 and over int_mm+quant; floor: INT8 weight-read floor / time)" % GRAPH_MAX_M)
     return "\n".join(lines)
 
 
@@ -429,7 +414,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench_dense_int8.json", help="JSON result path")
     p.add_argument("--plot", default=None, help="also write a PNG of the ratios to this path")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
-    p.add_argument("--sweep", action="store_true", help="also time a few small-batch launches per M <= 64 (slow)")
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timings")
     p.add_argument("--shapes", nargs="*", default=None, help=f"subset of {[s[0] for s in SHAPES]}")
     p.add_argument("--m", type=int, nargs="*", default=None, help=f"batch sizes (default {MS})")

@@ -47,3 +47,28 @@ def test_dry_run_writes_rows_for_every_variant(tmp_path, monkeypatch):
     if importlib.util.find_spec("matplotlib") is not None:  # the plot extra
         bench.plot(result, str(tmp_path / "dense.png"))
         assert (tmp_path / "dense.png").stat().st_size > 0
+
+
+def test_sweep_dry_run_writes_a_table_the_plan_reads(tmp_path):
+    """benchmarks/sweep_dense_int8.py on CPU (--device cpu --tiny): every cell gets an entry that
+    :mod:`epmoe.kernels.dense_configs` parses, each candidate's time lands in the report, and no
+    candidate fails; a 65+ row cell has only tiled and 64/128-row unfused launches."""
+    pytest.importorskip("triton")
+    from benchmarks import sweep_dense_int8 as sweep
+    from epmoe.kernels.dense_configs import parse_table
+
+    out, report = tmp_path / "table.json", tmp_path / "report.json"
+    args = ["--device", "cpu", "--tiny", "--m", "1", "80", "--modes", "int8_channel_int32", "--out", str(out),
+            "--report", str(report)]  # fmt: skip
+    assert sweep.main(args) == 0
+    data = json.loads(out.read_text())
+    assert data["failures"] == [] and data["skipped"] == []
+    plans = parse_table(data)["int8_channel_int32"]
+    assert set(plans) == {f"N={n},K={k}" for _, n, k in bench.TINY_SHAPES}
+    for bounds, _ in plans.values():
+        assert bounds == (1, 80)
+    cells = json.loads(report.read_text())["measured"]["int8_channel_int32"]
+    for shape, ms in cells.items():
+        assert ms["1"]["default_us"] is not None and ms["1"]["tiled_us"] is not None
+        big = [json.loads(key) for key in ms["80"]["all_us"] if key != "tiled"]
+        assert big and all(c["block_m"] in (64, 128) and not c["fused"] for c in big)

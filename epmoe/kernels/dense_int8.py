@@ -98,10 +98,15 @@ class SmallMConfig(NamedTuple):
 
 
 @functools.lru_cache(maxsize=4096)
-def small_m_config(m: int, n: int, k: int, scheme: str, sms: int, fused: bool | None = None) -> SmallMConfig:
+def small_m_config(
+    m: int, n: int, k: int, scheme: str, sms: int, fused: bool | None = None, *,
+    block_m: int | None = None, block_n: int | None = None, split_k: int | None = None,
+) -> SmallMConfig:
     """The default launch for an ``[m, k] x [n, k]^T`` call on a GPU with ``sms`` SMs (cached:
     the forward looks it up on every call). ``fused``: ``None`` for the rule below, or forced
-    (int8 activations with their scales take ``False``); the stages are sized for the choice.
+    (int8 activations with their scales take ``False``); ``block_m``, ``block_n``, ``split_k``:
+    ``None`` for the rule, or forced (a sweep's candidates); K steps, stages and warps (8 for
+    128-row tiles) are then sized by the rule for the choice.
 
     ``block_n`` is the widest of 128, 64, 32, 16 that still gives ``PROGRAMS_PER_SM`` programs
     per SM, and never narrower than half of ``block_m``. Where even the narrowest tiles leave
@@ -116,21 +121,25 @@ def small_m_config(m: int, n: int, k: int, scheme: str, sms: int, fused: bool | 
     stages as fit, 2 to 5 (8 when programs have SMs to themselves). A fused stage holds the
     batch's rows of bf16 activations, an unfused one ``block_m`` rows of codes.
     """
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    if block_m is None:
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     m_tiles = -(-m // block_m)
-    # Every program reads its block_m rows of activations whole: tiles at least half as wide as
-    # tall keep those reads within twice the program's weight bytes.
-    block_n = max(16, block_m // 2)
-    for cand in (128, 64, 32):
-        if cand > block_n and -(-n // cand) * m_tiles >= PROGRAMS_PER_SM * sms:
-            block_n = cand
-            break
+    if block_n is None:
+        # Every program reads its block_m rows of activations whole: tiles at least half as wide
+        # as tall keep those reads within twice the program's weight bytes.
+        block_n = max(16, block_m // 2)
+        for cand in (128, 64, 32):
+            if cand > block_n and -(-n // cand) * m_tiles >= PROGRAMS_PER_SM * sms:
+                block_n = cand
+                break
     programs = -(-n // block_n) * m_tiles
-    split = 1
-    while programs * split < PROGRAMS_PER_SM * sms and k // (2 * split) >= MIN_SPLIT_COLS:
+    split = 1 if split_k is None else split_k
+    while split_k is None and programs * split < PROGRAMS_PER_SM * sms and k // (2 * split) >= MIN_SPLIT_COLS:
         split *= 2
     alone = programs * split <= sms
     budget, max_stages, max_k = (SMEM_ALONE, 8, 1024) if alone else (SMEM_SHARED, 5, 512)
+    if block_m >= 128:
+        budget, max_stages = SMEM_ALONE, 5  # one such program per SM fills it
     if fused is None:
         if scheme == "int8_block":
             fused = 2 * m <= block_n
@@ -153,7 +162,7 @@ def small_m_config(m: int, n: int, k: int, scheme: str, sms: int, fused: bool | 
     while block_k > 128 and 4 * stage(block_k) > budget:
         block_k //= 2
     stages = max(2, min(max_stages, budget // stage(block_k)))
-    return SmallMConfig(block_m, block_n, block_k, 4, stages, fused, split)
+    return SmallMConfig(block_m, block_n, block_k, 8 if block_m >= 128 else 4, stages, fused, split)
 
 
 def split_plan(k: int, cfg: SmallMConfig) -> tuple[int, int]:
@@ -444,7 +453,7 @@ def dense_int8_small_m(
         part.stride(0) if split else 0,
         FUSED=cfg.fused, BLOCK_SCALES=block, INT_ACC=int_acc, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-        X_ROWS=min(next_pow2(m), cfg.block_m),
+        X_ROWS=min(next_pow2(m), cfg.block_m) if cfg.fused else cfg.block_m,  # unused unless fused: one compile
         QMAX=INT8_QMAX, SCALE=SCALE_BLOCK, SPLIT=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split:

@@ -1,0 +1,225 @@
+"""Measure, per DeepSeek-V3 dense shape and batch, which INT8 kernel and launch runs fastest on this
+GPU, and write the table that ``epmoe.Int8Linear`` ships (``epmoe/configs/dense_int8_<device>.json``,
+read by :mod:`epmoe.kernels.dense_configs`). This script is the table's only source: rerun it (a
+few minutes on one H200) and commit the file it writes.
+
+    python benchmarks/sweep_dense_int8.py                       # writes the package's table
+    SGLANG_CUTLASS_MOE=1 python benchmarks/sweep_dense_int8.py  # "tiled" timed on the CUTLASS path
+    python benchmarks/sweep_dense_int8.py --out /tmp/t.json --report sweep.json --budget-s 200
+
+For every (mode, shape, M) cell it times, as CUDA-graph replays over enough weight copies that L2
+never holds the weight a call reads (GPU time, what a graph-captured step sees):
+
+* ``tiled``: the backend's own quantizer and tiled GEMM (``auto``'s backend: CUTLASS with
+  ``SGLANG_CUTLASS_MOE=1`` where it runs, else the Triton grouped GEMM);
+* the small-batch kernel's default launch for the batch (the rule of
+  :func:`epmoe.kernels.dense_int8.small_m_config`) and its neighbours: half and twice the N tile,
+  half and twice the K split (and no split), the activation quantization fused or not; from 256
+  rows, unfused 64- and 128-row tiles with and without a K split.
+
+The fastest candidate becomes the cell's entry (``tiled`` or ``small_m`` with its launch);
+``--report`` also keeps every candidate's time. Cells left when ``--budget-s`` runs out keep the
+default rule and are listed under ``skipped``. Modes: ``int8_channel_int32`` (``auto``'s default)
+first, then ``int8_block_fp32``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.bench_dense_int8 import (  # noqa: E402
+    MAX_COPIES, MS, ROTATE_BYTES, SHAPES, TINY_MS, TINY_SHAPES, _commit, time_graph,
+)
+
+MODES = ("int8_channel_int32", "int8_block_fp32")
+
+
+def _mode(mode: str) -> tuple[str, str]:
+    scheme, acc = mode.rsplit("_", 1)
+    return scheme, acc
+
+
+def candidates(m: int, n: int, k: int, scheme: str, sms: int) -> list:
+    """Small-batch launches worth timing for one cell (deduplicated, the default first)."""
+    from epmoe.kernels.dense_int8 import small_m_config
+
+    out = []
+
+    def add(**kw):
+        cfg = small_m_config(m, n, k, scheme, sms, **kw)
+        if cfg not in out and not (cfg.fused and scheme == "int8_channel" and cfg.block_m > 32):
+            out.append(cfg)
+
+    if m <= 64:
+        base = small_m_config(m, n, k, scheme, sms)
+        add()
+        fuse_ok = scheme == "int8_block" or base.block_m <= 32
+        for fused in (True, False) if fuse_ok else (False,):
+            for bn in (base.block_n // 2, base.block_n, base.block_n * 2):
+                if not 16 <= bn <= 128 or bn < base.block_m // 2:
+                    continue
+                for split in {1, max(1, base.split_k // 2), base.split_k, base.split_k * 2}:
+                    if split > 1 and k // split < 256:
+                        continue
+                    add(fused=fused, block_n=bn, split_k=split)
+    else:
+        for bm, bn in ((64, 64), (128, 64), (128, 128)):
+            tiles = -(-m // bm) * -(-n // bn)
+            for split in (1, 2, 4):
+                if split > 1 and (tiles * split > 2 * sms or k // split < 512):
+                    continue
+                add(fused=False, block_m=bm, block_n=bn, split_k=split)
+    return out
+
+
+def _wall_clock(fns: list, calls: int) -> float:
+    """The CPU dry run's stand-in for :func:`time_graph`: us per call, wall clock, one pass."""
+    t = time.perf_counter()
+    for i in range(min(calls, 2)):
+        fns[i % len(fns)]()
+    return (time.perf_counter() - t) * 1e6 / min(calls, 2)
+
+
+def sweep(args) -> dict:
+    import triton
+
+    from epmoe.kernels.dense_configs import SMALL_M_MAX, mode_key
+    from epmoe.kernels.dense_int8 import _sms, dense_int8_small_m
+    from epmoe.linear import Int8Linear, _SmallBatch
+    from epmoe.quant.reference import quantize_weight
+    from epmoe.quant.schemes import SCHEMES
+
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    sms = _sms(dev)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    t0 = time.perf_counter()
+    table, measured, skipped, failures = {}, {}, [], []
+    shapes = TINY_SHAPES if args.tiny else [s for s in SHAPES if not args.shapes or s[0] in args.shapes]
+    ms = args.m or (TINY_MS if args.tiny else MS)
+    for mode in args.modes:
+        scheme, acc = _mode(mode)
+        for name, n, k in shapes:
+            if time.perf_counter() - t0 > args.budget_s:
+                skipped.extend(f"{mode} {name} M={m}" for m in ms)
+                continue
+            w = (torch.randn(n, k, device=dev, generator=gen) / k**0.5).to(torch.bfloat16)
+            q, s = quantize_weight(w.float().unsqueeze(0), SCHEMES[scheme])
+            copies = max(1, min(MAX_COPIES, -(-ROTATE_BYTES // (n * k)))) if cuda else 1
+            mods = []
+            for _ in range(copies):
+                # auto: the backend users get (the interpreter's triton in the CPU dry run).
+                mod = Int8Linear(k, n, scheme=scheme, accumulator=acc, backend="auto" if cuda else "triton", device=dev)
+                with torch.no_grad():
+                    mod.weight.copy_(q[0])
+                    mod.weight_scale.copy_(s[0])
+                mods.append(mod)
+            impl = mods[0]._impl
+            tiled_label = impl.label
+            for m in ms:
+                if time.perf_counter() - t0 > args.budget_s:
+                    skipped.append(f"{mode} {name} M={m}")
+                    continue
+                x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
+                calls = max(2 * copies, 8)
+                timer = time_graph if cuda else _wall_clock
+
+                def tiled(mod, x=x, m=m):
+                    qx, sx = impl.quantize(x, scheme)
+                    return super(_SmallBatch, impl).gemm(mod, qx, sx, x.dtype)[:m]
+
+                times = {}
+                with torch.no_grad():
+                    try:
+                        times["tiled"] = timer([lambda mod=mod: tiled(mod) for mod in mods], calls)
+                    except Exception as exc:  # reported, the cell goes on with the other candidates
+                        failures.append(f"{mode} {name} M={m} tiled: {type(exc).__name__}: {str(exc)[:200]}")
+                    for cfg in candidates(m, n, k, scheme, sms):
+                        fns = [lambda mod=mod, cfg=cfg: dense_int8_small_m(
+                            x, mod.weight, mod.weight_scale, None, scheme=scheme, accumulator=acc, config=cfg)
+                            for mod in mods]  # fmt: skip
+                        try:
+                            times[json.dumps(cfg.to_dict())] = timer(fns, calls)
+                        except Exception as exc:  # a launch the SM cannot take: reported, not fatal
+                            failures.append(f"{mode} {name} M={m} {cfg.to_dict()}: {type(exc).__name__}: {str(exc)[:200]}")
+                if not times:
+                    skipped.append(f"{mode} {name} M={m}")
+                    continue
+                best = min(times, key=times.get)
+                entry = {"kernel": "tiled"} if best == "tiled" else {"kernel": "small_m", "config": json.loads(best)}
+                table.setdefault(mode_key(scheme, acc), {}).setdefault(f"N={n},K={k}", {})[str(m)] = entry
+                default = "tiled" if m > SMALL_M_MAX else None
+                if default is None:
+                    from epmoe.kernels.dense_int8 import small_m_config
+
+                    default = json.dumps(small_m_config(m, n, k, scheme, sms).to_dict())
+                cell = dict(best_us=round(times[best], 2), kernel=entry["kernel"], default_us=round(times[default], 2)
+                            if default in times else None, tiled_us=round(times["tiled"], 2) if "tiled" in times else None,
+                            tried=len(times))  # fmt: skip
+                if args.report:
+                    cell["all_us"] = {key: round(v, 2) for key, v in sorted(times.items(), key=lambda kv: kv[1])}
+                measured.setdefault(mode, {}).setdefault(name, {})[str(m)] = cell
+                print(f"{mode:20s} {name:15s} M={m:6d} best={cell['best_us']:9.2f} us ({entry['kernel']}"
+                      f"{'' if best == 'tiled' else ' ' + best}) default={cell['default_us']} tiled={cell['tiled_us']} "
+                      f"[{time.perf_counter() - t0:.0f} s]", flush=True)  # fmt: skip
+                del x
+            del mods, w, q, s
+            if cuda:
+                torch.cuda.empty_cache()
+    return dict(
+        device=torch.cuda.get_device_name(dev) if cuda else "cpu (dry run)", triton=triton.__version__, torch=torch.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=_commit(args.commit),
+        source="benchmarks/sweep_dense_int8.py (the only source of this file; rerun it to regenerate)",
+        command=" ".join([os.path.basename(sys.executable), *sys.argv]),
+        sglang_cutlass_moe=os.environ.get("SGLANG_CUTLASS_MOE"), tiled_backend=tiled_label, sms=sms,
+        seconds=round(time.perf_counter() - t0, 1), skipped=skipped, failures=failures,
+        configs=table, measured=measured,
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    from epmoe.kernels.dense_configs import table_path, write_dense_table
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None, help="table path (default: the package's epmoe/configs/dense_int8_<device>.json)")
+    p.add_argument("--report", default=None, help="also write every candidate's time to this JSON path")
+    p.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES, help="scheme_accumulator modes, in order")
+    p.add_argument("--shapes", nargs="*", default=None, help=f"subset of {[s[0] for s in SHAPES]}")
+    p.add_argument("--m", type=int, nargs="*", default=None, help=f"batch sizes (default {MS})")
+    p.add_argument("--budget-s", type=float, default=200.0, help="stop starting new cells after this many seconds")
+    p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="cpu: a dry run of the script's logic under TRITON_INTERPRET=1 (with --tiny and --out)")
+    p.add_argument("--tiny", action="store_true", help=f"tiny shapes {TINY_SHAPES} and M {TINY_MS} instead")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA GPU here; the table records this GPU's measurements")
+    if args.device == "cpu" and not args.out:
+        p.error("--device cpu writes no package table: give --out")
+    result = sweep(args)
+    out = Path(args.out) if args.out else table_path(result["device"])
+    meta = {key: v for key, v in result.items() if key not in ("configs", "measured")}
+    measured = {mode: {shape: {m: {key: v for key, v in cell.items() if key != "all_us"} for m, cell in ms.items()}
+                       for shape, ms in shapes.items()} for mode, shapes in result["measured"].items()}  # fmt: skip
+    write_dense_table(out, result["configs"], **meta, measured=measured)
+    print(f"wrote {out} ({result['seconds']} s; {len(result['skipped'])} cells skipped, {len(result['failures'])} failures)")
+    if args.report:
+        Path(args.report).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.report}")
+    for line in result["failures"][:20]:
+        print("failure:", line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
