@@ -77,3 +77,43 @@ def test_malformed_tables_are_refused(tmp_path):
     with pytest.raises(ValueError, match="block_k=100"):
         dc.write_dense_table(tmp_path / "t.json", bad["configs"])
     assert not (tmp_path / "t.json").exists()
+
+
+@pytest.mark.parametrize("plan", ["small_m-split", "tiled"])
+def test_int8_linear_follows_the_plan(plan, monkeypatch):
+    """Int8Linear (triton under the interpreter) runs what the plan says: a split small-batch
+    launch at 128 rows, the tiled GEMM at 7 rows; both against the float64 reference, and the MLP's
+    down projection (int8 codes in) takes the same launch unfused."""
+    from epmoe import linear
+    from test_linear import TIGHT, make, ref_linear, ref_mlp, rel
+
+    calls = []
+    ns = linear._dense_kernels()
+    real = ns.dense_int8_small_m
+    cfg = SmallMConfig(64, 16, 128, 4, 2, True, 2)
+
+    def fake_plan(scheme, accumulator, n, k, m, device):
+        calls.append(m)
+        return ("small_m", cfg) if plan == "small_m-split" else ("tiled", None)
+
+    def spy(*args, config=None, **kw):
+        calls.append(config)
+        return real(*args, config=config, **kw)
+
+    monkeypatch.setattr(ns, "dense_plan", fake_plan)
+    monkeypatch.setattr(ns, "dense_int8_small_m", spy)
+    m = 128 if plan == "small_m-split" else 7
+    lin, mod = make(256, 40, "int8_channel", "int32", True, "triton", seed=3)
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        y = mod(x)
+    assert rel(y, ref_linear(mod, x)) <= TIGHT[torch.float32]
+    assert calls == ([m, cfg] if plan == "small_m-split" else [m, m])  # tiled: the linear, then its GEMM asks
+    calls.clear()
+    lins = [torch.nn.Linear(a, b, bias=False) for a, b in ((256, 128), (256, 128), (128, 256))]
+    mlp = linear.Int8MLP.from_float(*lins, backend="triton")
+    with torch.no_grad():
+        out = mlp(x)
+    assert rel(out, ref_mlp(mlp, x)) <= 1e-2
+    if plan == "small_m-split":
+        assert calls == [m, cfg, m, cfg._replace(fused=False)]
