@@ -15,7 +15,9 @@ never holds the weight a call reads (GPU time, what a graph-captured step sees):
 * the small-batch kernel's default launch for the batch (the rule of
   :func:`epmoe.kernels.dense_int8.small_m_config`) and its neighbours: half and twice the N tile,
   half and twice the K split (and no split), the activation quantization fused or not; from 256
-  rows, unfused 64- and 128-row tiles with and without a K split.
+  rows, unfused 64- and 128-row tiles with and without a K split;
+
+at M = 1, 4, 16, 32, 64, 256, 1024, 4096 and 16384 (the table's row buckets).
 
 The fastest candidate becomes the cell's entry (``tiled`` or ``small_m`` with its launch);
 ``--report`` also keeps every candidate's time. Cells left when ``--budget-s`` runs out keep the
@@ -38,10 +40,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_dense_int8 import (  # noqa: E402
-    MAX_COPIES, MS, ROTATE_BYTES, SHAPES, TINY_MS, TINY_SHAPES, _commit, time_graph,
+    MAX_COPIES, ROTATE_BYTES, SHAPES, TINY_MS, TINY_SHAPES, _commit, time_graph,
 )
 
 MODES = ("int8_channel_int32", "int8_block_fp32")
+SWEEP_MS = [1, 4, 16, 32, 64, 256, 1024, 4096, 16384]
+"""Row buckets: a batch takes the entry of the smallest one at or above its rows, so the small
+ones are dense where the best launch changes fastest (fused or not, tile height)."""
 
 
 def _mode(mode: str) -> tuple[str, str]:
@@ -75,7 +80,7 @@ def candidates(m: int, n: int, k: int, scheme: str, sms: int) -> list:
     else:
         for bm, bn in ((64, 64), (128, 64), (128, 128)):
             tiles = -(-m // bm) * -(-n // bn)
-            for split in (1, 2, 4):
+            for split in (1, 2, 4, 8):
                 if split > 1 and (tiles * split > 2 * sms or k // split < 512):
                     continue
                 add(fused=False, block_m=bm, block_n=bn, split_k=split)
@@ -106,7 +111,7 @@ def sweep(args) -> dict:
     t0 = time.perf_counter()
     table, measured, skipped, failures = {}, {}, [], []
     shapes = TINY_SHAPES if args.tiny else [s for s in SHAPES if not args.shapes or s[0] in args.shapes]
-    ms = args.m or (TINY_MS if args.tiny else MS)
+    ms = args.m or (TINY_MS if args.tiny else SWEEP_MS)
     for mode in args.modes:
         scheme, acc = _mode(mode)
         for name, n, k in shapes:
@@ -195,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", default=None, help="also write every candidate's time to this JSON path")
     p.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES, help="scheme_accumulator modes, in order")
     p.add_argument("--shapes", nargs="*", default=None, help=f"subset of {[s[0] for s in SHAPES]}")
-    p.add_argument("--m", type=int, nargs="*", default=None, help=f"batch sizes (default {MS})")
+    p.add_argument("--m", type=int, nargs="*", default=None, help=f"batch sizes (default {SWEEP_MS})")
     p.add_argument("--budget-s", type=float, default=200.0, help="stop starting new cells after this many seconds")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
