@@ -343,9 +343,10 @@ def _plan(lin, x2):
 
 
 def _small_m(lin, x2, s, out_dtype, cfg):
-    return _dense_kernels().dense_int8_small_m(x2, lin.weight, lin.weight_scale, lin.bias, scheme=lin.scheme,
-                                               accumulator=lin.accumulator, x_scale=s, out_dtype=out_dtype,
-                                               config=cfg)  # fmt: skip
+    k = _dense_kernels()
+    return k.dense_int8_small_m(x2, lin.weight, lin.weight_scale, lin.bias, scheme=lin.scheme,
+                                accumulator=lin.accumulator, x_scale=s, out_dtype=out_dtype,
+                                config=k.checked_launch(cfg, x2, lin.weight))  # fmt: skip
 
 
 @functools.cache
@@ -355,9 +356,9 @@ def _dense_kernels():
     from types import SimpleNamespace
 
     from .kernels.dense_configs import dense_plan
-    from .kernels.dense_int8 import dense_int8_small_m
+    from .kernels.dense_int8 import checked_launch, dense_int8_small_m
 
-    return SimpleNamespace(dense_plan=dense_plan, dense_int8_small_m=dense_int8_small_m)
+    return SimpleNamespace(dense_plan=dense_plan, dense_int8_small_m=dense_int8_small_m, checked_launch=checked_launch)
 
 
 class _TorchImpl(_Impl):

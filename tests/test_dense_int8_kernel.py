@@ -240,3 +240,19 @@ def test_small_m_kernel_compiles_for_sm90():
     for ln in lines:
         shared, cp_async, mma = map(int, ln.split()[3:])
         assert cp_async > 0 and mma > 0 and shared <= 227 * 1024
+
+
+def test_checked_launch_unfuses_tall_tiles_on_unaligned_rows():
+    """The fused 64-row kernel runs only on 16-byte aligned activation and weight rows (Triton's
+    fence placement, docs/dense.md); otherwise the same launch unfused. Short tiles and aligned
+    rows keep theirs."""
+    from epmoe.kernels.dense_int8 import checked_launch
+
+    tall = SmallMConfig(64, 128, 128, 4, 2, True)
+    w_ok, w_odd = torch.zeros(8, 1024, dtype=torch.int8), torch.zeros(8, 1000, dtype=torch.int8)
+    x_ok = torch.zeros(3, 1024, dtype=torch.bfloat16)
+    assert checked_launch(tall, x_ok, w_ok) == tall
+    assert checked_launch(tall, torch.zeros(3, 1000, dtype=torch.bfloat16), w_odd) == tall._replace(fused=False)
+    assert checked_launch(tall, torch.zeros(3, 1032, dtype=torch.bfloat16)[:, 1:1025], w_ok).fused is False  # 2-byte offset
+    assert checked_launch(tall._replace(block_m=32), torch.zeros(3, 1000, dtype=torch.bfloat16), w_odd).fused is True
+    assert checked_launch(tall._replace(fused=False), x_ok, w_odd).fused is False

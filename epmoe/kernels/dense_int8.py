@@ -165,6 +165,20 @@ def small_m_config(
     return SmallMConfig(block_m, block_n, block_k, 8 if block_m >= 128 else 4, stages, fused, split)
 
 
+def checked_launch(cfg: SmallMConfig, x: torch.Tensor, weight: torch.Tensor) -> SmallMConfig:
+    """``cfg``, unfused where its fused 64-row kernel could compute wrong codes' products: with
+    activation or weight rows not 16-byte aligned, the weight tile reaches shared memory through
+    plain stores, and Triton (3.6) places the proxy fence the Hopper MMA needs after the barrier
+    instead of before it in that kernel (docs/dense.md). Unfused gives the same codes (one more
+    launch). The rule's and the dense plan's launches pass through here; a launch given to
+    :func:`dense_int8_small_m` explicitly runs as given."""
+    if not cfg.fused or cfg.block_m <= 32:
+        return cfg
+    aligned = (x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+               and (x.stride(0) * x.element_size()) % 16 == 0 and weight.stride(0) % 16 == 0)  # fmt: skip
+    return cfg if aligned else cfg._replace(fused=False)
+
+
 def split_plan(k: int, cfg: SmallMConfig) -> tuple[int, int]:
     """``(columns per split, splits launched)`` of ``cfg`` on a K of ``k``: each share a whole
     number of ``block_k`` steps, so fewer splits than asked may remain."""
@@ -393,8 +407,9 @@ def dense_int8_small_m(
             int32 product added in fp32).
         x_scale: fp32 scales of int8 ``x``: ``[M, 1]`` or ``[M, K/128]``.
         out_dtype: the output dtype (default: ``x``'s; bf16 for int8 ``x``).
-        config: a launch (default :func:`small_m_config`, unfused for int8 ``x``); a fused
-            config with int8 ``x`` is refused.
+        config: a launch, run as given (default :func:`small_m_config` through
+            :func:`checked_launch`, unfused for int8 ``x``); a fused config with int8 ``x`` is
+            refused.
 
     Returns:
         ``[M, N]`` of ``out_dtype``.
@@ -417,7 +432,7 @@ def dense_int8_small_m(
         out_dtype = torch.bfloat16 if quantized else x.dtype
     cfg = config
     if cfg is None:
-        cfg = small_m_config(m, n, k, scheme, _sms(x.device), False if quantized else None)
+        cfg = checked_launch(small_m_config(m, n, k, scheme, _sms(x.device), False if quantized else None), x, weight)
     if cfg.fused and quantized:
         raise ValueError("config.fused=True quantizes float x; int8 x with x_scale needs fused=False")
     if block and (cfg.block_k % SCALE_BLOCK or k % cfg.block_k):
