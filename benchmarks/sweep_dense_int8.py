@@ -13,9 +13,10 @@ never holds the weight a call reads (GPU time, what a graph-captured step sees):
 * ``tiled``: the backend's own quantizer and tiled GEMM (``auto``'s backend: CUTLASS with
   ``SGLANG_CUTLASS_MOE=1`` where it runs, else the Triton grouped GEMM);
 * the small-batch kernel's default launch for the batch (the rule of
-  :func:`epmoe.kernels.dense_int8.small_m_config`) and its neighbours: half and twice the N tile,
-  half and twice the K split (and no split), the activation quantization fused or not; from 256
-  rows, unfused 64- and 128-row tiles with and without a K split;
+  :func:`epmoe.kernels.dense_int8.small_m_config`) and its neighbours: every N tile (16 to 128)
+  at the rule's K split, half and twice that split (and none) at the rule's N tile, the
+  activation quantization fused or not; from 256 rows, unfused 64- and 128-row tiles with and
+  without a K split;
 
 at M = 1, 4, 16, 32, 64, 256, 1024, 4096 and 16384 (the table's row buckets).
 
@@ -69,14 +70,16 @@ def candidates(m: int, n: int, k: int, scheme: str, sms: int) -> list:
         base = small_m_config(m, n, k, scheme, sms)
         add()
         fuse_ok = scheme == "int8_block" or base.block_m <= 32
+        tiles = {bn: -(-n // bn) * -(-m // base.block_m) for bn in (16, 32, 64, 128) if bn >= base.block_m // 2}
+        splits = {1, max(1, base.split_k // 2), base.split_k, base.split_k * 2}
+        # Every N tile at the rule's split, every split at the rule's N tile (skipping grids of
+        # fewer than a quarter as many programs as SMs), fused and not.
+        pairs = {(bn, base.split_k) for bn in tiles} | {(base.block_n, s) for s in splits}
         for fused in (True, False) if fuse_ok else (False,):
-            for bn in (base.block_n // 2, base.block_n, base.block_n * 2):
-                if not 16 <= bn <= 128 or bn < base.block_m // 2:
+            for bn, split in sorted(pairs):
+                if (split > 1 and k // split < 256) or tiles[bn] * split < sms // 4:
                     continue
-                for split in {1, max(1, base.split_k // 2), base.split_k, base.split_k * 2}:
-                    if split > 1 and k // split < 256:
-                        continue
-                    add(fused=fused, block_n=bn, split_k=split)
+                add(fused=fused, block_n=bn, split_k=split)
     else:
         for bm, bn in ((64, 64), (128, 64), (128, 128)):
             tiles = -(-m // bm) * -(-n // bn)
