@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch.compiler import is_compiling
 
+from .kernels.common import max_rows  # Triton-free: importing this module must not need Triton
+
 NAMESPACE = "epmoe"
 
 OPS: list[str] = []
@@ -200,7 +202,7 @@ def _slot_layout(
 @_slot_layout.register_fake
 def _(topk_ids, num_experts, alignment):
     r, k = topk_ids.shape
-    rows = r * k + num_experts * (alignment - 1)  # permute.max_rows
+    rows = max_rows(r, k, num_experts, alignment)
     i32 = dict(dtype=torch.int32)
     return (
         topk_ids.new_empty((num_experts + 1,), **i32), topk_ids.new_empty((r, k), dtype=torch.int64),

@@ -35,6 +35,22 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
+def max_rows(num_tokens: int, top_k: int, num_experts: int, alignment: int) -> int:
+    """Most rows a contiguous layout of ``num_tokens x top_k`` slots over ``num_experts`` experts
+    can need, every segment padded to a multiple of ``alignment``: the size of a layout whose
+    segment sizes stay on the device.
+
+    With ``N`` local slots in ``n`` non-empty experts the rows are ``sum_e ceil(c_e / A) * A <=
+    N + n * (A - 1)``, and ``n <= min(N, E)`` (a token may name an expert twice, so ``n`` can be
+    below ``N`` but never above it). The sum is a multiple of ``A``, so the bound is rounded down
+    to one. It is reached (``N <= E``: one slot per expert gives ``N * A``), so no smaller buffer is
+    safe; sizing by ``E * (A - 1)`` instead would allocate (and any fill would touch) up to ``E / N``
+    times the rows a decode step can use. Symbolic sizes stay symbolic (``torch.sym_min``)."""
+    slots = num_tokens * top_k
+    bound = slots + torch.sym_min(slots, num_experts) * (alignment - 1)
+    return bound // alignment * alignment
+
+
 def check_scale_input(x: torch.Tensor, x_scale: torch.Tensor) -> None:
     """``x_scale`` must be fp32-castable ``[..., S]`` matching ``x [..., K]`` with ``S | K``."""
     if not isinstance(x_scale, torch.Tensor) or not x_scale.is_floating_point():

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ..tensors import as_contiguous, check_positive_int
-from .common import next_pow2
+from .common import max_rows, next_pow2
 
 SLOT_STEP = 512
 """Slots a program sorts at once: a power of two >= 128, so that each of the 4 warps' threads
@@ -227,7 +227,7 @@ def slot_layout(
 
     Each expert's segment is its slot count rounded up to ``alignment``. The host cannot know
     the row count without reading it back, so the rows are sized for the worst case,
-    :func:`max_rows`; rows past ``expert_offsets[-1]`` are spare.
+    :func:`~epmoe.kernels.common.max_rows`; rows past ``expert_offsets[-1]`` are spare.
 
     Args:
         topk_ids: ``[R, k]`` int local expert ids (others: other ranks' slots).
@@ -247,12 +247,6 @@ def slot_layout(
     slot_pos, m_indices, counts = _slot_outputs(topk_ids, num_experts, rows)
     _launch_slots(topk_ids, offsets, slot_pos, m_indices, counts, alignment, True)
     return offsets, slot_pos, m_indices, counts
-
-
-def max_rows(num_tokens: int, top_k: int, num_experts: int, alignment: int) -> int:
-    """Most rows a contiguous layout of ``num_tokens x top_k`` slots can need: every slot local
-    (a token may name an expert twice) and every segment padded."""
-    return num_tokens * top_k + num_experts * (alignment - 1)
 
 
 def _check_ids(topk_ids) -> None:
