@@ -51,14 +51,46 @@ _KERNELS: tuple = ()
 
 
 def _kernels():
-    """``(activation, grouped_gemm, permute, quantize)``, imported on first use (Triton is needed
-    only where they run) and kept: an import statement per call costs microseconds of host time."""
+    """``(activation, grouped_gemm, permute, quantize, topk)``, imported on first use (Triton is
+    needed only where they run) and kept: an import statement per call costs microseconds of host
+    time."""
     global _KERNELS
     if not _KERNELS:
-        from .kernels import activation, grouped_gemm, permute, quantize
+        from .kernels import activation, grouped_gemm, permute, quantize, topk
 
-        _KERNELS = (activation, grouped_gemm, permute, quantize)
+        _KERNELS = (activation, grouped_gemm, permute, quantize, topk)
     return _KERNELS
+
+
+# -------------------------------------------------------------------------------------- routing
+@_op("fused_topk")
+def _fused_topk(
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    scoring_func: str,
+    num_expert_group: int | None,
+    topk_group: int | None,
+    correction_bias: torch.Tensor | None,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _kernels()[4].fused_topk(router_logits, top_k, renormalize, scoring_func, num_expert_group, topk_group,
+                                    correction_bias, routed_scaling_factor)  # fmt: skip
+
+
+@_fused_topk.register_fake
+def _(router_logits, top_k, renormalize, scoring_func, num_expert_group, topk_group, correction_bias,
+      routed_scaling_factor):  # fmt: skip
+    t = router_logits.shape[0]
+    return (router_logits.new_empty((t, top_k), dtype=torch.int64),
+            router_logits.new_empty((t, top_k), dtype=torch.float32))  # fmt: skip
+
+
+def fused_topk(router_logits, top_k, *, renormalize=True, scoring_func="softmax", num_expert_group=None,
+               topk_group=None, correction_bias=None, routed_scaling_factor=1.0):  # fmt: skip
+    """:func:`epmoe.kernels.topk.fused_topk`."""
+    return _fused_topk(router_logits, top_k, renormalize, scoring_func, num_expert_group, topk_group,
+                       correction_bias, float(routed_scaling_factor))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------- quantize
