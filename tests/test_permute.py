@@ -398,3 +398,29 @@ def test_max_rows_of_a_decode_step_with_128_row_segments():
     """One token, top-8 of 128 experts, 128-row segments: 8 experts can be non-empty, not 128."""
     assert permute.max_rows(1, 8, 128, 128) == 8 * 128
     assert permute.max_rows(64, 8, 128, 128) == (512 + 128 * 127) // 128 * 128  # all 128 can be
+
+
+def test_row_split_spreads_a_decode_step_over_programs():
+    """One token of H = 7168 runs on 56 programs of 128 columns, not 7 of 1024; large batches keep
+    1024 columns; the interpreter always takes the widest."""
+    cuda = torch.device("cuda")
+    assert permute.row_split(1, 7168, cuda) == (128, 1)
+    assert permute.row_split(32, 7168, cuda) == (512, 2)
+    assert permute.row_split(128, 7168, cuda) == (1024, 4)
+    assert permute.row_split(1, 7168, torch.device("cpu")) == (1024, 4)
+
+
+def test_row_copies_split_along_h_match_the_reference(monkeypatch):
+    """Scatter and gather with each row split over several column programs (what row_split gives
+    a decode step on a GPU) against the torch path."""
+    monkeypatch.setattr(permute, "row_split", lambda rows, hidden, device: (16, 1))
+    ids = _ids(9, 3, 4, 12)
+    x = torch.randn(9, 40, generator=torch.Generator().manual_seed(13)).half()
+    xs = torch.rand(9, 2)
+    ref = _to_contiguous_torch(x, xs, ids, 4, 1)
+    got = _to_contiguous_kernels(x.to(DEVICE), xs.to(DEVICE), ids.to(DEVICE), 4, 1, None)
+    assert torch.equal(got.x.cpu(), ref.x) and torch.equal(got.x_scale.cpu(), ref.x_scale)
+    w = torch.rand(9, 3)
+    want = gather_reference(ref.x, ref.slot_pos, w)
+    out = permute.gather_weighted(got.x, got.slot_pos, w.to(DEVICE), torch.float32).cpu()
+    assert torch.allclose(out.double(), want, rtol=1e-6, atol=1e-6)

@@ -149,39 +149,60 @@ def _slot_positions_kernel(
 
 @triton.jit
 def _scatter_rows_kernel(
-    X, XS, Y, YS, POS, H, S, TOPK, stride_xm, stride_xsm, stride_ym, stride_ysm,
-    HAS_SCALE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-):
+    X, XS, Y, YS, POS, H, S, stride_xm, stride_xsm, stride_ym, stride_ysm,
+    TOPK: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < H
     x = tl.load(X + r * stride_xm + cols, mask=col_ok)
-    for j in range(0, TOPK):
+    # Unrolled with masked stores (no branch per slot): the k destination loads are independent,
+    # so they are in flight together instead of one memory latency after another.
+    for j in tl.static_range(TOPK):
         dst = tl.load(POS + r * TOPK + j)
-        if dst >= 0:
-            tl.store(Y + dst * stride_ym + cols, x, mask=col_ok)
-            if HAS_SCALE:
-                if tl.program_id(1) == 0:
-                    sc = tl.arange(0, BLOCK_S)
-                    s = tl.load(XS + r * stride_xsm + sc, mask=sc < S)
-                    tl.store(YS + dst * stride_ysm + sc, s, mask=sc < S)
+        tl.store(Y + tl.maximum(dst, 0) * stride_ym + cols, x, mask=col_ok & (dst >= 0))
+        if HAS_SCALE:
+            if tl.program_id(1) == 0:
+                sc = tl.arange(0, BLOCK_S)
+                s = tl.load(XS + r * stride_xsm + sc, mask=sc < S)
+                tl.store(YS + tl.maximum(dst, 0) * stride_ysm + sc, s, mask=(sc < S) & (dst >= 0))
 
 
 @triton.jit
 def _gather_weighted_kernel(
-    X, POS, W, OUT, H, TOPK, stride_xm, stride_om, BLOCK_H: tl.constexpr,
+    X, POS, W, OUT, H, stride_xm, stride_om, TOPK: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < H
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in range(0, TOPK):
+    # Unrolled: the k row loads do not wait for one another; the sum still runs in slot order.
+    for j in tl.static_range(TOPK):
         src = tl.load(POS + r * TOPK + j)
         w = tl.load(W + r * TOPK + j)
         # A masked load of an invalid slot reads nothing; its zeros add nothing.
         row = tl.load(X + tl.maximum(src, 0) * stride_xm + cols, mask=col_ok & (src >= 0), other=0.0)
         acc += tl.where(src >= 0, row.to(tl.float32) * w, 0.0)
     tl.store(OUT + r * stride_om + cols, acc.to(OUT.dtype.element_ty), mask=col_ok)
+
+
+ROW_PROGRAMS = 256
+"""Programs the row copies (scatter, gather) aim for: a decode step's few rows are split along H
+until about this many run (two per SM of an H200), instead of one program per 1024 columns
+(7 programs for one token of H = 7168)."""
+MIN_BLOCK_H = 128
+"""Fewest columns per program of a row copy (one warp, 4 elements per thread)."""
+
+
+def row_split(rows: int, hidden: int, device: torch.device) -> tuple[int, int]:
+    """``(BLOCK_H, num_warps)`` of a row copy over ``rows x hidden``: up to 1024 columns per
+    program, halved while fewer than :data:`ROW_PROGRAMS` programs would run (down to
+    :data:`MIN_BLOCK_H`). On CPU (the interpreter runs programs one after another) the widest."""
+    block = min(next_pow2(hidden), 1024)
+    if device.type != "cpu":
+        while block > MIN_BLOCK_H and rows * triton.cdiv(hidden, block) < ROW_PROGRAMS:
+            block //= 2
+    return block, max(1, min(4, block // 256))
 
 
 def slot_positions(
@@ -334,17 +355,13 @@ def scatter_rows(
     xs = pos if x_scale is None else x_scale.contiguous()
     ys = pos if out_scale is None else out_scale
     s = 1 if x_scale is None else x_scale.shape[1]
-    _scatter(xc, xs, out, ys, pos, s, k, x_scale is not None, min(next_pow2(h), 1024))
-    return out, out_scale
-
-
-def _scatter(xc, xs, out, ys, pos, s, k, has_scale, block_h) -> None:
-    r, h = xc.shape
+    block_h, warps = row_split(r, h, x.device)
     _scatter_rows_kernel[(r, triton.cdiv(h, block_h))](
-        _as_copyable(xc), xs, _as_copyable(out), ys, pos, h, s, k,
+        _as_copyable(xc), xs, _as_copyable(out), ys, pos, h, s,
         xc.stride(0), xs.stride(0), out.stride(0), ys.stride(0),
-        HAS_SCALE=has_scale, BLOCK_H=block_h, BLOCK_S=max(16, next_pow2(s)),
-    )
+        TOPK=k, HAS_SCALE=x_scale is not None, BLOCK_H=block_h, BLOCK_S=max(16, next_pow2(s)), num_warps=warps,
+    )  # fmt: skip
+    return out, out_scale
 
 
 def _as_copyable(t: torch.Tensor) -> torch.Tensor:
@@ -390,11 +407,11 @@ def gather_weighted(
     if k == 0:
         return out.zero_()
     xc = expert_out.contiguous()
-    block_h = min(next_pow2(h), 1024)
+    block_h, warps = row_split(r, h, xc.device)
     _gather_weighted_kernel[(r, triton.cdiv(h, block_h))](
-        xc, slot_pos.to(torch.int64).contiguous(), topk_weights.float().contiguous(), out, h, k,
-        xc.stride(0), out.stride(0), BLOCK_H=block_h,
-    )
+        xc, slot_pos.to(torch.int64).contiguous(), topk_weights.float().contiguous(), out, h,
+        xc.stride(0), out.stride(0), TOPK=k, BLOCK_H=block_h, num_warps=warps,
+    )  # fmt: skip
     return out
 
 
