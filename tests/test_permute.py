@@ -424,3 +424,20 @@ def test_row_copies_split_along_h_match_the_reference(monkeypatch):
     want = gather_reference(ref.x, ref.slot_pos, w)
     out = permute.gather_weighted(got.x, got.slot_pos, w.to(DEVICE), torch.float32).cpu()
     assert torch.allclose(out.double(), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("r,launches", [(64, 0), (65, 1)])
+def test_slot_layout_of_one_step_is_one_launch(r, launches, monkeypatch):
+    """Up to SLOT_STEP slots (64 tokens of top-8) the positions kernel counts the experts itself:
+    no histogram launch; past it the histogram kernel runs. The layout is the same either way."""
+    calls = []
+    hist = permute._slot_histogram_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return hist[grid]
+
+    monkeypatch.setattr(permute, "_slot_histogram_kernel", Counting())
+    _check_device_layout(_ids(r, 8, 6, 14), 6, 4)
+    assert len(calls) == launches

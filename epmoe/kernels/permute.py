@@ -71,7 +71,7 @@ def _slot_histogram_kernel(IDS, HIST, N_SLOTS, E, BLOCK, STEP: tl.constexpr, E_P
 def _slot_positions_kernel(
     IDS, HIST, SHIFT, OFFS, POS, MIDX, COUNTS, N_SLOTS, E, M_ROWS, NUM_BLOCKS, BLOCK,
     STEP: tl.constexpr, TILE_ROWS: tl.constexpr, ROW_STEP: tl.constexpr,
-    SIZES_ON_DEVICE: tl.constexpr, ALIGN: tl.constexpr, E_PAD: tl.constexpr,
+    SIZES_ON_DEVICE: tl.constexpr, ALIGN: tl.constexpr, E_PAD: tl.constexpr, ONE_BLOCK: tl.constexpr,
 ):
     # Program b places the slots of block b. Each program sums the whole histogram table itself
     # (tens of KB from L2) instead of waiting for a third launch: the expert totals give the
@@ -85,11 +85,17 @@ def _slot_positions_kernel(
     ids = tl.load(IDS + b * BLOCK + lane, mask=b * BLOCK + lane < N_SLOTS, other=-1)
     total = tl.zeros([E_PAD], dtype=tl.int32)
     before = tl.zeros([E_PAD], dtype=tl.int32)
-    for t0 in range(0, NUM_BLOCKS, TILE_ROWS):
-        blk = (t0 + tl.arange(0, TILE_ROWS))[:, None]
-        h = tl.load(HIST + blk * E_PAD + bins[None, :], mask=blk < NUM_BLOCKS, other=0)
-        total += tl.sum(h, 0)
-        before += tl.sum(tl.where(blk < b, h, 0), 0)
+    if ONE_BLOCK:
+        # Every slot is in this block's one step: its histogram is the total, so the histogram
+        # launch is skipped (a decode step's layout is one launch; in a CUDA graph a launch
+        # costs more than this program's work).
+        total = _local_ids(ids, E, E_PAD)[1]
+    else:
+        for t0 in range(0, NUM_BLOCKS, TILE_ROWS):
+            blk = (t0 + tl.arange(0, TILE_ROWS))[:, None]
+            h = tl.load(HIST + blk * E_PAD + bins[None, :], mask=blk < NUM_BLOCKS, other=0)
+            total += tl.sum(h, 0)
+            before += tl.sum(tl.where(blk < b, h, 0), 0)
     if SIZES_ON_DEVICE:
         room = (total + ALIGN - 1) // ALIGN * ALIGN
         ends = tl.cumsum(room, 0)
@@ -300,14 +306,18 @@ def _launch_slots(topk_ids, offsets, slot_pos, m_indices, counts, alignment: int
     block = step * max(1, triton.cdiv(n, step * SLOT_PROGRAMS))
     blocks = max(1, triton.cdiv(n, block))
     # Scratch sized by the shapes only, so the launches stay capturable in a CUDA graph.
-    hist = torch.empty((blocks, e_pad), dtype=torch.int32, device=ids.device)
     shift = torch.empty((blocks, e_pad), dtype=torch.int64, device=ids.device)
-    _slot_histogram_kernel[(blocks,)](ids, hist, n, e, block, STEP=step, E_PAD=e_pad, num_warps=4)
+    one_block = blocks == 1 and block == step
+    if one_block:
+        hist = shift  # never read
+    else:
+        hist = torch.empty((blocks, e_pad), dtype=torch.int32, device=ids.device)
+        _slot_histogram_kernel[(blocks,)](ids, hist, n, e, block, STEP=step, E_PAD=e_pad, num_warps=4)
     _slot_positions_kernel[(blocks,)](
         ids, hist, shift, offsets, slot_pos, m_indices, counts, n, e, m_indices.numel(), blocks, block,
         STEP=step, TILE_ROWS=max(1, SLOT_TILE // e_pad), ROW_STEP=SLOT_ROWS,
-        SIZES_ON_DEVICE=sizes_on_device, ALIGN=alignment, E_PAD=e_pad, num_warps=4,
-    )
+        SIZES_ON_DEVICE=sizes_on_device, ALIGN=alignment, E_PAD=e_pad, ONE_BLOCK=one_block, num_warps=4,
+    )  # fmt: skip
 
 
 def scatter_rows(
