@@ -155,13 +155,15 @@ def _silu_and_mul_quant(
     dtype: torch.dtype,
     masked_m: torch.Tensor | None,
     expected_m: int | None,
+    row_expert: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     act = _kernels()[0]
-    return act.silu_and_mul_quant(gate_up, granularity, group_size, dtype, masked_m=masked_m, expected_m=expected_m)
+    return act.silu_and_mul_quant(gate_up, granularity, group_size, dtype, masked_m=masked_m, expected_m=expected_m,
+                                  row_expert=row_expert)  # fmt: skip
 
 
 @_silu_and_mul_quant.register_fake
-def _(gate_up, granularity, group_size, dtype, masked_m, expected_m):
+def _(gate_up, granularity, group_size, dtype, masked_m, expected_m, row_expert):
     inter = gate_up.shape[-1] // 2
     cols = 1 if granularity == "token" else inter // group_size
     lead = gate_up.shape[:-1]
@@ -174,9 +176,9 @@ def silu_and_mul(gate_up, out_dtype=None, *, masked_m=None, expected_m=None):
 
 
 def silu_and_mul_quant(gate_up, granularity="token", group_size=128, dtype=torch.int8, *, masked_m=None,
-                       expected_m=None):  # fmt: skip
+                       expected_m=None, row_expert=None):  # fmt: skip
     """:func:`epmoe.kernels.activation.silu_and_mul_quant`."""
-    return _silu_and_mul_quant(gate_up, granularity, group_size, dtype, masked_m, expected_m)
+    return _silu_and_mul_quant(gate_up, granularity, group_size, dtype, masked_m, expected_m, row_expert)
 
 
 # --------------------------------------------------------------------------------- grouped GEMM

@@ -69,7 +69,7 @@ def _op_cases():
         "epmoe::per_token_quant_int8": ((x, None, None, None), {}),
         "epmoe::per_group_quant": ((q8.float(), 16, torch.int8, None, None, None), {}),
         "epmoe::silu_and_mul": ((gate_up, torch.float32, full, 2), {}),
-        "epmoe::silu_and_mul_quant": ((gate_up.reshape(-1, 2 * k_dim), "group", 16, torch.int8, None, None), {}),
+        "epmoe::silu_and_mul_quant": ((gate_up.reshape(-1, 2 * k_dim), "group", 16, torch.int8, None, None, None), {}),
         "epmoe::grouped_gemm": ((a, b, offsets, False, "bf16", None, None, "fp32", torch.float32, None), {}),
         "epmoe::grouped_gemm[masked]": (
             (q8[:4].reshape(e, 2, k_dim), torch.randint(-127, 128, (e, n, k_dim), generator=g, dtype=torch.int8),

@@ -853,7 +853,8 @@ class CutlassBackend(ExpertsBackend):
             gate_up = gemm(drop(a), drop(a_scale), weights.w13, weights.w13_scale, offsets)
         with phase("epmoe.activation"):
             rows = stages.row_args(*bound)
-            h, h_scale = ops.silu_and_mul_quant(lift(gate_up), "group", BLOCK, torch.float8_e4m3fn, **rows)
+            h, h_scale = ops.silu_and_mul_quant(lift(gate_up), "group", BLOCK, torch.float8_e4m3fn,
+                                                row_expert=stages.padding_rows(batch), **rows)  # fmt: skip
         with phase("epmoe.gemm2"):
             return gemm(drop(h), drop(h_scale), weights.w2, weights.w2_scale, offsets)
 
@@ -877,7 +878,7 @@ class CutlassBackend(ExpertsBackend):
         with phase("epmoe.gemm1"):
             gate_up = gemm(drop(a), drop(a_scale), weights.w13, weights.w13_scale, offsets)
         with phase("epmoe.activation"):
-            h, h_scale = stages.activation(scheme, lift(gate_up), weights, *bound)
+            h, h_scale = stages.activation(scheme, lift(gate_up), weights, *bound, stages.padding_rows(batch))
         with phase("epmoe.gemm2"):
             return gemm(drop(h), drop(h_scale), weights.w2, weights.w2_scale, offsets)
 

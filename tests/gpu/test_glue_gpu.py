@@ -108,10 +108,10 @@ def test_cutlass_fp8_padding_rows_never_reach_the_output(t):
         def nan_fill(rows, pad):
             rows.view(torch.uint8)[pad] = 0x7F  # e4m3fn NaN
 
-        clean, poisoned, pad_out = _poisoned_outputs(backend, weights, batch, nan_fill, w)
+        # GEMM1 runs the poisoned rows (128-row tiles); the activation skips them (row_expert),
+        # GEMM2 runs them again on whatever the activation's buffer held: none may reach a token.
+        clean, poisoned, _ = _poisoned_outputs(backend, weights, batch, nan_fill, w)
         assert torch.isfinite(poisoned).all() and torch.equal(poisoned, clean)
-        if backend.alignment > 1:
-            assert pad_out.numel() and not torch.isfinite(pad_out.float()).all()  # the poison ran through
 
 
 @pytest.mark.parametrize("scheme", ["bf16", "int8_channel", "int8_block"])
