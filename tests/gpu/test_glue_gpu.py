@@ -142,3 +142,24 @@ def test_triton_padding_rows_never_reach_the_output(scheme):
     clean, poisoned, pad_out = _poisoned_outputs(backend, weights, batch, nan_fill, w)
     assert torch.isfinite(poisoned).all() and torch.equal(poisoned, clean)
     assert not torch.isfinite(pad_out.float()).all()
+
+
+@pytest.mark.parametrize("kind", ["fp8_block", "int8_block"])
+def test_cutlass_takes_weight_scales_repeated_once_as_it_repeats_them(kind):
+    """The kernels' own repeat (per call) and prepare_weights' (once) give the same bits."""
+    from epmoe.experts import cutlass_backend as cb
+    from epmoe.quant import get_scheme
+
+    ok, reason = cb.CutlassBackend.supports(get_scheme(kind), "contiguous", torch.device("cuda"), 256, 256)
+    if not ok or not cb.CutlassBackend.available(torch.device("cuda"))[0]:
+        pytest.skip(f"cutlass {kind}: {reason}")
+    from test_compile_gpu import cutlass_operands
+
+    a, a_scale, b, b_scale = cutlass_operands(kind, n=384)
+    gemm = cb.grouped_gemm if kind == "fp8_block" else cb.int8_block_grouped_gemm
+    offsets = torch.tensor([0, 128, 256], dtype=torch.int32, device="cuda")
+    if kind == "fp8_block" and cb._use_sgl():
+        pytest.skip("sgl-kernel's op takes the 128-column grid only")
+    want = gemm(a, a_scale, b, b_scale, offsets)
+    got = gemm(a, a_scale, b, cb.kernel_weight_scale(b_scale), offsets)
+    assert torch.equal(got, want)
