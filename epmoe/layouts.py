@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels.common import max_rows
 from .tensors import check_positive_int
 
 
@@ -52,10 +53,16 @@ class ContiguousBatch:
             :meth:`rows_per_expert`).
         expected_m: ``None`` when the segments fill ``x`` exactly. Otherwise the segment sizes
             were counted on the device (no host round trip), ``x`` has room for the worst case
-            (``R * k + E * (alignment - 1)`` rows), rows past ``expert_offsets[-1]`` are spare
-            (``m_indices`` -1 there; their data is never to be read: zeros with padding,
-            unwritten without), and this is the typical rows per expert, a hint for tile
-            configs and grids.
+            (:func:`~epmoe.kernels.common.max_rows`: ``R * k + min(R * k, E) * (alignment - 1)``
+            rows, rounded down to a multiple of ``alignment``), rows past ``expert_offsets[-1]``
+            are spare (``m_indices`` -1 there; their data is never to be read), and this is the
+            typical rows per expert, a hint for tile configs and grids.
+
+    Padding rows (``m_indices`` -1) hold anything on the kernel path (CUDA): nothing is written
+    there, because no valid output reads them. Every backend computes each row from that row
+    alone (GEMMs, row-wise quantizers, activations) and :func:`gather_weighted` reads only the
+    rows of ``slot_pos``, so even NaN there stays in the padding's own output rows. The torch
+    path (CPU) zero-fills them.
     """
 
     x: torch.Tensor
@@ -141,13 +148,14 @@ def to_contiguous(
             device and read back: one host synchronisation. Entries must be non-negative
             multiples of ``alignment``. The CPU (torch) path recomputes the sizes itself.
         expected_m: without ``padded_rows``, skip the read-back: on CUDA the segment sizes stay
-            on the device, the rows are allocated for the worst case (``R * k`` plus
-            ``E * (alignment - 1)``) and the batch carries this rows-per-expert hint (see
+            on the device, the rows are allocated for the worst case
+            (:func:`~epmoe.kernels.common.max_rows`) and the batch carries this rows-per-expert hint (see
             :attr:`ContiguousBatch.expected_m`). On the CPU the same layout comes from torch
             operations of static shapes (what ``torch.compile`` traces without a host read).
 
     Returns:
-        A :class:`ContiguousBatch` whose padding rows are zero (scale 1 when quantized scales exist).
+        A :class:`ContiguousBatch`. Its padding rows hold anything on CUDA (see
+        :class:`ContiguousBatch`); the torch path zero-fills them (scale 1 when scales exist).
     """
     if padded_rows is not None:
         _check_padded_rows(padded_rows, num_experts, alignment)
@@ -192,7 +200,7 @@ def _to_contiguous_kernels(
     if padded_rows is None and expected_m is not None:
         offsets, slot_pos, m_indices, counts = permute.slot_layout(topk_ids, num_experts, alignment)
         m = m_indices.numel()
-        out_x, out_scale = permute.scatter_rows(x, slot_pos, m, x_scale, fill_unused=alignment > 1)
+        out_x, out_scale = permute.scatter_rows(x, slot_pos, m, x_scale, fill_unused=False)
         return ContiguousBatch(out_x, out_scale, offsets, m_indices, slot_pos, counts, expected_m, alignment)
     device = x.device
     num_rows: list[int] | None = None
@@ -215,8 +223,8 @@ def _to_contiguous_kernels(
     slot_pos, m_indices, counts = permute.slot_positions(topk_ids, offsets, m)
     if num_rows is None:
         num_rows = counts
-    # Without padding every row is written, so the output needs no memset.
-    out_x, out_scale = permute.scatter_rows(x, slot_pos, m, x_scale, fill_unused=alignment > 1)
+    # Padding rows are never read by a valid output (ContiguousBatch): no memset.
+    out_x, out_scale = permute.scatter_rows(x, slot_pos, m, x_scale, fill_unused=False)
     return ContiguousBatch(out_x, out_scale, offsets, m_indices, slot_pos, num_rows, alignment=alignment)
 
 
@@ -256,7 +264,7 @@ def _to_contiguous_torch_device(x, x_scale, topk_ids, num_experts, alignment, ex
     :func:`~epmoe.kernels.permute.slot_layout`), so ``torch.compile`` traces it in one graph."""
     r, k = topk_ids.shape
     device = x.device
-    m = r * k + num_experts * (alignment - 1)  # permute.max_rows
+    m = max_rows(r, k, num_experts, alignment)
     flat = topk_ids.reshape(-1).long()
     valid = (flat >= 0) & (flat < num_experts)
     key = torch.where(valid, flat, num_experts)  # foreign slots sort last, into an extra bin

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch.compiler import is_compiling
 
+from .kernels.common import max_rows  # Triton-free: importing this module must not need Triton
+
 NAMESPACE = "epmoe"
 
 OPS: list[str] = []
@@ -49,14 +51,46 @@ _KERNELS: tuple = ()
 
 
 def _kernels():
-    """``(activation, grouped_gemm, permute, quantize)``, imported on first use (Triton is needed
-    only where they run) and kept: an import statement per call costs microseconds of host time."""
+    """``(activation, grouped_gemm, permute, quantize, topk)``, imported on first use (Triton is
+    needed only where they run) and kept: an import statement per call costs microseconds of host
+    time."""
     global _KERNELS
     if not _KERNELS:
-        from .kernels import activation, grouped_gemm, permute, quantize
+        from .kernels import activation, grouped_gemm, permute, quantize, topk
 
-        _KERNELS = (activation, grouped_gemm, permute, quantize)
+        _KERNELS = (activation, grouped_gemm, permute, quantize, topk)
     return _KERNELS
+
+
+# -------------------------------------------------------------------------------------- routing
+@_op("fused_topk")
+def _fused_topk(
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    scoring_func: str,
+    num_expert_group: int | None,
+    topk_group: int | None,
+    correction_bias: torch.Tensor | None,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _kernels()[4].fused_topk(router_logits, top_k, renormalize, scoring_func, num_expert_group, topk_group,
+                                    correction_bias, routed_scaling_factor)  # fmt: skip
+
+
+@_fused_topk.register_fake
+def _(router_logits, top_k, renormalize, scoring_func, num_expert_group, topk_group, correction_bias,
+      routed_scaling_factor):  # fmt: skip
+    t = router_logits.shape[0]
+    return (router_logits.new_empty((t, top_k), dtype=torch.int64),
+            router_logits.new_empty((t, top_k), dtype=torch.float32))  # fmt: skip
+
+
+def fused_topk(router_logits, top_k, *, renormalize=True, scoring_func="softmax", num_expert_group=None,
+               topk_group=None, correction_bias=None, routed_scaling_factor=1.0):  # fmt: skip
+    """:func:`epmoe.kernels.topk.fused_topk`."""
+    return _fused_topk(router_logits, top_k, renormalize, scoring_func, num_expert_group, topk_group,
+                       correction_bias, float(routed_scaling_factor))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------- quantize
@@ -121,13 +155,15 @@ def _silu_and_mul_quant(
     dtype: torch.dtype,
     masked_m: torch.Tensor | None,
     expected_m: int | None,
+    row_expert: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     act = _kernels()[0]
-    return act.silu_and_mul_quant(gate_up, granularity, group_size, dtype, masked_m=masked_m, expected_m=expected_m)
+    return act.silu_and_mul_quant(gate_up, granularity, group_size, dtype, masked_m=masked_m, expected_m=expected_m,
+                                  row_expert=row_expert)  # fmt: skip
 
 
 @_silu_and_mul_quant.register_fake
-def _(gate_up, granularity, group_size, dtype, masked_m, expected_m):
+def _(gate_up, granularity, group_size, dtype, masked_m, expected_m, row_expert):
     inter = gate_up.shape[-1] // 2
     cols = 1 if granularity == "token" else inter // group_size
     lead = gate_up.shape[:-1]
@@ -140,9 +176,9 @@ def silu_and_mul(gate_up, out_dtype=None, *, masked_m=None, expected_m=None):
 
 
 def silu_and_mul_quant(gate_up, granularity="token", group_size=128, dtype=torch.int8, *, masked_m=None,
-                       expected_m=None):  # fmt: skip
+                       expected_m=None, row_expert=None):  # fmt: skip
     """:func:`epmoe.kernels.activation.silu_and_mul_quant`."""
-    return _silu_and_mul_quant(gate_up, granularity, group_size, dtype, masked_m, expected_m)
+    return _silu_and_mul_quant(gate_up, granularity, group_size, dtype, masked_m, expected_m, row_expert)
 
 
 # --------------------------------------------------------------------------------- grouped GEMM
@@ -200,7 +236,7 @@ def _slot_layout(
 @_slot_layout.register_fake
 def _(topk_ids, num_experts, alignment):
     r, k = topk_ids.shape
-    rows = r * k + num_experts * (alignment - 1)  # permute.max_rows
+    rows = max_rows(r, k, num_experts, alignment)
     i32 = dict(dtype=torch.int32)
     return (
         topk_ids.new_empty((num_experts + 1,), **i32), topk_ids.new_empty((r, k), dtype=torch.int64),

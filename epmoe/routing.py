@@ -14,14 +14,38 @@ and ``topk_weights [T, k]`` (fp32):
 5. ``renormalize`` divides the weights by their sum; then they are multiplied by
    ``routed_scaling_factor``.
 
-Ties are broken by ``torch.topk`` (lowest index first on CPU in practice); tests use tie-free logits.
+On CUDA, routes of up to :data:`FUSED_MAX_EXPERTS` experts and :data:`FUSED_MAX_TOP_K` slots run as
+one Triton kernel (:mod:`epmoe.kernels.topk`; about seven launches fewer per step than the torch
+path, which a CUDA-graphed decode step pays in launch gaps); everything else takes the torch path
+(``kernel=`` of :func:`select_experts` forces either).
+
+Ties: the kernel gives the lower expert id (and, choosing groups, the lower group) the better
+rank, and returns the ids by descending choice score, equal scores by ascending id. The torch path
+breaks them as ``torch.topk`` does, which documents no order (lowest index first on CPU in
+practice).
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import ops
+
 SCORING_FUNCS = ("softmax", "sigmoid")
+
+FUSED_MAX_EXPERTS = 1024
+"""Most experts the fused routing kernel takes: it holds each row of logits in registers."""
+FUSED_MAX_TOP_K = 32
+"""Most slots per token the fused routing kernel takes: it selects them one arg-max at a time."""
+
+
+def fused_refusal(num_experts: int, top_k: int) -> str | None:
+    """Why the fused routing kernel does not take routes of these sizes (``None`` when it does)."""
+    if num_experts > FUSED_MAX_EXPERTS:
+        return f"num_experts={num_experts} is over the fused routing kernel's {FUSED_MAX_EXPERTS}"
+    if top_k > FUSED_MAX_TOP_K:
+        return f"top_k={top_k} is over the fused routing kernel's {FUSED_MAX_TOP_K}"
+    return None
 
 
 def check_routing_config(
@@ -71,6 +95,7 @@ def select_experts(
     topk_group: int | None = None,
     correction_bias: torch.Tensor | None = None,
     routed_scaling_factor: float = 1.0,
+    kernel: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Route tokens to experts.
 
@@ -82,6 +107,10 @@ def select_experts(
         num_expert_group, topk_group: grouped top-k (both or neither).
         correction_bias: ``[E]`` added to the scores for the choice only.
         routed_scaling_factor: multiplies the final weights.
+        kernel: ``None`` runs the fused Triton kernel on CUDA where :func:`fused_refusal` allows
+            it and the torch path elsewhere; ``True`` forces the kernel (``ValueError`` naming the
+            size it cannot take; on CPU it runs under Triton's interpreter, as the tests do),
+            ``False`` the torch path.
 
     Returns:
         ``topk_ids [T, k]`` int64 and ``topk_weights [T, k]`` fp32.
@@ -93,14 +122,22 @@ def select_experts(
         )
     t, e = router_logits.shape
     check_routing_config(e, top_k, scoring_func, num_expert_group, topk_group)
+    if correction_bias is not None and correction_bias.shape != (e,):
+        raise ValueError(f"correction_bias must have shape [{e}]; got {tuple(correction_bias.shape)}")
+    if kernel is None:
+        kernel = router_logits.is_cuda and fused_refusal(e, top_k) is None
+    elif kernel and (why := fused_refusal(e, top_k)):
+        raise ValueError(f"kernel=True: {why}")
+    if kernel:
+        return ops.fused_topk(
+            router_logits, top_k, renormalize=renormalize, scoring_func=scoring_func,
+            num_expert_group=num_expert_group, topk_group=topk_group, correction_bias=correction_bias,
+            routed_scaling_factor=routed_scaling_factor,
+        )  # fmt: skip
     logits = router_logits.float()
     scores = torch.softmax(logits, dim=-1) if scoring_func == "softmax" else torch.sigmoid(logits)
     choice = scores
     if correction_bias is not None:
-        if correction_bias.shape != (e,):
-            raise ValueError(
-                f"correction_bias must have shape [{e}]; got {tuple(correction_bias.shape)}"
-            )
         choice = scores + correction_bias.float().unsqueeze(0)
     if num_expert_group is not None and topk_group < num_expert_group:
         grouped = choice.view(t, num_expert_group, e // num_expert_group)

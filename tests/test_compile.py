@@ -69,7 +69,7 @@ def _op_cases():
         "epmoe::per_token_quant_int8": ((x, None, None, None), {}),
         "epmoe::per_group_quant": ((q8.float(), 16, torch.int8, None, None, None), {}),
         "epmoe::silu_and_mul": ((gate_up, torch.float32, full, 2), {}),
-        "epmoe::silu_and_mul_quant": ((gate_up.reshape(-1, 2 * k_dim), "group", 16, torch.int8, None, None), {}),
+        "epmoe::silu_and_mul_quant": ((gate_up.reshape(-1, 2 * k_dim), "group", 16, torch.int8, None, None, None), {}),
         "epmoe::grouped_gemm": ((a, b, offsets, False, "bf16", None, None, "fp32", torch.float32, None), {}),
         "epmoe::grouped_gemm[masked]": (
             (q8[:4].reshape(e, 2, k_dim), torch.randint(-127, 128, (e, n, k_dim), generator=g, dtype=torch.int8),
@@ -79,6 +79,10 @@ def _op_cases():
         "epmoe::slot_positions": ((ids, torch.tensor([0, 2, 4, 5, 6], dtype=torch.int32), 6), {}),
         "epmoe::scatter_rows": ((q8[:3], slot_pos, 6, q8_scale[:3], True), {}),
         "epmoe::gather_weighted": ((x, slot_pos, torch.rand(3, 2, generator=g), torch.float32), {}),
+        "epmoe::fused_topk": ((torch.randn(5, 16, generator=g), 4, True, "softmax", None, None, None, 1.0), {}),
+        "epmoe::fused_topk[grouped]": (
+            (torch.randn(5, 16, generator=g), 4, True, "sigmoid", 4, 2, torch.randn(16, generator=g) * 0.1, 2.5),
+            {}),  # fmt: skip
     }
 
 
@@ -219,7 +223,8 @@ def test_device_sized_scatter_matches_the_host_sized_one(alignment):
     xs = torch.rand(r, 2, generator=g)
     host = _to_contiguous_torch(x, xs, ids, e, alignment)
     dev = _to_contiguous_torch_device(x, xs, ids, e, alignment, expected_m=2)
-    assert dev.x.shape[0] == r * k + e * (alignment - 1) and dev.expected_m == 2
+    # 21 slots in at most 5 experts: 21 + 5 * 3 = 36 rows with 4-row segments (max_rows).
+    assert dev.x.shape[0] == (21 if alignment == 1 else 36) and dev.expected_m == 2
     assert dev.num_rows.tolist() == host.num_rows
     m = host.expert_offsets[-1].item()
     torch.testing.assert_close(dev.expert_offsets, host.expert_offsets, rtol=0, atol=0)
@@ -231,6 +236,26 @@ def test_device_sized_scatter_matches_the_host_sized_one(alignment):
     assert (dev.x[m:] == 0).all()
     w = torch.rand(r, k, generator=g)
     torch.testing.assert_close(gather_weighted(dev.x, dev.slot_pos, w), gather_weighted(host.x, host.slot_pos, w))
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_fused_routing_traces_as_one_op(grouped):
+    """select_experts on the fused kernel compiles in one graph (one custom op, no break) and
+    gives the eager ids and weights."""
+    from epmoe.routing import select_experts
+
+    kw = dict(scoring_func="sigmoid", num_expert_group=4, topk_group=2, correction_bias=torch.randn(16) * 0.1,
+              routed_scaling_factor=2.5) if grouped else {}  # fmt: skip
+
+    def route(logits):
+        return select_experts(logits, 4, kernel=True, **kw)
+
+    logits = torch.randn(6, 16, generator=torch.Generator().manual_seed(2))
+    explained = torch._dynamo.explain(route)(logits)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    ids, w = torch.compile(route, fullgraph=True, backend=COMPILER)(logits)
+    want_ids, want_w = route(logits)
+    assert torch.equal(ids, want_ids) and torch.equal(w, want_w)
 
 
 def test_gather_ignores_nan_on_unused_rows():

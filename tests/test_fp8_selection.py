@@ -429,6 +429,10 @@ _BAD_OPERANDS = [
     ("fp8", _fp8_operands, lambda o: dict(b_scale=torch.ones(2, 2, 1)), ValueError,
      r"b_scale has shape \(2, 2, 1\); allowed: \(2, 1, 2\)"),
     ("fp8", _fp8_operands, lambda o: {}, ValueError, "a must be a CUDA tensor"),
+    # block scales already on the kernel's 64-column grid pass the checks (prepare_weights makes them)
+    ("fp8", _fp8_operands, lambda o: dict(b_scale=torch.ones(2, 2, 2)), ValueError, "a must be a CUDA tensor"),
+    ("fp8", _fp8_operands, lambda o: dict(b_scale=torch.ones(2, 4, 2)), ValueError,
+     r"b_scale has shape \(2, 4, 2\); allowed: \(2, 1, 2\) or \(2, 2, 2\)"),
     # int8_block: K (and N) in whole 128-wide scale blocks
     ("int8_block", _int8_block_operands, lambda o: dict(a=torch.zeros(256, 200, dtype=torch.int8), a_scale=torch.ones(256, 2),
                                                         b=torch.zeros(2, 128, 200, dtype=torch.int8), b_scale=torch.ones(2, 1, 2)),
@@ -519,6 +523,36 @@ def _fake_deep_gemm():
     )  # fmt: skip
 
 
+def cb_group_n() -> int:
+    from epmoe.experts.cutlass_backend import WEIGHT_SCALE_GROUP_N
+
+    return WEIGHT_SCALE_GROUP_N
+
+
+def test_cutlass_fp8_prepares_weight_scales_on_the_kernel_grid_once(monkeypatch):
+    """FP8 on the project's kernel: each 128x128 block scale repeated for its two 64-column groups
+    (what the kernel would otherwise repeat in every GEMM call); with sgl-kernel's op, or for
+    INT8 (whose small batches run on the Triton GEMMs), the checkpoint's grid."""
+    from epmoe.experts import cutlass_backend as cb
+    from epmoe.experts.base import ExpertWeights
+    from epmoe.quant import get_scheme
+    from epmoe.quant.reference import quantize_weight
+
+    fp8 = get_scheme("fp8_block")
+    g = torch.Generator().manual_seed(0)
+    (q13, s13), (q2, s2) = (quantize_weight(torch.randn(*shape, generator=g), fp8) for shape in ((2, 256, 384), (2, 384, 128)))
+    weights = ExpertWeights(fp8, q13, q2, s13, s2)
+    monkeypatch.setattr(cb, "_use_sgl", lambda: False)
+    prepared = cb.CutlassBackend(fp8).prepare_weights(weights)
+    assert prepared.w13_scale.shape == (2, 4, 3) and prepared.w2_scale.shape == (2, 6, 1)
+    assert torch.equal(prepared.w13_scale[:, ::2], s13) and torch.equal(prepared.w13_scale[:, 1::2], s13)
+    assert torch.equal(prepared.w2_scale[:, 1::2], s2) and prepared.w13 is q13
+    monkeypatch.setattr(cb, "_use_sgl", lambda: True)
+    assert cb.CutlassBackend(fp8).prepare_weights(weights).w13_scale.shape == s13.shape
+    with pytest.raises(ValueError, match=r"sgl-kernel's FP8 op takes one weight scale per 128x128 block"):
+        cb._refuse_repeated_for_sgl(q13, prepared.w13_scale)
+
+
 def _fake_grouped_gemm(a, a_scale, b, b_scale, expert_offsets, out=None):
     from epmoe.experts.cutlass_backend import check_block_offsets
     from epmoe.quant.reference import dequantize_weight
@@ -526,6 +560,8 @@ def _fake_grouped_gemm(a, a_scale, b, b_scale, expert_offsets, out=None):
     check_block_offsets(expert_offsets, a.shape[0])  # what the real kernel needs of its layout
 
     x = _dequant(a, a_scale)
+    if b_scale.shape[1] * cb_group_n() == b.shape[1]:  # prepare_weights' repeated grid: one per 128 back
+        b_scale = b_scale[:, :: 128 // cb_group_n()]
     w = dequantize_weight(b, b_scale)
     out = torch.empty(a.shape[0], b.shape[1], dtype=torch.bfloat16) if out is None else out
     offs = expert_offsets.tolist()

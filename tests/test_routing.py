@@ -1,4 +1,5 @@
 import math
+import warnings
 
 import pytest
 import torch
@@ -6,10 +7,16 @@ import torch
 from epmoe.routing import select_experts
 
 
-def reference_route(logits, top_k, scoring, n_group, topk_group, bias, renorm, scale):
-    """Per-token float64 transcription of DeepSeek-V3's MoEGate (noaux_tc) and V2's group_limited_greedy."""
+def reference_route(logits, top_k, scoring, n_group, topk_group, bias, renorm, scale, near_ties=None):
+    """Per-token float64 transcription of DeepSeek-V3's MoEGate (noaux_tc) and V2's group_limited_greedy.
+
+    Ties go to the lower index (Python's sort is stable): the fused kernel's rule. ``near_ties``:
+    a list that receives, per token, whether a decision rested on two different values closer than
+    1e-6 (which fp32 may order either way), so a caller can leave such tokens out; equal values
+    are exact ties, decided by index, unless they are group scores summed from different values."""
     ids, weights = [], []
     for row in logits.double().tolist():
+        near = False
         if scoring == "softmax":
             m = max(row)
             ex = [math.exp(v - m) for v in row]
@@ -21,10 +28,20 @@ def reference_route(logits, top_k, scoring, n_group, topk_group, bias, renorm, s
         if n_group:
             size = len(row) // n_group
             groups = [choice[g * size : (g + 1) * size] for g in range(n_group)]
-            gscore = [sum(sorted(gr, reverse=True)[:2]) if bias is not None else max(gr) for gr in groups]
-            keep = sorted(range(n_group), key=lambda g: -gscore[g])[:topk_group]
+            best = [tuple(sorted(gr, reverse=True)[: 2 if bias is not None else 1]) for gr in groups]
+            gscore = [sum(b) for b in best]
+            ranked = sorted(range(n_group), key=lambda g: -gscore[g])
+            keep = ranked[:topk_group]
+            if topk_group < n_group:
+                a, b = ranked[topk_group - 1], ranked[topk_group]
+                near |= best[a] != best[b] and abs(gscore[a] - gscore[b]) < 1e-6
             allowed = {g * size + i for g in keep for i in range(size)}
-        top = sorted(allowed, key=lambda i: -choice[i])[:top_k]
+        ranked = sorted(allowed, key=lambda i: -choice[i])
+        top = ranked[:top_k]
+        pairs = zip(ranked[: top_k + 1], ranked[1 : top_k + 1])
+        near |= any(0 < choice[a] - choice[b] < 1e-6 for a, b in pairs)
+        if near_ties is not None:
+            near_ties.append(near)
         w = [scores[i] for i in top]
         if renorm:
             w = [v / sum(w) for v in w]
@@ -101,3 +118,118 @@ def test_bad_logits():
         select_experts(torch.ones(3, 16, dtype=torch.int64), 2)
     with pytest.raises(ValueError, match=r"correction_bias must have shape \[16\]"):
         select_experts(torch.randn(3, 16), 2, correction_bias=torch.zeros(8))
+
+
+# ----------------------------------------------------------------------------- the fused kernel
+MODES = {
+    # name: (scoring, grouped, bias, renormalize, routed_scaling_factor)
+    "softmax_renormalized": ("softmax", False, False, True, 1.0),
+    "softmax": ("softmax", False, False, False, 1.0),
+    "softmax_grouped": ("softmax", True, False, False, 16.0),  # DeepSeek-V2 group-limited greedy
+    "sigmoid_bias_grouped": ("sigmoid", True, True, True, 2.5),  # DeepSeek-V3 noaux_tc
+    "sigmoid_bias": ("sigmoid", False, True, False, 1.0),
+}
+SIZES = {8: (2, 4, 2), 64: (6, 8, 3), 256: (8, 8, 4)}
+"""E: (top_k, num_expert_group, topk_group)."""
+
+
+def _tied_inputs(t, e, seed):
+    """Logits on a grid of quarter steps (offset from 0, so no two sigmoid scores sum to exactly
+    1) and a bias of five levels: many experts of a token share a logit (exact ties, in fp32 as in
+    fp64) and different values stay at least 6e-5 apart."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-12, 13, (t, e), generator=g) / 4 + 0.3
+    bias = torch.randint(-2, 3, (e,), generator=g) * 0.0371
+    return logits, bias
+
+
+def _fused_against_reference(logits, bias, k, mode, groups, topk_group):
+    scoring, grouped, use_bias, renorm, scale = MODES[mode]
+    ng, tg = (groups, topk_group) if grouped else (None, None)
+    bias = bias if use_bias else None
+    ids, w = select_experts(logits, k, renormalize=renorm, scoring_func=scoring, num_expert_group=ng,
+                            topk_group=tg, correction_bias=bias, routed_scaling_factor=scale, kernel=True)  # fmt: skip
+    ids, w = ids.cpu(), w.cpu()
+    near = []
+    ref_ids, ref_w = reference_route(logits, k, scoring, ng, tg, None if bias is None else bias.tolist(), renorm,
+                                     scale, near)  # fmt: skip
+    assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == w.shape == (logits.shape[0], k)
+    sure = ~torch.tensor(near, dtype=torch.bool)
+    # The order is part of the kernel's contract: by choice score, ties by id.
+    assert torch.equal(ids[sure], ref_ids[sure])
+    torch.testing.assert_close(w[sure].double(), ref_w[sure], rtol=1e-5, atol=1e-7)
+    return sure
+
+
+@pytest.mark.parametrize("t", [1, 7, 300])
+@pytest.mark.parametrize("e", sorted(SIZES))
+@pytest.mark.parametrize("mode", list(MODES))
+def test_fused_kernel_matches_float64_reference_with_ties(mode, e, t):
+    k, groups, topk_group = SIZES[e]
+    logits, bias = _tied_inputs(t, e, seed=t * 1000 + e)
+    sure = _fused_against_reference(logits, bias, k, mode, groups, topk_group)
+    assert sure.float().mean() >= 0.9  # near ties set aside are rare
+    if e >= 64:  # the tokens do rank tied experts: the tie rule was exercised
+        ranked = logits.sort(1, descending=True).values
+        assert (ranked[:, : k - 1] == ranked[:, 1:k]).any()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_fused_kernel_on_random_logits(mode):
+    """Untied float logits (bf16 in, as a model's router may give them)."""
+    g = torch.Generator().manual_seed(7)
+    logits = (torch.randn(33, 64, generator=g) * 2).to(torch.bfloat16)
+    _fused_against_reference(logits.float(), torch.randn(64, generator=g) * 0.1, *SIZES[64][:1], mode, *SIZES[64][1:])
+    ids, _ = select_experts(logits, 6, kernel=True)
+    assert torch.equal(ids, select_experts(logits.float(), 6, kernel=True)[0])
+
+
+def test_fused_kernel_breaks_full_ties_by_index():
+    """Every expert equal: the first k ids in order; grouped, the first groups win."""
+    logits = torch.zeros(3, 16)
+    ids, w = select_experts(logits, 5, kernel=True)
+    assert ids.tolist() == [[0, 1, 2, 3, 4]] * 3 and torch.allclose(w, torch.full((3, 5), 0.2))
+    bias = torch.zeros(16)
+    ids, _ = select_experts(logits, 5, scoring_func="sigmoid", num_expert_group=4, topk_group=2,
+                            correction_bias=bias, kernel=True)  # fmt: skip
+    assert ids.tolist() == [[0, 1, 2, 3, 4]] * 3
+    logits[:, :4] = -1.0  # group 0 worst now: groups 1 and 2 are kept
+    ids, _ = select_experts(logits, 5, scoring_func="sigmoid", num_expert_group=4, topk_group=2,
+                            correction_bias=bias, kernel=True)  # fmt: skip
+    assert ids.tolist() == [[4, 5, 6, 7, 8]] * 3
+
+
+def test_fused_kernel_nan_row_stays_in_its_row():
+    """A NaN logit (validate=False lets it through) still gives k distinct ids in range; the row's
+    weights are NaN (as on the torch path), the other rows are untouched."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 32, generator=g)
+    bad = logits.clone()
+    bad[2, 5] = float("nan")
+    for kw in (dict(), dict(scoring_func="sigmoid", num_expert_group=4, topk_group=2, correction_bias=torch.zeros(32))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the interpreter's numpy meets the NaN
+            ids, w = select_experts(bad, 4, kernel=True, **kw)
+        want_ids, want_w = select_experts(logits, 4, kernel=True, **kw)
+        assert ((ids >= 0) & (ids < 32)).all() and all(len(set(r)) == 4 for r in ids.tolist())
+        rows = [0, 1, 3]
+        assert torch.equal(ids[rows], want_ids[rows]) and torch.equal(w[rows], want_w[rows])
+        assert torch.isnan(w[2]).any()
+
+
+def test_fused_kernel_refuses_sizes_it_does_not_take():
+    from epmoe.routing import FUSED_MAX_EXPERTS, FUSED_MAX_TOP_K
+
+    with pytest.raises(ValueError, match=f"kernel=True: num_experts={FUSED_MAX_EXPERTS + 1} is over"):
+        select_experts(torch.zeros(1, FUSED_MAX_EXPERTS + 1), 2, kernel=True)
+    with pytest.raises(ValueError, match=f"kernel=True: top_k={FUSED_MAX_TOP_K + 1} is over"):
+        select_experts(torch.zeros(1, 64), FUSED_MAX_TOP_K + 1, kernel=True)
+
+
+def test_fused_kernel_empty_batch_and_strided_logits():
+    ids, w = select_experts(torch.zeros(0, 16), 4, kernel=True)
+    assert ids.shape == w.shape == (0, 4)
+    wide = torch.randn(5, 40, generator=torch.Generator().manual_seed(1))
+    ids, w = select_experts(wide[:, :32], 4, kernel=True)  # rows 40 apart
+    want_ids, want_w = select_experts(wide[:, :32].contiguous(), 4, kernel=True)
+    assert torch.equal(ids, want_ids) and torch.equal(w, want_w)

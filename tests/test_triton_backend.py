@@ -202,3 +202,34 @@ def test_weight_errors():
         backend.prepare_weights(bad)
     with pytest.raises(ValueError, match="accumulator"):
         TritonBackend(get_scheme("int8_block"), accumulator="int32")
+
+
+@pytest.mark.parametrize("scheme,acc", SCHEME_ACC)
+@pytest.mark.parametrize("hint", [None, 6], ids=["host_sized", "device_sized"])
+def test_padding_rows_never_reach_the_output(scheme, acc, hint):
+    """The scatter leaves padding rows unwritten (no memset): whatever they hold, NaN included,
+    must stay in the padding's own output rows. The same batch with NaN and with zeros in its
+    padding (and its spare rows) gives bit-identical combined outputs, by the torch gather and
+    the Triton one, while the backend's padding output rows do turn non-finite (the poison
+    went through the experts pass)."""
+    from epmoe.kernels import permute
+    from epmoe.layouts import gather_weighted
+
+    ids = ROUTINGS["uneven"]
+    x = _x(ids.shape[0])
+    w = torch.rand(ids.shape, generator=torch.Generator().manual_seed(5))
+    backend = TritonBackend(get_scheme(scheme), accumulator=acc)
+    prepared = backend.prepare_weights(_weights(scheme))
+    batch = _to_contiguous_kernels(x.to(DEVICE), None, ids.to(DEVICE), E, 8, None, expected_m=hint)
+    pad = batch.m_indices < 0
+    assert pad[: int(batch.expert_offsets[-1])].any()  # padding inside the segments, not only spare rows
+    outs = []
+    for fill in (0.0, float("nan")):
+        x_rows = batch.x.clone()
+        x_rows[pad] = fill
+        outs.append(backend.run_contiguous(dataclasses.replace(batch, x=x_rows), prepared, torch.float32))
+    used = int(batch.expert_offsets[-1])
+    assert not torch.isfinite(outs[1][:used][pad[:used]]).any()
+    for gather in (gather_weighted, permute.gather_weighted):
+        clean, poisoned = (gather(o, batch.slot_pos, w.to(DEVICE), torch.float32).cpu() for o in outs)
+        assert torch.isfinite(poisoned).all() and torch.equal(poisoned, clean)

@@ -874,6 +874,45 @@ def test_activation_masked_rows_only():
         assert torch.equal(q[e, :n], fq[e, :n]) and torch.equal(s[e, :n], fs[e, :n])
 
 
+@pytest.mark.parametrize("granularity,dtype", [("token", torch.int8), ("group", torch.int8), ("group", torch.float8_e4m3fn)])
+@pytest.mark.parametrize("slab", [False, True], ids=["flat", "spare_slab"])
+def test_activation_skips_rows_of_no_expert(granularity, dtype, slab, monkeypatch):
+    """``row_expert``: rows of expert -1 (a padded layout's padding) are neither read nor written
+    (their outputs keep what the allocator left: a poison value here); the other rows equal the
+    unmasked call's bit for bit. Over the spare-row slab ([1, M, 2I] with a row bound) as the
+    CUTLASS backend runs it, too."""
+    x = torch.randn(12, 256).half().to(DEVICE)
+    row_expert = torch.tensor([0, -1, -1, -1, 1, 1, -1, -1, 3, -1, -1, -1], dtype=torch.int32, device=DEVICE)
+    x[row_expert < 0] = float("nan")  # would reach the masked rows' outputs if they were computed
+    want_q, want_s = activation.silu_and_mul_quant(x, granularity, 128, dtype)
+    real_empty = torch.empty
+
+    def poisoned_empty(*shape, dtype=None, device=None, **kw):
+        out = real_empty(*shape, dtype=dtype, device=device, **kw)
+        return out.fill_(7 if dtype == torch.int8 else 1234.0) if dtype in (torch.int8, torch.float32) else out
+
+    monkeypatch.setattr(quantize.torch, "empty", poisoned_empty)
+    kw = dict(masked_m=torch.tensor([9], dtype=torch.int32, device=DEVICE), expected_m=2) if slab else {}
+    q, s = activation.silu_and_mul_quant(x.unsqueeze(0) if slab else x, granularity, 128, dtype, row_expert=row_expert, **kw)
+    q, s = (q[0], s[0]) if slab else (q, s)
+    keep = (row_expert >= 0).cpu()
+    if slab:
+        keep[9:] = False  # past the slab's bound
+    assert torch.equal(q.cpu()[keep].view(torch.uint8), want_q.cpu()[keep].view(torch.uint8))
+    assert torch.equal(s.cpu()[keep], want_s.cpu()[keep])
+    assert (s.cpu()[~keep] == 1234.0).all()
+    if dtype == torch.int8:
+        assert (q.cpu()[~keep] == 7).all()
+
+
+def test_row_expert_must_match_the_rows():
+    x = torch.randn(4, 256, device=DEVICE)
+    with pytest.raises(ValueError, match=r"row_expert must be an int32 \[4\] tensor"):
+        activation.silu_and_mul_quant(x, "group", row_expert=torch.zeros(4, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match=r"row_expert must be an int32 \[4\] tensor"):
+        activation.silu_and_mul_quant(x, "group", row_expert=torch.zeros(3, dtype=torch.int32, device=DEVICE))
+
+
 ACT_LAUNCHES = [None, Launch(4, 512, 4), Launch(1, 128, 4), Launch(8, 256, 8)]
 
 

@@ -577,13 +577,20 @@ struct BlockScaledContiguousGemmConfig {
 // The scales in the kernel's layouts: SFA MN-major [K/128, M4] (M4 = M rounded up to 4, as TMA
 // wants 16-byte row strides; the extra columns are never applied to a stored row) and SFB with
 // each 128x128 block scale repeated for the 128 / kGroupN column groups, [E, N/kGroupN, K/128].
-// Both are small next to the GEMM (M * K/128 and E * N/kGroupN * K/128 floats).
+// Both are small next to the GEMM (M * K/128 and E * N/kGroupN * K/128 floats). A b_scale given
+// in SFB's layout already (the Python backend repeats the weights' scales once, when it prepares
+// them) is used as it is: repeating it here costs a copy kernel per GEMM call, which a
+// CUDA-graphed decode step pays in full.
 template <class Cfg>
-std::pair<at::Tensor, at::Tensor> kernel_scales(const at::Tensor& a_scale, const at::Tensor& b_scale) {
+std::pair<at::Tensor, at::Tensor> kernel_scales(const at::Tensor& a_scale, const at::Tensor& b_scale,
+                                                int64_t n) {
   const int64_t m = a_scale.size(0), m4 = (m + 3) / 4 * 4;
   auto sfa = at::empty({a_scale.size(1), m4}, a_scale.options());
   sfa.narrow(1, 0, m).copy_(a_scale.t());
-  return {sfa, b_scale.repeat_interleave(128 / Cfg::kGroupN, 1)};
+  const bool repeated = b_scale.size(1) * Cfg::kGroupN == n;
+  TORCH_CHECK(repeated || b_scale.size(1) * 128 == n, "b_scale has ", b_scale.size(1),
+              " scales along N=", n, "; expected N/128 or N/", Cfg::kGroupN);
+  return {sfa, repeated ? b_scale : b_scale.repeat_interleave(128 / Cfg::kGroupN, 1)};
 }
 
 // Arguments over the kernel_scales of the operands.
@@ -630,7 +637,7 @@ void run_block_scaled_contiguous_gemm(at::Tensor& out, const at::Tensor& a, cons
                              int64_t max_swizzle) {
   auto block_expert = block_expert_table(a, offsets);
   const int sm_count = at::cuda::getDeviceProperties(a.get_device())->multiProcessorCount;
-  auto [sfa, sfb] = kernel_scales<Cfg>(a_scale, b_scale);
+  auto [sfa, sfb] = kernel_scales<Cfg>(a_scale, b_scale, b.size(1));
   auto args = make_arguments<Cfg>(out, a, sfa, b, sfb, block_expert.data_ptr<int32_t>(), sm_count,
                                   raster_along_n, max_swizzle);
   run_gemm<typename Cfg::Gemm>(args, a);
@@ -640,7 +647,7 @@ void run_block_scaled_contiguous_gemm(at::Tensor& out, const at::Tensor& a, cons
 template <class Cfg>
 int64_t workspace_size_for(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
                            const at::Tensor& b, const at::Tensor& b_scale, int64_t sm_count) {
-  auto [sfa, sfb] = kernel_scales<Cfg>(a_scale, b_scale);
+  auto [sfa, sfb] = kernel_scales<Cfg>(a_scale, b_scale, b.size(1));
   auto args = make_arguments<Cfg>(out, a, sfa, b, sfb, nullptr, static_cast<int>(sm_count), 1, 1);
   return static_cast<int64_t>(Cfg::Gemm::get_workspace_size(args));
 }

@@ -56,10 +56,13 @@ void check_operands(const char* op, at::ScalarType dtype, const at::Tensor& out,
   TORCH_CHECK(a_scale.scalar_type() == at::kFloat && a_scale.is_contiguous() &&
                   a_scale.dim() == 2 && a_scale.size(0) == m && a_scale.size(1) == k / 128,
               op, ": a_scale must be a contiguous fp32 [M, K/128] tensor");
+  // One weight scale per 128x128 block, or the block scales already repeated to the kernels'
+  // 64-column groups (kernel_scales checks that against the configuration).
   TORCH_CHECK(b_scale.scalar_type() == at::kFloat && b_scale.is_contiguous() &&
-                  b_scale.dim() == 3 && b_scale.size(0) == e && b_scale.size(1) == n / 128 &&
+                  b_scale.dim() == 3 && b_scale.size(0) == e &&
+                  (b_scale.size(1) == n / 128 || b_scale.size(1) == n / 64) &&
                   b_scale.size(2) == k / 128,
-              op, ": b_scale must be a contiguous fp32 [E, N/128, K/128] tensor");
+              op, ": b_scale must be a contiguous fp32 [E, N/128, K/128] (or [E, N/64, K/128]) tensor");
   TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.dim() == 2 &&
                   out.size(0) == m && out.size(1) == n,
               op, ": out must be a contiguous bf16 [M, N] tensor");

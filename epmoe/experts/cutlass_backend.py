@@ -38,6 +38,7 @@ without rows has an empty segment and gets no tiles.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib.util
@@ -364,6 +365,7 @@ def grouped_gemm(
     a_scale = a_scale.contiguous()
     offsets = expert_offsets.to(device=a.device, dtype=torch.int32).contiguous()
     if _use_sgl():
+        _refuse_repeated_for_sgl(b, b_scale)
         _sgl_grouped_gemm(out, a, a_scale, b, b_scale, offsets)
         return out
     load_extension().fp8_contiguous_gemm(out, a.contiguous(), a_scale, b, b_scale.contiguous(), offsets, *TILE_ORDER)
@@ -451,11 +453,35 @@ def check_operands(
 def _check_block_scaled(op, dtype, a, a_scale, b, b_scale, expert_offsets, out) -> None:
     """The block-scaled kernels' operands (FP8 or INT8): K and N positive multiples of 128 (the
     kernels step K in whole 128-wide scale blocks and read one weight scale per 128 columns),
-    ``a_scale [M, K/128]``, ``b_scale [E, N/128, K/128]``."""
+    ``a_scale [M, K/128]``, ``b_scale [E, N/128, K/128]`` or :func:`kernel_weight_scale`'s
+    ``[E, N/64, K/128]``."""
     _check_rows(a)
     check_operands(op, a, a_scale, b, b_scale, expert_offsets, out, dtype=dtype, k_multiple=BLOCK,
                    n_multiple=BLOCK, a_scale_shapes=lambda m, k: [(m, k // BLOCK)],
-                   b_scale_shapes=lambda e, n, k: [(e, n // BLOCK, k // BLOCK)])  # fmt: skip
+                   b_scale_shapes=lambda e, n, k: [(e, n // BLOCK, k // BLOCK),
+                                                   (e, n // WEIGHT_SCALE_GROUP_N, k // BLOCK)])  # fmt: skip
+
+
+WEIGHT_SCALE_GROUP_N = 64
+"""Columns per weight scale in the project's block-scaled kernels (``kGroupN`` of the
+configurations in ``block_scaled_contiguous_gemm.cuh``: a 192-column tile meets two 128-column
+weight blocks). They take ``b_scale`` on that grid, and repeat a ``[E, N/128, K/128]`` one to it
+themselves, a copy kernel per GEMM call."""
+
+
+def kernel_weight_scale(b_scale: torch.Tensor) -> torch.Tensor:
+    """``[E, N/128, K/128]`` 128x128 block scales on the kernels' grid, ``[E, N/64, K/128]`` (each
+    repeated for its 64-column groups): what :meth:`CutlassBackend.prepare_weights` makes once, so
+    that no GEMM call repeats them."""
+    return b_scale.float().repeat_interleave(BLOCK // WEIGHT_SCALE_GROUP_N, 1).contiguous()
+
+
+def _refuse_repeated_for_sgl(b: torch.Tensor, b_scale: torch.Tensor) -> None:
+    if b_scale.shape[1] != b.shape[1] // BLOCK:
+        raise ValueError(
+            f"sgl-kernel's FP8 op takes one weight scale per 128x128 block, [E, N/128, K/128]; got b_scale "
+            f"{tuple(b_scale.shape)} for b {tuple(b.shape)} (the project's kernel's grid: EPMOE_CUTLASS_IMPL=epmoe)"
+        )
 
 
 def _output(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -786,6 +812,18 @@ class CutlassBackend(ExpertsBackend):
         int8_rule(device, scheme.name)  # logs, when the layer selects, which kernel serves which sizes
         return True, f"{reason.rsplit(': ', 1)[0]}: epmoe's {KERNEL_NAMES[scheme.name]}"
 
+    def prepare_weights(self, weights: ExpertWeights) -> ExpertWeights:
+        """The base's checked, contiguous weights; for FP8 on the project's kernel with the block
+        scales repeated to its 64-column grid once (:func:`kernel_weight_scale`), instead of
+        inside each of the two GEMM calls of every forward. INT8 keeps the checkpoint's grid:
+        below the crossover its batches run on the Triton GEMMs, which read that."""
+        weights = super().prepare_weights(weights)
+        if self.int8 or self._sgl_fp8:
+            return weights
+        return dataclasses.replace(
+            weights, w13_scale=kernel_weight_scale(weights.w13_scale), w2_scale=kernel_weight_scale(weights.w2_scale)
+        )
+
     def warmup(self, weights: ExpertWeights, max_m: int = 0) -> None:
         """Build the extension (first use) so no compile happens inside a timed or captured region."""
         if self.int8 or not _use_sgl():
@@ -853,7 +891,8 @@ class CutlassBackend(ExpertsBackend):
             gate_up = gemm(drop(a), drop(a_scale), weights.w13, weights.w13_scale, offsets)
         with phase("epmoe.activation"):
             rows = stages.row_args(*bound)
-            h, h_scale = ops.silu_and_mul_quant(lift(gate_up), "group", BLOCK, torch.float8_e4m3fn, **rows)
+            h, h_scale = ops.silu_and_mul_quant(lift(gate_up), "group", BLOCK, torch.float8_e4m3fn,
+                                                row_expert=stages.padding_rows(batch), **rows)  # fmt: skip
         with phase("epmoe.gemm2"):
             return gemm(drop(h), drop(h_scale), weights.w2, weights.w2_scale, offsets)
 
@@ -877,7 +916,7 @@ class CutlassBackend(ExpertsBackend):
         with phase("epmoe.gemm1"):
             gate_up = gemm(drop(a), drop(a_scale), weights.w13, weights.w13_scale, offsets)
         with phase("epmoe.activation"):
-            h, h_scale = stages.activation(scheme, lift(gate_up), weights, *bound)
+            h, h_scale = stages.activation(scheme, lift(gate_up), weights, *bound, stages.padding_rows(batch))
         with phase("epmoe.gemm2"):
             return gemm(drop(h), drop(h_scale), weights.w2, weights.w2_scale, offsets)
 

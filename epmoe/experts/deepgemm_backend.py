@@ -32,6 +32,7 @@ import torch
 from ..layouts import ContiguousBatch, MaskedBatch
 from ..quant.schemes import BLOCK, QuantScheme
 from ..timing import phase
+from . import stages
 from .base import ExpertsBackend, ExpertWeights, fp8_gemm_input
 from .fp8_selection import deepgemm_decision, machine_facts
 
@@ -259,7 +260,8 @@ class DeepGemmBackend(ExpertsBackend):
         with phase("epmoe.gemm1"):
             gate_up = ops.deepgemm_contiguous(a, a_scale, weights.w13, weights.w13_scale, m_indices)
         with phase("epmoe.activation"):
-            h, h_scale = ops.silu_and_mul_quant(gate_up, "group", BLOCK, torch.float8_e4m3fn)
+            h, h_scale = ops.silu_and_mul_quant(gate_up, "group", BLOCK, torch.float8_e4m3fn,
+                                                row_expert=stages.padding_rows(batch))  # fmt: skip
         with phase("epmoe.gemm2"):
             out = ops.deepgemm_contiguous(h, h_scale, weights.w2, weights.w2_scale, m_indices)
         return out if out_dtype == torch.bfloat16 else out.to(out_dtype)

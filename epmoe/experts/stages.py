@@ -13,6 +13,7 @@ import torch
 from ..layouts import ContiguousBatch
 from ..quant.reference import dequantize_rows
 from ..quant.schemes import BLOCK, QuantScheme
+from ..tensors import as_contiguous
 from .base import ExpertWeights
 
 
@@ -84,13 +85,22 @@ def activation(
     weights: ExpertWeights,
     masked_m: torch.Tensor | None,
     expected_m: int | None = None,
+    row_expert: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``silu(gate) * up`` of GEMM1's output ``gate_up`` (``[..., 2I]``), requantized for a
     quantized ``scheme`` (per token or per 1x128 group, as its activations); rows as in
-    :func:`gemm1_input`. Returns GEMM2's operand and its scales (``None`` for BF16)."""
+    :func:`gemm1_input`; ``row_expert`` (quantized schemes): skip the rows of expert -1 (see
+    :func:`padding_rows`). Returns GEMM2's operand and its scales (``None`` for BF16)."""
     act = kernels()
     rows = row_args(masked_m, expected_m)
     if not scheme.quantized:
         return act.silu_and_mul(gate_up, weights.w2.dtype, **rows), None
     granularity = "token" if scheme.act_granularity == "token" else "group"
-    return act.silu_and_mul_quant(gate_up, granularity, BLOCK, torch.int8, **rows)
+    return act.silu_and_mul_quant(gate_up, granularity, BLOCK, torch.int8, row_expert=row_expert, **rows)
+
+
+def padding_rows(batch: ContiguousBatch) -> torch.Tensor | None:
+    """The ``row_expert`` of the row-wise stages over ``batch``: its ``m_indices`` when its segments
+    are padded (``alignment`` above 1, or not recorded), so that the stages skip the padding rows
+    (a decode step's 128-row segments hold a row or two each); ``None`` without padding."""
+    return None if batch.alignment == 1 else as_contiguous(batch.m_indices, torch.int32)

@@ -114,6 +114,7 @@ def silu_and_mul_quant(
     *,
     masked_m: torch.Tensor | None = None,
     expected_m: int | None = None,
+    row_expert: torch.Tensor | None = None,
     launch: Launch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``silu(gate) * up`` quantized for the second GEMM.
@@ -125,6 +126,8 @@ def silu_and_mul_quant(
         dtype: ``torch.int8``, or ``torch.float8_e4m3fn`` with ``"group"``.
         masked_m: optional ``[E]`` valid rows per expert; other rows are left unwritten.
         expected_m: as in :func:`silu_and_mul`.
+        row_expert: optional int32 expert of every row of ``gate_up`` (leading dims flattened; a
+            contiguous layout's ``m_indices``): rows of -1 are skipped, their outputs unwritten.
         launch: tile and warps of the kernel (checked); ``None``: the quantizers' defaults
             (:func:`~epmoe.kernels.quantize.token_launch` / ``group_launch``).
 
@@ -136,7 +139,7 @@ def silu_and_mul_quant(
         raise ValueError(f"granularity={granularity!r}; allowed: 'token', 'group'")
     if granularity == "token" and dtype != torch.int8:
         raise TypeError(f"dtype={dtype} with granularity='token'; allowed: int8 (token), int8 or e4m3 (group)")
-    plan = row_plan(masked_m, gate_up.shape, gate_up.device, expected_m)
+    plan = row_plan(masked_m, gate_up.shape, gate_up.device, expected_m, row_expert)
     if granularity == "token":
         return token_quant(x2, None, 1, gate_up.shape, plan, launch, silu=True)
     return group_quant(x2, None, 1, gate_up.shape, plan, group_size, dtype, launch, silu=True)

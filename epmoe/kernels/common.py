@@ -35,6 +35,22 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
+def max_rows(num_tokens: int, top_k: int, num_experts: int, alignment: int) -> int:
+    """Most rows a contiguous layout of ``num_tokens x top_k`` slots over ``num_experts`` experts
+    can need, every segment padded to a multiple of ``alignment``: the size of a layout whose
+    segment sizes stay on the device.
+
+    With ``N`` local slots in ``n`` non-empty experts the rows are ``sum_e ceil(c_e / A) * A <=
+    N + n * (A - 1)``, and ``n <= min(N, E)`` (a token may name an expert twice, so ``n`` can be
+    below ``N`` but never above it). The sum is a multiple of ``A``, so the bound is rounded down
+    to one. It is reached (``N <= E``: one slot per expert gives ``N * A``), so no smaller buffer is
+    safe; sizing by ``E * (A - 1)`` instead would allocate (and any fill would touch) up to ``E / N``
+    times the rows a decode step can use. Symbolic sizes stay symbolic (``torch.sym_min``)."""
+    slots = num_tokens * top_k
+    bound = slots + torch.sym_min(slots, num_experts) * (alignment - 1)
+    return bound // alignment * alignment
+
+
 def check_scale_input(x: torch.Tensor, x_scale: torch.Tensor) -> None:
     """``x_scale`` must be fp32-castable ``[..., S]`` matching ``x [..., K]`` with ``S | K``."""
     if not isinstance(x_scale, torch.Tensor) or not x_scale.is_floating_point():
@@ -63,6 +79,14 @@ class RowPlan(NamedTuple):
     cap: int
     rows: int
     expected_m: int | None
+    row_expert: torch.Tensor | None = None
+    """``[rows]`` int32 expert of every row (a contiguous layout's ``m_indices``): rows of ``-1``
+    (padding) are skipped, their outputs left unwritten; ``None``: every row is computed."""
+
+    @property
+    def row_mask(self) -> torch.Tensor:
+        """The ``ROW_EXPERT`` kernel argument (a placeholder without a mask)."""
+        return self.masked_m if self.row_expert is None else self.row_expert
 
     def grid(self, m: int, block_m: int) -> tuple[int, int]:
         """``(programs along the rows, PROGS)``: one program per ``block_m`` rows, or with a mask
@@ -77,23 +101,35 @@ class RowPlan(NamedTuple):
 
 
 def row_plan(
-    masked_m: torch.Tensor | None, shape: torch.Size, device: torch.device, expected_m: int | None = None
+    masked_m: torch.Tensor | None,
+    shape: torch.Size,
+    device: torch.device,
+    expected_m: int | None = None,
+    row_expert: torch.Tensor | None = None,
 ) -> RowPlan:
     """Checked kernel arguments that let a row-wise kernel over ``x`` (``[E, cap, K]`` with
     ``masked_m``) skip rows past ``masked_m`` and size its grid from ``expected_m`` (rows per
-    expert a masked batch is expected to fill; needs ``masked_m``)."""
+    expert a masked batch is expected to fill; needs ``masked_m``), and skip the rows whose
+    ``row_expert`` (one int32 per row of ``x``, all leading dims flattened) is -1."""
     check_positive_int("expected_m", expected_m, optional=True)
     m = math.prod(shape[:-1]) if len(shape) > 1 else 0  # np.prod costs ~4 us of host time
+    if row_expert is not None:
+        if (not isinstance(row_expert, torch.Tensor) or row_expert.dtype != torch.int32 or row_expert.dim() != 1
+                or row_expert.numel() != m or row_expert.device != torch.device(device)):  # fmt: skip
+            got = f"{row_expert.dtype} {tuple(row_expert.shape)} on {row_expert.device}" if isinstance(
+                row_expert, torch.Tensor) else type(row_expert).__name__  # fmt: skip
+            raise ValueError(f"row_expert must be an int32 [{m}] tensor on {device} (one per row); got {got}")
+        row_expert = as_contiguous(row_expert, torch.int32)
     if masked_m is None:
         if expected_m is not None:
             raise ValueError(f"expected_m={expected_m} sizes the grid of a masked batch; pass masked_m with it")
-        return RowPlan(False, placeholder(device, torch.int32), 1, m, None)
+        return RowPlan(False, placeholder(device, torch.int32), 1, m, None, row_expert)
     check_masked_m(masked_m, shape, "x")
     if masked_m.device != torch.device(device):
         masked_m = masked_m.to(device)
     cap = shape[1]
     rows = m if expected_m is None else min(m, shape[0] * expected_m)
-    return RowPlan(True, as_contiguous(masked_m, torch.int32), cap, max(1, rows), expected_m)
+    return RowPlan(True, as_contiguous(masked_m, torch.int32), cap, max(1, rows), expected_m, row_expert)
 
 
 def check_masked_m(masked_m: torch.Tensor, shape: torch.Size, name: str) -> None:

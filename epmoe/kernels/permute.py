@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ..tensors import as_contiguous, check_positive_int
-from .common import next_pow2
+from .common import max_rows, next_pow2
 
 SLOT_STEP = 512
 """Slots a program sorts at once: a power of two >= 128, so that each of the 4 warps' threads
@@ -71,7 +71,7 @@ def _slot_histogram_kernel(IDS, HIST, N_SLOTS, E, BLOCK, STEP: tl.constexpr, E_P
 def _slot_positions_kernel(
     IDS, HIST, SHIFT, OFFS, POS, MIDX, COUNTS, N_SLOTS, E, M_ROWS, NUM_BLOCKS, BLOCK,
     STEP: tl.constexpr, TILE_ROWS: tl.constexpr, ROW_STEP: tl.constexpr,
-    SIZES_ON_DEVICE: tl.constexpr, ALIGN: tl.constexpr, E_PAD: tl.constexpr,
+    SIZES_ON_DEVICE: tl.constexpr, ALIGN: tl.constexpr, E_PAD: tl.constexpr, ONE_BLOCK: tl.constexpr,
 ):
     # Program b places the slots of block b. Each program sums the whole histogram table itself
     # (tens of KB from L2) instead of waiting for a third launch: the expert totals give the
@@ -85,11 +85,17 @@ def _slot_positions_kernel(
     ids = tl.load(IDS + b * BLOCK + lane, mask=b * BLOCK + lane < N_SLOTS, other=-1)
     total = tl.zeros([E_PAD], dtype=tl.int32)
     before = tl.zeros([E_PAD], dtype=tl.int32)
-    for t0 in range(0, NUM_BLOCKS, TILE_ROWS):
-        blk = (t0 + tl.arange(0, TILE_ROWS))[:, None]
-        h = tl.load(HIST + blk * E_PAD + bins[None, :], mask=blk < NUM_BLOCKS, other=0)
-        total += tl.sum(h, 0)
-        before += tl.sum(tl.where(blk < b, h, 0), 0)
+    if ONE_BLOCK:
+        # Every slot is in this block's one step: its histogram is the total, so the histogram
+        # launch is skipped (a decode step's layout is one launch; in a CUDA graph a launch
+        # costs more than this program's work).
+        total = _local_ids(ids, E, E_PAD)[1]
+    else:
+        for t0 in range(0, NUM_BLOCKS, TILE_ROWS):
+            blk = (t0 + tl.arange(0, TILE_ROWS))[:, None]
+            h = tl.load(HIST + blk * E_PAD + bins[None, :], mask=blk < NUM_BLOCKS, other=0)
+            total += tl.sum(h, 0)
+            before += tl.sum(tl.where(blk < b, h, 0), 0)
     if SIZES_ON_DEVICE:
         room = (total + ALIGN - 1) // ALIGN * ALIGN
         ends = tl.cumsum(room, 0)
@@ -149,39 +155,60 @@ def _slot_positions_kernel(
 
 @triton.jit
 def _scatter_rows_kernel(
-    X, XS, Y, YS, POS, H, S, TOPK, stride_xm, stride_xsm, stride_ym, stride_ysm,
-    HAS_SCALE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-):
+    X, XS, Y, YS, POS, H, S, stride_xm, stride_xsm, stride_ym, stride_ysm,
+    TOPK: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < H
     x = tl.load(X + r * stride_xm + cols, mask=col_ok)
-    for j in range(0, TOPK):
+    # Unrolled with masked stores (no branch per slot): the k destination loads are independent,
+    # so they are in flight together instead of one memory latency after another.
+    for j in tl.static_range(TOPK):
         dst = tl.load(POS + r * TOPK + j)
-        if dst >= 0:
-            tl.store(Y + dst * stride_ym + cols, x, mask=col_ok)
-            if HAS_SCALE:
-                if tl.program_id(1) == 0:
-                    sc = tl.arange(0, BLOCK_S)
-                    s = tl.load(XS + r * stride_xsm + sc, mask=sc < S)
-                    tl.store(YS + dst * stride_ysm + sc, s, mask=sc < S)
+        tl.store(Y + tl.maximum(dst, 0) * stride_ym + cols, x, mask=col_ok & (dst >= 0))
+        if HAS_SCALE:
+            if tl.program_id(1) == 0:
+                sc = tl.arange(0, BLOCK_S)
+                s = tl.load(XS + r * stride_xsm + sc, mask=sc < S)
+                tl.store(YS + tl.maximum(dst, 0) * stride_ysm + sc, s, mask=(sc < S) & (dst >= 0))
 
 
 @triton.jit
 def _gather_weighted_kernel(
-    X, POS, W, OUT, H, TOPK, stride_xm, stride_om, BLOCK_H: tl.constexpr,
+    X, POS, W, OUT, H, stride_xm, stride_om, TOPK: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < H
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in range(0, TOPK):
+    # Unrolled: the k row loads do not wait for one another; the sum still runs in slot order.
+    for j in tl.static_range(TOPK):
         src = tl.load(POS + r * TOPK + j)
         w = tl.load(W + r * TOPK + j)
         # A masked load of an invalid slot reads nothing; its zeros add nothing.
         row = tl.load(X + tl.maximum(src, 0) * stride_xm + cols, mask=col_ok & (src >= 0), other=0.0)
         acc += tl.where(src >= 0, row.to(tl.float32) * w, 0.0)
     tl.store(OUT + r * stride_om + cols, acc.to(OUT.dtype.element_ty), mask=col_ok)
+
+
+ROW_PROGRAMS = 256
+"""Programs the row copies (scatter, gather) aim for: a decode step's few rows are split along H
+until about this many run (two per SM of an H200), instead of one program per 1024 columns
+(7 programs for one token of H = 7168)."""
+MIN_BLOCK_H = 128
+"""Fewest columns per program of a row copy (one warp, 4 elements per thread)."""
+
+
+def row_split(rows: int, hidden: int, device: torch.device) -> tuple[int, int]:
+    """``(BLOCK_H, num_warps)`` of a row copy over ``rows x hidden``: up to 1024 columns per
+    program, halved while fewer than :data:`ROW_PROGRAMS` programs would run (down to
+    :data:`MIN_BLOCK_H`). On CPU (the interpreter runs programs one after another) the widest."""
+    block = min(next_pow2(hidden), 1024)
+    if device.type != "cpu":
+        while block > MIN_BLOCK_H and rows * triton.cdiv(hidden, block) < ROW_PROGRAMS:
+            block //= 2
+    return block, max(1, min(4, block // 256))
 
 
 def slot_positions(
@@ -227,7 +254,7 @@ def slot_layout(
 
     Each expert's segment is its slot count rounded up to ``alignment``. The host cannot know
     the row count without reading it back, so the rows are sized for the worst case,
-    :func:`max_rows`; rows past ``expert_offsets[-1]`` are spare.
+    :func:`~epmoe.kernels.common.max_rows`; rows past ``expert_offsets[-1]`` are spare.
 
     Args:
         topk_ids: ``[R, k]`` int local expert ids (others: other ranks' slots).
@@ -247,12 +274,6 @@ def slot_layout(
     slot_pos, m_indices, counts = _slot_outputs(topk_ids, num_experts, rows)
     _launch_slots(topk_ids, offsets, slot_pos, m_indices, counts, alignment, True)
     return offsets, slot_pos, m_indices, counts
-
-
-def max_rows(num_tokens: int, top_k: int, num_experts: int, alignment: int) -> int:
-    """Most rows a contiguous layout of ``num_tokens x top_k`` slots can need: every slot local
-    (a token may name an expert twice) and every segment padded."""
-    return num_tokens * top_k + num_experts * (alignment - 1)
 
 
 def _check_ids(topk_ids) -> None:
@@ -285,14 +306,18 @@ def _launch_slots(topk_ids, offsets, slot_pos, m_indices, counts, alignment: int
     block = step * max(1, triton.cdiv(n, step * SLOT_PROGRAMS))
     blocks = max(1, triton.cdiv(n, block))
     # Scratch sized by the shapes only, so the launches stay capturable in a CUDA graph.
-    hist = torch.empty((blocks, e_pad), dtype=torch.int32, device=ids.device)
     shift = torch.empty((blocks, e_pad), dtype=torch.int64, device=ids.device)
-    _slot_histogram_kernel[(blocks,)](ids, hist, n, e, block, STEP=step, E_PAD=e_pad, num_warps=4)
+    one_block = blocks == 1 and block == step
+    if one_block:
+        hist = shift  # never read
+    else:
+        hist = torch.empty((blocks, e_pad), dtype=torch.int32, device=ids.device)
+        _slot_histogram_kernel[(blocks,)](ids, hist, n, e, block, STEP=step, E_PAD=e_pad, num_warps=4)
     _slot_positions_kernel[(blocks,)](
         ids, hist, shift, offsets, slot_pos, m_indices, counts, n, e, m_indices.numel(), blocks, block,
         STEP=step, TILE_ROWS=max(1, SLOT_TILE // e_pad), ROW_STEP=SLOT_ROWS,
-        SIZES_ON_DEVICE=sizes_on_device, ALIGN=alignment, E_PAD=e_pad, num_warps=4,
-    )
+        SIZES_ON_DEVICE=sizes_on_device, ALIGN=alignment, E_PAD=e_pad, ONE_BLOCK=one_block, num_warps=4,
+    )  # fmt: skip
 
 
 def scatter_rows(
@@ -340,17 +365,13 @@ def scatter_rows(
     xs = pos if x_scale is None else x_scale.contiguous()
     ys = pos if out_scale is None else out_scale
     s = 1 if x_scale is None else x_scale.shape[1]
-    _scatter(xc, xs, out, ys, pos, s, k, x_scale is not None, min(next_pow2(h), 1024))
-    return out, out_scale
-
-
-def _scatter(xc, xs, out, ys, pos, s, k, has_scale, block_h) -> None:
-    r, h = xc.shape
+    block_h, warps = row_split(r, h, x.device)
     _scatter_rows_kernel[(r, triton.cdiv(h, block_h))](
-        _as_copyable(xc), xs, _as_copyable(out), ys, pos, h, s, k,
+        _as_copyable(xc), xs, _as_copyable(out), ys, pos, h, s,
         xc.stride(0), xs.stride(0), out.stride(0), ys.stride(0),
-        HAS_SCALE=has_scale, BLOCK_H=block_h, BLOCK_S=max(16, next_pow2(s)),
-    )
+        TOPK=k, HAS_SCALE=x_scale is not None, BLOCK_H=block_h, BLOCK_S=max(16, next_pow2(s)), num_warps=warps,
+    )  # fmt: skip
+    return out, out_scale
 
 
 def _as_copyable(t: torch.Tensor) -> torch.Tensor:
@@ -396,11 +417,11 @@ def gather_weighted(
     if k == 0:
         return out.zero_()
     xc = expert_out.contiguous()
-    block_h = min(next_pow2(h), 1024)
+    block_h, warps = row_split(r, h, xc.device)
     _gather_weighted_kernel[(r, triton.cdiv(h, block_h))](
-        xc, slot_pos.to(torch.int64).contiguous(), topk_weights.float().contiguous(), out, h, k,
-        xc.stride(0), out.stride(0), BLOCK_H=block_h,
-    )
+        xc, slot_pos.to(torch.int64).contiguous(), topk_weights.float().contiguous(), out, h,
+        xc.stride(0), out.stride(0), TOPK=k, BLOCK_H=block_h, num_warps=warps,
+    )  # fmt: skip
     return out
 
 

@@ -251,6 +251,16 @@ def row_block(base, n, b, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def keep_rows(ROW_EXPERT, rows, row_ok, HAS_ROW_MASK: tl.constexpr):
+    """``row_ok`` without the rows whose expert is -1 (a contiguous layout's padding, which no valid
+    output reads): their loads and stores are masked off, so a decode step's 128-row segments
+    cost the work of their few valid rows."""
+    if HAS_ROW_MASK:
+        row_ok = row_ok & (tl.load(ROW_EXPERT + rows, mask=row_ok, other=-1) >= 0)
+    return row_ok
+
+
+@triton.jit
 def load_tile(
     X, XS, rows, row_ok, col0, K, stride_xm, stride_xsm,
     HAS_XS: tl.constexpr, IN_GROUP: tl.constexpr, SILU: tl.constexpr, GROUP: tl.constexpr,
@@ -286,10 +296,11 @@ def load_tile(
 
 @triton.jit
 def token_quant_kernel(
-    X, XS, Q, S, MASKED_M,
+    X, XS, Q, S, MASKED_M, ROW_EXPERT,
     M, K, CAP, PROGS,
     stride_xm, stride_xsm, stride_qm,
-    QMAX: tl.constexpr, HAS_XS: tl.constexpr, HAS_MASK: tl.constexpr, IN_GROUP: tl.constexpr,
+    QMAX: tl.constexpr, HAS_XS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ROW_MASK: tl.constexpr,
+    IN_GROUP: tl.constexpr,
     SILU: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     SINGLE: tl.constexpr,
 ):
@@ -298,6 +309,7 @@ def token_quant_kernel(
     base, n, first, step = row_segment(MASKED_M, M, CAP, PROGS, HAS_MASK)
     for b in range(first, tl.cdiv(n, BLOCK_M), step):
         rows, row_ok = row_block(base, n, b, BLOCK_M)
+        row_ok = keep_rows(ROW_EXPERT, rows, row_ok, HAS_ROW_MASK)
         if SINGLE:
             x, cols, mask = load_tile(
                 X, XS, rows, row_ok, 0, K, stride_xm, stride_xsm, HAS_XS, IN_GROUP, SILU, GROUP, NG
@@ -324,11 +336,11 @@ def token_quant_kernel(
 
 @triton.jit
 def group_quant_kernel(
-    X, XS, Q, S, MASKED_M,
+    X, XS, Q, S, MASKED_M, ROW_EXPERT,
     M, K, CAP, PROGS,
     stride_xm, stride_xsm, stride_qm, stride_sm,
     QMAX: tl.constexpr, TO_E4M3: tl.constexpr, HAS_XS: tl.constexpr, HAS_MASK: tl.constexpr,
-    IN_GROUP: tl.constexpr, SILU: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_ROW_MASK: tl.constexpr, IN_GROUP: tl.constexpr, SILU: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """One scale per 1 x ``GROUP`` of ``X`` (``SILU``: of ``silu(gate) * up``)."""
@@ -338,6 +350,7 @@ def group_quant_kernel(
     g = col0 // GROUP + tl.arange(0, NG)
     for b in range(first, tl.cdiv(n, BLOCK_M), step):
         rows, row_ok = row_block(base, n, b, BLOCK_M)
+        row_ok = keep_rows(ROW_EXPERT, rows, row_ok, HAS_ROW_MASK)
         x, cols, mask = load_tile(
             X, XS, rows, row_ok, col0, K, stride_xm, stride_xsm, HAS_XS, IN_GROUP, SILU, GROUP, NG
         )
@@ -436,9 +449,9 @@ def token_quant(
     grid, progs = plan.grid(m, launch.block_m)
     xs = placeholder(x2.device, torch.float32) if xs2 is None else xs2  # never read without scales
     token_quant_kernel[(grid,)](
-        x2, xs, q, s, plan.masked_m, m, k, plan.cap, progs,
+        x2, xs, q, s, plan.masked_m, plan.row_mask, m, k, plan.cap, progs,
         x2.stride(0), xs.stride(0), q.stride(0),
-        QMAX=INT8_QMAX, HAS_XS=xs2 is not None, HAS_MASK=plan.masked,
+        QMAX=INT8_QMAX, HAS_XS=xs2 is not None, HAS_MASK=plan.masked, HAS_ROW_MASK=plan.row_expert is not None,
         IN_GROUP=in_group, SILU=silu, GROUP=min(128, launch.block_k), BLOCK_M=launch.block_m,
         BLOCK_K=launch.block_k, SINGLE=launch.block_k >= k, num_warps=launch.num_warps,
     )  # fmt: skip
@@ -502,10 +515,10 @@ def group_quant(
         grid, progs = plan.grid(m, launch.block_m)
         xs = placeholder(x2.device, torch.float32) if xs2 is None else xs2  # never read without scales
         group_quant_kernel[(grid, triton.cdiv(k, launch.block_k))](
-            x2, xs, q, s, plan.masked_m, m, k, plan.cap, progs,
+            x2, xs, q, s, plan.masked_m, plan.row_mask, m, k, plan.cap, progs,
             x2.stride(0), xs.stride(0), q.stride(0), s.stride(0),
             QMAX=INT8_QMAX if dtype == torch.int8 else E4M3_QMAX, TO_E4M3=dtype != torch.int8,
-            HAS_XS=xs2 is not None, HAS_MASK=plan.masked, IN_GROUP=in_group,
+            HAS_XS=xs2 is not None, HAS_MASK=plan.masked, HAS_ROW_MASK=plan.row_expert is not None, IN_GROUP=in_group,
             SILU=silu, GROUP=group_size, BLOCK_M=launch.block_m, BLOCK_K=launch.block_k,
             num_warps=launch.num_warps,
         )  # fmt: skip

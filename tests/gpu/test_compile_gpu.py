@@ -86,23 +86,27 @@ def _cutlass_or_skip(scheme):
         pytest.skip(f"cutlass {scheme}: {reason}")
 
 
-@pytest.mark.parametrize("kind", ["fp8_block", "int8_channel", "int8_block"])
-def test_opcheck_cutlass(kind):
-    _cutlass_or_skip(kind)
+def cutlass_operands(kind, m=256, k=256, n=256, e=2):
+    """Random ``(a, a_scale, b, b_scale)`` of a CUTLASS grouped GEMM of ``kind`` on the GPU."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    m, k, n, e = 256, 256, 256, 2
     dev = dict(device="cuda")
     if kind == "fp8_block":
         a = (torch.randn(m, k, generator=g, **dev) * 8).to(torch.float8_e4m3fn)
         b = (torch.randn(e, n, k, generator=g, **dev) * 8).to(torch.float8_e4m3fn)
-        a_scale, b_scale = torch.rand(m, k // 128, generator=g, **dev), torch.rand(e, n // 128, k // 128, generator=g, **dev)
-    else:
-        a = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8, **dev)
-        b = torch.randint(-127, 128, (e, n, k), generator=g, dtype=torch.int8, **dev)
-        cols = 1 if kind == "int8_channel" else k // 128
-        a_scale = torch.rand(m, cols, generator=g, **dev) * 1e-3
-        b_scale = torch.rand(*((e, n, 1) if kind == "int8_channel" else (e, n // 128, k // 128)), generator=g, **dev) * 1e-3
-    offsets = torch.tensor([0, 128, 256], dtype=torch.int32, **dev)  # every row in a segment: all written
+        return a, torch.rand(m, k // 128, generator=g, **dev), b, torch.rand(e, n // 128, k // 128, generator=g, **dev)
+    a = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8, **dev)
+    b = torch.randint(-127, 128, (e, n, k), generator=g, dtype=torch.int8, **dev)
+    cols = 1 if kind == "int8_channel" else k // 128
+    a_scale = torch.rand(m, cols, generator=g, **dev) * 1e-3
+    b_scale = torch.rand(*((e, n, 1) if kind == "int8_channel" else (e, n // 128, k // 128)), generator=g, **dev) * 1e-3
+    return a, a_scale, b, b_scale
+
+
+@pytest.mark.parametrize("kind", ["fp8_block", "int8_channel", "int8_block"])
+def test_opcheck_cutlass(kind):
+    _cutlass_or_skip(kind)
+    a, a_scale, b, b_scale = cutlass_operands(kind)
+    offsets = torch.tensor([0, 128, 256], dtype=torch.int32, device="cuda")  # every row in a segment: all written
     from epmoe import ops
 
     # The op object itself: on the H200 (torch 2.11) a lookup through torch.ops.epmoe once found no

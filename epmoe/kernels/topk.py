@@ -1,0 +1,145 @@
+"""Router logits to top-k expert ids and weights in one Triton kernel.
+
+The same routing as the torch path of :func:`epmoe.routing.select_experts` (softmax or sigmoid
+scores in fp32, a correction bias that steers the choice only, DeepSeek's grouped top-k, the
+weights taken from the unbiased scores, renormalized, scaled), in one launch where the torch path
+takes about seven (softmax, topk's two sort kernels, gather, sum, clamp, divide) — in a CUDA-graphed
+decode step each of those is a launch gap of its own.
+
+Each program holds ``BLOCK_T`` whole rows ``[BLOCK_T, E]`` in registers and selects by repeated
+arg-max: ``top_k`` rounds over the experts (and, for grouped routing, ``topk_group`` rounds over the
+group scores before them), each round taking the largest remaining value.
+
+Ties: among equal values the lower index wins (expert id, or group index for the groups), and the
+ids come out in descending order of their choice score, equal scores in ascending id order. This is
+the order a stable descending sort gives; torch.topk documents no order among ties. A NaN choice
+score ranks above every number (as torch.topk ranks NaN), so a row with NaN logits still gets
+``top_k`` distinct ids in ``[0, E)`` (its weights are NaN, as on the torch path).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import next_pow2
+
+GPU_TILE = 1024
+"""Elements of a program's ``[BLOCK_T, E]`` tile on a GPU: rows are stacked up to this many."""
+INTERPRETER_TILE = 65536
+"""The same on CPU, where Triton's interpreter pays per program, not per element."""
+
+
+@triton.jit
+def _fused_topk_kernel(
+    LOGITS, BIAS, IDS, WEIGHTS, T, stride_l, scaling,
+    E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+    GROUPED: tl.constexpr, GROUPS: tl.constexpr, G_PAD: tl.constexpr, PER_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    e = tl.arange(0, E_PAD)
+    col_ok = (e < E)[None, :]
+    x = tl.load(LOGITS + rows[:, None].to(tl.int64) * stride_l + e[None, :], mask=row_ok[:, None] & col_ok,
+                other=float("-inf")).to(tl.float32)  # fmt: skip
+    x = tl.where(row_ok[:, None], x, 0.0)  # rows past T: finite, so their (unstored) math raises nothing
+    if SIGMOID:
+        scores = 1.0 / (1.0 + tl.exp(-x))
+    else:
+        p = tl.exp(x - tl.max(x, 1)[:, None])
+        p = tl.where(col_ok, p, 0.0)
+        scores = p / tl.sum(p, 1)[:, None]
+    choice = scores
+    if HAS_BIAS:
+        choice = choice + tl.load(BIAS + e, mask=e < E, other=0.0).to(tl.float32)[None, :]
+    # NaN ranks first (torch.topk's order); the padding columns never rank.
+    choice = tl.where(choice != choice, float("inf"), choice)
+    choice = tl.where(col_ok, choice, float("-inf"))
+
+    if GROUPED:
+        # Group score: the sum of the group's two best choice scores with a bias (DeepSeek-V3),
+        # its best without (DeepSeek-V2); then the TOPK_GROUP best groups stay.
+        group = e // PER_GROUP
+        g_idx = tl.arange(0, G_PAD)[None, :]
+        g_score = tl.full([BLOCK_T, G_PAD], float("-inf"), tl.float32)
+        for g in range(GROUPS):
+            in_g = (group == g)[None, :]
+            v = tl.where(in_g, choice, float("-inf"))
+            best = tl.max(v, 1)
+            if HAS_BIAS and PER_GROUP > 1:
+                first = tl.min(tl.where(in_g & (v == best[:, None]), e[None, :], E_PAD), 1)
+                best = best + tl.max(tl.where(e[None, :] == first[:, None], float("-inf"), v), 1)
+            g_score = tl.where(g_idx == g, best[:, None], g_score)
+        g_left = g_idx < GROUPS
+        kept = tl.zeros([BLOCK_T, G_PAD], dtype=tl.int32)
+        for _ in range(TOPK_GROUP):
+            top = tl.max(tl.where(g_left, g_score, float("-inf")), 1)
+            pick = tl.min(tl.where(g_left & (g_score == top[:, None]), g_idx, G_PAD), 1)
+            hit = g_idx == pick[:, None]
+            kept = tl.where(hit, 1, kept)
+            g_left = g_left & (g_idx != pick[:, None])
+        allowed = tl.zeros([BLOCK_T, E_PAD], dtype=tl.int32)
+        for g in range(GROUPS):
+            kept_g = tl.sum(tl.where(g_idx == g, kept, 0), 1)
+            allowed = tl.where((group == g)[None, :], kept_g[:, None], allowed)
+        choice = tl.where(allowed > 0, choice, float("-inf"))
+
+    left = col_ok & row_ok[:, None]
+    slot = tl.arange(0, K_PAD)[None, :]
+    ids = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int32)
+    weights = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
+    for j in range(K):
+        top = tl.max(tl.where(left, choice, float("-inf")), 1)
+        pick = tl.min(tl.where(left & (choice == top[:, None]), e[None, :], E_PAD), 1)
+        hit = e[None, :] == pick[:, None]
+        ids = tl.where(slot == j, pick[:, None], ids)
+        weights = tl.where(slot == j, tl.sum(tl.where(hit, scores, 0.0), 1)[:, None], weights)
+        left = left & (e[None, :] != pick[:, None])
+    if RENORM:
+        total = tl.sum(weights, 1)  # the padding slots hold zeros
+        # The torch path's clamp(min=1e-20); a NaN total stays NaN.
+        weights = weights / tl.where(total < 1e-20, 1e-20, total)[:, None]
+    weights = weights * scaling
+    out = rows[:, None].to(tl.int64) * K + slot
+    mask = row_ok[:, None] & (slot < K)
+    tl.store(IDS + out, ids.to(tl.int64), mask=mask)
+    tl.store(WEIGHTS + out, weights, mask=mask)
+
+
+def fused_topk(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring_func: str, num_expert_group: int | None,
+    topk_group: int | None, correction_bias: torch.Tensor | None, routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`epmoe.routing.select_experts` in one launch (arguments as there, already checked by
+    it: ``scoring_func`` ``"softmax"`` or ``"sigmoid"``, groups dividing ``E``, ``top_k`` within the
+    kept groups). Ties as the module says.
+
+    Returns:
+        ``topk_ids [T, k]`` int64 and ``topk_weights [T, k]`` fp32.
+    """
+    t, e = router_logits.shape
+    device = router_logits.device
+    ids = torch.empty((t, top_k), dtype=torch.int64, device=device)
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=device)
+    if t == 0:
+        return ids, weights
+    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+    grouped = num_expert_group is not None and topk_group < num_expert_group
+    groups = num_expert_group if grouped else 1
+    bias = correction_bias
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        bias = bias.float().contiguous()
+    e_pad = next_pow2(e)
+    tile = INTERPRETER_TILE if device.type == "cpu" else GPU_TILE
+    block_t = max(1, min(next_pow2(t), tile // e_pad))
+    _fused_topk_kernel[(triton.cdiv(t, block_t),)](
+        logits, logits if bias is None else bias, ids, weights, t, logits.stride(0), float(routed_scaling_factor),
+        E=e, E_PAD=e_pad, K=top_k, K_PAD=next_pow2(top_k), BLOCK_T=block_t,
+        SIGMOID=scoring_func == "sigmoid", HAS_BIAS=bias is not None, RENORM=bool(renormalize),
+        GROUPED=grouped, GROUPS=groups, G_PAD=next_pow2(groups), PER_GROUP=e // groups,
+        TOPK_GROUP=topk_group if grouped else 1, num_warps=max(1, min(4, block_t * e_pad // 256)),
+    )  # fmt: skip
+    return ids, weights
