@@ -1,11 +1,12 @@
 """The layer's device work as ``torch.library`` custom ops (namespace ``epmoe``), for ``torch.compile``.
 
-Dynamo cannot trace into a Triton launch, a CUTLASS extension call or DeepGEMM: registered as
-custom ops with fake implementations (output shapes and dtypes from the input shapes alone) they
-become single nodes of a compiled graph, and a CUDA graph of that graph replays them. The kernels
-stay pure functions in :mod:`epmoe.kernels` (and the CUTLASS / DeepGEMM wrappers in
-:mod:`epmoe.experts`); this module only registers them. Every op allocates its outputs and writes
-nothing it is given (``mutates_args=()``).
+Dynamo cannot trace into a Triton launch, a CUTLASS extension call, DeepGEMM or DeepEP: registered
+as custom ops with fake implementations (output shapes and dtypes from the input shapes and the
+sizes passed along) they become single nodes of a compiled graph, and a CUDA graph of that graph
+replays them. The kernels stay pure functions in :mod:`epmoe.kernels` (the CUTLASS / DeepGEMM
+wrappers in :mod:`epmoe.experts`, DeepEP's calls in :mod:`epmoe.dispatch.deepep_dispatch.calls`);
+this module only registers them. Every op allocates its outputs and writes nothing it is given
+(``mutates_args=()``).
 
 The functions below take the kernels' own arguments. While dynamo traces
 (``torch.compiler.is_compiling()``) they call the registered op; in eager mode they call the kernel
@@ -351,10 +352,17 @@ def deepgemm_masked(a, a_scale, b, b_scale, masked_m, expected_m):
 # owner's id, the handles travel as tensors. They mutate none of their arguments; DeepEP's own
 # buffer is state the graph never sees, and every call is ordered by the data it consumes (a
 # combine takes its dispatch's handle), so the same graph issues the same calls on every rank.
-def _deepep():
-    from .dispatch.deepep_dispatch import calls
+_DEEPEP: list = []
 
-    return calls
+
+def _deepep():
+    """:mod:`epmoe.dispatch.deepep_dispatch.calls`, imported on first use and kept (eager decode
+    calls it twice per layer and step)."""
+    if not _DEEPEP:
+        from .dispatch.deepep_dispatch import calls
+
+        _DEEPEP.append(calls)
+    return _DEEPEP[0]
 
 
 @_op("deepep_low_latency_dispatch")
