@@ -32,6 +32,7 @@ from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/ (helpers, reference)
+sys.path.insert(1, os.path.dirname(os.path.dirname(HERE)))  # the repository (benchmarks/)
 
 from helpers import make_weights  # noqa: E402
 from reference import rel_err  # noqa: E402
@@ -84,19 +85,11 @@ def _x(t, seed, rank, device):
 
 
 def _captured(fn, device):
-    """``fn`` captured in a CUDA graph after two warm-up calls on a side stream (as
-    ``torch.cuda.graphs`` recommends); every rank captures at the same point."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    torch.cuda.synchronize()
-    dist.barrier()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+    """``fn`` captured in a CUDA graph after two warm-up calls on a side stream, the ranks side by
+    side before the replays."""
+    from benchmarks.compile_decode import captured
+
+    graph, out = captured(fn, device)
     torch.cuda.synchronize()
     dist.barrier()
     return graph, out
