@@ -369,6 +369,23 @@ def test_unbounded_deepep_normal_breaks_only_where_the_host_waits(rank0_of_2):
     layer.dispatcher.buffer.close()
 
 
+def test_deepep_auto_breaks_only_at_its_routing_and_combine(rank0_of_2, single_rank_group):
+    """deepep_auto agrees on the mode over the ranks (an all-reduce read on the host, here over a
+    one-rank gloo group) and combines in the mode it chose: its documented breaks, both modes."""
+    layer = loopback_layer("deepep_auto", max_tokens_per_rank=8, quant="int8_channel")
+    for t, mode in ((5, "low_latency"), (11, "normal")):
+        x, logits = _loopback_inputs(t)
+        ref = layer(x, logits)
+        before = dict(layer.dispatcher.stats)
+        e = torch._dynamo.explain(layer)(x, logits)
+        assert layer.dispatcher.stats[mode] > before[mode]
+        reasons = {str(b.reason).split("Skip inlining function <function ")[-1].split(" ")[0] for b in e.break_reasons}
+        assert reasons == {"DeepEPAutoDispatcher._route", "DeepEPAutoDispatcher.combine"}, (mode, e.break_reasons)
+        out = torch.compile(layer, backend=COMPILER)(x, logits)
+        torch.testing.assert_close(out, ref, rtol=8e-3, atol=8e-3 * float(ref.abs().max()))
+    layer.dispatcher.buffer.close()
+
+
 def test_compiling_deepep_before_its_buffer_is_allocated_says_what_to_do(rank0_of_2):
     layer = loopback_layer("deepep_low_latency", max_tokens_per_rank=8)
     with pytest.raises(Exception, match="run one batch eagerly before compiling"):

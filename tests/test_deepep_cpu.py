@@ -660,7 +660,7 @@ def rank0_of_2(fake_deep_ep, monkeypatch):
     fake_deep_ep.Buffer = _LoopbackBuffer
     monkeypatch.setattr(layer_mod, "_resolve_group", lambda group: (group, 2, 0))
     monkeypatch.setattr(layer_mod, "check_agreement", lambda *a, **k: None)
-    for cls in (dd.DeepEPNormalDispatcher, dd.DeepEPLowLatencyDispatcher):
+    for cls in (dd.DeepEPNormalDispatcher, dd.DeepEPLowLatencyDispatcher, dd.DeepEPAutoDispatcher):
         monkeypatch.setattr(cls, "available", classmethod(lambda cls, cfg: (True, "the loopback stand-in")))
     return fake_deep_ep
 
