@@ -109,7 +109,8 @@ def _explain(block, x):
     torch._dynamo.reset()
     e = torch._dynamo.explain(block)(x)
     torch._dynamo.reset()
-    return dict(graphs=e.graph_count, breaks=e.graph_break_count, reasons=[str(b.reason)[:300] for b in e.break_reasons])
+    reasons = [str(b.reason)[:300] for b in e.break_reasons]
+    return dict(graphs=e.graph_count, breaks=e.graph_break_count, reasons=reasons)
 
 
 @torch.no_grad()
