@@ -35,7 +35,7 @@ such slots in its layout, dispatch and combine kernels.
 Under ``torch.compile`` DeepEP's calls are the custom ops ``epmoe::deepep_*`` (:mod:`epmoe.ops`,
 bodies in :mod:`.calls`): low-latency and bounded normal dispatch trace without a graph break;
 unbounded normal dispatch breaks at its send, where the host waits for the receive counts, and
-auto mode at its routing, where the ranks agree on the mode (docs/compile.md).
+auto mode at its routing, where the ranks agree on the mode, and at its combine (docs/compile.md).
 
 ``deep_ep`` is imported lazily, so this module imports (and its pure helpers run) without it.
 """
