@@ -227,6 +227,23 @@ def test_second_low_latency_buffer_in_a_process_refused(fake_deep_ep):
     second.get()  # allowed once the first one is gone
 
 
+def test_ops_reach_an_open_buffer_by_its_id_only():
+    """The DeepEP custom ops find their buffer by id: every owner has its own, closing it or
+    dropping the last reference to it (the registry is weak) takes it out, with a clear error."""
+    import gc
+
+    a, b = DeepEPBuffer(), DeepEPBuffer()
+    assert a.id != b.id and db.buffer_by_id(a.id) is a and db.buffer_by_id(b.id) is b
+    a.close()
+    with pytest.raises(DeepEPBufferError, match=f"no open DeepEPBuffer has id={a.id} .it was closed"):
+        db.buffer_by_id(a.id)
+    gone = b.id
+    del b
+    gc.collect()
+    with pytest.raises(DeepEPBufferError, match=f"id={gone}"):
+        db.buffer_by_id(gone)
+
+
 def test_allocation_needs_registrations(fake_deep_ep):
     with pytest.raises(ValueError, match="no layer registered"):
         DeepEPBuffer().get()
