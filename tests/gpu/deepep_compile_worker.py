@@ -1,9 +1,10 @@
 """Code that runs inside each rank of tests/gpu/test_deepep_compile.py (NCCL, one GPU per rank).
 
-A decode step of a decoder block (attention stand-in, fp32 router, routed experts in a
+First, each DeepEP custom op's fake implementation against real DeepEP (shapes, dtypes, strides).
+Then a decode step of a decoder block (attention stand-in, fp32 router, routed experts in a
 ``DeepEPMoELayer``, one shared expert) on ``deepep_low_latency``, per scheme:
 
-1. eager, on four batches (the first allocates the shared DeepEP buffer);
+1. eager, on four batches;
 2. ``torch._dynamo.explain``: graphs and graph breaks;
 3. ``torch.compile(fullgraph=True)`` (Inductor) on the same batches, against eager;
 4. a manual ``torch.cuda.CUDAGraph`` of the eager step, replayed with new tokens, against eager;
@@ -114,11 +115,51 @@ def _explain(block, x):
 
 
 @torch.no_grad()
+def _fake_matches_real(buf, device, rank):
+    """Each DeepEP op's fake implementation against what real DeepEP returns (shapes, dtypes,
+    strides: opcheck's fake-tensor check, one real call per op on every rank alike)."""
+    from epmoe import ops
+
+    t = 8 if rank == 0 else 3
+    g = torch.Generator().manual_seed(60 + rank)
+    x = torch.randn(t, H, generator=g).to(device, torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)]).to(device)
+    w = torch.rand(t, K, generator=g).to(device)
+    q8 = torch.randint(-127, 128, (t, H), generator=g, dtype=torch.int8).to(device)
+    q8_scale = (torch.rand(t, H // 128, generator=g) + 0.1).to(device)
+    n, world, worst = buf.plan.ll_max_tokens, dist.get_world_size(), dist.get_world_size() * CAP
+    channels, e_loc = buf.normal_channels, E // world
+    y_normal = torch.randn(worst, H, generator=g).to(device, torch.bfloat16)
+    y_ll = torch.randn(e_loc, world * n, H, generator=g).to(device, torch.bfloat16)
+    ll, nd = ops._deepep_low_latency_dispatch.op, ops._deepep_normal_dispatch.op
+    # Each combine takes the handle of the dispatch just before it (a real call on every rank).
+    cases = [
+        ("deepep_normal_dispatch", nd, lambda: (buf.id, q8, q8_scale, ids, w, E, 1, worst, world, channels)),
+        ("deepep_normal_dispatch[bf16]", nd, lambda: (buf.id, x, None, ids, w, E, 1, worst, world, channels)),
+        ("deepep_normal_combine", ops._deepep_normal_combine.op, lambda: (
+            buf.id, y_normal, nd(buf.id, q8, q8_scale, ids, w, E, 1, worst, world, channels)[4:])),
+        ("deepep_low_latency_dispatch", ll, lambda: (buf.id, x, ids, n, E, world, False)),
+        ("deepep_low_latency_dispatch[fp8]", ll, lambda: (buf.id, x, ids, n, E, world, True)),
+        ("deepep_low_latency_combine", ops._deepep_low_latency_combine.op, lambda: (
+            buf.id, y_ll, ids, w, *ll(buf.id, x, ids, n, E, world, False)[2:], n, E)),
+    ]  # fmt: skip
+    out = {}
+    for name, op, args in cases:  # the same order on every rank: each runs DeepEP the same times
+        try:
+            torch.library.opcheck(op, args(), test_utils=("test_faketensor",))
+            out[name] = "ok"
+        except Exception as exc:  # noqa: BLE001 - recorded, and the next op still runs on every rank
+            out[name] = f"{type(exc).__name__}: {exc}"[:800]
+        torch.cuda.synchronize()
+    return out
+
+
+@torch.no_grad()
 def _low_latency(scheme, buf, device, rank):
     block = _block(scheme, "deepep_low_latency", buf, device, max_tokens_per_rank=CAP)
     t = 8 if rank == 0 else 3  # different static batch sizes per rank
     xs = [_x(t, s, rank, device) for s in range(4)]
-    eager = [block(x).clone() for x in xs]  # the first allocates the buffer (a collective)
+    eager = [block(x).clone() for x in xs]
     torch.cuda.synchronize()
     row = dict(backend=block.experts.backend.name, dispatcher=block.experts.dispatcher.name, tokens=t,
                finite=all(bool(torch.isfinite(e).all()) for e in eager), explain=_explain(block, xs[0]))  # fmt: skip
@@ -176,6 +217,9 @@ def run_compile(rank, world, port, schemes, out_path):
     buf = DeepEPBuffer()
     buf.register(BufferNeeds(H, E, K, CAP, frozenset({"normal", "low_latency"})), world)
     try:
+        buf.get()  # allocated up front (a collective): the ops' fake implementations take its sizes
+        emit(dict(kind="fake_vs_real", ops=_fake_matches_real(buf, device, rank)))
+        dist.barrier()
         for scheme in schemes:
             emit(dict(kind="low_latency", scheme=scheme, **_low_latency(scheme, buf, device, rank)))
             dist.barrier()

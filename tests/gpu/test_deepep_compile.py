@@ -2,7 +2,8 @@
 step of a decoder block on ``deepep_low_latency`` compiled with ``fullgraph=True`` (Inductor), captured
 by hand in a ``torch.cuda.CUDAGraph`` (eager and compiled), and compiled with
 ``mode="reduce-overhead"``, each against the eager step; and bounded ``deepep_normal`` compiled with
-``fullgraph=True`` against eager. ``torch._dynamo.explain`` must count no graph break for either.
+``fullgraph=True`` against eager. ``torch._dynamo.explain`` must count no graph break for either,
+and every DeepEP op's fake implementation must give what real DeepEP gives (shapes, dtypes, strides).
 
 Skipped unless ``deep_ep`` imports and that many CUDA GPUs are present. All checks share one launch
 of the ranks (tests/gpu/deepep_compile_worker.py): a DeepEP buffer and NVSHMEM are set up once per
@@ -66,6 +67,11 @@ def _rows(res, kind):
     rows = [r for r in res["rows"] if r.get("kind") == kind]
     assert {r["rank"] for r in rows} == set(range(WORLD)), rows
     return rows
+
+
+def test_deepep_ops_fake_implementations_match_real_deep_ep(results):
+    for r in _rows(results, "fake_vs_real"):
+        assert len(r["ops"]) == 6 and all(v == "ok" for v in r["ops"].values()), r
 
 
 def test_low_latency_decode_compiles_in_one_graph_and_matches_eager(results):
