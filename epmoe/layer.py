@@ -516,10 +516,9 @@ class DeepEPMoELayer(nn.Module):
                 return self.backend.run_masked(batch, self._weights(), dtype)
         hint = self._segment_hint(d)
         align = self.backend.alignment if hint is None else self.backend.alignment_for(hint, self.device)
+        rows = d.padded_rows if hint is None else None  # host sizes, or the hint's device sizes
         with phase("epmoe.scatter"):
-            batch = to_contiguous(
-                d.x, d.x_scale, d.topk_ids, self.num_local_experts, align, d.padded_rows, expected_m=hint
-            )
+            batch = to_contiguous(d.x, d.x_scale, d.topk_ids, self.num_local_experts, align, rows, expected_m=hint)
         with phase("epmoe.experts"):
             out = self.backend.run_contiguous(batch, self._weights(), dtype)
         weights = d.topk_weights
@@ -539,9 +538,11 @@ class DeepEPMoELayer(nn.Module):
         nothing may read back, so every such backend gets device sizes then. Dispatchers that
         did not wait for their counts give the hint; otherwise it is the mean over the slots."""
         b = self.backend
-        if d.padded_rows is not None:
-            return None
         compiling = torch.compiler.is_compiling()
+        # Traced, host sizes would be baked into the graph as constants (a recompile per batch):
+        # a dispatcher's host list is ignored then and the sizes stay on the device.
+        if d.padded_rows is not None and not compiling:
+            return None
         if not (b.device_segments or (compiling and b.compile_segments)):
             return None
         if d.expected_m is not None:

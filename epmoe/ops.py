@@ -1,11 +1,12 @@
 """The layer's device work as ``torch.library`` custom ops (namespace ``epmoe``), for ``torch.compile``.
 
-Dynamo cannot trace into a Triton launch, a CUTLASS extension call or DeepGEMM: registered as
-custom ops with fake implementations (output shapes and dtypes from the input shapes alone) they
-become single nodes of a compiled graph, and a CUDA graph of that graph replays them. The kernels
-stay pure functions in :mod:`epmoe.kernels` (and the CUTLASS / DeepGEMM wrappers in
-:mod:`epmoe.experts`); this module only registers them. Every op allocates its outputs and writes
-nothing it is given (``mutates_args=()``).
+Dynamo cannot trace into a Triton launch, a CUTLASS extension call, DeepGEMM or DeepEP: registered
+as custom ops with fake implementations (output shapes and dtypes from the input shapes and the
+sizes passed along) they become single nodes of a compiled graph, and a CUDA graph of that graph
+replays them. The kernels stay pure functions in :mod:`epmoe.kernels` (the CUTLASS / DeepGEMM
+wrappers in :mod:`epmoe.experts`, DeepEP's calls in :mod:`epmoe.dispatch.deepep_dispatch.calls`);
+this module only registers them. Every op allocates its outputs and writes nothing it is given
+(``mutates_args=()``).
 
 The functions below take the kernels' own arguments. While dynamo traces
 (``torch.compiler.is_compiling()``) they call the registered op; in eager mode they call the kernel
@@ -380,3 +381,119 @@ def deepgemm_contiguous(a, a_scale, b, b_scale, m_indices):
 def deepgemm_masked(a, a_scale, b, b_scale, masked_m, expected_m):
     """:func:`epmoe.experts.deepgemm_backend.gemm_masked`."""
     return _deepgemm_masked(a, a_scale, b, b_scale, masked_m, expected_m)
+
+
+# ------------------------------------------------------------------------------------- DeepEP
+# DeepEP's send and combine (epmoe.dispatch.deepep_dispatch.calls): the buffer is reached by its
+# owner's id, the handles travel as tensors. They mutate none of their arguments; DeepEP's own
+# buffer is state the graph never sees, and every call is ordered by the data it consumes (a
+# combine takes its dispatch's handle), so the same graph issues the same calls on every rank.
+_DEEPEP: list = []
+
+
+def _deepep():
+    """:mod:`epmoe.dispatch.deepep_dispatch.calls`, imported on first use and kept (eager decode
+    calls it twice per layer and step)."""
+    if not _DEEPEP:
+        from .dispatch.deepep_dispatch import calls
+
+        _DEEPEP.append(calls)
+    return _DEEPEP[0]
+
+
+@_op("deepep_low_latency_dispatch")
+def _deepep_low_latency_dispatch(
+    buffer_id: int, x: torch.Tensor, topk_ids: torch.Tensor, num_max_tokens: int, num_experts: int, num_ranks: int,
+    use_fp8: bool,
+) -> list[torch.Tensor]:  # fmt: skip
+    """``num_ranks`` sizes only the fake implementation's outputs (DeepEP knows its group)."""
+    return _deepep().low_latency_dispatch(buffer_id, x, topk_ids, num_max_tokens, num_experts, use_fp8)
+
+
+@_deepep_low_latency_dispatch.register_fake
+def _(buffer_id, x, topk_ids, num_max_tokens, num_experts, num_ranks, use_fp8):
+    e_loc, rows, h = num_experts // num_ranks, num_ranks * num_max_tokens, x.shape[1]
+    out = [x.new_empty((e_loc, rows, h), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16)]
+    if use_fp8:  # column-major in its last two dimensions, as DeepEP allocates it (for TMA)
+        out.append(x.new_empty((e_loc, h // 128, rows), dtype=torch.float32).transpose(1, 2))
+    i32 = dict(dtype=torch.int32)
+    return [*out, x.new_empty((e_loc,), **i32), x.new_empty((e_loc, rows), **i32),
+            x.new_empty((e_loc, num_ranks), dtype=torch.int64)]  # fmt: skip
+
+
+@_op("deepep_low_latency_combine")
+def _deepep_low_latency_combine(
+    buffer_id: int, y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, src_info: torch.Tensor,
+    layout_range: torch.Tensor, num_max_tokens: int, num_experts: int,
+) -> torch.Tensor:  # fmt: skip
+    return _deepep().low_latency_combine(buffer_id, y, topk_ids, topk_weights, src_info, layout_range,
+                                         num_max_tokens, num_experts)  # fmt: skip
+
+
+@_deepep_low_latency_combine.register_fake
+def _(buffer_id, y, topk_ids, topk_weights, src_info, layout_range, num_max_tokens, num_experts):
+    return y.new_empty((topk_ids.shape[0], y.shape[-1]), dtype=torch.bfloat16)
+
+
+@_op("deepep_normal_dispatch")
+def _deepep_normal_dispatch(
+    buffer_id: int, x: torch.Tensor, x_scale: torch.Tensor | None, topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor, num_experts: int, alignment: int, num_worst_tokens: int, num_ranks: int,
+    num_channels: int,
+) -> list[torch.Tensor]:  # fmt: skip
+    """Bounded mode only (``num_worst_tokens`` > 0: output sizes known without a host sync);
+    ``num_ranks`` and ``num_channels`` size only the fake implementation's outputs."""
+    if num_worst_tokens < 1:
+        raise ValueError(f"num_worst_tokens={num_worst_tokens}: the op takes the bounded mode only (>= 1)")
+    return _deepep().normal_dispatch(buffer_id, x, x_scale, topk_ids, topk_weights, num_experts, alignment,
+                                     num_worst_tokens)[0]  # fmt: skip
+
+
+@_deepep_normal_dispatch.register_fake
+def _(buffer_id, x, x_scale, topk_ids, topk_weights, num_experts, alignment, num_worst_tokens, num_ranks,
+      num_channels):  # fmt: skip
+    payload = _deepep().normal_payload(x, x_scale)  # its dtype checks, at trace time
+    rows = list(payload) if isinstance(payload, tuple) else [payload]
+    w, t, k = num_worst_tokens, topk_ids.shape[0], topk_ids.shape[1]
+    i32 = dict(dtype=torch.int32)
+    return [
+        *(r.new_empty((w, r.shape[1])) for r in rows),
+        topk_ids.new_empty((w, k), dtype=torch.int64), topk_weights.new_empty((w, k), dtype=torch.float32),
+        x.new_empty((num_ranks, num_ranks), **i32), x.new_empty((num_ranks, num_channels), **i32),
+        x.new_empty((num_ranks, num_channels), **i32), x.new_empty((w,), **i32),
+        x.new_empty((t, num_ranks), dtype=torch.bool), x.new_empty((t, num_ranks), **i32),
+    ]  # fmt: skip
+
+
+@_op("deepep_normal_combine")
+def _deepep_normal_combine(buffer_id: int, y: torch.Tensor, handle: list[torch.Tensor]) -> torch.Tensor:
+    return _deepep().normal_combine(buffer_id, y, handle)
+
+
+@_deepep_normal_combine.register_fake
+def _(buffer_id, y, handle):
+    return y.new_empty((handle[-1].shape[0], y.shape[1]), dtype=torch.bfloat16)  # send_head [T, R]
+
+
+def deepep_low_latency_dispatch(buffer_id, x, topk_ids, *, num_max_tokens, num_experts, num_ranks, use_fp8):
+    """:func:`epmoe.dispatch.deepep_dispatch.calls.low_latency_dispatch`."""
+    return _deepep_low_latency_dispatch(buffer_id, x, topk_ids, num_max_tokens, num_experts, num_ranks, use_fp8)
+
+
+def deepep_low_latency_combine(buffer_id, y, topk_ids, topk_weights, src_info, layout_range, *, num_max_tokens,
+                               num_experts):  # fmt: skip
+    """:func:`epmoe.dispatch.deepep_dispatch.calls.low_latency_combine`."""
+    return _deepep_low_latency_combine(buffer_id, y, topk_ids, topk_weights, src_info, layout_range, num_max_tokens,
+                                       num_experts)  # fmt: skip
+
+
+def deepep_normal_dispatch(buffer_id, x, x_scale, topk_ids, topk_weights, *, num_experts, alignment,
+                           num_worst_tokens, num_ranks, num_channels):  # fmt: skip
+    """:func:`epmoe.dispatch.deepep_dispatch.calls.normal_dispatch` in bounded mode (its tensors)."""
+    return _deepep_normal_dispatch(buffer_id, x, x_scale, topk_ids, topk_weights, num_experts, alignment,
+                                   num_worst_tokens, num_ranks, num_channels)  # fmt: skip
+
+
+def deepep_normal_combine(buffer_id, y, handle):
+    """:func:`epmoe.dispatch.deepep_dispatch.calls.normal_combine`."""
+    return _deepep_normal_combine(buffer_id, y, list(handle))

@@ -27,6 +27,25 @@ def gpu_world_size() -> int:
     return world
 
 
+def deepep_gpu_marks(world: int) -> list:
+    """The marks of the multi-GPU DeepEP tests: ``gpu`` and ``multigpu``, skipped unless ``world``
+    CUDA GPUs are present and ``deep_ep`` imports (with the reason)."""
+    import pytest
+
+    try:
+        import deep_ep  # noqa: F401
+
+        reason = ""
+    except Exception as exc:  # noqa: BLE001 - any import failure means skip
+        reason = f"deep_ep is not importable ({exc})"
+    enough = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    return [
+        pytest.mark.gpu, pytest.mark.multigpu,
+        pytest.mark.skipif(not enough, reason=f"needs {world} CUDA GPUs"),
+        pytest.mark.skipif(bool(reason), reason=reason or "deep_ep present"),
+    ]  # fmt: skip
+
+
 def make_weights(num_experts: int, hidden: int, inter: int, scheme: str, seed: int = 0):
     """Random global weights for ``scheme``.
 

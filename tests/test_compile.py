@@ -24,7 +24,7 @@ from epmoe.experts.base import ExpertWeights
 from epmoe.experts.torch_backend import TorchBackend
 from epmoe.layouts import MaskedBatch, _to_contiguous_torch, _to_contiguous_torch_device, gather_weighted
 from epmoe.quant.schemes import get_scheme
-from test_deepep_cpu import fake_deep_ep  # noqa: F401 - the stand-in deep_ep fixture
+from test_deepep_cpu import fake_deep_ep, loopback_layer, rank0_of_2  # noqa: F401 - stand-in deep_ep fixtures
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPILER = "aot_eager"
@@ -90,8 +90,57 @@ GPU_ONLY = {"epmoe::cutlass_grouped_gemm", "epmoe::deepgemm_contiguous", "epmoe:
 """CUTLASS and DeepGEMM run on a GPU only: opchecked in tests/gpu/test_compile_gpu.py."""
 
 
+def _deepep_op_cases(buffer_id: int, channels: int):
+    """The DeepEP ops' cases on an allocated loopback buffer (2 ranks, 16 experts, N = 4): three
+    tokens with rank 0's experts, rank 1's and -1 slots; each combine gets its dispatch's handle."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 2048, generator=g)
+    ids = torch.tensor([[0, 9], [3, -1], [12, 5]])
+    w = torch.rand(3, 2, generator=g)
+    ll = ops.deepep_low_latency_dispatch(buffer_id, x.bfloat16(), ids, num_max_tokens=4, num_experts=16, num_ranks=2,
+                                         use_fp8=False)  # fmt: skip
+    q8 = torch.randint(-127, 128, (3, 2048), generator=g, dtype=torch.int8)
+    q8_scale = torch.rand(3, 16, generator=g) + 0.1
+    normal = ops.deepep_normal_dispatch(buffer_id, q8, q8_scale, ids, w, num_experts=16, alignment=1,
+                                        num_worst_tokens=8, num_ranks=2, num_channels=channels)  # fmt: skip
+    return {
+        "epmoe::deepep_low_latency_dispatch": ((buffer_id, x.bfloat16(), ids, 4, 16, 2, False), {}),
+        "epmoe::deepep_low_latency_dispatch[fp8]": ((buffer_id, x.bfloat16(), ids, 4, 16, 2, True), {}),
+        "epmoe::deepep_low_latency_combine": (
+            (buffer_id, torch.randn(8, 8, 2048, generator=g).bfloat16(), ids, w, ll[2], ll[3], 4, 16), {}),
+        "epmoe::deepep_normal_dispatch": ((buffer_id, q8, q8_scale, ids, w, 16, 1, 8, 2, channels), {}),
+        "epmoe::deepep_normal_dispatch[bf16]": ((buffer_id, x, None, ids, w, 16, 4, 8, 2, channels), {}),
+        "epmoe::deepep_normal_combine": ((buffer_id, torch.randn(8, 2048, generator=g).bfloat16(), normal[4:]), {}),
+    }
+
+
+DEEPEP_OPS = {
+    "epmoe::deepep_low_latency_dispatch[fp8]", "epmoe::deepep_low_latency_dispatch",
+    "epmoe::deepep_low_latency_combine", "epmoe::deepep_normal_dispatch", "epmoe::deepep_normal_dispatch[bf16]",
+    "epmoe::deepep_normal_combine",
+}  # fmt: skip
+"""The cases of :func:`_deepep_op_cases` (they need the stand-in deep_ep fixture)."""
+
+
+@pytest.fixture
+def loopback_buffer(rank0_of_2, single_rank_group):
+    """An allocated DeepEP buffer owner on the loopback stand-in, both modes (a low-latency call
+    after a normal one cleans the buffer, then waits at a barrier: over a one-rank gloo group)."""
+    from epmoe.dispatch.deepep_dispatch import DeepEPBuffer
+    from epmoe.dispatch.deepep_dispatch.sizing import BufferNeeds
+
+    # opcheck compares runs with assert_close, to which NaN never equals NaN: finite garbage here.
+    rank0_of_2.Buffer = type("_FiniteGarbage", (rank0_of_2.Buffer,), {"garbage": -3.0})
+    buf = DeepEPBuffer()
+    buf.register(BufferNeeds(2048, 16, 2, 4, frozenset({"normal", "low_latency"})), 2)
+    buf.get()
+    yield buf
+    buf.close()
+
+
 def test_every_registered_op_has_an_opcheck_case():
-    assert set(ops.OPS) == {name.split("[")[0] for name in _op_cases()} | GPU_ONLY
+    cased = {name.split("[")[0] for name in [*_op_cases(), *DEEPEP_OPS]}
+    assert set(ops.OPS) == cased | GPU_ONLY
     for name in ops.OPS:
         assert name.startswith(f"{ops.NAMESPACE}::")
 
@@ -99,6 +148,15 @@ def test_every_registered_op_has_an_opcheck_case():
 @pytest.mark.parametrize("name", sorted(_op_cases()))
 def test_opcheck(name):
     args, kwargs = _op_cases()[name]
+    op = getattr(torch.ops.epmoe, name.split("::")[1].split("[")[0]).default
+    torch.library.opcheck(op, args, kwargs)
+
+
+@pytest.mark.parametrize("name", sorted(DEEPEP_OPS))
+def test_opcheck_deepep(loopback_buffer, name):
+    cases = _deepep_op_cases(loopback_buffer.id, loopback_buffer.normal_channels)
+    assert set(cases) == DEEPEP_OPS
+    args, kwargs = cases[name]
     op = getattr(torch.ops.epmoe, name.split("::")[1].split("[")[0]).default
     torch.library.opcheck(op, args, kwargs)
 
@@ -289,33 +347,109 @@ def test_torch_masked_path_traced_matches_eager(quant):
         assert (got[ex, n:] == 0).all()
 
 
-def test_deepep_low_latency_breaks_only_at_send_and_combine(fake_deep_ep):
-    """With a stand-in ``deep_ep`` (tests/test_deepep_cpu.py): DeepEP's calls are opaque to dynamo,
-    so the dispatcher breaks the graph at its send and its combine and nowhere else; the experts
-    between them (here the torch backend's masked path) trace."""
-    from test_deepep_cpu import _FakeLowLatencyBuffer
+# ---------------------------------------------------------------------------------- DeepEP
+# A loopback stand-in for DeepEP (tests/test_deepep_cpu.py): the layer runs as rank 0 of 2 and
+# DeepEP's calls return what v1.2.1 returns, so the dispatchers run end to end, eager and traced.
+LOOPBACK = {
+    "deepep_low_latency": dict(max_tokens_per_rank=8),
+    "deepep_low_latency[fp8]": dict(max_tokens_per_rank=8, quant="int8_channel", low_latency_int8_payload="fp8_group"),
+    "deepep_normal[bounded]": dict(normal_max_tokens_per_rank=8, quant="int8_channel"),
+}
+"""Layer arguments per case: BF16 low-latency, FP8 low-latency (INT8 experts requantizing), bounded
+normal mode with an INT8 payload."""
 
-    from epmoe.dispatch.base import DispatchConfig
-    from epmoe.dispatch.deepep_dispatch.dispatchers import DeepEPLowLatencyDispatcher
-    from epmoe.routing import select_experts
 
-    fake_deep_ep.Buffer = _FakeLowLatencyBuffer
-    cfg = DispatchConfig(num_experts=16, hidden_size=2048, top_k=2, world_size=2, max_tokens_per_rank=4)
-    disp = DeepEPLowLatencyDispatcher(cfg)
-    scheme = get_scheme("bf16")
-    weights = ExpertWeights(scheme, torch.zeros(8, 32, 2048, dtype=torch.bfloat16), torch.zeros(8, 2048, 16, dtype=torch.bfloat16))
-    backend = TorchBackend(scheme)
+def _loopback_inputs(t: int = 5):
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(t, 16, generator=g)
+    logits[:, 8:] -= 2  # most slots on rank 0's experts, some on rank 1's
+    return torch.randn(t, 2048, generator=g), logits
 
-    def step(x, logits):  # a decode step's MoE: routing, then the dispatcher and the experts
-        ids, w = select_experts(logits, 2)
-        d = disp.dispatch(x, ids, w)
-        y = backend.run_masked(MaskedBatch(d.x, d.x_scale, d.masked_m, d.expected_m), weights, torch.bfloat16)
-        return disp.combine(y, d)
 
-    e = torch._dynamo.explain(step)(torch.randn(3, 2048), torch.randn(3, 16))
+@pytest.mark.parametrize("case", sorted(LOOPBACK))
+def test_deepep_without_host_sync_has_no_graph_break(rank0_of_2, case):
+    layer = loopback_layer(case.split("[")[0], **LOOPBACK[case])
+    x, logits = _loopback_inputs()
+    ref = layer(x, logits)  # the first batch allocates the DeepEP buffer (a collective), eagerly
+    e = torch._dynamo.explain(layer)(x, logits)
+    assert (e.graph_count, e.graph_break_count) == (1, 0), e.break_reasons
+    out = torch.compile(layer, fullgraph=True, backend=COMPILER)(x, logits)
+    # Traced, the torch backend runs every expert over every row (docs/compile.md); DeepEP's combine
+    # rounds to bf16: equal up to one bf16 rounding.
+    torch.testing.assert_close(out, ref, rtol=8e-3, atol=8e-3 * float(ref.abs().max()))
+    layer.dispatcher.buffer.close()
+
+
+def test_unbounded_deepep_normal_breaks_only_where_the_host_waits(rank0_of_2):
+    """Without normal_max_tokens_per_rank the host waits for DeepEP's receive counts: one
+    documented break there (dynamo reports it once per frame it unwinds), none at combine."""
+    layer = loopback_layer("deepep_normal", quant="int8_channel")
+    x, logits = _loopback_inputs()
+    ref = layer(x, logits)
+    e = torch._dynamo.explain(layer)(x, logits)
     reasons = {str(b.reason).split("Skip inlining function <function ")[-1].split(" ")[0] for b in e.break_reasons}
-    assert reasons == {"DeepEPLowLatencyDispatcher.send", "DeepEPLowLatencyDispatcher.combine"}, e.break_reasons
-    disp.buffer.close()
+    assert reasons == {"DeepEPNormalDispatcher._send_host_synced"}, e.break_reasons
+    compiled = torch.compile(layer, backend=COMPILER)
+    out = compiled(x, logits)
+    torch.testing.assert_close(out, ref, rtol=8e-3, atol=8e-3 * float(ref.abs().max()))
+    # Other receive counts, same graphs: the send's host list is not baked into what follows it.
+    x2, logits2 = x.flip(0), logits.roll(3, dims=1)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out2 = compiled(x2, logits2)
+    ref2 = layer(x2, logits2)
+    torch.testing.assert_close(out2, ref2, rtol=8e-3, atol=8e-3 * float(ref2.abs().max()))
+    layer.dispatcher.buffer.close()
+
+
+def test_deepep_auto_breaks_only_at_its_routing_and_combine(rank0_of_2, single_rank_group):
+    """deepep_auto agrees on the mode over the ranks (an all-reduce read on the host, here over a
+    one-rank gloo group) and combines in the mode it chose: its documented breaks, both modes."""
+    layer = loopback_layer("deepep_auto", max_tokens_per_rank=8, quant="int8_channel")
+    for t, mode in ((5, "low_latency"), (11, "normal")):
+        x, logits = _loopback_inputs(t)
+        ref = layer(x, logits)
+        before = dict(layer.dispatcher.stats)
+        e = torch._dynamo.explain(layer)(x, logits)
+        assert layer.dispatcher.stats[mode] > before[mode]
+        reasons = {str(b.reason).split("Skip inlining function <function ")[-1].split(" ")[0] for b in e.break_reasons}
+        assert reasons == {"DeepEPAutoDispatcher._route", "DeepEPAutoDispatcher.combine"}, (mode, e.break_reasons)
+        out = torch.compile(layer, backend=COMPILER)(x, logits)
+        torch.testing.assert_close(out, ref, rtol=8e-3, atol=8e-3 * float(ref.abs().max()))
+    layer.dispatcher.buffer.close()
+
+
+def test_compiling_deepep_before_its_buffer_is_allocated_says_what_to_do(rank0_of_2):
+    layer = loopback_layer("deepep_low_latency", max_tokens_per_rank=8)
+    with pytest.raises(Exception, match="run one batch eagerly before compiling"):
+        torch.compile(layer, fullgraph=True, backend=COMPILER)(*_loopback_inputs())
+    layer.dispatcher.buffer.close()
+
+
+@pytest.mark.parametrize("case", ["deepep_low_latency", "deepep_normal[bounded]"])
+def test_example_block_on_deepep_compiles_in_one_graph_and_matches_eager(rank0_of_2, case):
+    """The example DeepSeek block (gate, shared experts, routed experts) with a DeepEP dispatcher
+    that needs no host sync: fullgraph=True, the compiled block's result equal to its eager one."""
+    ex = _example()
+    cfg = ex.MoEConfig(hidden_size=2048, moe_intermediate_size=128, n_routed_experts=16, n_shared_experts=1,
+                       num_experts_per_tok=2, n_group=4, topk_group=2)  # fmt: skip
+    kwargs = {"quant": "bf16", **LOOPBACK[case]}
+    block = ex.DeepseekV3MoE(cfg, quant=kwargs["quant"], device="cpu")
+    block.experts.dispatcher.buffer.close()  # the example's own layer (dispatch="auto"), replaced:
+    block.experts = DeepEPMoELayer(
+        cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size, backend="torch",
+        dispatch=case.split("[")[0], device="cpu", scoring_func="sigmoid", num_expert_group=cfg.n_group,
+        topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor, use_correction_bias=True, **kwargs,
+    )  # fmt: skip
+    tensors = list(ex.random_checkpoint(cfg, kwargs["quant"]))
+    block.experts.load_weights((nt for nt in tensors if ".shared_experts." not in nt[0]), strict=True)
+    block.load_shared_experts(nt for nt in tensors if ".shared_experts." in nt[0])
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(8)).bfloat16()
+    with torch.no_grad():
+        ref = block(x)
+        out = torch.compile(block, fullgraph=True, backend=COMPILER)(x)
+    assert torch.isfinite(ref).all() and ref.abs().max() > 0
+    torch.testing.assert_close(out.float(), ref.float(), rtol=8e-3, atol=8e-3 * float(ref.abs().max()))
+    block.experts.dispatcher.buffer.close()
 
 
 def test_cutlass_fp8_alignment_traces_without_a_package_lookup(monkeypatch):

@@ -132,6 +132,7 @@ class _FakeConfig:
 
 class _FakeBuffer:
     made: list = []
+    num_sms = 20  # deep_ep.Buffer's class attribute: the SMs of its recommended normal-mode configs
 
     def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, **kwargs):
         self.args = dict(nvl=num_nvl_bytes, rdma=num_rdma_bytes, **kwargs)
@@ -226,6 +227,23 @@ def test_second_low_latency_buffer_in_a_process_refused(fake_deep_ep):
     second.get()  # allowed once the first one is gone
 
 
+def test_ops_reach_an_open_buffer_by_its_id_only():
+    """The DeepEP custom ops find their buffer by id: every owner has its own, closing it or
+    dropping the last reference to it (the registry is weak) takes it out, with a clear error."""
+    import gc
+
+    a, b = DeepEPBuffer(), DeepEPBuffer()
+    assert a.id != b.id and db.buffer_by_id(a.id) is a and db.buffer_by_id(b.id) is b
+    a.close()
+    with pytest.raises(DeepEPBufferError, match=f"no open DeepEPBuffer has id={a.id} .it was closed"):
+        db.buffer_by_id(a.id)
+    gone = b.id
+    del b
+    gc.collect()
+    with pytest.raises(DeepEPBufferError, match=f"id={gone}"):
+        db.buffer_by_id(gone)
+
+
 def test_allocation_needs_registrations(fake_deep_ep):
     with pytest.raises(ValueError, match="no layer registered"):
         DeepEPBuffer().get()
@@ -266,20 +284,32 @@ def test_expected_rows_hint():
 
 
 # ------------------------------------------------------------------------------ normal dispatch bound
+def _normal_handle(num_tokens: int, num_recv: int, channels: int = 10):
+    """A DeepEP intranode handle's six tensors for 2 ranks (shapes as DeepEP allocates them)."""
+    i32 = dict(dtype=torch.int32)
+    return (
+        torch.zeros(2, 2, **i32), torch.zeros(2, channels, **i32), torch.zeros(2, channels, **i32),
+        torch.arange(num_recv, **i32), torch.ones(num_tokens, 2, dtype=torch.bool), torch.zeros(num_tokens, 2, **i32),
+    )  # fmt: skip
+
+
 class _FakeDispatchBuffer(_FakeBuffer):
     """Records what normal-mode dispatch was asked for; receives every row unchanged."""
 
     def get_dispatch_layout(self, topk_ids, num_experts):
-        return "per_rank", None, "per_expert", "in_rank", None
+        return "per_rank", None, "per_expert", torch.ones(topk_ids.shape[0], 2, dtype=torch.bool), None
 
     def dispatch(self, x, **kw):
         self.dispatch_kw = kw
         worst = kw["num_worst_tokens"]
-        ids = kw["topk_idx"]
+        ids, w = kw["topk_idx"], kw["topk_weights"]
+        t = ids.shape[0]
         if worst:  # DeepEP's worst-case receive buffers: rows past the received ones carry -1 ids
-            pad = worst - ids.shape[0]
-            ids = torch.cat([ids, ids.new_full((pad, ids.shape[1]), -1)])
-        return x, ids, kw["topk_weights"], ([] if worst else [3, 5]), "handle", None
+            pad = lambda a, fill: torch.cat([a, a.new_full((worst - t, *a.shape[1:]), fill)])  # noqa: E731
+            x = tuple(pad(a, 0) for a in x) if isinstance(x, tuple) else pad(x, 0)
+            ids, w = pad(ids, -1), pad(w, 0)
+        self.handle = _normal_handle(t, worst or t, self.num_sms // 2)
+        return x, ids, w, ([] if worst else [3, 5]), self.handle, None
 
     def combine(self, y, handle, config=None):
         self.combined = dict(y=y, handle=handle)
@@ -314,7 +344,7 @@ def test_normal_combine_returns_the_batch_rows(fake_deep_ep, t):
     y = torch.randn(d.x.shape[0], 256, dtype=torch.float32)
     out = disp.combine(y, d)
     buf = _FakeBuffer.made[-1]
-    assert buf.combined["handle"] == "handle" and buf.combined["y"].dtype == torch.bfloat16
+    assert buf.combined["handle"] == buf.handle and buf.combined["y"].dtype == torch.bfloat16
     assert out.shape == (t, 256) and (out is buf.combined["y"]) == (t > 0)
     # A payload that needs scales is refused (after the layout, which is local to the rank).
     with pytest.raises(TypeError, match="torch.int8 payload needs its scales"):
@@ -399,11 +429,13 @@ class _FakeLowLatencyBuffer(_FakeBuffer):
 
     def low_latency_dispatch(self, x, topk_idx, num_max_tokens, num_experts, use_fp8=False, **kw):
         self.ll_dispatch = dict(x=x, ids=topk_idx, tokens=num_max_tokens, experts=num_experts, use_fp8=use_fp8, kw=kw)
-        e_loc = num_experts // 2
-        recv = torch.zeros(e_loc, num_max_tokens * 2, x.shape[1], dtype=torch.bfloat16)
+        e_loc, rows = num_experts // 2, num_max_tokens * 2
+        recv = torch.zeros(e_loc, rows, x.shape[1], dtype=torch.bfloat16)
         if use_fp8:
-            recv = (recv.to(torch.float8_e4m3fn), torch.ones(e_loc, num_max_tokens * 2, x.shape[1] // 128))
-        return recv, torch.zeros(e_loc, dtype=torch.int32), ("handle",), None, None
+            recv = (recv.to(torch.float8_e4m3fn), torch.ones(e_loc, x.shape[1] // 128, rows).transpose(1, 2))
+        self.handle = (torch.zeros(e_loc, rows, dtype=torch.int32), torch.zeros(e_loc, 2, dtype=torch.int64),
+                       num_max_tokens, x.shape[1], num_experts)  # fmt: skip
+        return recv, torch.zeros(e_loc, dtype=torch.int32), self.handle, None, None
 
     def low_latency_combine(self, y, topk_idx, topk_weights, handle, **kw):
         self.ll_combine = dict(y=y, ids=topk_idx, weights=topk_weights, handle=handle, kw=kw)
@@ -440,7 +472,8 @@ def test_low_latency_dispatch_and_combine_wiring(fake_deep_ep, t, payload):
     y = torch.zeros(8, disp.buffer.plan.ll_max_tokens * 2, 2048, dtype=torch.bfloat16)
     out = disp.combine(y, d)
     got = buf.ll_combine
-    assert got["ids"] is sent["ids"] and got["weights"].dtype == torch.float32 and got["handle"] == ("handle",)
+    assert got["ids"] is sent["ids"] and got["weights"].dtype == torch.float32
+    assert all(a is b for a, b in zip(got["handle"][:2], buf.handle[:2])) and got["handle"][2:] == buf.handle[2:]
     assert got["weights"].shape == (max(t, 1), 2) and got["kw"] == dict(async_finish=False, return_recv_hook=False)
     assert out.shape == (t, 2048)
     disp.buffer.close()
@@ -546,3 +579,159 @@ def test_minus_one_ids_reach_deep_ep_unchanged(fake_deep_ep):
         got = buf.ll_dispatch["ids"] if mode == "low_latency" else buf.dispatch_kw["topk_idx"]
         assert torch.equal(got, ids), mode
     auto.buffer.close()
+
+
+# ------------------------------------------------------------------------------ a loopback DeepEP
+class _LoopbackBuffer(_FakeBuffer):
+    """DeepEP as rank 0 of 2 sees it when rank 1 sends nothing: rows for rank 0's experts (the
+    first half) arrive from rank 0 itself, rows for rank 1's leave and their results never come
+    back. Shapes, dtypes, handles, -1 ids and the garbage past the received rows (NaN where the
+    dtype has one) as DeepEP v1.2.1 gives them (intranode normal mode, low-latency mode), so that
+    the dispatchers run end to end on a CPU, eagerly and compiled."""
+
+    garbage = float("nan")  # what float rows past the received ones hold
+
+    def _channels(self, config) -> int:
+        return (config.args[0] if isinstance(config, _FakeChunkConfig) else type(self).num_sms) // 2
+
+    def get_dispatch_layout(self, topk_idx, num_experts):
+        rank_of = torch.where(topk_idx >= 0, topk_idx // (num_experts // 2), -1)
+        in_rank = torch.stack([(rank_of == r).any(1) for r in range(2)], 1)
+        per_expert = torch.bincount(topk_idx[topk_idx >= 0], minlength=num_experts).int()
+        return in_rank.sum(0).int(), None, per_expert, in_rank, None
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None, is_token_in_rank=None,
+                 num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=1, num_worst_tokens=0,
+                 config=None, **kw):  # fmt: skip
+        e_loc = num_tokens_per_expert.shape[0] // 2
+        toks = is_token_in_rank[:, 0].nonzero()[:, 0]
+        n, t = toks.numel(), topk_idx.shape[0]
+        rows = num_worst_tokens or n
+
+        def received(a, fill):
+            out = a.new_full((rows, *a.shape[1:]), fill)
+            out[:n] = a[toks] if a.shape[0] == t else a
+            return out
+
+        ids = topk_idx[toks]
+        local = (ids >= 0) & (ids < e_loc)
+        garbage = lambda a: self.garbage if a.is_floating_point() else 77  # noqa: E731
+        recv_x = tuple(received(a, garbage(a)) for a in x) if isinstance(x, tuple) else received(x, garbage(x))
+        recv_ids = received(torch.where(local, ids, -1), -1)
+        recv_w = received(torch.where(local, topk_weights[toks], 0.0), self.garbage)
+        counts = [] if num_worst_tokens else [
+            -(-int((recv_ids == e).sum()) // expert_alignment) * expert_alignment for e in range(e_loc)
+        ]  # fmt: skip
+        i32 = dict(dtype=torch.int32)
+        channels = self._channels(config)
+        sent = is_token_in_rank.sum(0).int()
+        send_head = torch.full((t, 2), -1, **i32)
+        send_head[toks, 0] = torch.arange(n, **i32)
+        handle = (
+            torch.stack([sent, sent]), torch.zeros(2, channels, **i32), torch.zeros(2, channels, **i32),
+            received(toks.int(), -1), is_token_in_rank, send_head,
+        )  # fmt: skip
+        return recv_x, recv_ids, recv_w, counts, handle, None
+
+    def combine(self, x, handle, topk_weights=None, bias=None, config=None, **kw):
+        rank_prefix, _, _, src_idx, _, send_head = handle
+        n = int(rank_prefix[-1, 0])
+        out = torch.zeros(send_head.shape[0], x.shape[1])
+        out.index_add_(0, src_idx[:n].long(), x[:n].float())
+        return out.to(x.dtype), None, None
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=True, **kw):
+        e_loc, rows, h = num_experts // 2, 2 * num_max_dispatch_tokens_per_rank, x.shape[1]
+        recv = torch.full((e_loc, rows, h), self.garbage, dtype=torch.bfloat16)
+        src_info = torch.full((e_loc, rows), -1, dtype=torch.int32)
+        layout_range = torch.zeros(e_loc, 2, dtype=torch.int64)
+        count = torch.zeros(e_loc, dtype=torch.int32)
+        for e in range(e_loc):
+            toks = (topk_idx == e).any(1).nonzero()[:, 0]
+            c = toks.numel()
+            recv[e, :c], src_info[e, :c], count[e], layout_range[e, 0] = x[toks], toks.int(), c, c  # begin 0, count c
+        if use_fp8:  # DeepEP's cast: per 1x128 group, scale = amax / 448; scales column-major
+            g = recv.float().unflatten(-1, (h // 128, 128))
+            scale = g.abs().amax(-1).clamp_min(1e-4) / 448.0
+            q = (g / scale[..., None]).to(torch.float8_e4m3fn).flatten(-2)
+            recv = (q, scale.transpose(1, 2).contiguous().transpose(1, 2))
+        handle = (src_info, layout_range, num_max_dispatch_tokens_per_rank, h, num_experts)
+        return recv, count, handle, None, None
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, **kw):
+        src_info, layout_range = handle[:2]
+        out = torch.zeros(topk_idx.shape[0], x.shape[-1])
+        for e in range(x.shape[0]):
+            toks = src_info[e, : int(layout_range[e, 0])].long()
+            w = (topk_weights[toks] * (topk_idx[toks] == e)).sum(1)
+            out.index_add_(0, toks, x[e, : toks.numel()].float() * w[:, None])
+        return out.bfloat16(), None, None
+
+
+@pytest.fixture
+def rank0_of_2(fake_deep_ep, monkeypatch):
+    """Layers built as rank 0 of 2 on the CPU, with the loopback stand-in for DeepEP: no group,
+    no argument comparison over it, and DeepEP's CUDA requirement waived."""
+    import epmoe.layer as layer_mod
+
+    fake_deep_ep.Buffer = _LoopbackBuffer
+    monkeypatch.setattr(layer_mod, "_resolve_group", lambda group: (group, 2, 0))
+    monkeypatch.setattr(layer_mod, "check_agreement", lambda *a, **k: None)
+    for cls in (dd.DeepEPNormalDispatcher, dd.DeepEPLowLatencyDispatcher, dd.DeepEPAutoDispatcher):
+        monkeypatch.setattr(cls, "available", classmethod(lambda cls, cfg: (True, "the loopback stand-in")))
+    return fake_deep_ep
+
+
+def rank0_reference(layer, x, logits):
+    """What rank 0 of 2 returns when rank 1 sends nothing: its own tokens through its own experts
+    only (other ranks' slots as -1), computed by a single-rank layer on the local dispatcher."""
+    from unittest import mock
+
+    import epmoe.layer as layer_mod
+
+    ids, w = layer.route(logits)
+    ids = torch.where(ids < layer.num_local_experts, ids, -1)
+    with mock.patch.object(layer_mod, "_resolve_group", lambda group: (None, 1, 0)):  # one process, undone
+        ref = layer_mod.DeepEPMoELayer(layer.num_local_experts, layer.top_k, layer.hidden_size, layer.intermediate_size,
+                                       quant=layer.scheme.name, backend="torch", dispatch="local", device="cpu",
+                                       params_dtype=torch.float32)  # fmt: skip
+    ew = layer.expert_weights()
+    ref.load_experts(ew.w13, ew.w2, ew.w13_scale, ew.w2_scale)
+    return ref(x, topk_ids=ids, topk_weights=w)
+
+
+def loopback_layer(dispatch: str, *, quant: str = "bf16", hidden: int = 2048, **kwargs):
+    """A layer with 16 experts (8 on rank 0), top-2, on the torch backend, random weights."""
+    from epmoe.layer import DeepEPMoELayer
+    from epmoe.quant import quantize_weight
+
+    g = torch.Generator().manual_seed(5)
+    layer = DeepEPMoELayer(16, 2, hidden, 128, quant=quant, backend="torch", dispatch=dispatch, device="cpu",
+                           params_dtype=torch.float32, **kwargs)  # fmt: skip
+    w13, s13 = quantize_weight(torch.randn(16, 256, hidden, generator=g) / hidden**0.5, layer.scheme)
+    w2, s2 = quantize_weight(torch.randn(16, hidden, 128, generator=g) / 128**0.5, layer.scheme)
+    layer.load_experts(w13, w2, s13, s2)
+    return layer
+
+
+@pytest.mark.parametrize("dispatch, kwargs", [
+    ("deepep_low_latency", dict(max_tokens_per_rank=8)),
+    ("deepep_low_latency", dict(max_tokens_per_rank=8, low_latency_int8_payload="fp8_group", quant="int8_channel")),
+    ("deepep_normal", dict(normal_max_tokens_per_rank=8, quant="int8_channel")),
+    ("deepep_normal", dict(quant="int8_channel")),
+])  # fmt: skip
+def test_loopback_dispatch_through_the_layer_matches_the_local_reference(rank0_of_2, dispatch, kwargs):
+    """The dispatchers' wiring end to end (eager): what rank 0 gets back is its tokens' sum over
+    its own experts, weighted once, whatever the mode and payload."""
+    layer = loopback_layer(dispatch, **kwargs)
+    assert layer.dispatcher.name == dispatch and layer.num_local_experts == 8
+    g = torch.Generator().manual_seed(6)
+    x, logits = torch.randn(6, 2048, generator=g), torch.randn(6, 16, generator=g)
+    logits[:, 8:] -= 4  # most slots on rank 0's experts, some on rank 1's
+    out = layer(x, logits)
+    ref = rank0_reference(layer, x, logits)
+    assert ref.abs().max() > 0 and torch.isfinite(out).all()
+    # BF16 (and FP8 in low-latency mode) on the wire and BF16 combine, against fp32 payloads.
+    tol = 0.08 if "fp8_group" in kwargs.values() else 0.02
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol * float(ref.abs().max()))
+    layer.dispatcher.buffer.close()

@@ -19,27 +19,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from helpers import gpu_world_size  # noqa: E402
+from helpers import deepep_gpu_marks, gpu_world_size  # noqa: E402
 
 WORLD = gpu_world_size()
-
-
-def _deep_ep_reason() -> str:
-    try:
-        import deep_ep  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - any import failure means skip
-        return f"deep_ep is not importable ({exc})"
-    return ""
-
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.multigpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} CUDA GPUs"
-    ),
-    pytest.mark.skipif(bool(_deep_ep_reason()), reason=_deep_ep_reason() or "deep_ep present"),
-]
+pytestmark = deepep_gpu_marks(WORLD)
 
 DISPATCHES = ("deepep_normal", "deepep_normal+bound", "deepep_low_latency", "deepep_auto")
 SCHEMES = ("bf16", "int8_channel", "int8_block", "fp8_block")

@@ -7,7 +7,9 @@ in :mod:`.sizing`), and shared by all layers of the group.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -30,6 +32,22 @@ def import_deep_ep():
         return None, f"deep_ep is not importable ({type(exc).__name__}: {exc})"
     return deep_ep, ""
 
+
+
+_OPEN: weakref.WeakValueDictionary[int, DeepEPBuffer] = weakref.WeakValueDictionary()
+"""Open buffer owners by :attr:`DeepEPBuffer.id`: how the DeepEP custom ops (:mod:`epmoe.ops`), whose
+arguments can only be tensors and plain values, reach the buffer of their dispatcher. Weak: the
+owner's lifetime stays with its layers; :meth:`DeepEPBuffer.close` removes it."""
+
+_IDS = itertools.count(1)
+
+
+def buffer_by_id(buffer_id: int) -> DeepEPBuffer:
+    """The open :class:`DeepEPBuffer` whose ``id`` is ``buffer_id``."""
+    owner = _OPEN.get(buffer_id)
+    if owner is None:
+        raise DeepEPBufferError(f"no open DeepEPBuffer has id={buffer_id} (it was closed or garbage-collected)")
+    return owner
 
 
 _LIVE_LOW_LATENCY: list[int] = [0]
@@ -68,6 +86,9 @@ class DeepEPBuffer:
         self._ll_dirty = False  # a normal-mode call ran since the low-latency buffer was cleaned
         self.dispatch_config = None
         self.combine_config = None
+        self.normal_channels: int | None = None  # DeepEP's channels (SMs / 2) of the normal kernels
+        self.id = next(_IDS)  # the key the DeepEP custom ops find this owner by (buffer_by_id)
+        _OPEN[self.id] = self
 
     # -- registration
     @property
@@ -121,6 +142,8 @@ class DeepEPBuffer:
                 "DeepEPBuffer(num_sms=%d) has no effect on %d ranks (normal mode runs on %s ranks only)",
                 self.num_sms, world, sorted(_NORMAL_CHUNKS["dispatch"]),
             )  # fmt: skip
+        # The channel count sizes the handle's prefix matrices, which a traced graph must know.
+        self.normal_channels = (self._normal_sms(world) or buffer_cls.num_sms) // 2
         if self._normal_sms(world) is None:
             self.dispatch_config = buffer_cls.get_dispatch_config(world)
             self.combine_config = buffer_cls.get_combine_config(world)
@@ -216,6 +239,7 @@ class DeepEPBuffer:
         if self._closed:
             return
         self._closed = True
+        _OPEN.pop(self.id, None)
         if self._buffer is not None:
             if self.plan is not None and self.plan.low_latency_mode:
                 _LIVE_LOW_LATENCY[0] -= 1

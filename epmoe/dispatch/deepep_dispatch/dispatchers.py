@@ -32,6 +32,11 @@ correct results; the payload formats are part of the layer's cross-rank fingerpr
 per layer, :mod:`epmoe.dispatch.collective`). ``-1`` in ``topk_ids`` selects no expert: DeepEP skips
 such slots in its layout, dispatch and combine kernels.
 
+Under ``torch.compile`` DeepEP's calls are the custom ops ``epmoe::deepep_*`` (:mod:`epmoe.ops`,
+bodies in :mod:`.calls`): low-latency and bounded normal dispatch trace without a graph break;
+unbounded normal dispatch breaks at its send, where the host waits for the receive counts, and
+auto mode at its routing, where the ranks agree on the mode, and at its combine (docs/compile.md).
+
 ``deep_ep`` is imported lazily, so this module imports (and its pure helpers run) without it.
 """
 
@@ -44,31 +49,20 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ... import ops
 from ...quant.payload import quantize_payload
 from ...tensors import as_contiguous, capturing
 from ..base import PAYLOADS, DispatchConfig, Dispatched, Dispatcher
-from .buffer import DeepEPBuffer, import_deep_ep
+from .buffer import DeepEPBuffer, DeepEPBufferError, import_deep_ep
+from .calls import normal_dispatch, normal_payload
 from .sizing import BufferNeeds, choose_mode, expected_rows_per_expert
 
+__all__ = [
+    "DeepEPAutoDispatcher", "DeepEPLowLatencyDispatcher", "DeepEPNormalDispatcher", "LowLatencyHandle",
+    "NormalHandle", "normal_payload", "pad_empty_batch",
+]  # fmt: skip
+
 log = logging.getLogger("epmoe")
-
-
-def normal_payload(x: torch.Tensor, x_scale: torch.Tensor | None):
-    """The ``x`` argument of ``deep_ep.Buffer.dispatch`` for a layer payload.
-
-    Float rows travel as BF16 (DeepEP's combine is BF16 only); a 1-byte payload (int8 or e4m3)
-    travels as the tuple ``(x, fp32 scales [T, S])`` — DeepEP checks only the element size, so
-    INT8 needs no reinterpretation.
-    """
-    if x_scale is None:
-        if not x.is_floating_point() or x.element_size() == 1:
-            raise TypeError(f"a {x.dtype} payload needs its scales")
-        return as_contiguous(x, torch.bfloat16)
-    if x.element_size() != 1:
-        raise TypeError(f"a scaled payload must be 1-byte (int8 / e4m3); got {x.dtype}")
-    if x_scale.dim() != 2 or x_scale.shape[0] != x.shape[0]:
-        raise ValueError(f"x_scale must be [T, S]; got {tuple(x_scale.shape)} for x {tuple(x.shape)}")
-    return as_contiguous(x), as_contiguous(x_scale, torch.float32)
 
 
 def pad_empty_batch(x, topk_ids, topk_weights):
@@ -82,30 +76,26 @@ def pad_empty_batch(x, topk_ids, topk_weights):
     return x, topk_ids, topk_weights
 
 
-def _device_barrier(group, device: torch.device) -> None:
-    """A barrier ordered after the work already queued on the current stream (an all-reduce of
-    one element, then a host sync)."""
-    flag = torch.ones(1, dtype=torch.int32, device=device)
-    dist.all_reduce(flag, group=group)
-    flag.item()
-
-
 @dataclass(frozen=True)
 class NormalHandle:
-    """What normal-mode ``combine`` needs of one batch."""
+    """What normal-mode ``combine`` needs of one batch: tensors and ints only, so that a traced
+    forward carries it from the dispatch op to the combine op."""
 
-    deep_ep_handle: object  # DeepEP's own handle of the dispatch
+    tensors: tuple[torch.Tensor, ...]  # DeepEP's handle of the dispatch (its six tensors: .calls)
     num_tokens: int  # the batch's rows (an empty batch was sent as one dummy row)
 
 
 @dataclass(frozen=True)
 class LowLatencyHandle:
-    """What low-latency ``combine`` needs of one batch."""
+    """What low-latency ``combine`` needs of one batch (DeepEP's handle is its two tensors and
+    the sizes)."""
 
-    deep_ep_handle: object
     num_tokens: int
     topk_ids: torch.Tensor  # [max(T, 1), k] int64, as sent
     topk_weights: torch.Tensor  # [max(T, 1), k] fp32, applied by DeepEP's combine
+    src_info: torch.Tensor  # [E_loc, R * N] int32
+    layout_range: torch.Tensor  # [E_loc, R] int64
+    num_max_tokens: int  # N: DeepEP's num_max_dispatch_tokens_per_rank
 
 
 def _problems(cfg: DispatchConfig, modes: tuple[str, ...]) -> list[str]:
@@ -162,6 +152,19 @@ class _DeepEPBase(Dispatcher):
         super().__init__(cfg)
         self.buffer: DeepEPBuffer = cfg.deepep_buffer
 
+    def _allocated(self) -> DeepEPBuffer:
+        """The buffer owner with its ``deep_ep.Buffer`` allocated. Eagerly that happens at the
+        first batch (a collective); a traced forward cannot allocate, and the sizes it traces
+        with (the low-latency capacity, the normal-mode channels) are known only after it."""
+        if not torch.compiler.is_compiling():
+            self.buffer.get()
+        elif not self.buffer.allocated:
+            raise DeepEPBufferError(
+                f"{self.name}: the DeepEP buffer is allocated at the first batch (a collective); "
+                "run one batch eagerly before compiling"
+            )
+        return self.buffer
+
 
 class _OneMode(_DeepEPBase):
     def __init__(self, cfg: DispatchConfig) -> None:
@@ -177,9 +180,6 @@ class DeepEPNormalDispatcher(_OneMode):
     payloads = frozenset(PAYLOADS)
     modes_needed = ("normal",)
 
-    # DeepEP's calls are pybind functions, opaque to torch.compile: a compiled model breaks its
-    # graph once here and once at combine (docs/compile.md).
-    @torch.compiler.disable
     def send(self, x, x_scale, topk_ids, topk_weights, *, global_max_tokens: int | None = None) -> Dispatched:
         """As :meth:`Dispatcher.send`, plus:
 
@@ -191,71 +191,64 @@ class DeepEPNormalDispatcher(_OneMode):
                 the bound raises (its peers then wait in DeepEP until their timeout).
         """
         t = x.shape[0]
-        cap = self.cfg.normal_max_tokens_per_rank
+        cfg = self.cfg
+        cap = cfg.normal_max_tokens_per_rank
         if global_max_tokens is None:
             if cap is not None and t > cap:
                 raise ValueError(
                     f"deepep_normal: batch of {t} tokens exceeds normal_max_tokens_per_rank={cap} on rank "
-                    f"{self.cfg.rank} (every rank's receive buffers assume it); raise it or set it to None"
+                    f"{cfg.rank} (every rank's receive buffers assume it); raise it or set it to None"
                 )
             global_max_tokens = t
-        bounded = cap is not None and global_max_tokens <= cap
-        if t == 0:
+        if cap is None or global_max_tokens > cap:
+            return self._send_host_synced(x, x_scale, topk_ids, topk_weights)
+        buffer = self._allocated()
+        x, x_scale, topk_ids, topk_weights = self._sendable(x, x_scale, topk_ids, topk_weights)
+        out = ops.deepep_normal_dispatch(
+            buffer.id, x, x_scale, topk_ids, topk_weights, num_experts=cfg.num_experts,
+            alignment=max(1, int(cfg.alignment)), num_worst_tokens=cfg.world_size * cap, num_ranks=cfg.world_size,
+            num_channels=buffer.normal_channels,
+        )  # fmt: skip
+        # Rows past the received ones carry -1 ids: the layer sizes the segments on the device.
+        hint = expected_rows_per_expert(max(global_max_tokens, 1), cfg.world_size, cfg.top_k, cfg.num_experts)
+        return _received(out, x_scale is not None, t, expected_m=hint)
+
+    # The host waits for DeepEP's receive counts (a host list sizes the received rows): a compiled
+    # model breaks its graph here, and only here (docs/compile.md).
+    @torch.compiler.disable
+    def _send_host_synced(self, x, x_scale, topk_ids, topk_weights) -> Dispatched:
+        x, x_scale, sent_ids, sent_weights = self._sendable(x, x_scale, topk_ids, topk_weights)
+        out, padded_rows = normal_dispatch(
+            self._allocated().id, x, x_scale, sent_ids, sent_weights, self.cfg.num_experts,
+            max(1, int(self.cfg.alignment)), 0,
+        )  # fmt: skip
+        return _received(out, x_scale is not None, topk_ids.shape[0], padded_rows=padded_rows)
+
+    @staticmethod
+    def _sendable(x, x_scale, topk_ids, topk_weights):
+        """What DeepEP takes: never an empty batch (one dummy row that selects no expert, unit
+        scales), contiguous int64 ids and fp32 weights."""
+        if x.shape[0] == 0:
             x, topk_ids, topk_weights = pad_empty_batch(x, topk_ids, topk_weights)
             if x_scale is not None:
                 x_scale = x_scale.new_ones((1, x_scale.shape[1]))
-        buf = self.buffer.get()
-        topk_ids = as_contiguous(topk_ids, torch.int64)
-        # The layout kernel goes first: with the GPU idle (eager prefill) host work before it
-        # delays the whole dispatch, while the work below overlaps the kernel. The kernel is local
-        # to this rank and DeepEP joins its stream back, so raising after it (under capture, or
-        # for a bad payload) leaves no peer waiting.
-        num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, _ = (
-            buf.get_dispatch_layout(topk_ids, self.cfg.num_experts)
-        )
-        if capturing(x.device):
-            raise RuntimeError(
-                "deepep_normal is not CUDA-graph capturable here (without normal_max_tokens_per_rank "
-                "the host waits for the receive counts; the bounded path has not been validated "
-                "under capture); use deepep_low_latency or deepep_auto for captured batches"
-            )
-        payload = normal_payload(x, x_scale)
-        topk_weights = as_contiguous(topk_weights, torch.float32)
-        cfg = self.cfg
-        worst = cfg.world_size * cfg.normal_max_tokens_per_rank if bounded else 0
-        recv_x, recv_ids, recv_w, padded_rows, handle, _ = buf.dispatch(
-            payload,
-            topk_idx=topk_ids,
-            topk_weights=topk_weights,
-            num_tokens_per_rank=num_tokens_per_rank,
-            num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
-            is_token_in_rank=is_token_in_rank,
-            num_tokens_per_expert=num_tokens_per_expert,
-            expert_alignment=max(1, int(cfg.alignment)),
-            num_worst_tokens=worst,
-            config=self.buffer.dispatch_config,
-        )
-        self.buffer.mark_normal_used()
-        rx, rs = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
-        if worst:
-            hint = expected_rows_per_expert(max(global_max_tokens, 1), cfg.world_size, cfg.top_k, cfg.num_experts)
-            sizes = dict(expected_m=hint)
-        else:
-            sizes = dict(padded_rows=list(padded_rows))
-        return Dispatched(
-            x=rx, x_scale=rs, handle=NormalHandle(handle, t), num_tokens=t,
-            topk_ids=recv_ids, topk_weights=recv_w, **sizes,
-        )  # fmt: skip
+        return x, x_scale, as_contiguous(topk_ids, torch.int64), as_contiguous(topk_weights, torch.float32)
 
-    @torch.compiler.disable  # DeepEP's combine (docs/compile.md)
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         h: NormalHandle = dispatched.handle
-        out, _, _ = self.buffer.get().combine(
-            as_contiguous(y, torch.bfloat16), h.deep_ep_handle, config=self.buffer.combine_config
-        )
-        self.buffer.mark_normal_used()
+        out = ops.deepep_normal_combine(self.buffer.id, as_contiguous(y, torch.bfloat16), h.tensors)
         t = h.num_tokens
         return out if out.shape[0] == t else out[:t]  # a slice costs microseconds of host time
+
+
+def _received(out: list[torch.Tensor], scaled: bool, num_tokens: int, **sizes) -> Dispatched:
+    """The :class:`Dispatched` of a normal-mode dispatch's tensors (:mod:`.calls`)."""
+    rx, rs = (out[0], out[1]) if scaled else (out[0], None)
+    rest = out[2:] if scaled else out[1:]
+    return Dispatched(
+        x=rx, x_scale=rs, handle=NormalHandle(tuple(rest[2:]), num_tokens), num_tokens=num_tokens,
+        topk_ids=rest[0], topk_weights=rest[1], **sizes,
+    )  # fmt: skip
 
 
 class DeepEPLowLatencyDispatcher(_OneMode):
@@ -270,9 +263,6 @@ class DeepEPLowLatencyDispatcher(_OneMode):
     payloads = frozenset({"float"})  # FP8 is cast inside DeepEP (cfg.low_latency_payload)
     modes_needed = ("low_latency",)
 
-    # DeepEP's calls are pybind functions, opaque to torch.compile: a compiled model breaks its
-    # graph once here and once at combine (docs/compile.md).
-    @torch.compiler.disable
     def send(self, x, x_scale, topk_ids, topk_weights) -> Dispatched:
         if x_scale is not None:
             raise ValueError(
@@ -286,35 +276,33 @@ class DeepEPLowLatencyDispatcher(_OneMode):
                 f"deepep_low_latency: batch of {t} tokens exceeds max_tokens_per_rank={cfg.max_tokens_per_rank} "
                 f"on rank {cfg.rank}; raise max_tokens_per_rank or use dispatch='deepep_auto'"
             )
-        buf = self.buffer.get()
-        if self.buffer.clean_low_latency():
-            # Every peer must have cleaned before anyone sends low-latency traffic.
-            _device_barrier(self.buffer.group, x.device)
+        buffer = self._allocated()
+        n = buffer.plan.ll_max_tokens
         if not t:
             x, topk_ids, topk_weights = pad_empty_batch(x, topk_ids, topk_weights)
         use_fp8 = cfg.low_latency_payload == "fp8_group"
         ids = as_contiguous(topk_ids, torch.int64)
         # Only what the launch needs comes before it: in eager decode the GPU waits for this host
         # work. DeepEP takes BF16 and casts to FP8 (1x128 scales) inside its kernel when asked.
-        recv, count, handle, _, _ = buf.low_latency_dispatch(
-            as_contiguous(x, torch.bfloat16), ids, self.buffer.plan.ll_max_tokens, cfg.num_experts,
-            use_fp8=use_fp8, async_finish=False, return_recv_hook=False,
+        out = ops.deepep_low_latency_dispatch(
+            buffer.id, as_contiguous(x, torch.bfloat16), ids, num_max_tokens=n, num_experts=cfg.num_experts,
+            num_ranks=cfg.world_size, use_fp8=use_fp8,
         )  # fmt: skip
         weights = as_contiguous(topk_weights, torch.float32)
-        rx, rs = recv if use_fp8 else (recv, None)
+        rx, rs = (out[0], out[1]) if use_fp8 else (out[0], None)
+        count, src_info, layout_range = out[-3:]
         return Dispatched(
-            x=rx, x_scale=rs, handle=LowLatencyHandle(handle, t, ids, weights),
+            x=rx, x_scale=rs, handle=LowLatencyHandle(t, ids, weights, src_info, layout_range, n),
             num_tokens=t, masked_m=count,
             expected_m=expected_rows_per_expert(max(t, 1), cfg.world_size, cfg.top_k, cfg.num_experts),
             combine_applies_weights=True,
         )  # fmt: skip
 
-    @torch.compiler.disable  # DeepEP's combine (docs/compile.md)
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         h: LowLatencyHandle = dispatched.handle
-        out, _, _ = self.buffer.get().low_latency_combine(
-            as_contiguous(y, torch.bfloat16), h.topk_ids, h.topk_weights, h.deep_ep_handle,
-            async_finish=False, return_recv_hook=False,
+        out = ops.deepep_low_latency_combine(
+            self.buffer.id, as_contiguous(y, torch.bfloat16), h.topk_ids, h.topk_weights, h.src_info,
+            h.layout_range, num_max_tokens=h.num_max_tokens, num_experts=self.cfg.num_experts,
         )  # fmt: skip
         t = h.num_tokens
         return out if out.shape[0] == t else out[:t]
