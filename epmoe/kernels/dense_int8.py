@@ -71,6 +71,9 @@ class SmallMConfig(NamedTuple):
     split_k: int = 1
     """Programs that share each output tile's K range (split-K); above 1 each writes its partial
     sums and :func:`split_k_reduce_kernel` adds them in a fixed order and applies the epilogue."""
+    group_m: int = 1
+    """Row tiles whose programs run next to each other for each N tile (tile order for L2 reuse
+    when there are many row tiles); 1: all N tiles of a row tile, then the next row tile."""
 
     def to_dict(self) -> dict:
         return self._asdict()
@@ -91,8 +94,8 @@ class SmallMConfig(NamedTuple):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"small-batch config {name}={v}; allowed: a power of two")
-        if self.split_k < 1:
-            raise ValueError(f"small-batch config split_k={self.split_k}; allowed: >= 1")
+        if self.split_k < 1 or self.group_m < 1:
+            raise ValueError(f"small-batch config split_k={self.split_k}, group_m={self.group_m}; allowed: >= 1")
         if self.block_m < 16 or self.block_n < 16 or self.block_k < 32 or self.num_stages < 1:
             raise ValueError(f"small-batch config {self}: block_m, block_n >= 16, block_k >= 32, num_stages >= 1")
 
@@ -101,6 +104,7 @@ class SmallMConfig(NamedTuple):
 def small_m_config(
     m: int, n: int, k: int, scheme: str, sms: int, fused: bool | None = None, *,
     block_m: int | None = None, block_n: int | None = None, split_k: int | None = None,
+    group_m: int | None = None,
 ) -> SmallMConfig:
     """The default launch for an ``[m, k] x [n, k]^T`` call on a GPU with ``sms`` SMs (cached:
     the forward looks it up on every call). ``fused``: ``None`` for the rule below, or forced
@@ -119,7 +123,8 @@ def small_m_config(
     to themselves (block scheme: the longest such multiple of 128 dividing K), no longer than a
     split's share, and is halved until four stages fit the shared-memory budget; then as many
     stages as fit, 2 to 5 (8 when programs have SMs to themselves). A fused stage holds the
-    batch's rows of bf16 activations, an unfused one ``block_m`` rows of codes.
+    batch's rows of bf16 activations, an unfused one ``block_m`` rows of codes. Past 8 row tiles
+    the tiles run in groups of 8 row tiles (``group_m``) for L2 reuse of the weight.
     """
     if block_m is None:
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
@@ -162,7 +167,9 @@ def small_m_config(
     while block_k > 128 and 4 * stage(block_k) > budget:
         block_k //= 2
     stages = max(2, min(max_stages, budget // stage(block_k)))
-    return SmallMConfig(block_m, block_n, block_k, 8 if block_m >= 128 else 4, stages, fused, split)
+    if group_m is None:
+        group_m = 8 if m_tiles > 8 else 1
+    return SmallMConfig(block_m, block_n, block_k, 8 if block_m >= 128 else 4, stages, fused, split, group_m)
 
 
 def checked_launch(cfg: SmallMConfig, x: torch.Tensor, weight: torch.Tensor) -> SmallMConfig:
@@ -221,6 +228,25 @@ def _tile(pid_n, pid_m, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _tile_order(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """``(pid_n, pid_m)`` of program ``pid`` of a 1-D grid over the output tiles: groups of
+    ``GROUP_M`` row tiles, and within a group the row tiles of one N tile next to each other, so
+    a weight tile is read while its neighbours' rows are still in L2 (the last group may be
+    shorter)."""
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    if GROUP_M == 1:
+        pid_n = pid % n_tiles
+        pid_m = pid // n_tiles
+    else:
+        width = GROUP_M * n_tiles
+        first_m = (pid // width) * GROUP_M
+        size = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+        pid_m = first_m + (pid % width) % size
+        pid_n = (pid % width) // size
+    return pid_n, pid_m
+
+
+@triton.jit
 def dense_small_m_kernel(
     X, XS, W, WS, BIAS, OUT, SA_OUT,
     M, N, K, K_SPLIT,
@@ -228,6 +254,7 @@ def dense_small_m_kernel(
     FUSED: tl.constexpr, BLOCK_SCALES: tl.constexpr, INT_ACC: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     X_ROWS: tl.constexpr, QMAX: tl.constexpr, SCALE: tl.constexpr, SPLIT: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """``OUT[m, n] = sa . sw . sum_k q[m, k] w[n, k] (+ bias[n])`` for one ``[BLOCK_M, BLOCK_N]``
     tile. ``FUSED``: ``X`` is float and quantized here (``XS`` unused), ``X_ROWS`` rows of it at
@@ -238,15 +265,14 @@ def dense_small_m_kernel(
     for the channel scheme, one per ``SCALE``-column block for the block scheme (whose scales
     change every block), so a long step keeps many weight bytes in flight either way.
 
-    ``SPLIT``: program ``(.., .., s)`` takes the K columns ``[s K_SPLIT, (s + 1) K_SPLIT)`` (a
+    ``SPLIT``: program ``(.., s)`` takes the K columns ``[s K_SPLIT, (s + 1) K_SPLIT)`` (a
     multiple of ``BLOCK_K``) and stores its raw sums (int32, or fp32 already scaled per K block)
     at ``OUT + s stride_os`` with no epilogue; with ``FUSED`` channel scales, the programs of the
     first N tile and K range also store the rows' scales at ``SA_OUT``, which the reduction needs."""
     SUB: tl.constexpr = SCALE if BLOCK_SCALES else BLOCK_K
     GROUPS: tl.constexpr = BLOCK_K // SUB
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
+    pid_n, pid_m = _tile_order(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
     offs_n, n_ok, cols, m_ok, rows = _tile(pid_n, pid_m, M, N, BLOCK_M, BLOCK_N)
     offs_s = tl.arange(0, SUB)
     w_base = W + cols[:, None] * stride_wn + offs_s[None, :]
@@ -460,7 +486,7 @@ def dense_int8_small_m(
     else:
         part, sa_out = out, unused
     # Plain integer arithmetic: triton.cdiv is a constexpr_function whose call costs host time.
-    grid = (-(-n // cfg.block_n), -(-m // cfg.block_m), splits)
+    grid = (-(-n // cfg.block_n) * -(-m // cfg.block_m), splits)
     dense_small_m_kernel[grid](
         x, xs, weight, ws, b, part, sa_out,
         m, n, k, k_split,
@@ -469,7 +495,7 @@ def dense_int8_small_m(
         FUSED=cfg.fused, BLOCK_SCALES=block, INT_ACC=int_acc, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
         X_ROWS=min(next_pow2(m), cfg.block_m) if cfg.fused else cfg.block_m,  # unused unless fused: one compile
-        QMAX=INT8_QMAX, SCALE=SCALE_BLOCK, SPLIT=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        QMAX=INT8_QMAX, SCALE=SCALE_BLOCK, SPLIT=split, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split:
         sa = sa_out if cfg.fused else xs
