@@ -180,7 +180,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from epmoe.kernels.common import next_pow2
-from epmoe.kernels.dense_int8 import dense_small_m_kernel as fn, small_m_config
+from epmoe.kernels.dense_int8 import amax_unroll, dense_small_m_kernel as fn, small_m_config
 
 for scheme, m, n, k, kw in (("int8_channel", 1, 576, 7168, {}), ("int8_channel", 16, 1536, 7168, {}),
                             ("int8_block", 2, 24576, 1536, {}), ("int8_channel", 64, 7168, 2048, {}),
@@ -193,7 +193,8 @@ for scheme, m, n, k, kw in (("int8_channel", 1, 576, 7168, {}), ("int8_channel",
                SA_OUT="*fp32")
     const = dict(FUSED=cfg.fused, BLOCK_SCALES=scheme == "int8_block", INT_ACC=scheme == "int8_channel",
                  HAS_BIAS=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=True,
-                 X_ROWS=min(next_pow2(m), cfg.block_m), QMAX=127.0, SCALE=128, SPLIT=split, GROUP_M=cfg.group_m)
+                 X_ROWS=min(next_pow2(m), cfg.block_m), QMAX=127.0, SCALE=128, SPLIT=split, GROUP_M=cfg.group_m,
+                 AMAX_UNROLL=amax_unroll(cfg, m) if cfg.fused and scheme == "int8_channel" else 1)
     sig.update({c: "constexpr" for c in const})
     # What the JIT infers for these shapes: 16-byte aligned pointers, strides and sizes divisible by 16.
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]

@@ -186,6 +186,17 @@ def checked_launch(cfg: SmallMConfig, x: torch.Tensor, weight: torch.Tensor) -> 
     return cfg if aligned else cfg._replace(fused=False)
 
 
+AMAX_LOADS = 8192
+"""Activation elements the fused amax pass keeps in flight per program (64 per thread of 4
+warps): enough loads to hide an L2 round trip, few enough registers not to spill."""
+
+
+def amax_unroll(cfg: SmallMConfig, m: int) -> int:
+    """K steps the fused channel kernel's amax pass loads at once (1 to 8)."""
+    x_rows = min(next_pow2(m), cfg.block_m)
+    return max(1, min(8, AMAX_LOADS // (x_rows * cfg.block_k)))
+
+
 def split_plan(k: int, cfg: SmallMConfig) -> tuple[int, int]:
     """``(columns per split, splits launched)`` of ``cfg`` on a K of ``k``: each share a whole
     number of ``block_k`` steps, so fewer splits than asked may remain."""
@@ -254,7 +265,7 @@ def dense_small_m_kernel(
     FUSED: tl.constexpr, BLOCK_SCALES: tl.constexpr, INT_ACC: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     X_ROWS: tl.constexpr, QMAX: tl.constexpr, SCALE: tl.constexpr, SPLIT: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, AMAX_UNROLL: tl.constexpr,
 ):
     """``OUT[m, n] = sa . sw . sum_k q[m, k] w[n, k] (+ bias[n])`` for one ``[BLOCK_M, BLOCK_N]``
     tile. ``FUSED``: ``X`` is float and quantized here (``XS`` unused), ``X_ROWS`` rows of it at
@@ -287,12 +298,17 @@ def dense_small_m_kernel(
 
     if not BLOCK_SCALES:
         if FUSED:
-            # The row's scale needs its whole amax before the first code: one pass over K.
-            amax = tl.zeros([X_ROWS], dtype=tl.int32)
-            for kk in range(0, k_steps):
-                k_ok = offs_s < K - kk * BLOCK_K
-                x = tl.load(x_base + kk * BLOCK_K, mask=xm_ok[:, None] & k_ok[None, :], other=0.0)
-                amax = tl.maximum(amax, amax_bits(x.to(tl.float32), 1))
+            # The row's scale needs its whole amax before the first code: one pass over K, which
+            # nothing pipelines. AMAX_UNROLL independent loads per iteration and an elementwise
+            # running max (one reduction at the end, the bits' integer max as in amax_bits) keep
+            # that many loads in flight instead of one L2 round trip per K step.
+            run = tl.zeros([X_ROWS, SUB], dtype=tl.int32)
+            for kk in range(0, k_steps, AMAX_UNROLL):
+                for u in tl.static_range(AMAX_UNROLL):
+                    k_ok = offs_s < K - (kk + u) * BLOCK_K
+                    x = tl.load(x_base + (kk + u) * BLOCK_K, mask=xm_ok[:, None] & k_ok[None, :], other=0.0)
+                    run = tl.maximum(run, x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+            amax = tl.max(run, 1)
             sa_x = scale_of(amax, QMAX)
             rcp = tl.div_rn(1.0, sa_x)
             finite = sa_x < float("inf")
@@ -495,7 +511,8 @@ def dense_int8_small_m(
         FUSED=cfg.fused, BLOCK_SCALES=block, INT_ACC=int_acc, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
         X_ROWS=min(next_pow2(m), cfg.block_m) if cfg.fused else cfg.block_m,  # unused unless fused: one compile
-        QMAX=INT8_QMAX, SCALE=SCALE_BLOCK, SPLIT=split, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        QMAX=INT8_QMAX, SCALE=SCALE_BLOCK, SPLIT=split, GROUP_M=cfg.group_m,
+        AMAX_UNROLL=amax_unroll(cfg, m) if cfg.fused and not block else 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split:
         sa = sa_out if cfg.fused else xs
