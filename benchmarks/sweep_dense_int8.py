@@ -22,8 +22,9 @@ at M = 1, 4, 16, 32, 64, 256, 1024, 4096 and 16384 (the table's row buckets).
 
 The fastest candidate becomes the cell's entry (``tiled`` or ``small_m`` with its launch);
 ``--report`` also keeps every candidate's time. Cells left when ``--budget-s`` runs out keep the
-default rule and are listed under ``skipped``. Modes: ``int8_channel_int32`` (``auto``'s default)
-first, then ``int8_block_fp32``.
+default rule and are listed under ``skipped`` (``--update`` keeps the table's earlier entries for
+them and for modes not swept, e.g. one run per mode). Modes: ``int8_channel_int32`` (``auto``'s
+default) first, then ``int8_block_fp32``.
 """
 
 from __future__ import annotations
@@ -195,6 +196,15 @@ def sweep(args) -> dict:
     )  # fmt: skip
 
 
+def _merge(old: dict, new: dict) -> dict:
+    """``{mode: {shape: {bucket: value}}}``: ``old`` with every cell of ``new`` written over it."""
+    out = {mode: {shape: dict(cells) for shape, cells in shapes.items()} for mode, shapes in old.items()}
+    for mode, shapes in new.items():
+        for shape, cells in shapes.items():
+            out.setdefault(mode, {}).setdefault(shape, {}).update(cells)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from epmoe.kernels.dense_configs import table_path, write_dense_table
 
@@ -206,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--m", type=int, nargs="*", default=None, help=f"batch sizes (default {SWEEP_MS})")
     p.add_argument("--budget-s", type=float, default=200.0, help="stop starting new cells after this many seconds")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
+    p.add_argument("--update", action="store_true",
+                   help="keep the --out table's entries for the modes and cells this run does not measure")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="cpu: a dry run of the script's logic under TRITON_INTERPRET=1 (with --tiny and --out)")
     p.add_argument("--tiny", action="store_true", help=f"tiny shapes {TINY_SHAPES} and M {TINY_MS} instead")
@@ -219,7 +231,14 @@ def main(argv: list[str] | None = None) -> int:
     meta = {key: v for key, v in result.items() if key not in ("configs", "measured")}
     measured = {mode: {shape: {m: {key: v for key, v in cell.items() if key != "all_us"} for m, cell in ms.items()}
                        for shape, ms in shapes.items()} for mode, shapes in result["measured"].items()}  # fmt: skip
-    write_dense_table(out, result["configs"], **meta, measured=measured)
+    configs = result["configs"]
+    if args.update and out.is_file():
+        # Keep the entries this run did not measure (other modes, cells past the budget).
+        old = json.loads(out.read_text())
+        configs, kept = _merge(old.get("configs", {}), configs), _merge(old.get("measured", {}), measured)
+        meta["updated_from"] = {key: old.get(key) for key in ("date", "commit", "command")}
+        measured = kept
+    write_dense_table(out, configs, **meta, measured=measured)
     print(f"wrote {out} ({result['seconds']} s; {len(result['skipped'])} cells skipped, {len(result['failures'])} failures)")
     if args.report:
         Path(args.report).write_text(json.dumps(result, indent=1))
