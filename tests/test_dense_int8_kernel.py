@@ -101,15 +101,19 @@ def test_refusals():
 
 def test_config_rule():
     """Narrow N tiles until two programs per SM (never narrower than half the row tile); K split
-    where even the narrowest tiles leave fewer programs than that; fused only while the
-    activations a program reads stay within its weight bytes (twice them when K is split); longer
-    K steps and deeper stages where programs have SMs to themselves."""
+    where even the narrowest tiles leave fewer programs than that; fused only for the channel
+    scheme, at a few rows, while the activations a program reads stay within its weight bytes
+    (twice them when K is split); longer K steps and deeper stages where programs have SMs to
+    themselves."""
     sms = 132
     assert small_m_config(1, 576, 7168, "int8_channel", sms) == (16, 16, 512, 4, 5, True, 8, 1)  # kv_a: 36 N tiles
     assert split_plan(7168, small_m_config(1, 576, 7168, "int8_channel", sms)) == (1024, 7)
     assert small_m_config(16, 576, 7168, "int8_channel", sms) == (16, 16, 512, 4, 4, False, 8, 1)
     assert small_m_config(64, 576, 7168, "int8_channel", sms)[:2] == (64, 32)
-    assert small_m_config(16, 36864, 7168, "int8_channel", sms) == (16, 128, 128, 4, 3, True, 1, 1)  # 288 programs
+    assert small_m_config(16, 36864, 7168, "int8_channel", sms) == (16, 128, 128, 4, 4, False, 1, 1)  # 288 programs
+    assert small_m_config(4, 36864, 7168, "int8_channel", sms).fused is True
+    assert small_m_config(16, 36864, 1536, "int8_channel", sms).fused is False  # past FUSED_M_MAX
+    assert not any(small_m_config(m, 24576, 1536, "int8_block", sms).fused for m in (1, 4, 16, 64))
     assert small_m_config(1, 7168, 18432, "int8_channel", sms).split_k == 1  # 448 programs
     assert small_m_config(64, 36864, 7168, "int8_channel", sms).fused is False
     assert small_m_config(4, 1536, 7168, "int8_block", sms)[2] == 512
@@ -183,7 +187,7 @@ from epmoe.kernels.common import next_pow2
 from epmoe.kernels.dense_int8 import amax_unroll, dense_small_m_kernel as fn, small_m_config
 
 for scheme, m, n, k, kw in (("int8_channel", 1, 576, 7168, {}), ("int8_channel", 16, 1536, 7168, {}),
-                            ("int8_block", 2, 24576, 1536, {}), ("int8_channel", 64, 7168, 2048, {}),
+                            ("int8_block", 2, 24576, 1536, dict(fused=True)), ("int8_channel", 64, 7168, 2048, {}),
                             ("int8_block", 4096, 7168, 2048, dict(fused=False, block_m=128, block_n=128))):
     cfg = small_m_config(m, n, k, scheme, 132, **kw)
     sig = {a: "i32" for a in fn.arg_names}

@@ -51,6 +51,8 @@ H100/H200 SM (227 KB), so a grid of two or three programs per SM runs in one wav
 REDUCE_BLOCK_M = 16
 REDUCE_BLOCK_N = 128
 """Tile of the split-K reduction: a few partial rows per program, 512-byte row segments."""
+FUSED_M_MAX = 8
+"""Most rows the default rule quantizes inside the GEMM (channel scheme; see small_m_config)."""
 MIN_SPLIT_COLS = 512
 """Fewest K columns a split-K share keeps: below it the partial sums' traffic and the reduction
 cost more than the programs they add."""
@@ -116,10 +118,10 @@ def small_m_config(
     per SM, and never narrower than half of ``block_m``. Where even the narrowest tiles leave
     fewer programs than that (narrow layers: ``kv_a``, ``q_a``), K is split: ``split_k`` doubles
     while the grid is short of ``PROGRAMS_PER_SM`` programs per SM and each share keeps at least
-    ``MIN_SPLIT_COLS`` columns. ``fused`` holds when the activations a program reads from L2 are
-    at most its weight bytes (channel: an amax pass over the whole row plus its share, ``2 m
-    (split_k + 1) <= block_n``, relaxed to twice the weight bytes when K is split; block: its
-    share once, ``2 m <= block_n``). ``block_k`` starts at 512, or 1024 when programs have SMs
+    ``MIN_SPLIT_COLS`` columns. ``fused`` (channel scheme, at most ``FUSED_M_MAX`` rows) holds
+    when the activations a program reads from L2 are at most its weight bytes (an amax pass over
+    the whole row plus its share, ``2 m (split_k + 1) <= block_n``, relaxed to twice the weight
+    bytes when K is split); the block scheme's default is unfused. ``block_k`` starts at 512, or 1024 when programs have SMs
     to themselves (block scheme: the longest such multiple of 128 dividing K), no longer than a
     split's share, and is halved until four stages fit the shared-memory budget; then as many
     stages as fit, 2 to 5 (8 when programs have SMs to themselves). A fused stage holds the
@@ -146,10 +148,11 @@ def small_m_config(
     if block_m >= 128:
         budget, max_stages = SMEM_ALONE, 5  # one such program per SM fills it
     if fused is None:
-        if scheme == "int8_block":
-            fused = 2 * m <= block_n
-        else:
-            fused = 2 * m * (split + 1) <= block_n * (2 if split > 1 else 1)
+        # Measured on the H200: the block scheme's fusion (a group scale per row and K block in
+        # every program) lost to the quantizer kernel plus the GEMM at every batch; the channel
+        # scheme's won at a few rows, and lost from 16 on, where every program's codes cost more
+        # than the second launch.
+        fused = scheme == "int8_channel" and m <= FUSED_M_MAX and 2 * m * (split + 1) <= block_n * (2 if split > 1 else 1)
     x_rows = min(next_pow2(m), block_m) if fused else block_m
     share = -(-k // split)
     if scheme == "int8_block":
