@@ -61,6 +61,8 @@ def test_plan_reads_the_device_table(tmp_path, monkeypatch):
 def test_default_rule():
     assert dc.default_plan("int8_channel", 576, 7168, dc.SMALL_M_MAX, 132)[0] == "small_m"
     assert dc.default_plan("int8_channel", 576, 7168, dc.SMALL_M_MAX + 1, 132) == ("tiled", None)
+    kernel, cfg = dc.default_plan("int8_block", 7168, 16384, 4096, 132)
+    assert kernel == "small_m" and cfg[:2] == (128, 128) and not cfg.fused and cfg.group_m == 8
     from epmoe.linear import SMALL_M_MAX
 
     assert SMALL_M_MAX == dc.SMALL_M_MAX
