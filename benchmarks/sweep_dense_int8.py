@@ -15,8 +15,8 @@ never holds the weight a call reads (GPU time, what a graph-captured step sees):
 * the small-batch kernel's default launch for the batch (the rule of
   :func:`epmoe.kernels.dense_int8.small_m_config`) and its neighbours: every N tile (16 to 128)
   at the rule's K split, half and twice that split (and none) at the rule's N tile, the
-  activation quantization fused or not; from 256 rows, unfused 64- and 128-row tiles with and
-  without a K split;
+  activation quantization fused or not (channel scheme up to 8 rows; elsewhere fusion never won
+  on the H200); from 256 rows, unfused 64- and 128-row tiles with and without a K split;
 
 at M = 1, 4, 16, 32, 64, 256, 1024, 4096 and 16384 (the table's row buckets).
 
@@ -58,7 +58,7 @@ def _mode(mode: str) -> tuple[str, str]:
 
 def candidates(m: int, n: int, k: int, scheme: str, sms: int) -> list:
     """Small-batch launches worth timing for one cell (deduplicated, the default first)."""
-    from epmoe.kernels.dense_int8 import small_m_config
+    from epmoe.kernels.dense_int8 import FUSED_M_MAX, small_m_config
 
     out = []
 
@@ -70,7 +70,9 @@ def candidates(m: int, n: int, k: int, scheme: str, sms: int) -> list:
     if m <= 64:
         base = small_m_config(m, n, k, scheme, sms)
         add()
-        fuse_ok = scheme == "int8_block" or base.block_m <= 32
+        # Fusion only where it ever won on the H200 (channel scheme, a few rows; see FUSED_M_MAX):
+        # half the launches to compile and time.
+        fuse_ok = scheme == "int8_channel" and m <= FUSED_M_MAX and base.block_m <= 32
         tiles = {bn: -(-n // bn) * -(-m // base.block_m) for bn in (16, 32, 64, 128) if bn >= base.block_m // 2}
         splits = {1, max(1, base.split_k // 2), base.split_k, base.split_k * 2}
         # Every N tile at the rule's split, every split at the rule's N tile (skipping grids of
