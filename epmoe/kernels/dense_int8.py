@@ -1,32 +1,33 @@
-"""W8A8 INT8 dense GEMM for small batches (decode): one launch reads the weight once.
+"""W8A8 INT8 dense GEMM for small batches (decode): the weight read once, by every SM.
 
 At a few rows the dense linear is bound by reading its INT8 weight (half of BF16's bytes), and at
 that size every extra launch, and every program that sits idle, shows. So the small-batch path
 is one kernel that
 
-* runs a ``(ceil(N / BLOCK_N), ceil(M / BLOCK_M))`` grid whose N tiles are narrow enough (down to
-  16 weight rows) to put at least two programs on every SM: a weight-read-bound GEMM needs all
-  SMs pulling from HBM, and a wide tile on a narrow layer (``kv_a``: 576 outputs) would leave
-  most of them idle;
+* runs a 1-D grid over ``ceil(N / BLOCK_N) * ceil(M / BLOCK_M)`` output tiles whose N tiles are
+  narrow enough (down to 16 weight rows) to put programs on every SM: a weight-read-bound GEMM
+  needs all SMs pulling from HBM, and a wide tile on a narrow layer (``kv_a``: 576 outputs)
+  would leave most of them idle (many row tiles run in groups, for L2 reuse of the weight);
+* splits K across programs where even the narrowest tiles are too few (``split_k``): each
+  program stores its share's raw sums and :func:`split_k_reduce_kernel` adds the shares in a
+  fixed order and applies the epilogue (a second launch, no atomics: the int32 sum of the shares
+  is the one-pass sum bit for bit, and no result depends on which program finished first);
 * quantizes the activations itself when they are few (``fused``): each program reads its rows'
-  float activations, forms the per-token scale from the row's amax (channel: one pass over K
-  before the GEMM loop) or each 1x128 group's scale on the fly (block), and turns every K tile
-  into INT8 codes right before the MMA. Only the batch's rows are quantized (rounded up to a
-  power of two); the MMA's 16-row minimum is met by repeating them, and the copies' outputs are
-  never stored. Every program repeats this work on activations it reads from L2, so it is chosen
-  only while those reads stay below the program's weight bytes (:func:`small_m_config`); above
-  that a per-token / per-group quantizer runs first (two launches, the codes read once per
-  program);
+  float activations, forms the per-token scale from the row's amax (channel: one pass over the
+  whole row before the GEMM loop) or each 1x128 group's scale on the fly (block), and turns every
+  K tile into INT8 codes right before the MMA. Only the batch's rows are quantized (rounded up to
+  a power of two); the MMA's 16-row minimum is met by repeating them, and the copies' outputs are
+  never stored. Every program repeats this work, so the default rule chooses it only at a few
+  rows (:func:`small_m_config`); otherwise a per-token / per-group quantizer runs first and the
+  GEMM reads the codes;
 * applies both scales (and the bias, in fp32) in the epilogue and stores the output dtype.
 
 The codes are those of :mod:`epmoe.kernels.quantize` bit for bit (the same device functions:
 ``amax_bits``, ``scale_of``, ``codes``), so fused and unfused runs agree, and the int32
-accumulator makes the K sum exact.
-
-No split-K: every output tile is owned by one program, so there is no workspace, no atomics, no
-second launch, and the result does not depend on a reduction order. The weight tiles are loaded
-with 16-byte accesses and pipelined through shared memory (``cp.async``) when K and the row
-strides are multiples of 16, which the JIT sees for every DeepSeek shape.
+accumulator makes the K sum exact. The weight tiles are loaded with 16-byte accesses and
+pipelined through shared memory (``cp.async``) when K and the row strides are multiples of 16,
+which the JIT sees for every DeepSeek shape. The same kernel with unfused 64- or 128-row tiles
+serves larger batches where a measured table (:mod:`epmoe.kernels.dense_configs`) says so.
 """
 
 from __future__ import annotations
@@ -121,9 +122,9 @@ def small_m_config(
     ``MIN_SPLIT_COLS`` columns. ``fused`` (channel scheme, at most ``FUSED_M_MAX`` rows) holds
     when the activations a program reads from L2 are at most its weight bytes (an amax pass over
     the whole row plus its share, ``2 m (split_k + 1) <= block_n``, relaxed to twice the weight
-    bytes when K is split); the block scheme's default is unfused. ``block_k`` starts at 512, or 1024 when programs have SMs
-    to themselves (block scheme: the longest such multiple of 128 dividing K), no longer than a
-    split's share, and is halved until four stages fit the shared-memory budget; then as many
+    bytes when K is split); the block scheme's default is unfused. ``block_k`` starts at 512,
+    or 1024 when programs have SMs to themselves (block scheme: the longest such multiple of 128
+    dividing K), no longer than a split's share, and is halved until four stages fit the shared-memory budget; then as many
     stages as fit, 2 to 5 (8 when programs have SMs to themselves). A fused stage holds the
     batch's rows of bf16 activations, an unfused one ``block_m`` rows of codes. Past 8 row tiles
     the tiles run in groups of 8 row tiles (``group_m``) for L2 reuse of the weight.
@@ -176,7 +177,7 @@ def small_m_config(
 
 
 def checked_launch(cfg: SmallMConfig, x: torch.Tensor, weight: torch.Tensor) -> SmallMConfig:
-    """``cfg``, unfused where its fused 64-row kernel could compute wrong codes' products: with
+    """``cfg``, unfused where its fused 64-row kernel could give wrong outputs: with
     activation or weight rows not 16-byte aligned, the weight tile reaches shared memory through
     plain stores, and Triton (3.6) places the proxy fence the Hopper MMA needs after the barrier
     instead of before it in that kernel (docs/dense.md). Unfused gives the same codes (one more
