@@ -226,7 +226,8 @@ def test_small_m_kernel_compiles_for_sm90():
     """The kernel compiles for an H100/H200 (sm_90, the triton wheel's ptxas; no GPU needed) with
     its weight loads pipelined through shared memory (cp.async): a fused split-K config (kv_a at
     one row), an unfused one, the block scheme, an unfused split at 64 rows, 128-row tiles in
-    groups of 8 row tiles (block scheme, 4096 rows); and the split-K reduction for both schemes. The interpreter runs the Python, not this lowering."""
+    groups of 8 row tiles (block scheme, 4096 rows); and the split-K reduction for both schemes.
+    The interpreter runs the Python, not this lowering."""
     import os
     import subprocess
     import sys

@@ -90,7 +90,9 @@ def default_plan(scheme: str, n: int, k: int, m: int, sms: int) -> tuple[str, Sm
 
 
 @functools.lru_cache(maxsize=8192)
-def dense_plan(scheme: str, accumulator: str, n: int, k: int, m: int, device: torch.device) -> tuple[str, SmallMConfig | None]:
+def dense_plan(
+    scheme: str, accumulator: str, n: int, k: int, m: int, device: torch.device
+) -> tuple[str, SmallMConfig | None]:
     """``(kernel, launch)`` for an ``[m, k] x [n, k]^T`` call on ``device``: the device table's
     entry where one exists, else :func:`default_plan` (cached: the forward asks on every call)."""
     from .. import devices

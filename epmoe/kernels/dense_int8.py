@@ -124,10 +124,11 @@ def small_m_config(
     the whole row plus its share, ``2 m (split_k + 1) <= block_n``, relaxed to twice the weight
     bytes when K is split); the block scheme's default is unfused. ``block_k`` starts at 512,
     or 1024 when programs have SMs to themselves (block scheme: the longest such multiple of 128
-    dividing K), no longer than a split's share, and is halved until four stages fit the shared-memory budget; then as many
-    stages as fit, 2 to 5 (8 when programs have SMs to themselves). A fused stage holds the
-    batch's rows of bf16 activations, an unfused one ``block_m`` rows of codes. Past 8 row tiles
-    the tiles run in groups of 8 row tiles (``group_m``) for L2 reuse of the weight.
+    dividing K), no longer than a split's share, and is halved until four stages fit the
+    shared-memory budget; then as many stages as fit, 2 to 5 (8 when programs have SMs to
+    themselves). A fused stage holds the batch's rows of bf16 activations, an unfused one
+    ``block_m`` rows of codes. Past 8 row tiles the tiles run in groups of 8 row tiles
+    (``group_m``) for L2 reuse of the weight.
     """
     if block_m is None:
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
@@ -153,11 +154,13 @@ def small_m_config(
         # every program) lost to the quantizer kernel plus the GEMM at every batch; the channel
         # scheme's won at a few rows, and lost from 16 on, where every program's codes cost more
         # than the second launch.
-        fused = scheme == "int8_channel" and m <= FUSED_M_MAX and 2 * m * (split + 1) <= block_n * (2 if split > 1 else 1)
+        reads_ok = 2 * m * (split + 1) <= block_n * (2 if split > 1 else 1)
+        fused = scheme == "int8_channel" and m <= FUSED_M_MAX and reads_ok
     x_rows = min(next_pow2(m), block_m) if fused else block_m
     share = -(-k // split)
     if scheme == "int8_block":
-        block_k = next(b for b in (1024, 512, 256, SCALE_BLOCK) if b <= max_k and k % b == 0 and (b <= share or b == SCALE_BLOCK))
+        fits = [b for b in (1024, 512, 256) if b <= max_k and k % b == 0 and b <= share]
+        block_k = fits[0] if fits else SCALE_BLOCK
     else:
         block_k = max(32, min(max_k, next_pow2(k), max(128, 1 << (share.bit_length() - 1))))
     if fused and x_rows > 8:
