@@ -15,15 +15,16 @@ never holds the weight a call reads (GPU time, what a graph-captured step sees):
 * the small-batch kernel's default launch for the batch (the rule of
   :func:`epmoe.kernels.dense_int8.small_m_config`) and its neighbours: every N tile (16 to 128)
   at the rule's K split, half and twice that split (and none) at the rule's N tile, the
-  activation quantization fused or not; from 256 rows, unfused 64- and 128-row tiles with and
-  without a K split;
+  activation quantization fused or not (channel scheme up to 8 rows; elsewhere fusion never won
+  on the H200); from 256 rows, unfused 64- and 128-row tiles with and without a K split;
 
 at M = 1, 4, 16, 32, 64, 256, 1024, 4096 and 16384 (the table's row buckets).
 
 The fastest candidate becomes the cell's entry (``tiled`` or ``small_m`` with its launch);
 ``--report`` also keeps every candidate's time. Cells left when ``--budget-s`` runs out keep the
-default rule and are listed under ``skipped``. Modes: ``int8_channel_int32`` (``auto``'s default)
-first, then ``int8_block_fp32``.
+default rule and are listed under ``skipped`` (``--update`` keeps the table's earlier entries for
+them and for modes not swept, e.g. one run per mode). Modes: ``int8_channel_int32`` (``auto``'s
+default) first, then ``int8_block_fp32``.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def _mode(mode: str) -> tuple[str, str]:
 
 def candidates(m: int, n: int, k: int, scheme: str, sms: int) -> list:
     """Small-batch launches worth timing for one cell (deduplicated, the default first)."""
-    from epmoe.kernels.dense_int8 import small_m_config
+    from epmoe.kernels.dense_int8 import FUSED_M_MAX, small_m_config
 
     out = []
 
@@ -69,7 +70,9 @@ def candidates(m: int, n: int, k: int, scheme: str, sms: int) -> list:
     if m <= 64:
         base = small_m_config(m, n, k, scheme, sms)
         add()
-        fuse_ok = scheme == "int8_block" or base.block_m <= 32
+        # Fusion only where it ever won on the H200 (channel scheme, a few rows; see FUSED_M_MAX):
+        # half the launches to compile and time.
+        fuse_ok = scheme == "int8_channel" and m <= FUSED_M_MAX and base.block_m <= 32
         tiles = {bn: -(-n // bn) * -(-m // base.block_m) for bn in (16, 32, 64, 128) if bn >= base.block_m // 2}
         splits = {1, max(1, base.split_k // 2), base.split_k, base.split_k * 2}
         # Every N tile at the rule's split, every split at the rule's N tile (skipping grids of
@@ -195,6 +198,15 @@ def sweep(args) -> dict:
     )  # fmt: skip
 
 
+def _merge(old: dict, new: dict) -> dict:
+    """``{mode: {shape: {bucket: value}}}``: ``old`` with every cell of ``new`` written over it."""
+    out = {mode: {shape: dict(cells) for shape, cells in shapes.items()} for mode, shapes in old.items()}
+    for mode, shapes in new.items():
+        for shape, cells in shapes.items():
+            out.setdefault(mode, {}).setdefault(shape, {}).update(cells)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from epmoe.kernels.dense_configs import table_path, write_dense_table
 
@@ -206,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--m", type=int, nargs="*", default=None, help=f"batch sizes (default {SWEEP_MS})")
     p.add_argument("--budget-s", type=float, default=200.0, help="stop starting new cells after this many seconds")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
+    p.add_argument("--update", action="store_true",
+                   help="keep the --out table's entries for the modes and cells this run does not measure")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="cpu: a dry run of the script's logic under TRITON_INTERPRET=1 (with --tiny and --out)")
     p.add_argument("--tiny", action="store_true", help=f"tiny shapes {TINY_SHAPES} and M {TINY_MS} instead")
@@ -219,7 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     meta = {key: v for key, v in result.items() if key not in ("configs", "measured")}
     measured = {mode: {shape: {m: {key: v for key, v in cell.items() if key != "all_us"} for m, cell in ms.items()}
                        for shape, ms in shapes.items()} for mode, shapes in result["measured"].items()}  # fmt: skip
-    write_dense_table(out, result["configs"], **meta, measured=measured)
+    configs = result["configs"]
+    if args.update and out.is_file():
+        # Keep the entries this run did not measure (other modes, cells past the budget).
+        old = json.loads(out.read_text())
+        configs, kept = _merge(old.get("configs", {}), configs), _merge(old.get("measured", {}), measured)
+        meta["updated_from"] = {key: old.get(key) for key in ("date", "commit", "command")}
+        measured = kept
+    write_dense_table(out, configs, **meta, measured=measured)
     print(f"wrote {out} ({result['seconds']} s; {len(result['skipped'])} cells skipped, {len(result['failures'])} failures)")
     if args.report:
         Path(args.report).write_text(json.dumps(result, indent=1))

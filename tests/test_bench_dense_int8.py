@@ -72,3 +72,20 @@ def test_sweep_dry_run_writes_a_table_the_plan_reads(tmp_path):
         assert ms["1"]["default_us"] is not None and ms["1"]["tiled_us"] is not None
         big = [json.loads(key) for key in ms["80"]["all_us"] if key != "tiled"]
         assert big and all(c["block_m"] in (64, 128) and not c["fused"] for c in big)
+
+
+def test_sweep_update_keeps_what_it_did_not_measure(tmp_path):
+    """--update: a second run over one mode and one batch keeps the first run's other entries."""
+    pytest.importorskip("triton")
+    from benchmarks import sweep_dense_int8 as sweep
+
+    out = tmp_path / "table.json"
+    base = ["--device", "cpu", "--tiny", "--out", str(out)]
+    assert sweep.main([*base, "--m", "1", "--modes", "int8_block_fp32"]) == 0
+    first = json.loads(out.read_text())["configs"]
+    assert sweep.main([*base, "--m", "80", "--modes", "int8_channel_int32", "--update"]) == 0
+    data = json.loads(out.read_text())
+    assert data["configs"]["int8_block_fp32"] == first["int8_block_fp32"]
+    assert {s: set(c) for s, c in data["configs"]["int8_channel_int32"].items()} == {
+        f"N={n},K={k}": {"80"} for _, n, k in bench.TINY_SHAPES}
+    assert set(data["measured"]) == {"int8_block_fp32", "int8_channel_int32"} and "updated_from" in data

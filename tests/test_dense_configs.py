@@ -61,6 +61,8 @@ def test_plan_reads_the_device_table(tmp_path, monkeypatch):
 def test_default_rule():
     assert dc.default_plan("int8_channel", 576, 7168, dc.SMALL_M_MAX, 132)[0] == "small_m"
     assert dc.default_plan("int8_channel", 576, 7168, dc.SMALL_M_MAX + 1, 132) == ("tiled", None)
+    kernel, cfg = dc.default_plan("int8_block", 7168, 16384, 4096, 132)
+    assert kernel == "small_m" and cfg[:2] == (128, 128) and not cfg.fused and cfg.group_m == 8
     from epmoe.linear import SMALL_M_MAX
 
     assert SMALL_M_MAX == dc.SMALL_M_MAX
@@ -117,3 +119,23 @@ def test_int8_linear_follows_the_plan(plan, monkeypatch):
     assert rel(out, ref_mlp(mlp, x)) <= 1e-2
     if plan == "small_m-split":
         assert calls == [m, cfg, m, cfg._replace(fused=False)]
+
+
+def test_int8_linear_unfuses_tall_fused_launches_on_unaligned_rows(monkeypatch):
+    """A plan's fused launch on 64-row tiles reaches the kernel unfused when the activation rows
+    are not 16-byte aligned (checked_launch), fused when they are; both against float64."""
+    from epmoe import linear
+    from test_linear import TIGHT, make, ref_linear, rel
+
+    ns = linear._dense_kernels()
+    real, seen = ns.dense_int8_small_m, []
+    tall = SmallMConfig(64, 16, 128, 4, 2, True)
+    monkeypatch.setattr(ns, "dense_plan", lambda *a: ("small_m", tall))
+    monkeypatch.setattr(ns, "dense_int8_small_m", lambda *a, config=None, **kw: seen.append(config.fused) or real(
+        *a, config=config, **kw))  # fmt: skip
+    _, mod = make(256, 40, "int8_channel", "int32", False, "triton", seed=5)
+    base = torch.randn(3, 260, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        for x in (base[:, :256].contiguous(), base[:, 1:257]):  # aligned rows; a 4-byte offset
+            assert rel(mod(x), ref_linear(mod, x)) <= TIGHT[torch.float32]
+    assert seen == [True, False]

@@ -101,15 +101,19 @@ def test_refusals():
 
 def test_config_rule():
     """Narrow N tiles until two programs per SM (never narrower than half the row tile); K split
-    where even the narrowest tiles leave fewer programs than that; fused only while the
-    activations a program reads stay within its weight bytes (twice them when K is split); longer
-    K steps and deeper stages where programs have SMs to themselves."""
+    where even the narrowest tiles leave fewer programs than that; fused only for the channel
+    scheme, at a few rows, while the activations a program reads stay within its weight bytes
+    (twice them when K is split); longer K steps and deeper stages where programs have SMs to
+    themselves."""
     sms = 132
-    assert small_m_config(1, 576, 7168, "int8_channel", sms) == (16, 16, 512, 4, 5, True, 8)  # kv_a: 36 N tiles
+    assert small_m_config(1, 576, 7168, "int8_channel", sms) == (16, 16, 512, 4, 5, True, 8, 1)  # kv_a: 36 N tiles
     assert split_plan(7168, small_m_config(1, 576, 7168, "int8_channel", sms)) == (1024, 7)
-    assert small_m_config(16, 576, 7168, "int8_channel", sms) == (16, 16, 512, 4, 4, False, 8)
+    assert small_m_config(16, 576, 7168, "int8_channel", sms) == (16, 16, 512, 4, 4, False, 8, 1)
     assert small_m_config(64, 576, 7168, "int8_channel", sms)[:2] == (64, 32)
-    assert small_m_config(16, 36864, 7168, "int8_channel", sms) == (16, 128, 128, 4, 3, True, 1)  # 288 programs
+    assert small_m_config(16, 36864, 7168, "int8_channel", sms) == (16, 128, 128, 4, 4, False, 1, 1)  # 288 programs
+    assert small_m_config(4, 36864, 7168, "int8_channel", sms).fused is True
+    assert small_m_config(16, 36864, 1536, "int8_channel", sms).fused is False  # past FUSED_M_MAX
+    assert not any(small_m_config(m, 24576, 1536, "int8_block", sms).fused for m in (1, 4, 16, 64))
     assert small_m_config(1, 7168, 18432, "int8_channel", sms).split_k == 1  # 448 programs
     assert small_m_config(64, 36864, 7168, "int8_channel", sms).fused is False
     assert small_m_config(4, 1536, 7168, "int8_block", sms)[2] == 512
@@ -180,11 +184,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from epmoe.kernels.common import next_pow2
-from epmoe.kernels.dense_int8 import dense_small_m_kernel as fn, small_m_config
+from epmoe.kernels.dense_int8 import amax_unroll, dense_small_m_kernel as fn, small_m_config
 
-for scheme, m, n, k in (("int8_channel", 1, 576, 7168), ("int8_channel", 16, 1536, 7168), ("int8_block", 2, 24576, 1536),
-                        ("int8_channel", 64, 7168, 2048)):
-    cfg = small_m_config(m, n, k, scheme, 132)
+for scheme, m, n, k, kw in (("int8_channel", 1, 576, 7168, {}), ("int8_channel", 16, 1536, 7168, {}),
+                            ("int8_block", 2, 24576, 1536, dict(fused=True)), ("int8_channel", 64, 7168, 2048, {}),
+                            ("int8_block", 4096, 7168, 2048, dict(fused=False, block_m=128, block_n=128))):
+    cfg = small_m_config(m, n, k, scheme, 132, **kw)
     sig = {a: "i32" for a in fn.arg_names}
     split = cfg.split_k > 1
     out = ("*i32" if scheme == "int8_channel" else "*fp32") if split else "*bf16"
@@ -192,7 +197,8 @@ for scheme, m, n, k in (("int8_channel", 1, 576, 7168), ("int8_channel", 16, 153
                SA_OUT="*fp32")
     const = dict(FUSED=cfg.fused, BLOCK_SCALES=scheme == "int8_block", INT_ACC=scheme == "int8_channel",
                  HAS_BIAS=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=True,
-                 X_ROWS=min(next_pow2(m), cfg.block_m), QMAX=127.0, SCALE=128, SPLIT=split)
+                 X_ROWS=min(next_pow2(m), cfg.block_m), QMAX=127.0, SCALE=128, SPLIT=split, GROUP_M=cfg.group_m,
+                 AMAX_UNROLL=amax_unroll(cfg, m) if cfg.fused and scheme == "int8_channel" else 1)
     sig.update({c: "constexpr" for c in const})
     # What the JIT infers for these shapes: 16-byte aligned pointers, strides and sizes divisible by 16.
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
@@ -219,8 +225,9 @@ print("reduce ok")
 def test_small_m_kernel_compiles_for_sm90():
     """The kernel compiles for an H100/H200 (sm_90, the triton wheel's ptxas; no GPU needed) with
     its weight loads pipelined through shared memory (cp.async): a fused split-K config (kv_a at
-    one row), an unfused one, the block scheme, an unfused split at 64 rows; and the split-K
-    reduction for both schemes. The interpreter runs the Python, not this lowering."""
+    one row), an unfused one, the block scheme, an unfused split at 64 rows, 128-row tiles in
+    groups of 8 row tiles (block scheme, 4096 rows); and the split-K reduction for both schemes.
+    The interpreter runs the Python, not this lowering."""
     import os
     import subprocess
     import sys
@@ -233,10 +240,11 @@ def test_small_m_kernel_compiles_for_sm90():
                                          env.get("PYTHONPATH", "")])  # fmt: skip
     done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.split("\n")[:4]
+    lines = done.stdout.split("\n")[:5]
     assert [ln.split()[:3] for ln in lines] == [["int8_channel", "1", "True"], ["int8_channel", "16", "False"],
-                                                ["int8_block", "2", "True"], ["int8_channel", "64", "False"]]  # fmt: skip
-    assert done.stdout.split("\n")[4] == "reduce ok"
+                                                ["int8_block", "2", "True"], ["int8_channel", "64", "False"],
+                                                ["int8_block", "4096", "False"]]  # fmt: skip
+    assert done.stdout.split("\n")[5] == "reduce ok"
     for ln in lines:
         shared, cp_async, mma = map(int, ln.split()[3:])
         assert cp_async > 0 and mma > 0 and shared <= 227 * 1024
@@ -256,3 +264,20 @@ def test_checked_launch_unfuses_tall_tiles_on_unaligned_rows():
     assert checked_launch(tall, torch.zeros(3, 1032, dtype=torch.bfloat16)[:, 1:1025], w_ok).fused is False  # 2-byte offset
     assert checked_launch(tall._replace(block_m=32), torch.zeros(3, 1000, dtype=torch.bfloat16), w_odd).fused is True
     assert checked_launch(tall._replace(fused=False), x_ok, w_odd).fused is False
+
+
+@pytest.mark.parametrize("group_m", [1, 3])
+def test_tile_order_covers_every_tile(group_m):
+    """Many row tiles in groups of ``group_m`` (the last group short: 16 row tiles in groups of 3),
+    split K, and N not a multiple of the tile: every output element against float64, and the
+    int32 result equals the one-group order's bit for bit."""
+    gen = torch.Generator().manual_seed(11)
+    m, n, k = 1000, 40, 256
+    w, ws = _weights(n, k, "int8_channel", gen)
+    x = torch.randn(m, k, generator=gen)
+    cfg = SmallMConfig(64, 16, 128, 4, 2, False, 2, group_m)
+    dev = [t.to(DEVICE) for t in (x, w, ws)]
+    out = dense_int8_small_m(*dev, scheme="int8_channel", accumulator="int32", config=cfg)
+    assert _rel(out, _ref(x, w, ws, None, "int8_channel")) <= TIGHT
+    plain = dense_int8_small_m(*dev, scheme="int8_channel", accumulator="int32", config=cfg._replace(group_m=1))
+    torch.testing.assert_close(out, plain, rtol=0, atol=0)

@@ -13,8 +13,8 @@ Tables ship as package data beside the grouped GEMM's, one file per device name,
 included); ``tiled`` is the backend's own quantizer and tiled GEMM (Triton grouped GEMM, or the
 CUTLASS kernel with ``SGLANG_CUTLASS_MOE=1``). A batch takes the entry of the smallest bucket
 that is >= its rows (the largest bucket past the end). Without an entry the rule is
-:func:`default_plan`: the small-batch kernel's own launch rule up to :data:`SMALL_M_MAX` rows,
-the tiled GEMM above.
+:func:`default_plan`: the small-batch kernel's own launch rule up to :data:`SMALL_M_MAX` rows;
+above, the tiled GEMM (``int8_block``: the small-batch kernel with 128-row tiles).
 """
 
 from __future__ import annotations
@@ -78,14 +78,21 @@ def parse_table(data: dict, where: str = "table") -> dict:
 
 def default_plan(scheme: str, n: int, k: int, m: int, sms: int) -> tuple[str, SmallMConfig | None]:
     """The rule without a measured entry: the small-batch kernel (its own launch rule) up to
-    :data:`SMALL_M_MAX` rows, the tiled GEMM above."""
+    :data:`SMALL_M_MAX` rows; above, the tiled GEMM for ``int8_channel`` and the same kernel with
+    unfused 128 x 128 tiles for ``int8_block`` (on the H200 it ran the block scheme 1.2-3.7x
+    faster than the Triton tiled GEMM from 256 to 16384 rows, where that GEMM's per-K-block
+    scaling made it several times slower than BF16)."""
     if m <= SMALL_M_MAX:
         return "small_m", small_m_config(m, n, k, scheme, sms)
+    if scheme == "int8_block":
+        return "small_m", small_m_config(m, n, k, scheme, sms, False, block_m=128, block_n=128)
     return "tiled", None
 
 
 @functools.lru_cache(maxsize=8192)
-def dense_plan(scheme: str, accumulator: str, n: int, k: int, m: int, device: torch.device) -> tuple[str, SmallMConfig | None]:
+def dense_plan(
+    scheme: str, accumulator: str, n: int, k: int, m: int, device: torch.device
+) -> tuple[str, SmallMConfig | None]:
     """``(kernel, launch)`` for an ``[m, k] x [n, k]^T`` call on ``device``: the device table's
     entry where one exists, else :func:`default_plan` (cached: the forward asks on every call)."""
     from .. import devices

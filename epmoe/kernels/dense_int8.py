@@ -1,32 +1,33 @@
-"""W8A8 INT8 dense GEMM for small batches (decode): one launch reads the weight once.
+"""W8A8 INT8 dense GEMM for small batches (decode): the weight read once, by every SM.
 
 At a few rows the dense linear is bound by reading its INT8 weight (half of BF16's bytes), and at
 that size every extra launch, and every program that sits idle, shows. So the small-batch path
 is one kernel that
 
-* runs a ``(ceil(N / BLOCK_N), ceil(M / BLOCK_M))`` grid whose N tiles are narrow enough (down to
-  16 weight rows) to put at least two programs on every SM: a weight-read-bound GEMM needs all
-  SMs pulling from HBM, and a wide tile on a narrow layer (``kv_a``: 576 outputs) would leave
-  most of them idle;
+* runs a 1-D grid over ``ceil(N / BLOCK_N) * ceil(M / BLOCK_M)`` output tiles whose N tiles are
+  narrow enough (down to 16 weight rows) to put programs on every SM: a weight-read-bound GEMM
+  needs all SMs pulling from HBM, and a wide tile on a narrow layer (``kv_a``: 576 outputs)
+  would leave most of them idle (many row tiles run in groups, for L2 reuse of the weight);
+* splits K across programs where even the narrowest tiles are too few (``split_k``): each
+  program stores its share's raw sums and :func:`split_k_reduce_kernel` adds the shares in a
+  fixed order and applies the epilogue (a second launch, no atomics: the int32 sum of the shares
+  is the one-pass sum bit for bit, and no result depends on which program finished first);
 * quantizes the activations itself when they are few (``fused``): each program reads its rows'
-  float activations, forms the per-token scale from the row's amax (channel: one pass over K
-  before the GEMM loop) or each 1x128 group's scale on the fly (block), and turns every K tile
-  into INT8 codes right before the MMA. Only the batch's rows are quantized (rounded up to a
-  power of two); the MMA's 16-row minimum is met by repeating them, and the copies' outputs are
-  never stored. Every program repeats this work on activations it reads from L2, so it is chosen
-  only while those reads stay below the program's weight bytes (:func:`small_m_config`); above
-  that a per-token / per-group quantizer runs first (two launches, the codes read once per
-  program);
+  float activations, forms the per-token scale from the row's amax (channel: one pass over the
+  whole row before the GEMM loop) or each 1x128 group's scale on the fly (block), and turns every
+  K tile into INT8 codes right before the MMA. Only the batch's rows are quantized (rounded up to
+  a power of two); the MMA's 16-row minimum is met by repeating them, and the copies' outputs are
+  never stored. Every program repeats this work, so the default rule chooses it only at a few
+  rows (:func:`small_m_config`); otherwise a per-token / per-group quantizer runs first and the
+  GEMM reads the codes;
 * applies both scales (and the bias, in fp32) in the epilogue and stores the output dtype.
 
 The codes are those of :mod:`epmoe.kernels.quantize` bit for bit (the same device functions:
 ``amax_bits``, ``scale_of``, ``codes``), so fused and unfused runs agree, and the int32
-accumulator makes the K sum exact.
-
-No split-K: every output tile is owned by one program, so there is no workspace, no atomics, no
-second launch, and the result does not depend on a reduction order. The weight tiles are loaded
-with 16-byte accesses and pipelined through shared memory (``cp.async``) when K and the row
-strides are multiples of 16, which the JIT sees for every DeepSeek shape.
+accumulator makes the K sum exact. The weight tiles are loaded with 16-byte accesses and
+pipelined through shared memory (``cp.async``) when K and the row strides are multiples of 16,
+which the JIT sees for every DeepSeek shape. The same kernel with unfused 64- or 128-row tiles
+serves larger batches where a measured table (:mod:`epmoe.kernels.dense_configs`) says so.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ H100/H200 SM (227 KB), so a grid of two or three programs per SM runs in one wav
 REDUCE_BLOCK_M = 16
 REDUCE_BLOCK_N = 128
 """Tile of the split-K reduction: a few partial rows per program, 512-byte row segments."""
+FUSED_M_MAX = 8
+"""Most rows the default rule quantizes inside the GEMM (channel scheme; see small_m_config)."""
 MIN_SPLIT_COLS = 512
 """Fewest K columns a split-K share keeps: below it the partial sums' traffic and the reduction
 cost more than the programs they add."""
@@ -71,6 +74,9 @@ class SmallMConfig(NamedTuple):
     split_k: int = 1
     """Programs that share each output tile's K range (split-K); above 1 each writes its partial
     sums and :func:`split_k_reduce_kernel` adds them in a fixed order and applies the epilogue."""
+    group_m: int = 1
+    """Row tiles whose programs run next to each other for each N tile (tile order for L2 reuse
+    when there are many row tiles); 1: all N tiles of a row tile, then the next row tile."""
 
     def to_dict(self) -> dict:
         return self._asdict()
@@ -91,8 +97,8 @@ class SmallMConfig(NamedTuple):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"small-batch config {name}={v}; allowed: a power of two")
-        if self.split_k < 1:
-            raise ValueError(f"small-batch config split_k={self.split_k}; allowed: >= 1")
+        if self.split_k < 1 or self.group_m < 1:
+            raise ValueError(f"small-batch config split_k={self.split_k}, group_m={self.group_m}; allowed: >= 1")
         if self.block_m < 16 or self.block_n < 16 or self.block_k < 32 or self.num_stages < 1:
             raise ValueError(f"small-batch config {self}: block_m, block_n >= 16, block_k >= 32, num_stages >= 1")
 
@@ -101,6 +107,7 @@ class SmallMConfig(NamedTuple):
 def small_m_config(
     m: int, n: int, k: int, scheme: str, sms: int, fused: bool | None = None, *,
     block_m: int | None = None, block_n: int | None = None, split_k: int | None = None,
+    group_m: int | None = None,
 ) -> SmallMConfig:
     """The default launch for an ``[m, k] x [n, k]^T`` call on a GPU with ``sms`` SMs (cached:
     the forward looks it up on every call). ``fused``: ``None`` for the rule below, or forced
@@ -112,14 +119,16 @@ def small_m_config(
     per SM, and never narrower than half of ``block_m``. Where even the narrowest tiles leave
     fewer programs than that (narrow layers: ``kv_a``, ``q_a``), K is split: ``split_k`` doubles
     while the grid is short of ``PROGRAMS_PER_SM`` programs per SM and each share keeps at least
-    ``MIN_SPLIT_COLS`` columns. ``fused`` holds when the activations a program reads from L2 are
-    at most its weight bytes (channel: an amax pass over the whole row plus its share, ``2 m
-    (split_k + 1) <= block_n``, relaxed to twice the weight bytes when K is split; block: its
-    share once, ``2 m <= block_n``). ``block_k`` starts at 512, or 1024 when programs have SMs
-    to themselves (block scheme: the longest such multiple of 128 dividing K), no longer than a
-    split's share, and is halved until four stages fit the shared-memory budget; then as many
-    stages as fit, 2 to 5 (8 when programs have SMs to themselves). A fused stage holds the
-    batch's rows of bf16 activations, an unfused one ``block_m`` rows of codes.
+    ``MIN_SPLIT_COLS`` columns. ``fused`` (channel scheme, at most ``FUSED_M_MAX`` rows) holds
+    when the activations a program reads from L2 are at most its weight bytes (an amax pass over
+    the whole row plus its share, ``2 m (split_k + 1) <= block_n``, relaxed to twice the weight
+    bytes when K is split); the block scheme's default is unfused. ``block_k`` starts at 512,
+    or 1024 when programs have SMs to themselves (block scheme: the longest such multiple of 128
+    dividing K), no longer than a split's share, and is halved until four stages fit the
+    shared-memory budget; then as many stages as fit, 2 to 5 (8 when programs have SMs to
+    themselves). A fused stage holds the batch's rows of bf16 activations, an unfused one
+    ``block_m`` rows of codes. Past 8 row tiles the tiles run in groups of 8 row tiles
+    (``group_m``) for L2 reuse of the weight.
     """
     if block_m is None:
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
@@ -141,14 +150,17 @@ def small_m_config(
     if block_m >= 128:
         budget, max_stages = SMEM_ALONE, 5  # one such program per SM fills it
     if fused is None:
-        if scheme == "int8_block":
-            fused = 2 * m <= block_n
-        else:
-            fused = 2 * m * (split + 1) <= block_n * (2 if split > 1 else 1)
+        # Measured on the H200: the block scheme's fusion (a group scale per row and K block in
+        # every program) lost to the quantizer kernel plus the GEMM at every batch; the channel
+        # scheme's won at a few rows, and lost from 16 on, where every program's codes cost more
+        # than the second launch.
+        reads_ok = 2 * m * (split + 1) <= block_n * (2 if split > 1 else 1)
+        fused = scheme == "int8_channel" and m <= FUSED_M_MAX and reads_ok
     x_rows = min(next_pow2(m), block_m) if fused else block_m
     share = -(-k // split)
     if scheme == "int8_block":
-        block_k = next(b for b in (1024, 512, 256, SCALE_BLOCK) if b <= max_k and k % b == 0 and (b <= share or b == SCALE_BLOCK))
+        fits = [b for b in (1024, 512, 256) if b <= max_k and k % b == 0 and b <= share]
+        block_k = fits[0] if fits else SCALE_BLOCK
     else:
         block_k = max(32, min(max_k, next_pow2(k), max(128, 1 << (share.bit_length() - 1))))
     if fused and x_rows > 8:
@@ -162,11 +174,13 @@ def small_m_config(
     while block_k > 128 and 4 * stage(block_k) > budget:
         block_k //= 2
     stages = max(2, min(max_stages, budget // stage(block_k)))
-    return SmallMConfig(block_m, block_n, block_k, 8 if block_m >= 128 else 4, stages, fused, split)
+    if group_m is None:
+        group_m = 8 if m_tiles > 8 else 1
+    return SmallMConfig(block_m, block_n, block_k, 8 if block_m >= 128 else 4, stages, fused, split, group_m)
 
 
 def checked_launch(cfg: SmallMConfig, x: torch.Tensor, weight: torch.Tensor) -> SmallMConfig:
-    """``cfg``, unfused where its fused 64-row kernel could compute wrong codes' products: with
+    """``cfg``, unfused where its fused 64-row kernel could give wrong outputs: with
     activation or weight rows not 16-byte aligned, the weight tile reaches shared memory through
     plain stores, and Triton (3.6) places the proxy fence the Hopper MMA needs after the barrier
     instead of before it in that kernel (docs/dense.md). Unfused gives the same codes (one more
@@ -177,6 +191,17 @@ def checked_launch(cfg: SmallMConfig, x: torch.Tensor, weight: torch.Tensor) -> 
     aligned = (x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
                and (x.stride(0) * x.element_size()) % 16 == 0 and weight.stride(0) % 16 == 0)  # fmt: skip
     return cfg if aligned else cfg._replace(fused=False)
+
+
+AMAX_LOADS = 8192
+"""Activation elements the fused amax pass keeps in flight per program (64 per thread of 4
+warps): enough loads to hide an L2 round trip, few enough registers not to spill."""
+
+
+def amax_unroll(cfg: SmallMConfig, m: int) -> int:
+    """K steps the fused channel kernel's amax pass loads at once (1 to 8)."""
+    x_rows = min(next_pow2(m), cfg.block_m)
+    return max(1, min(8, AMAX_LOADS // (x_rows * cfg.block_k)))
 
 
 def split_plan(k: int, cfg: SmallMConfig) -> tuple[int, int]:
@@ -221,6 +246,25 @@ def _tile(pid_n, pid_m, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _tile_order(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """``(pid_n, pid_m)`` of program ``pid`` of a 1-D grid over the output tiles: groups of
+    ``GROUP_M`` row tiles, and within a group the row tiles of one N tile next to each other, so
+    a weight tile is read while its neighbours' rows are still in L2 (the last group may be
+    shorter)."""
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    if GROUP_M == 1:
+        pid_n = pid % n_tiles
+        pid_m = pid // n_tiles
+    else:
+        width = GROUP_M * n_tiles
+        first_m = (pid // width) * GROUP_M
+        size = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+        pid_m = first_m + (pid % width) % size
+        pid_n = (pid % width) // size
+    return pid_n, pid_m
+
+
+@triton.jit
 def dense_small_m_kernel(
     X, XS, W, WS, BIAS, OUT, SA_OUT,
     M, N, K, K_SPLIT,
@@ -228,6 +272,7 @@ def dense_small_m_kernel(
     FUSED: tl.constexpr, BLOCK_SCALES: tl.constexpr, INT_ACC: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     X_ROWS: tl.constexpr, QMAX: tl.constexpr, SCALE: tl.constexpr, SPLIT: tl.constexpr,
+    GROUP_M: tl.constexpr, AMAX_UNROLL: tl.constexpr,
 ):
     """``OUT[m, n] = sa . sw . sum_k q[m, k] w[n, k] (+ bias[n])`` for one ``[BLOCK_M, BLOCK_N]``
     tile. ``FUSED``: ``X`` is float and quantized here (``XS`` unused), ``X_ROWS`` rows of it at
@@ -238,15 +283,14 @@ def dense_small_m_kernel(
     for the channel scheme, one per ``SCALE``-column block for the block scheme (whose scales
     change every block), so a long step keeps many weight bytes in flight either way.
 
-    ``SPLIT``: program ``(.., .., s)`` takes the K columns ``[s K_SPLIT, (s + 1) K_SPLIT)`` (a
+    ``SPLIT``: program ``(.., s)`` takes the K columns ``[s K_SPLIT, (s + 1) K_SPLIT)`` (a
     multiple of ``BLOCK_K``) and stores its raw sums (int32, or fp32 already scaled per K block)
     at ``OUT + s stride_os`` with no epilogue; with ``FUSED`` channel scales, the programs of the
     first N tile and K range also store the rows' scales at ``SA_OUT``, which the reduction needs."""
     SUB: tl.constexpr = SCALE if BLOCK_SCALES else BLOCK_K
     GROUPS: tl.constexpr = BLOCK_K // SUB
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
+    pid_n, pid_m = _tile_order(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
     offs_n, n_ok, cols, m_ok, rows = _tile(pid_n, pid_m, M, N, BLOCK_M, BLOCK_N)
     offs_s = tl.arange(0, SUB)
     w_base = W + cols[:, None] * stride_wn + offs_s[None, :]
@@ -261,12 +305,17 @@ def dense_small_m_kernel(
 
     if not BLOCK_SCALES:
         if FUSED:
-            # The row's scale needs its whole amax before the first code: one pass over K.
-            amax = tl.zeros([X_ROWS], dtype=tl.int32)
-            for kk in range(0, k_steps):
-                k_ok = offs_s < K - kk * BLOCK_K
-                x = tl.load(x_base + kk * BLOCK_K, mask=xm_ok[:, None] & k_ok[None, :], other=0.0)
-                amax = tl.maximum(amax, amax_bits(x.to(tl.float32), 1))
+            # The row's scale needs its whole amax before the first code: one pass over K, which
+            # nothing pipelines. AMAX_UNROLL independent loads per iteration and an elementwise
+            # running max (one reduction at the end, the bits' integer max as in amax_bits) keep
+            # that many loads in flight instead of one L2 round trip per K step.
+            run = tl.zeros([X_ROWS, SUB], dtype=tl.int32)
+            for kk in range(0, k_steps, AMAX_UNROLL):
+                for u in tl.static_range(AMAX_UNROLL):
+                    k_ok = offs_s < K - (kk + u) * BLOCK_K
+                    x = tl.load(x_base + (kk + u) * BLOCK_K, mask=xm_ok[:, None] & k_ok[None, :], other=0.0)
+                    run = tl.maximum(run, x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+            amax = tl.max(run, 1)
             sa_x = scale_of(amax, QMAX)
             rcp = tl.div_rn(1.0, sa_x)
             finite = sa_x < float("inf")
@@ -460,7 +509,7 @@ def dense_int8_small_m(
     else:
         part, sa_out = out, unused
     # Plain integer arithmetic: triton.cdiv is a constexpr_function whose call costs host time.
-    grid = (-(-n // cfg.block_n), -(-m // cfg.block_m), splits)
+    grid = (-(-n // cfg.block_n) * -(-m // cfg.block_m), splits)
     dense_small_m_kernel[grid](
         x, xs, weight, ws, b, part, sa_out,
         m, n, k, k_split,
@@ -469,7 +518,8 @@ def dense_int8_small_m(
         FUSED=cfg.fused, BLOCK_SCALES=block, INT_ACC=int_acc, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
         X_ROWS=min(next_pow2(m), cfg.block_m) if cfg.fused else cfg.block_m,  # unused unless fused: one compile
-        QMAX=INT8_QMAX, SCALE=SCALE_BLOCK, SPLIT=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        QMAX=INT8_QMAX, SCALE=SCALE_BLOCK, SPLIT=split, GROUP_M=cfg.group_m,
+        AMAX_UNROLL=amax_unroll(cfg, m) if cfg.fused and not block else 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split:
         sa = sa_out if cfg.fused else xs

@@ -148,7 +148,26 @@ def test_small_batch_kernel_every_element(scheme, acc, k, m, launch, dtype, requ
     if cfg is not None and cfg.fused and scheme == "int8_channel" and cfg.block_m > 32:
         request.applymarker(FUSED_TALL)
     out = dense_int8_small_m(x, w, ws, bias, scheme=scheme, accumulator=acc, config=cfg)
-    assert out.dtype == dtype and out.shape == (m, n)
+    _check_every_element(out, x, w, ws, bias, scheme)
+
+
+@pytest.mark.parametrize("scheme,acc,k", SMALL_CASES, ids=["channel-int32", "channel-fp32", "block"])
+@pytest.mark.parametrize("m", [300, 1000])
+@pytest.mark.parametrize("tile", [(64, 1), (128, 3)], ids=["64-rows", "128-rows-groups-of-3"])
+def test_large_batch_launch_every_element(scheme, acc, k, m, tile):
+    """The launches the sweep times at larger batches (unfused 64/128-row tiles, K split in two,
+    row tiles in groups, the last group short), every element as above (bf16)."""
+    from epmoe.kernels.dense_int8 import dense_int8_small_m, small_m_config
+
+    n = 584
+    x, w, ws, bias = _small_inputs(m, n, k, scheme, torch.bfloat16)
+    cfg = small_m_config(m, n, k, scheme, _sms(), False, block_m=tile[0], split_k=2, group_m=tile[1])
+    out = dense_int8_small_m(x, w, ws, bias, scheme=scheme, accumulator=acc, config=cfg)
+    _check_every_element(out, x, w, ws, bias, scheme)
+
+
+def _check_every_element(out, x, w, ws, bias, scheme):
+    assert out.dtype == x.dtype and out.shape == (x.shape[0], w.shape[0])
     xd = ref_codes(x, None if scheme == "int8_channel" else 128)
     wd = _ref_weight(w, ws, scheme)
     ref = xd @ wd.t()
