@@ -198,9 +198,10 @@ def _to_contiguous_kernels(
     interpreter, which is how the CPU tests reach it)."""
     permute = kernel_permute()
     if padded_rows is None and expected_m is not None:
-        offsets, slot_pos, m_indices, counts = permute.slot_layout(topk_ids, num_experts, alignment)
-        m = m_indices.numel()
-        out_x, out_scale = permute.scatter_rows(x, slot_pos, m, x_scale, fill_unused=False)
+        # One launch for a decode step's few slots (layout and row copies), two beyond.
+        offsets, slot_pos, m_indices, counts, out_x, out_scale = permute.slot_layout_scatter(
+            topk_ids, num_experts, alignment, x, x_scale
+        )
         return ContiguousBatch(out_x, out_scale, offsets, m_indices, slot_pos, counts, expected_m, alignment)
     device = x.device
     num_rows: list[int] | None = None

@@ -244,6 +244,29 @@ def _(topk_ids, num_experts, alignment):
     )  # fmt: skip
 
 
+@_op("slot_layout_scatter")
+def _slot_layout_scatter(
+    topk_ids: torch.Tensor, num_experts: int, alignment: int, x: torch.Tensor, x_scale: torch.Tensor | None
+) -> list[torch.Tensor]:
+    out = _kernels()[2].slot_layout_scatter(topk_ids, num_experts, alignment, x, x_scale)
+    return list(out[:5]) if out[5] is None else list(out)
+
+
+@_slot_layout_scatter.register_fake
+def _(topk_ids, num_experts, alignment, x, x_scale):
+    r, k = topk_ids.shape
+    rows = max_rows(r, k, num_experts, alignment)
+    i32 = dict(dtype=torch.int32)
+    out = [
+        topk_ids.new_empty((num_experts + 1,), **i32), topk_ids.new_empty((r, k), dtype=torch.int64),
+        topk_ids.new_empty((rows,), **i32), topk_ids.new_empty((num_experts,), **i32),
+        x.new_empty((rows, x.shape[1])),
+    ]  # fmt: skip
+    if x_scale is not None:
+        out.append(x_scale.new_empty((rows, x_scale.shape[1])))
+    return out
+
+
 @_op("slot_positions")
 def _slot_positions(
     topk_ids: torch.Tensor, expert_offsets: torch.Tensor, num_rows: int
@@ -290,6 +313,12 @@ def _(expert_out, slot_pos, topk_weights, out_dtype):
 def slot_layout(topk_ids, num_experts, alignment=1):
     """:func:`epmoe.kernels.permute.slot_layout`."""
     return _slot_layout(topk_ids, num_experts, alignment)
+
+
+def slot_layout_scatter(topk_ids, num_experts, alignment, x, x_scale=None):
+    """:func:`epmoe.kernels.permute.slot_layout_scatter`."""
+    out = _slot_layout_scatter(topk_ids, num_experts, alignment, x, x_scale)
+    return (*out[:5], out[5] if len(out) > 5 else None)
 
 
 def slot_positions(topk_ids, expert_offsets, num_rows):

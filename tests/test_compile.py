@@ -76,6 +76,8 @@ def _op_cases():
              torch.full((e,), 2, dtype=torch.int32), True, "int8_channel", q8_scale[:4].reshape(e, 2, 1),
              torch.rand(e, n, 1, generator=g) + 0.1, "int32", torch.float32, 1), {}),  # fmt: skip
         "epmoe::slot_layout": ((ids, 4, 2), {}),
+        "epmoe::slot_layout_scatter": ((ids, 4, 1, q8[:3], q8_scale[:3]), {}),  # every row written
+        "epmoe::slot_layout_scatter[no_scale]": ((_ids(3, 2, 3, g), 3, 1, x[:3], None), {}),
         "epmoe::slot_positions": ((ids, torch.tensor([0, 2, 4, 5, 6], dtype=torch.int32), 6), {}),
         "epmoe::scatter_rows": ((q8[:3], slot_pos, 6, q8_scale[:3], True), {}),
         "epmoe::gather_weighted": ((x, slot_pos, torch.rand(3, 2, generator=g), torch.float32), {}),
