@@ -118,6 +118,8 @@ def test_bad_logits():
         select_experts(torch.ones(3, 16, dtype=torch.int64), 2)
     with pytest.raises(ValueError, match=r"correction_bias must have shape \[16\]"):
         select_experts(torch.randn(3, 16), 2, correction_bias=torch.zeros(8))
+    with pytest.raises(ValueError, match="correction_bias is on meta but router_logits on cpu"):
+        select_experts(torch.randn(3, 16), 2, correction_bias=torch.zeros(16, device="meta"))
 
 
 # ----------------------------------------------------------------------------- the fused kernel
