@@ -139,7 +139,8 @@ def experts_pass(layer: DeepEPMoELayer, y: torch.Tensor, logits: torch.Tensor):
     # What the layer does (DeepEPMoELayer._segment_hint): device-side segment sizes for a backend
     # that takes them (Triton), exact host sizes otherwise (the CUTLASS FP8 kernel).
     hint = max(1, -(-ids.numel() // layer.num_local_experts)) if backend.device_segments else None
-    batch = to_contiguous(d.x, d.x_scale, d.topk_ids, layer.num_local_experts, backend.alignment, expected_m=hint)
+    batch = to_contiguous(d.x, d.x_scale, d.topk_ids, layer.num_local_experts, backend.alignment, expected_m=hint,
+                          scale_mn_major=backend.mn_major_scales)  # fmt: skip
     weights = layer.backend.prepare_weights(layer.expert_weights())
     return (lambda: backend.run_contiguous(batch, weights, y.dtype)), batch
 

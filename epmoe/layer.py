@@ -518,7 +518,8 @@ class DeepEPMoELayer(nn.Module):
         align = self.backend.alignment if hint is None else self.backend.alignment_for(hint, self.device)
         with phase("epmoe.scatter"):
             batch = to_contiguous(
-                d.x, d.x_scale, d.topk_ids, self.num_local_experts, align, d.padded_rows, expected_m=hint
+                d.x, d.x_scale, d.topk_ids, self.num_local_experts, align, d.padded_rows, expected_m=hint,
+                scale_mn_major=self.backend.mn_major_scales,
             )
         with phase("epmoe.experts"):
             out = self.backend.run_contiguous(batch, self._weights(), dtype)

@@ -20,9 +20,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOPK_TYPES = dict(LOGITS="*bf16", BIAS="*fp32", IDS="*i64", WEIGHTS="*fp32", T="i32", stride_l="i32", scaling="fp32")
 SLOT_TYPES = dict(IDS="*i64", HIST="*i32", SHIFT="*i64", OFFS="*i32", POS="*i64", MIDX="*i32", COUNTS="*i32",
                   N_SLOTS="i32", E="i32", M_ROWS="i32", NUM_BLOCKS="i32", BLOCK="i32", X="*u8", XS="*fp32", Y="*u8",
-                  YS="*fp32", H="i32", S="i32", stride_xm="i32", stride_xsm="i32", stride_ym="i32", stride_ysm="i32")  # fmt: skip
+                  YS="*fp32", H="i32", S="i32", stride_xm="i32", stride_xsm="i32", stride_ym="i32", stride_ysm="i32",
+                  stride_ysc="i32")  # fmt: skip
 QUANT_TYPES = dict(X="*bf16", XS="*fp32", Q="*fp8e4nv", S="*fp32", MASKED_M="*i32", ROW_EXPERT="*i32", M="i32", K="i32",
-                   CAP="i32", PROGS="i32", stride_xm="i32", stride_xsm="i32", stride_qm="i32", stride_sm="i32")  # fmt: skip
+                   CAP="i32", PROGS="i32", stride_xm="i32", stride_xsm="i32", stride_qm="i32", stride_sm="i32",
+                   stride_sg="i32")  # fmt: skip
+SCATTER_TYPES = dict(X="*u8", XS="*fp32", Y="*u8", YS="*fp32", POS="*i64", H="i32", S="i32", stride_xm="i32",
+                     stride_xsm="i32", stride_ym="i32", stride_ysm="i32", stride_ysc="i32")
+GATHER_TYPES = dict(X="*bf16", POS="*i64", W="*fp32", OUT="*bf16", H="i32", stride_xm="i32", stride_om="i32")
 
 CASES = {
     # name: (module, kernel, argument types, constexprs)
@@ -44,6 +49,9 @@ CASES = {
     "row_masked_group_quant": ("epmoe.kernels.quantize", "group_quant_kernel", QUANT_TYPES, dict(
         QMAX=448.0, TO_E4M3=True, HAS_XS=False, HAS_MASK=True, HAS_ROW_MASK=True, IN_GROUP=1, SILU=True, GROUP=128,
         BLOCK_M=4, BLOCK_K=512)),
+    "scatter_rows": ("epmoe.kernels.permute", "_scatter_rows_kernel", SCATTER_TYPES, dict(
+        TOPK=8, HAS_SCALE=True, BLOCK_H=128, BLOCK_S=64)),
+    "gather_weighted": ("epmoe.kernels.permute", "_gather_weighted_kernel", GATHER_TYPES, dict(TOPK=8, BLOCK_H=128)),
 }  # fmt: skip
 
 _SCRIPT = """

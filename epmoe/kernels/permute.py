@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ..tensors import as_contiguous, check_positive_int
-from .common import max_rows, next_pow2
+from .common import max_rows, mn_major_scales, next_pow2
 
 SLOT_STEP = 512
 """Slots a program sorts at once: a power of two >= 128, so that each of the 4 warps' threads
@@ -70,7 +70,7 @@ def _slot_histogram_kernel(IDS, HIST, N_SLOTS, E, BLOCK, STEP: tl.constexpr, E_P
 @triton.jit
 def _slot_positions_kernel(
     IDS, HIST, SHIFT, OFFS, POS, MIDX, COUNTS, N_SLOTS, E, M_ROWS, NUM_BLOCKS, BLOCK,
-    X, XS, Y, YS, H, S, stride_xm, stride_xsm, stride_ym, stride_ysm,
+    X, XS, Y, YS, H, S, stride_xm, stride_xsm, stride_ym, stride_ysm, stride_ysc,
     STEP: tl.constexpr, TILE_ROWS: tl.constexpr, ROW_STEP: tl.constexpr,
     SIZES_ON_DEVICE: tl.constexpr, ALIGN: tl.constexpr, E_PAD: tl.constexpr, ONE_BLOCK: tl.constexpr,
     COPY: tl.constexpr, TOPK: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -157,7 +157,8 @@ def _slot_positions_kernel(
             tl.store(Y + dst * stride_ym + cols, tl.load(X + src * stride_xm + cols, mask=take), mask=take)
             if HAS_SCALE:
                 take = fits[:, None] & (cols < S)
-                tl.store(YS + dst * stride_ysm + cols, tl.load(XS + src * stride_xsm + cols, mask=take), mask=take)
+                scale = tl.load(XS + src * stride_xsm + cols, mask=take)
+                tl.store(YS + dst * stride_ysm + cols * stride_ysc, scale, mask=take)
         nxt += hist
 
     # Rows no slot takes belong to no expert: each program marks the padding of experts
@@ -177,7 +178,7 @@ def _slot_positions_kernel(
 
 @triton.jit
 def _scatter_rows_kernel(
-    X, XS, Y, YS, POS, H, S, stride_xm, stride_xsm, stride_ym, stride_ysm,
+    X, XS, Y, YS, POS, H, S, stride_xm, stride_xsm, stride_ym, stride_ysm, stride_ysc,
     TOPK: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
@@ -193,7 +194,7 @@ def _scatter_rows_kernel(
             if tl.program_id(1) == 0:
                 sc = tl.arange(0, BLOCK_S)
                 s = tl.load(XS + r * stride_xsm + sc, mask=sc < S)
-                tl.store(YS + tl.maximum(dst, 0) * stride_ysm + sc, s, mask=(sc < S) & (dst >= 0))
+                tl.store(YS + tl.maximum(dst, 0) * stride_ysm + sc * stride_ysc, s, mask=(sc < S) & (dst >= 0))
 
 
 @triton.jit
@@ -355,7 +356,7 @@ def _launch_slots(
         _slot_histogram_kernel[(blocks,)](ids, hist, n, e, block, STEP=step, E_PAD=e_pad, num_warps=4)
     _slot_positions_kernel[(programs,)](
         ids, hist, shift, offsets, slot_pos, m_indices, counts, n, e, m_indices.numel(), blocks, block,
-        x, xs, y, ys, h, s, x.stride(0), xs.stride(0), y.stride(0), ys.stride(0),
+        x, xs, y, ys, h, s, x.stride(0), xs.stride(0), y.stride(0), ys.stride(0), ys.stride(1) if ys.dim() > 1 else 1,
         STEP=step, TILE_ROWS=max(1, SLOT_TILE // e_pad), ROW_STEP=SLOT_ROWS,
         SIZES_ON_DEVICE=sizes_on_device, ALIGN=alignment, E_PAD=e_pad, ONE_BLOCK=one_block,
         COPY=copy is not None, TOPK=k, HAS_SCALE=copy is not None and copy[1] is not None, BLOCK_H=block_h,
@@ -388,6 +389,8 @@ def slot_layout_scatter(
     alignment: int,
     x: torch.Tensor,
     x_scale: torch.Tensor | None = None,
+    *,
+    scale_mn_major: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """:func:`slot_layout` then :func:`scatter_rows` (padding rows left unwritten): one launch up to
     :data:`COPY_MAX_SLOTS` slots (:func:`fused_copy_step`), the two kernels beyond.
@@ -396,6 +399,7 @@ def slot_layout_scatter(
         topk_ids: ``[R, k]`` int local expert ids (others: other ranks' slots).
         num_experts, alignment: as in :func:`slot_layout`.
         x: ``[R, H]`` rows; ``x_scale``: ``[R, S]`` fp32 or ``None``.
+        scale_mn_major: ``out_scale`` stored MN-major (:func:`~epmoe.kernels.common.mn_major_scales`).
 
     Returns:
         ``expert_offsets``, ``slot_pos``, ``m_indices``, ``counts`` (as :func:`slot_layout`), ``out
@@ -412,7 +416,8 @@ def slot_layout_scatter(
         raise ValueError(f"x_scale must be [R={r}, S]; got shape {tuple(x_scale.shape)}")
     if not fused_copy_step(r * k) or x.shape[1] == 0:
         offsets, slot_pos, m_indices, counts = slot_layout(topk_ids, num_experts, alignment)
-        out, out_scale = scatter_rows(x, slot_pos, m_indices.numel(), x_scale, fill_unused=False)
+        out, out_scale = scatter_rows(x, slot_pos, m_indices.numel(), x_scale, fill_unused=False,
+                                      scale_mn_major=scale_mn_major)  # fmt: skip
         return offsets, slot_pos, m_indices, counts, out, out_scale
     rows = max_rows(r, k, num_experts, alignment)
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=topk_ids.device)
@@ -420,7 +425,7 @@ def slot_layout_scatter(
     xc = x.contiguous()
     xs = None if x_scale is None else x_scale.contiguous()
     out = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=x.device)
-    out_scale = None if xs is None else torch.empty((rows, xs.shape[1]), dtype=xs.dtype, device=x.device)
+    out_scale = None if xs is None else _scale_out(rows, xs, scale_mn_major, torch.empty)
     _launch_slots(topk_ids, offsets, slot_pos, m_indices, counts, alignment, True, (xc, xs, out, out_scale))
     return offsets, slot_pos, m_indices, counts, out, out_scale
 
@@ -432,6 +437,7 @@ def scatter_rows(
     x_scale: torch.Tensor | None = None,
     *,
     fill_unused: bool = True,
+    scale_mn_major: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Copy received rows to their per-expert positions.
 
@@ -442,6 +448,7 @@ def scatter_rows(
         x_scale: optional ``[R, S]`` fp32 scales, moved with their rows.
         fill_unused: zero the rows no slot points to (scales one). ``False`` skips that memset
             when the caller knows every row is written (segments without padding).
+        scale_mn_major: ``out_scale`` stored MN-major (:func:`~epmoe.kernels.common.mn_major_scales`).
 
     Returns:
         ``out [num_out_rows, H]`` (rows no slot points to are zero) and ``out_scale
@@ -459,8 +466,7 @@ def scatter_rows(
     if x_scale is not None:
         if x_scale.dim() != 2 or x_scale.shape[0] != r:
             raise ValueError(f"x_scale must be [R={r}, S]; got shape {tuple(x_scale.shape)}")
-        shape = (num_out_rows, x_scale.shape[1])
-        out_scale = (torch.ones if fill_unused else torch.empty)(shape, dtype=x_scale.dtype, device=x.device)
+        out_scale = _scale_out(num_out_rows, x_scale, scale_mn_major, torch.ones if fill_unused else torch.empty)
     k = slot_pos.shape[1]
     if r == 0 or k == 0 or h == 0 or num_out_rows == 0:
         return out, out_scale
@@ -473,10 +479,19 @@ def scatter_rows(
     block_h, warps = row_split(r, h, x.device)
     _scatter_rows_kernel[(r, triton.cdiv(h, block_h))](
         _as_copyable(xc), xs, _as_copyable(out), ys, pos, h, s,
-        xc.stride(0), xs.stride(0), out.stride(0), ys.stride(0),
+        xc.stride(0), xs.stride(0), out.stride(0), ys.stride(0), ys.stride(1) if ys.dim() > 1 else 1,
         TOPK=k, HAS_SCALE=x_scale is not None, BLOCK_H=block_h, BLOCK_S=max(16, next_pow2(s)), num_warps=warps,
     )  # fmt: skip
     return out, out_scale
+
+
+def _scale_out(rows: int, x_scale: torch.Tensor, mn_major: bool, alloc) -> torch.Tensor:
+    """``[rows, S]`` scales of ``x_scale``'s dtype made by ``alloc`` (``torch.empty`` or
+    ``torch.ones``), row-major or MN-major."""
+    if not mn_major:
+        return alloc((rows, x_scale.shape[1]), dtype=x_scale.dtype, device=x_scale.device)
+    out = mn_major_scales(rows, x_scale.shape[1], x_scale.device)
+    return out.fill_(1.0) if alloc is torch.ones else out
 
 
 def _as_copyable(t: torch.Tensor) -> torch.Tensor:
