@@ -8,9 +8,14 @@ Same semantics as the torch functions in :mod:`epmoe.layouts`:
   already known on the host (DeepEP reports them); :func:`slot_layout` does the same with the
   sizes counted on the device, for a layout sized for the worst case when nobody waited for the
   counts. Both are two launches over blocks of slots: each block's expert histogram, then each
-  block sorts its slots by expert and places them after those of the blocks before it;
+  block sorts its slots by expert and places them after those of the blocks before it; up to
+  ``SLOT_STEP`` slots one launch (the one block counts its own experts);
 * :func:`scatter_rows` copies each received token's row to every row position ``slot_pos[r, j]``
-  (the data movement of ``to_contiguous`` / ``to_masked``); untouched rows are zero (scale 1).
+  (the data movement of ``to_contiguous`` / ``to_masked``); untouched rows are zero (scale 1)
+  unless ``fill_unused=False``;
+* :func:`slot_layout_scatter` is :func:`slot_layout` and :func:`scatter_rows` together, in one
+  launch up to :data:`COPY_MAX_SLOTS` slots (a decode step's): what a CUDA-graphed step pays per
+  launch is a gap of its own.
 * :func:`gather_weighted` sums, per received token, its valid slots' rows times the top-k weights
   in fp32, in slot order ``j = 0 .. k-1`` (the order the torch reference adds them). Rows of
   invalid slots (``-1``) are never read, so padding holding NaN cannot leak.
