@@ -131,8 +131,8 @@ MODES = {
     "sigmoid_bias_grouped": ("sigmoid", True, True, True, 2.5),  # DeepSeek-V3 noaux_tc
     "sigmoid_bias": ("sigmoid", False, True, False, 1.0),
 }
-SIZES = {8: (2, 4, 2), 64: (6, 8, 3), 256: (8, 8, 4)}
-"""E: (top_k, num_expert_group, topk_group)."""
+SIZES = {8: (2, 4, 2), 64: (6, 8, 3), 96: (6, 4, 2), 256: (8, 8, 4)}
+"""E: (top_k, num_expert_group, topk_group); 96 is padded to 128 lanes, its groups of 24 too."""
 
 
 def _tied_inputs(t, e, seed):
