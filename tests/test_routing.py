@@ -130,6 +130,7 @@ MODES = {
     "softmax_grouped": ("softmax", True, False, False, 16.0),  # DeepSeek-V2 group-limited greedy
     "sigmoid_bias_grouped": ("sigmoid", True, True, True, 2.5),  # DeepSeek-V3 noaux_tc
     "sigmoid_bias": ("sigmoid", False, True, False, 1.0),
+    "softmax_bias_grouped": ("softmax", True, True, True, 1.0),
 }
 SIZES = {8: (2, 4, 2), 64: (6, 8, 3), 96: (6, 4, 2), 256: (8, 8, 4)}
 """E: (top_k, num_expert_group, topk_group); 96 is padded to 128 lanes, its groups of 24 too."""
