@@ -30,6 +30,9 @@ compile that would start past its share is skipped, its row saying so):
 
     SGLANG_CUTLASS_MOE=1 python benchmarks/compile_decode.py results.json --plot results.png
 
+``--kernels-batch 1`` also lists the layer's GPU kernels per step (names, launches, device us): what
+the glue is made of.
+
 CPU dry run of everything but the GPU paths (torch backend, aot_eager, tiny sizes):
 
     python benchmarks/compile_decode.py /tmp/dry.json --device cpu --tiny
@@ -136,7 +139,8 @@ def experts_pass(layer: DeepEPMoELayer, y: torch.Tensor, logits: torch.Tensor):
     # What the layer does (DeepEPMoELayer._segment_hint): device-side segment sizes for a backend
     # that takes them (Triton), exact host sizes otherwise (the CUTLASS FP8 kernel).
     hint = max(1, -(-ids.numel() // layer.num_local_experts)) if backend.device_segments else None
-    batch = to_contiguous(d.x, d.x_scale, d.topk_ids, layer.num_local_experts, backend.alignment, expected_m=hint)
+    batch = to_contiguous(d.x, d.x_scale, d.topk_ids, layer.num_local_experts, backend.alignment, expected_m=hint,
+                          scale_mn_major=backend.mn_major_scales)  # fmt: skip
     weights = layer.backend.prepare_weights(layer.expert_weights())
     return (lambda: backend.run_contiguous(batch, weights, y.dtype)), batch
 
@@ -166,6 +170,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile-backend", default=None, help="torch.compile backend (default: inductor on CUDA, aot_eager on CPU)")
     p.add_argument("--commit", default=None, help="commit to record when git is not available")
     p.add_argument("--plot", default=None, help="also draw the table into this image (matplotlib)")
+    p.add_argument("--kernels-batch", type=int, default=None,
+                   help="also list the GPU kernels of the MoE layer's eager forward at this batch (torch.profiler, "
+                        "per step: count and device us per kernel name), per scheme, into the JSON's 'kernels'")
     args = p.parse_args(argv)
     args.schemes = [s for s in args.schemes.split(",") if s]
     args.batches = [int(b) for b in args.batches.split(",") if b]
@@ -291,6 +298,34 @@ class Runner:
         self.guarded(t, mode, run)
 
 
+def layer_kernels(fn, steps: int = 5) -> list[dict]:
+    """The GPU kernels ``fn`` launches, per call: ``[{name, count, us}]`` (device time from the
+    profiler's kernel events, averaged over ``steps`` calls), longest first."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    per_name: dict[str, list[float]] = {}
+    for evt in prof.events():
+        if evt.device_type == DeviceType.CUDA:
+            per_name.setdefault(evt.name, []).append(evt.time_range.elapsed_us())
+    rows = [dict(name=n, count=round(len(v) / steps, 2), us=round(sum(v) / steps, 2)) for n, v in per_name.items()]
+    return sorted(rows, key=lambda r: -r["us"])
+
+
+def print_kernels(scheme: str, t: int, rows: list[dict]) -> None:
+    total = sum(r["us"] for r in rows)
+    launches = sum(r["count"] for r in rows)
+    print(f"{scheme} T={t}: {launches:g} launches, {total:.1f} us of kernels per layer step")
+    for r in rows:
+        print(f"  {r['us']:8.2f} us  x{r['count']:<5g} {r['name'][:110]}")
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30))
 
@@ -370,6 +405,16 @@ def main(argv=None) -> dict:
             print(f"{scheme}: skipped: {exc}", flush=True)
             continue
         fill_random(block)
+        if args.kernels_batch is not None:
+            if device.type == "cuda":
+                with torch.no_grad():
+                    y = block.norm2(Runner(args, block, scheme, started).inputs(args.kernels_batch))
+                    logits = block.gate(y.float())
+                    listed = layer_kernels(lambda: block.experts(y, logits))
+                result.setdefault("kernels", {})[scheme] = dict(batch=args.kernels_batch, kernels=listed)
+                print_kernels(scheme, args.kernels_batch, listed)
+            else:
+                result.setdefault("kernels", {})[scheme] = "needs CUDA (kernel events)"
         runner = Runner(args, block, scheme, started)
         for t in args.batches:
             runner.cheap_modes(t)

@@ -518,7 +518,10 @@ class DeepEPMoELayer(nn.Module):
         align = self.backend.alignment if hint is None else self.backend.alignment_for(hint, self.device)
         rows = d.padded_rows if hint is None else None  # host sizes, or the hint's device sizes
         with phase("epmoe.scatter"):
-            batch = to_contiguous(d.x, d.x_scale, d.topk_ids, self.num_local_experts, align, rows, expected_m=hint)
+            batch = to_contiguous(
+                d.x, d.x_scale, d.topk_ids, self.num_local_experts, align, rows, expected_m=hint,
+                scale_mn_major=self.backend.mn_major_scales,
+            )
         with phase("epmoe.experts"):
             out = self.backend.run_contiguous(batch, self._weights(), dtype)
         weights = d.topk_weights

@@ -133,6 +133,7 @@ def to_contiguous(
     padded_rows: Sequence[int] | None = None,
     *,
     expected_m: int | None = None,
+    scale_mn_major: bool = False,
 ) -> ContiguousBatch:
     """Scatter received tokens into the contiguous layout.
 
@@ -152,6 +153,10 @@ def to_contiguous(
             (:func:`~epmoe.kernels.common.max_rows`) and the batch carries this rows-per-expert hint (see
             :attr:`ContiguousBatch.expected_m`). On the CPU the same layout comes from torch
             operations of static shapes (what ``torch.compile`` traces without a host read).
+        scale_mn_major: on CUDA, store ``x_scale`` MN-major
+            (:func:`~epmoe.kernels.common.mn_major_scales`), as the backend reads it
+            (:attr:`~epmoe.experts.base.ExpertsBackend.mn_major_scales`); the torch path stores
+            them row-major either way.
 
     Returns:
         A :class:`ContiguousBatch`. Its padding rows hold anything on CUDA (see
@@ -164,7 +169,7 @@ def to_contiguous(
         if padded_rows is None and expected_m is not None:
             return _to_contiguous_torch_device(x, x_scale, topk_ids, num_experts, alignment, expected_m)
         return _to_contiguous_torch(x, x_scale, topk_ids, num_experts, alignment)
-    return _to_contiguous_kernels(x, x_scale, topk_ids, num_experts, alignment, padded_rows, expected_m)
+    return _to_contiguous_kernels(x, x_scale, topk_ids, num_experts, alignment, padded_rows, expected_m, scale_mn_major)
 
 
 def _check_padded_rows(padded_rows: Sequence[int], num_experts: int, alignment: int) -> None:
@@ -192,15 +197,16 @@ def _segment_offsets(lengths: Sequence[int]) -> list[int]:
 
 
 def _to_contiguous_kernels(
-    x, x_scale, topk_ids, num_experts, alignment, padded_rows, expected_m=None
+    x, x_scale, topk_ids, num_experts, alignment, padded_rows, expected_m=None, scale_mn_major=False
 ) -> ContiguousBatch:
     """The Triton scatter (the CUDA path of :func:`to_contiguous`; on CPU it runs under Triton's
     interpreter, which is how the CPU tests reach it)."""
     permute = kernel_permute()
     if padded_rows is None and expected_m is not None:
-        offsets, slot_pos, m_indices, counts = permute.slot_layout(topk_ids, num_experts, alignment)
-        m = m_indices.numel()
-        out_x, out_scale = permute.scatter_rows(x, slot_pos, m, x_scale, fill_unused=False)
+        # One launch for a decode step's few slots (layout and row copies), two beyond.
+        offsets, slot_pos, m_indices, counts, out_x, out_scale = permute.slot_layout_scatter(
+            topk_ids, num_experts, alignment, x, x_scale, scale_mn_major=scale_mn_major
+        )
         return ContiguousBatch(out_x, out_scale, offsets, m_indices, slot_pos, counts, expected_m, alignment)
     device = x.device
     num_rows: list[int] | None = None
@@ -224,7 +230,7 @@ def _to_contiguous_kernels(
     if num_rows is None:
         num_rows = counts
     # Padding rows are never read by a valid output (ContiguousBatch): no memset.
-    out_x, out_scale = permute.scatter_rows(x, slot_pos, m, x_scale, fill_unused=False)
+    out_x, out_scale = permute.scatter_rows(x, slot_pos, m, x_scale, fill_unused=False, scale_mn_major=scale_mn_major)
     return ContiguousBatch(out_x, out_scale, offsets, m_indices, slot_pos, num_rows, alignment=alignment)
 
 

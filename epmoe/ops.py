@@ -17,10 +17,12 @@ the op's body is that same kernel call.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.compiler import is_compiling
 
-from .kernels.common import max_rows  # Triton-free: importing this module must not need Triton
+from .kernels.common import max_rows, mn_major_scales  # Triton-free: importing this module must not need Triton
 
 NAMESPACE = "epmoe"
 
@@ -157,18 +159,22 @@ def _silu_and_mul_quant(
     masked_m: torch.Tensor | None,
     expected_m: int | None,
     row_expert: torch.Tensor | None,
+    scale_mn_major: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     act = _kernels()[0]
     return act.silu_and_mul_quant(gate_up, granularity, group_size, dtype, masked_m=masked_m, expected_m=expected_m,
-                                  row_expert=row_expert)  # fmt: skip
+                                  row_expert=row_expert, scale_mn_major=scale_mn_major)  # fmt: skip
 
 
 @_silu_and_mul_quant.register_fake
-def _(gate_up, granularity, group_size, dtype, masked_m, expected_m, row_expert):
+def _(gate_up, granularity, group_size, dtype, masked_m, expected_m, row_expert, scale_mn_major):
     inter = gate_up.shape[-1] // 2
     cols = 1 if granularity == "token" else inter // group_size
     lead = gate_up.shape[:-1]
-    return gate_up.new_empty((*lead, inter), dtype=dtype), gate_up.new_empty((*lead, cols), dtype=torch.float32)
+    q = gate_up.new_empty((*lead, inter), dtype=dtype)
+    if scale_mn_major:  # the kernel's strides: an MN-major buffer, seen [rows, groups]
+        return q, mn_major_scales(math.prod(lead), cols, None, like=gate_up).reshape(*lead, cols)
+    return q, gate_up.new_empty((*lead, cols), dtype=torch.float32)
 
 
 def silu_and_mul(gate_up, out_dtype=None, *, masked_m=None, expected_m=None):
@@ -177,9 +183,10 @@ def silu_and_mul(gate_up, out_dtype=None, *, masked_m=None, expected_m=None):
 
 
 def silu_and_mul_quant(gate_up, granularity="token", group_size=128, dtype=torch.int8, *, masked_m=None,
-                       expected_m=None, row_expert=None):  # fmt: skip
+                       expected_m=None, row_expert=None, scale_mn_major=False):  # fmt: skip
     """:func:`epmoe.kernels.activation.silu_and_mul_quant`."""
-    return _silu_and_mul_quant(gate_up, granularity, group_size, dtype, masked_m, expected_m, row_expert)
+    return _silu_and_mul_quant(gate_up, granularity, group_size, dtype, masked_m, expected_m, row_expert,
+                               scale_mn_major)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------- grouped GEMM
@@ -245,6 +252,37 @@ def _(topk_ids, num_experts, alignment):
     )  # fmt: skip
 
 
+@_op("slot_layout_scatter")
+def _slot_layout_scatter(
+    topk_ids: torch.Tensor, num_experts: int, alignment: int, x: torch.Tensor, x_scale: torch.Tensor | None,
+    scale_mn_major: bool,
+) -> list[torch.Tensor]:  # fmt: skip
+    out = _kernels()[2].slot_layout_scatter(topk_ids, num_experts, alignment, x, x_scale, scale_mn_major=scale_mn_major)
+    return list(out[:5]) if out[5] is None else list(out)
+
+
+def _fake_scales(rows: int, x_scale: torch.Tensor, mn_major: bool) -> torch.Tensor:
+    """The kernels' output scales ``[rows, S]`` (their strides too) for a fake implementation."""
+    if mn_major:
+        return mn_major_scales(rows, x_scale.shape[1], None, like=x_scale)
+    return x_scale.new_empty((rows, x_scale.shape[1]))
+
+
+@_slot_layout_scatter.register_fake
+def _(topk_ids, num_experts, alignment, x, x_scale, scale_mn_major):
+    r, k = topk_ids.shape
+    rows = max_rows(r, k, num_experts, alignment)
+    i32 = dict(dtype=torch.int32)
+    out = [
+        topk_ids.new_empty((num_experts + 1,), **i32), topk_ids.new_empty((r, k), dtype=torch.int64),
+        topk_ids.new_empty((rows,), **i32), topk_ids.new_empty((num_experts,), **i32),
+        x.new_empty((rows, x.shape[1])),
+    ]  # fmt: skip
+    if x_scale is not None:
+        out.append(_fake_scales(rows, x_scale, scale_mn_major))
+    return out
+
+
 @_op("slot_positions")
 def _slot_positions(
     topk_ids: torch.Tensor, expert_offsets: torch.Tensor, num_rows: int
@@ -262,17 +300,19 @@ def _(topk_ids, expert_offsets, num_rows):
 
 @_op("scatter_rows")
 def _scatter_rows(
-    x: torch.Tensor, slot_pos: torch.Tensor, num_out_rows: int, x_scale: torch.Tensor | None, fill_unused: bool
-) -> list[torch.Tensor]:
-    out, out_scale = _kernels()[2].scatter_rows(x, slot_pos, num_out_rows, x_scale, fill_unused=fill_unused)
+    x: torch.Tensor, slot_pos: torch.Tensor, num_out_rows: int, x_scale: torch.Tensor | None, fill_unused: bool,
+    scale_mn_major: bool,
+) -> list[torch.Tensor]:  # fmt: skip
+    out, out_scale = _kernels()[2].scatter_rows(x, slot_pos, num_out_rows, x_scale, fill_unused=fill_unused,
+                                                scale_mn_major=scale_mn_major)  # fmt: skip
     return [out] if out_scale is None else [out, out_scale]
 
 
 @_scatter_rows.register_fake
-def _(x, slot_pos, num_out_rows, x_scale, fill_unused):
+def _(x, slot_pos, num_out_rows, x_scale, fill_unused, scale_mn_major):
     out = [x.new_empty((num_out_rows, x.shape[1]))]
     if x_scale is not None:
-        out.append(x_scale.new_empty((num_out_rows, x_scale.shape[1])))
+        out.append(_fake_scales(num_out_rows, x_scale, scale_mn_major))
     return out
 
 
@@ -293,14 +333,20 @@ def slot_layout(topk_ids, num_experts, alignment=1):
     return _slot_layout(topk_ids, num_experts, alignment)
 
 
+def slot_layout_scatter(topk_ids, num_experts, alignment, x, x_scale=None, *, scale_mn_major=False):
+    """:func:`epmoe.kernels.permute.slot_layout_scatter`."""
+    out = _slot_layout_scatter(topk_ids, num_experts, alignment, x, x_scale, scale_mn_major)
+    return (*out[:5], out[5] if len(out) > 5 else None)
+
+
 def slot_positions(topk_ids, expert_offsets, num_rows):
     """:func:`epmoe.kernels.permute.slot_positions`."""
     return _slot_positions(topk_ids, expert_offsets, num_rows)
 
 
-def scatter_rows(x, slot_pos, num_out_rows, x_scale=None, *, fill_unused=True):
+def scatter_rows(x, slot_pos, num_out_rows, x_scale=None, *, fill_unused=True, scale_mn_major=False):
     """:func:`epmoe.kernels.permute.scatter_rows`."""
-    out = _scatter_rows(x, slot_pos, num_out_rows, x_scale, fill_unused)
+    out = _scatter_rows(x, slot_pos, num_out_rows, x_scale, fill_unused, scale_mn_major)
     return out[0], (out[1] if len(out) > 1 else None)
 
 

@@ -124,6 +124,10 @@ def select_experts(
     check_routing_config(e, top_k, scoring_func, num_expert_group, topk_group)
     if correction_bias is not None and correction_bias.shape != (e,):
         raise ValueError(f"correction_bias must have shape [{e}]; got {tuple(correction_bias.shape)}")
+    if correction_bias is not None and correction_bias.device != router_logits.device:
+        raise ValueError(
+            f"correction_bias is on {correction_bias.device} but router_logits on {router_logits.device}"
+        )
     if kernel is None:
         kernel = router_logits.is_cuda and fused_refusal(e, top_k) is None
     elif kernel and (why := fused_refusal(e, top_k)):

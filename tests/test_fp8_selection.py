@@ -553,6 +553,22 @@ def test_cutlass_fp8_prepares_weight_scales_on_the_kernel_grid_once(monkeypatch)
         cb._refuse_repeated_for_sgl(q13, prepared.w13_scale)
 
 
+def test_cutlass_act_scales_pass_through_when_mn_major():
+    """MN-major activation scales (strides (1, M rounded up to 4)) reach the kernel as they are;
+    any other layout is made row-major contiguous (the kernel transposes it)."""
+    from epmoe.experts.cutlass_backend import is_mn_major, kernel_act_scale
+    from epmoe.kernels.common import mn_major_scales
+
+    mn = mn_major_scales(6, 3, "cpu")
+    assert mn.shape == (6, 3) and is_mn_major(mn) and kernel_act_scale(mn) is mn
+    row = torch.ones(6, 3)
+    assert not is_mn_major(row) and kernel_act_scale(row) is row
+    col = torch.ones(6, 1)  # strides (1, 1): row-major, not a transposed [1, 8] buffer
+    assert not is_mn_major(col)
+    other = torch.ones(3, 6).t()  # transposed but not padded to 4 rows: copied
+    assert not is_mn_major(other) and kernel_act_scale(other).is_contiguous()
+
+
 def _fake_grouped_gemm(a, a_scale, b, b_scale, expert_offsets, out=None):
     from epmoe.experts.cutlass_backend import check_block_offsets
     from epmoe.quant.reference import dequantize_weight

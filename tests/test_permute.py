@@ -36,6 +36,16 @@ class _PoisonedTorch:
         return torch.full(size, 12345, dtype=dtype, device=device)
 
 
+class _BytePoisonedTorch(_PoisonedTorch):
+    """``torch`` whose ``empty`` fills every byte with 0x5A (any dtype, e4m3 included)."""
+
+    @staticmethod
+    def empty(*shape, dtype=None, device=None, **kw):
+        out = torch.empty(*shape, dtype=dtype, device=device, **kw)
+        out.view(torch.uint8).fill_(0x5A)
+        return out
+
+
 @pytest.fixture
 def poisoned(monkeypatch):
     monkeypatch.setattr(permute, "torch", _PoisonedTorch())
@@ -441,3 +451,68 @@ def test_slot_layout_of_one_step_is_one_launch(r, launches, monkeypatch):
     monkeypatch.setattr(permute, "_slot_histogram_kernel", Counting())
     _check_device_layout(_ids(r, 8, 6, 14), 6, 4)
     assert len(calls) == launches
+
+
+@pytest.mark.parametrize(
+    "r,k,e,alignment,dtype,scales,tile,mn_major",
+    [(1, 8, 128, 128, torch.float8_e4m3fn, 56, None, True),  # a DeepSeek decode step (H scaled down)
+     (1, 8, 128, 128, torch.float8_e4m3fn, 2, 128 * 16, True),  # its rows split over 16 column programs
+     (1, 8, 128, 128, torch.float8_e4m3fn, 2, 128 * 16, False),
+     (16, 8, 6, 4, torch.int8, 1, 128 * 32, False), (7, 3, 5, 1, torch.float16, None, None, False),
+     (5, 2, 3, 8, torch.bfloat16, None, 128 * 16, False)],
+)
+def test_slot_layout_scatter_in_one_launch_matches_the_reference(r, k, e, alignment, dtype, scales, tile, mn_major,
+                                                                 monkeypatch):  # fmt: skip
+    """Up to 128 slots the layout and the row copies are one launch (the positions kernel copies
+    the rows; with ``tile`` each program its 16 or 32 columns): the stable sort's layout, the slots'
+    rows byte for byte, padding and spare rows belonging to no expert, no histogram or scatter
+    launch; the scales row-major or MN-major (the CUTLASS kernels' layout)."""
+    if tile is not None:
+        monkeypatch.setattr(permute, "INTERPRETER_TILE", tile)
+        monkeypatch.setattr(permute, "COPY_TILE", tile)
+    for name in ("_slot_histogram_kernel", "_scatter_rows_kernel"):
+        monkeypatch.setattr(permute, name, None)  # a launch of either fails
+    monkeypatch.setattr(permute, "torch", _BytePoisonedTorch())  # a row left unwritten cannot pass
+    g = torch.Generator().manual_seed(22)
+    if k <= e:  # distinct experts per token, as a router picks them
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(r)])
+    else:
+        ids = torch.randint(-1, e, (r, k), generator=g)
+    ids[-1, -1] = e + 3  # another rank's expert
+    h = 256
+    x = (torch.randn(r, h, generator=g) * 30).to(dtype)
+    xs = None if scales is None else torch.rand(r, scales, generator=g)
+    assert permute.fused_copy_step(r * k)
+    ref = _to_contiguous_torch(x, xs, ids, e, alignment)
+    got = permute.slot_layout_scatter(ids.to(DEVICE), e, alignment, x.to(DEVICE), None if xs is None else xs.to(DEVICE),
+                                      scale_mn_major=mn_major)  # fmt: skip
+    if xs is not None:
+        rows = got[5].shape[0]
+        assert got[5].stride() == ((1, -(-rows // 4) * 4) if mn_major else (xs.shape[1], 1))
+    offsets, slot_pos, m_indices, counts, out, out_scale = (None if t is None else t.cpu() for t in got)
+    m = int(ref.expert_offsets[-1])
+    assert torch.equal(offsets, ref.expert_offsets) and torch.equal(slot_pos, ref.slot_pos)
+    assert counts.tolist() == ref.num_rows
+    assert m_indices.numel() == out.shape[0] == permute.max_rows(r, k, e, alignment)
+    assert torch.equal(m_indices[:m], ref.m_indices) and (m_indices[m:] == -1).all()
+    used = ref.m_indices >= 0
+    assert torch.equal(out[:m][used].view(torch.uint8), ref.x[used].view(torch.uint8))
+    assert (out_scale is None) == (xs is None)
+    if xs is not None:
+        assert torch.equal(out_scale[:m][used], ref.x_scale[used])
+
+
+def test_slot_layout_scatter_beyond_one_step_uses_two_launches():
+    """Past 128 slots: slot_layout then scatter_rows, the scales MN-major when asked."""
+    ids = _ids(20, 8, 6, 23)  # 160 slots
+    x = torch.randn(20, 64).half()
+    xs = torch.rand(20, 3)
+    assert not permute.fused_copy_step(160)
+    ref = _to_contiguous_torch(x, xs, ids, 6, 4)
+    got = permute.slot_layout_scatter(ids.to(DEVICE), 6, 4, x.to(DEVICE), xs.to(DEVICE), scale_mn_major=True)
+    _, slot_pos, _, _, out, out_scale = got
+    used = ref.m_indices >= 0
+    m = int(ref.expert_offsets[-1])
+    assert out_scale.stride() == (1, -(-out.shape[0] // 4) * 4)
+    assert torch.equal(slot_pos.cpu(), ref.slot_pos)
+    assert torch.equal(out.cpu()[:m][used], ref.x[used]) and torch.equal(out_scale.cpu()[:m][used], ref.x_scale[used])

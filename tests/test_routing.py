@@ -118,6 +118,8 @@ def test_bad_logits():
         select_experts(torch.ones(3, 16, dtype=torch.int64), 2)
     with pytest.raises(ValueError, match=r"correction_bias must have shape \[16\]"):
         select_experts(torch.randn(3, 16), 2, correction_bias=torch.zeros(8))
+    with pytest.raises(ValueError, match="correction_bias is on meta but router_logits on cpu"):
+        select_experts(torch.randn(3, 16), 2, correction_bias=torch.zeros(16, device="meta"))
 
 
 # ----------------------------------------------------------------------------- the fused kernel
@@ -128,9 +130,10 @@ MODES = {
     "softmax_grouped": ("softmax", True, False, False, 16.0),  # DeepSeek-V2 group-limited greedy
     "sigmoid_bias_grouped": ("sigmoid", True, True, True, 2.5),  # DeepSeek-V3 noaux_tc
     "sigmoid_bias": ("sigmoid", False, True, False, 1.0),
+    "softmax_bias_grouped": ("softmax", True, True, True, 1.0),
 }
-SIZES = {8: (2, 4, 2), 64: (6, 8, 3), 256: (8, 8, 4)}
-"""E: (top_k, num_expert_group, topk_group)."""
+SIZES = {8: (2, 4, 2), 64: (6, 8, 3), 96: (6, 4, 2), 256: (8, 8, 4)}
+"""E: (top_k, num_expert_group, topk_group); 96 is padded to 128 lanes, its groups of 24 too."""
 
 
 def _tied_inputs(t, e, seed):

@@ -905,6 +905,19 @@ def test_activation_skips_rows_of_no_expert(granularity, dtype, slab, monkeypatc
         assert (q.cpu()[~keep] == 7).all()
 
 
+@pytest.mark.parametrize("lead", [(12,), (1, 12)], ids=["flat", "slab"])
+def test_activation_scales_mn_major(lead):
+    """``scale_mn_major``: the same scales, stored as the CUTLASS kernels read them (the first M
+    columns of a [groups, M rounded up to 4] buffer, seen transposed); token scales refuse it."""
+    x = torch.randn(*lead, 512).half().to(DEVICE)
+    want_q, want_s = activation.silu_and_mul_quant(x, "group", 128, torch.float8_e4m3fn)
+    q, s = activation.silu_and_mul_quant(x, "group", 128, torch.float8_e4m3fn, scale_mn_major=True)
+    assert s.shape == want_s.shape and s.stride()[-2:] == (1, 12)
+    assert torch.equal(s, want_s) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    with pytest.raises(ValueError, match="scale_mn_major=True needs granularity='group'"):
+        activation.silu_and_mul_quant(x, "token", scale_mn_major=True)
+
+
 def test_row_expert_must_match_the_rows():
     x = torch.randn(4, 256, device=DEVICE)
     with pytest.raises(ValueError, match=r"row_expert must be an int32 \[4\] tensor"):

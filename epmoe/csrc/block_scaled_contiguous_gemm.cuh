@@ -574,19 +574,32 @@ struct BlockScaledContiguousGemmConfig {
 };
 
 
+// Whether a_scale [M, K/128] is the first M columns of an MN-major [K/128, M4] buffer, seen
+// transposed (M4 = M rounded up to 4).
+inline bool a_scale_is_mn_major(const at::Tensor& a_scale) {
+  const int64_t m4 = (a_scale.size(0) + 3) / 4 * 4;
+  return a_scale.dim() == 2 && a_scale.stride(0) == 1 && a_scale.stride(1) == m4;
+}
+
 // The scales in the kernel's layouts: SFA MN-major [K/128, M4] (M4 = M rounded up to 4, as TMA
 // wants 16-byte row strides; the extra columns are never applied to a stored row) and SFB with
 // each 128x128 block scale repeated for the 128 / kGroupN column groups, [E, N/kGroupN, K/128].
 // Both are small next to the GEMM (M * K/128 and E * N/kGroupN * K/128 floats). A b_scale given
 // in SFB's layout already (the Python backend repeats the weights' scales once, when it prepares
 // them) is used as it is: repeating it here costs a copy kernel per GEMM call, which a
-// CUDA-graphed decode step pays in full.
+// CUDA-graphed decode step pays in full. So is an a_scale that is SFA already, seen transposed
+// (strides (1, M4): the quantizers and the scatter can write it so).
 template <class Cfg>
 std::pair<at::Tensor, at::Tensor> kernel_scales(const at::Tensor& a_scale, const at::Tensor& b_scale,
                                                 int64_t n) {
   const int64_t m = a_scale.size(0), m4 = (m + 3) / 4 * 4;
-  auto sfa = at::empty({a_scale.size(1), m4}, a_scale.options());
-  sfa.narrow(1, 0, m).copy_(a_scale.t());
+  at::Tensor sfa;
+  if (a_scale_is_mn_major(a_scale)) {
+    sfa = a_scale.as_strided({a_scale.size(1), m4}, {m4, 1});
+  } else {
+    sfa = at::empty({a_scale.size(1), m4}, a_scale.options());
+    sfa.narrow(1, 0, m).copy_(a_scale.t());
+  }
   const bool repeated = b_scale.size(1) * Cfg::kGroupN == n;
   TORCH_CHECK(repeated || b_scale.size(1) * 128 == n, "b_scale has ", b_scale.size(1),
               " scales along N=", n, "; expected N/128 or N/", Cfg::kGroupN);

@@ -53,9 +53,13 @@ void check_operands(const char* op, at::ScalarType dtype, const at::Tensor& out,
                     const at::Tensor& a_scale, const at::Tensor& b, const at::Tensor& b_scale) {
   check_ab(op, a, b, dtype, 128, 128, {&a_scale, &b, &b_scale, &out});
   const int64_t m = a.size(0), k = a.size(1), e = b.size(0), n = b.size(1);
-  TORCH_CHECK(a_scale.scalar_type() == at::kFloat && a_scale.is_contiguous() &&
+  // a_scale row-major, or the kernel's own MN-major layout seen transposed (strides (1, M4), M4 =
+  // M rounded up to 4), which the kernels then read without a transposing copy.
+  const int64_t m4 = (m + 3) / 4 * 4;
+  const bool a_scale_mn = a_scale.dim() == 2 && a_scale.stride(0) == 1 && a_scale.stride(1) == m4;
+  TORCH_CHECK(a_scale.scalar_type() == at::kFloat && (a_scale.is_contiguous() || a_scale_mn) &&
                   a_scale.dim() == 2 && a_scale.size(0) == m && a_scale.size(1) == k / 128,
-              op, ": a_scale must be a contiguous fp32 [M, K/128] tensor");
+              op, ": a_scale must be a contiguous (or MN-major, strides (1, M4)) fp32 [M, K/128] tensor");
   // One weight scale per 128x128 block, or the block scales already repeated to the kernels'
   // 64-column groups (kernel_scales checks that against the configuration).
   TORCH_CHECK(b_scale.scalar_type() == at::kFloat && b_scale.is_contiguous() &&

@@ -81,6 +81,8 @@ class ExpertsBackend(ABC):
         compile_segments: while ``torch.compile`` traces, ``run_contiguous`` takes device-sized
             batches even without ``device_segments`` (a traceable path of its own), so a compiled
             graph holds no host read.
+        mn_major_scales: the contiguous batch's activation scales are wanted MN-major
+            (:func:`~epmoe.kernels.common.mn_major_scales`; the layer asks the scatter for them so).
 
     Instances carry only configuration (scheme, accumulator); nothing per batch.
     """
@@ -91,6 +93,7 @@ class ExpertsBackend(ABC):
     device_segments: ClassVar[bool] = False
     prefers_host_sizes: ClassVar[bool] = False
     compile_segments: ClassVar[bool] = False
+    mn_major_scales: ClassVar[bool] = False
 
     def __init__(self, scheme: QuantScheme, *, accumulator: str = "fp32") -> None:
         if scheme.name not in type(self).schemes:

@@ -362,14 +362,27 @@ def grouped_gemm(
     m = a.shape[0]
     if m == 0 or b.shape[0] == 0:
         return out
-    a_scale = a_scale.contiguous()
     offsets = expert_offsets.to(device=a.device, dtype=torch.int32).contiguous()
     if _use_sgl():
         _refuse_repeated_for_sgl(b, b_scale)
-        _sgl_grouped_gemm(out, a, a_scale, b, b_scale, offsets)
+        _sgl_grouped_gemm(out, a, a_scale.contiguous(), b, b_scale, offsets)
         return out
-    load_extension().fp8_contiguous_gemm(out, a.contiguous(), a_scale, b, b_scale.contiguous(), offsets, *TILE_ORDER)
+    load_extension().fp8_contiguous_gemm(
+        out, a.contiguous(), kernel_act_scale(a_scale), b, b_scale.contiguous(), offsets, *TILE_ORDER
+    )
     return out
+
+
+def is_mn_major(a_scale: torch.Tensor) -> bool:
+    """Whether ``a_scale [M, S]`` is the MN-major layout the project's block-scaled kernels read
+    (:func:`~epmoe.kernels.common.mn_major_scales`: strides ``(1, M rounded up to 4)``)."""
+    return a_scale.dim() == 2 and a_scale.stride(0) == 1 and a_scale.stride(1) == -(-a_scale.shape[0] // 4) * 4
+
+
+def kernel_act_scale(a_scale: torch.Tensor) -> torch.Tensor:
+    """``a_scale`` for the project's block-scaled kernels: as it is when MN-major already (they
+    read it without a transposing copy), else row-major contiguous (they transpose it)."""
+    return a_scale if is_mn_major(a_scale) else a_scale.contiguous()
 
 
 def _shape(t) -> str:
@@ -574,7 +587,7 @@ def int8_block_grouped_gemm(
         return out
     offsets = expert_offsets.to(device=a.device, dtype=torch.int32).contiguous()
     load_extension().int8_block_contiguous_gemm(
-        out, a.contiguous(), a_scale.contiguous(), b, b_scale.contiguous(), offsets, *TILE_ORDER
+        out, a.contiguous(), kernel_act_scale(a_scale), b, b_scale.contiguous(), offsets, *TILE_ORDER
     )
     return out
 
@@ -753,6 +766,12 @@ class CutlassBackend(ExpertsBackend):
             return self._triton_below_crossover.alignment
         return self.alignment
 
+    @property
+    def mn_major_scales(self) -> bool:  # type: ignore[override]
+        """FP8 on the project's kernel reads activation scales MN-major: the layout and the
+        activation write them so (:func:`kernel_act_scale` then passes them through)."""
+        return not self.int8 and not self._sgl_fp8
+
     device_segments = True
     """Batches may keep their segment sizes on the device: the GEMMs read the offsets there and
     skip the blocks past the last segment, the row-wise stages skip the spare rows
@@ -892,7 +911,8 @@ class CutlassBackend(ExpertsBackend):
         with phase("epmoe.activation"):
             rows = stages.row_args(*bound)
             h, h_scale = ops.silu_and_mul_quant(lift(gate_up), "group", BLOCK, torch.float8_e4m3fn,
-                                                row_expert=stages.padding_rows(batch), **rows)  # fmt: skip
+                                                row_expert=stages.padding_rows(batch),
+                                                scale_mn_major=self.mn_major_scales, **rows)  # fmt: skip
         with phase("epmoe.gemm2"):
             return gemm(drop(h), drop(h_scale), weights.w2, weights.w2_scale, offsets)
 

@@ -115,6 +115,7 @@ def silu_and_mul_quant(
     masked_m: torch.Tensor | None = None,
     expected_m: int | None = None,
     row_expert: torch.Tensor | None = None,
+    scale_mn_major: bool = False,
     launch: Launch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``silu(gate) * up`` quantized for the second GEMM.
@@ -128,6 +129,8 @@ def silu_and_mul_quant(
         expected_m: as in :func:`silu_and_mul`.
         row_expert: optional int32 expert of every row of ``gate_up`` (leading dims flattened; a
             contiguous layout's ``m_indices``): rows of -1 are skipped, their outputs unwritten.
+        scale_mn_major: ``"group"`` only: the scales stored MN-major
+            (:func:`~epmoe.kernels.common.mn_major_scales`: the CUTLASS kernels' layout).
         launch: tile and warps of the kernel (checked); ``None``: the quantizers' defaults
             (:func:`~epmoe.kernels.quantize.token_launch` / ``group_launch``).
 
@@ -141,5 +144,8 @@ def silu_and_mul_quant(
         raise TypeError(f"dtype={dtype} with granularity='token'; allowed: int8 (token), int8 or e4m3 (group)")
     plan = row_plan(masked_m, gate_up.shape, gate_up.device, expected_m, row_expert)
     if granularity == "token":
+        if scale_mn_major:
+            raise ValueError("scale_mn_major=True needs granularity='group' (one scale per row has no layout to choose)")
         return token_quant(x2, None, 1, gate_up.shape, plan, launch, silu=True)
-    return group_quant(x2, None, 1, gate_up.shape, plan, group_size, dtype, launch, silu=True)
+    return group_quant(x2, None, 1, gate_up.shape, plan, group_size, dtype, launch, silu=True,
+                       scale_mn_major=scale_mn_major)  # fmt: skip

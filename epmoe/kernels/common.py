@@ -51,6 +51,18 @@ def max_rows(num_tokens: int, top_k: int, num_experts: int, alignment: int) -> i
     return bound // alignment * alignment
 
 
+def mn_major_scales(rows: int, cols: int, device, like: torch.Tensor | None = None) -> torch.Tensor:
+    """An uninitialised fp32 ``[rows, cols]`` scale tensor stored MN-major: the first ``rows``
+    columns of a ``[cols, rows rounded up to 4]`` buffer, seen transposed (strides ``(1, R4)``).
+    That is the activation-scale layout the project's CUTLASS block-scaled kernels read (TMA wants
+    16-byte rows); scales written there need no transposing copy before each GEMM. ``like``: make
+    it with ``like.new_empty`` (fake tensors while tracing)."""
+    shape = (cols, -(-rows // 4) * 4)
+    buf = like.new_empty(shape, dtype=torch.float32) if like is not None else torch.empty(
+        shape, dtype=torch.float32, device=device)  # fmt: skip
+    return buf.t()[:rows]
+
+
 def check_scale_input(x: torch.Tensor, x_scale: torch.Tensor) -> None:
     """``x_scale`` must be fp32-castable ``[..., S]`` matching ``x [..., K]`` with ``S | K``."""
     if not isinstance(x_scale, torch.Tensor) or not x_scale.is_floating_point():

@@ -8,9 +8,14 @@ Same semantics as the torch functions in :mod:`epmoe.layouts`:
   already known on the host (DeepEP reports them); :func:`slot_layout` does the same with the
   sizes counted on the device, for a layout sized for the worst case when nobody waited for the
   counts. Both are two launches over blocks of slots: each block's expert histogram, then each
-  block sorts its slots by expert and places them after those of the blocks before it;
+  block sorts its slots by expert and places them after those of the blocks before it; up to
+  ``SLOT_STEP`` slots one launch (the one block counts its own experts);
 * :func:`scatter_rows` copies each received token's row to every row position ``slot_pos[r, j]``
-  (the data movement of ``to_contiguous`` / ``to_masked``); untouched rows are zero (scale 1).
+  (the data movement of ``to_contiguous`` / ``to_masked``); untouched rows are zero (scale 1)
+  unless ``fill_unused=False``;
+* :func:`slot_layout_scatter` is :func:`slot_layout` and :func:`scatter_rows` together, in one
+  launch up to :data:`COPY_MAX_SLOTS` slots (a decode step's): what a CUDA-graphed step pays per
+  launch is a gap of its own.
 * :func:`gather_weighted` sums, per received token, its valid slots' rows times the top-k weights
   in fp32, in slot order ``j = 0 .. k-1`` (the order the torch reference adds them). Rows of
   invalid slots (``-1``) are never read, so padding holding NaN cannot leak.
@@ -23,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ..tensors import as_contiguous, check_positive_int
-from .common import max_rows, next_pow2
+from .common import max_rows, mn_major_scales, next_pow2
 
 SLOT_STEP = 512
 """Slots a program sorts at once: a power of two >= 128, so that each of the 4 warps' threads
@@ -70,14 +75,27 @@ def _slot_histogram_kernel(IDS, HIST, N_SLOTS, E, BLOCK, STEP: tl.constexpr, E_P
 @triton.jit
 def _slot_positions_kernel(
     IDS, HIST, SHIFT, OFFS, POS, MIDX, COUNTS, N_SLOTS, E, M_ROWS, NUM_BLOCKS, BLOCK,
+    X, XS, Y, YS, H, S, stride_xm, stride_xsm, stride_ym, stride_ysm, stride_ysc,
     STEP: tl.constexpr, TILE_ROWS: tl.constexpr, ROW_STEP: tl.constexpr,
     SIZES_ON_DEVICE: tl.constexpr, ALIGN: tl.constexpr, E_PAD: tl.constexpr, ONE_BLOCK: tl.constexpr,
-):
+    COPY: tl.constexpr, TOPK: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
     # Program b places the slots of block b. Each program sums the whole histogram table itself
     # (tens of KB from L2) instead of waiting for a third launch: the expert totals give the
     # segments, the blocks before b where b's slots start inside them. Counts fit int32.
-    b = tl.program_id(0)
+    #
+    # COPY (one block of one step, a decode step's few slots): the scatter rides along. Every
+    # program lays out the whole block (a few hundred instructions, the same result in each),
+    # program 0 stores the layout, and program p copies columns [p * BLOCK_H, (p + 1) * BLOCK_H)
+    # of every slot's row (and of its scales), so the layout and the scatter are one launch.
+    pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    if COPY:
+        b = 0
+        owner = pid == 0
+    else:
+        b = pid
+        owner = pid >= 0
     bins = tl.arange(0, E_PAD)
     expert = bins < E
     lane = tl.arange(0, STEP)
@@ -101,14 +119,14 @@ def _slot_positions_kernel(
         ends = tl.cumsum(room, 0)
         starts = ends - room
         used = tl.sum(room, 0)
-        if b == 0:
+        if pid == 0:
             tl.store(OFFS + bins, starts, mask=expert)
             tl.store(OFFS + E, used)
     else:
         starts = tl.load(OFFS + bins, mask=expert, other=0)
         ends = tl.load(OFFS + 1 + bins, mask=expert, other=0)
         used = tl.load(OFFS + E)
-    if b == 0:
+    if pid == 0:
         tl.store(COUNTS + bins, total, mask=expert)
 
     # STEP slots at a time, each expert's next free row carried from step to step. Sorted by
@@ -123,39 +141,49 @@ def _slot_positions_kernel(
         # The next step's ids are loaded now, so their latency hides behind this step's work.
         ids = tl.load(IDS + s + STEP + lane, mask=s + STEP + lane < N_SLOTS, other=-1)
         tl.debug_barrier()  # every thread has read the previous step's shifts
-        tl.store(SHIFT + b * E_PAD + bins, nxt + hist - tl.cumsum(hist, 0))
+        tl.store(SHIFT + pid * E_PAD + bins, nxt + hist - tl.cumsum(hist, 0))
         tl.debug_barrier()  # and sees these
         e = key // STEP
         fits = e < E
-        row = tl.load(SHIFT + b * E_PAD + e, mask=fits, other=0) + lane
+        row = tl.load(SHIFT + pid * E_PAD + e, mask=fits, other=0) + lane
         # A segment shorter than its slots (inconsistent offsets) must not be written past its
         # end; the slots that do not fit get -1 (not local), so no later kernel follows a stale
         # row. Counted segments always fit.
         if not SIZES_ON_DEVICE:
             fits &= (row < tl.load(OFFS + 1 + e, mask=fits, other=0)) & (row < M_ROWS)
         slot = s + key % STEP
-        tl.store(POS + slot, tl.where(fits, row, -1), mask=slot < N_SLOTS)
-        tl.store(MIDX + row, e, mask=fits)
+        tl.store(POS + slot, tl.where(fits, row, -1), mask=(slot < N_SLOTS) & owner)
+        tl.store(MIDX + row, e, mask=fits & owner)
+        if COPY:
+            cols = (pid * BLOCK_H + tl.arange(0, BLOCK_H))[None, :]
+            src = (slot // TOPK).to(tl.int64)[:, None]
+            dst = row.to(tl.int64)[:, None]
+            take = fits[:, None] & (cols < H)
+            tl.store(Y + dst * stride_ym + cols, tl.load(X + src * stride_xm + cols, mask=take), mask=take)
+            if HAS_SCALE:
+                take = fits[:, None] & (cols < S)
+                scale = tl.load(XS + src * stride_xsm + cols, mask=take)
+                tl.store(YS + dst * stride_ysm + cols * stride_ysc, scale, mask=take)
         nxt += hist
 
     # Rows no slot takes belong to no expert: each program marks the padding of experts
     # b, b + nprog, ... (all of them at once, TILE_ROWS rows each a store) and its share of the
     # spare rows past the last segment.
     filled = starts + total
-    pad = tl.where(expert & (bins % nprog == b), ends - filled, 0)
+    pad = tl.where(expert & (bins % nprog == pid), ends - filled, 0)
     for r0 in range(0, tl.max(pad, 0), TILE_ROWS):
         row = (r0 + tl.arange(0, TILE_ROWS))[None, :]
         row_at = filled[:, None] + row
         unused = (row < pad[:, None]) & (row_at < M_ROWS)
         tl.store(MIDX + row_at, tl.full([E_PAD, TILE_ROWS], -1, tl.int32), mask=unused)
-    for r0 in range(used + b * ROW_STEP, M_ROWS, nprog * ROW_STEP):
+    for r0 in range(used + pid * ROW_STEP, M_ROWS, nprog * ROW_STEP):
         row = r0 + tl.arange(0, ROW_STEP)
         tl.store(MIDX + row, tl.full([ROW_STEP], -1, tl.int32), mask=row < M_ROWS)
 
 
 @triton.jit
 def _scatter_rows_kernel(
-    X, XS, Y, YS, POS, H, S, stride_xm, stride_xsm, stride_ym, stride_ysm,
+    X, XS, Y, YS, POS, H, S, stride_xm, stride_xsm, stride_ym, stride_ysm, stride_ysc,
     TOPK: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
@@ -171,7 +199,7 @@ def _scatter_rows_kernel(
             if tl.program_id(1) == 0:
                 sc = tl.arange(0, BLOCK_S)
                 s = tl.load(XS + r * stride_xsm + sc, mask=sc < S)
-                tl.store(YS + tl.maximum(dst, 0) * stride_ysm + sc, s, mask=(sc < S) & (dst >= 0))
+                tl.store(YS + tl.maximum(dst, 0) * stride_ysm + sc * stride_ysc, s, mask=(sc < S) & (dst >= 0))
 
 
 @triton.jit
@@ -290,7 +318,11 @@ def _slot_outputs(topk_ids, e: int, num_rows: int):
     return slot_pos, m_indices, counts
 
 
-def _launch_slots(topk_ids, offsets, slot_pos, m_indices, counts, alignment: int, sizes_on_device: bool) -> None:
+def _launch_slots(
+    topk_ids, offsets, slot_pos, m_indices, counts, alignment: int, sizes_on_device: bool, copy=None
+) -> None:
+    """The slot kernels; ``copy``: ``(x, x_scale, out, out_scale)`` rows to scatter in the same launch
+    (a layout of one step on the device: :func:`fused_copy_step`), else ``None``."""
     r, k = topk_ids.shape
     e = counts.numel()
     if e == 0:
@@ -302,22 +334,105 @@ def _launch_slots(topk_ids, offsets, slot_pos, m_indices, counts, alignment: int
     ids = as_contiguous(ids, None if ids.dtype in (torch.int32, torch.int64) else torch.int32)
     # At least 32 bins: older Tritons' tl.histogram wants a bin per lane of a warp.
     e_pad = max(32, next_pow2(e))
-    step = min(SLOT_STEP, max(128, next_pow2(n)))
+    step = _step(n)
     block = step * max(1, triton.cdiv(n, step * SLOT_PROGRAMS))
     blocks = max(1, triton.cdiv(n, block))
-    # Scratch sized by the shapes only, so the launches stay capturable in a CUDA graph.
-    shift = torch.empty((blocks, e_pad), dtype=torch.int64, device=ids.device)
     one_block = blocks == 1 and block == step
+    x = y = xs = ys = ids  # never dereferenced without copy
+    h = s = 0
+    block_h = 1
+    programs = blocks
+    if copy is not None:
+        if not one_block:
+            raise ValueError(f"{n} slots take more than one step of {step}: the rows cannot be copied in the layout's launch")
+        x, xs, y, ys = copy
+        h = x.shape[1]
+        s = 0 if xs is None else xs.shape[1]
+        block_h = min(next_pow2(max(h, s)), (INTERPRETER_TILE if ids.device.type == "cpu" else COPY_TILE) // step)
+        programs = triton.cdiv(max(h, s), block_h)
+        x, y = _as_copyable(x), _as_copyable(y)
+        xs, ys = (ids, ids) if xs is None else (xs, ys)
+    # Scratch sized by the shapes only, so the launches stay capturable in a CUDA graph.
+    shift = torch.empty((programs, e_pad), dtype=torch.int64, device=ids.device)
     if one_block:
         hist = shift  # never read
     else:
         hist = torch.empty((blocks, e_pad), dtype=torch.int32, device=ids.device)
         _slot_histogram_kernel[(blocks,)](ids, hist, n, e, block, STEP=step, E_PAD=e_pad, num_warps=4)
-    _slot_positions_kernel[(blocks,)](
+    _slot_positions_kernel[(programs,)](
         ids, hist, shift, offsets, slot_pos, m_indices, counts, n, e, m_indices.numel(), blocks, block,
+        x, xs, y, ys, h, s, x.stride(0), xs.stride(0), y.stride(0), ys.stride(0), ys.stride(1) if ys.dim() > 1 else 1,
         STEP=step, TILE_ROWS=max(1, SLOT_TILE // e_pad), ROW_STEP=SLOT_ROWS,
-        SIZES_ON_DEVICE=sizes_on_device, ALIGN=alignment, E_PAD=e_pad, ONE_BLOCK=one_block, num_warps=4,
+        SIZES_ON_DEVICE=sizes_on_device, ALIGN=alignment, E_PAD=e_pad, ONE_BLOCK=one_block,
+        COPY=copy is not None, TOPK=k, HAS_SCALE=copy is not None and copy[1] is not None, BLOCK_H=block_h,
+        num_warps=4,
     )  # fmt: skip
+
+
+def _step(n: int) -> int:
+    """Slots a positions program sorts at once for ``n`` slots."""
+    return min(SLOT_STEP, max(128, next_pow2(n)))
+
+
+COPY_MAX_SLOTS = 128
+"""Most slots whose rows :func:`slot_layout_scatter` copies in the layout's own launch (16 tokens
+of top-8): every program then sorts them all, and holds a ``[128, BLOCK_H]`` tile of rows."""
+COPY_TILE = 4096
+"""Elements of that tile on a GPU (32 columns a program for 128 slots: 224 programs for H=7168)."""
+INTERPRETER_TILE = 65536
+"""The same on CPU, where Triton's interpreter pays per program."""
+
+
+def fused_copy_step(num_slots: int) -> bool:
+    """Whether :func:`slot_layout_scatter` lays out and scatters ``num_slots`` slots in one launch."""
+    return 0 < num_slots <= COPY_MAX_SLOTS and _step(num_slots) <= COPY_MAX_SLOTS
+
+
+def slot_layout_scatter(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    alignment: int,
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None = None,
+    *,
+    scale_mn_major: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`slot_layout` then :func:`scatter_rows` (padding rows left unwritten): one launch up to
+    :data:`COPY_MAX_SLOTS` slots (:func:`fused_copy_step`), the two kernels beyond.
+
+    Args:
+        topk_ids: ``[R, k]`` int local expert ids (others: other ranks' slots).
+        num_experts, alignment: as in :func:`slot_layout`.
+        x: ``[R, H]`` rows; ``x_scale``: ``[R, S]`` fp32 or ``None``.
+        scale_mn_major: ``out_scale`` stored MN-major (:func:`~epmoe.kernels.common.mn_major_scales`).
+
+    Returns:
+        ``expert_offsets``, ``slot_pos``, ``m_indices``, ``counts`` (as :func:`slot_layout`), ``out
+        [max_rows, H]`` and ``out_scale [max_rows, S]`` or ``None``; rows no slot points to hold
+        anything.
+    """
+    _check_ids(topk_ids)
+    check_positive_int("num_experts", num_experts)
+    check_positive_int("alignment", alignment)
+    r, k = topk_ids.shape
+    if x.dim() != 2 or x.shape[0] != r:
+        raise ValueError(f"x must be [R={r}, H]; got shape {tuple(x.shape)}")
+    if x_scale is not None and (x_scale.dim() != 2 or x_scale.shape[0] != r):
+        raise ValueError(f"x_scale must be [R={r}, S]; got shape {tuple(x_scale.shape)}")
+    if not fused_copy_step(r * k) or x.shape[1] == 0:
+        offsets, slot_pos, m_indices, counts = slot_layout(topk_ids, num_experts, alignment)
+        out, out_scale = scatter_rows(x, slot_pos, m_indices.numel(), x_scale, fill_unused=False,
+                                      scale_mn_major=scale_mn_major)  # fmt: skip
+        return offsets, slot_pos, m_indices, counts, out, out_scale
+    rows = max_rows(r, k, num_experts, alignment)
+    offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=topk_ids.device)
+    slot_pos, m_indices, counts = _slot_outputs(topk_ids, num_experts, rows)
+    xc = x.contiguous()
+    xs = None if x_scale is None else x_scale.contiguous()
+    out = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=x.device)
+    out_scale = None if xs is None else _scale_out(rows, xs, scale_mn_major, torch.empty)
+    _launch_slots(topk_ids, offsets, slot_pos, m_indices, counts, alignment, True, (xc, xs, out, out_scale))
+    return offsets, slot_pos, m_indices, counts, out, out_scale
 
 
 def scatter_rows(
@@ -327,6 +442,7 @@ def scatter_rows(
     x_scale: torch.Tensor | None = None,
     *,
     fill_unused: bool = True,
+    scale_mn_major: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Copy received rows to their per-expert positions.
 
@@ -337,6 +453,7 @@ def scatter_rows(
         x_scale: optional ``[R, S]`` fp32 scales, moved with their rows.
         fill_unused: zero the rows no slot points to (scales one). ``False`` skips that memset
             when the caller knows every row is written (segments without padding).
+        scale_mn_major: ``out_scale`` stored MN-major (:func:`~epmoe.kernels.common.mn_major_scales`).
 
     Returns:
         ``out [num_out_rows, H]`` (rows no slot points to are zero) and ``out_scale
@@ -354,8 +471,7 @@ def scatter_rows(
     if x_scale is not None:
         if x_scale.dim() != 2 or x_scale.shape[0] != r:
             raise ValueError(f"x_scale must be [R={r}, S]; got shape {tuple(x_scale.shape)}")
-        shape = (num_out_rows, x_scale.shape[1])
-        out_scale = (torch.ones if fill_unused else torch.empty)(shape, dtype=x_scale.dtype, device=x.device)
+        out_scale = _scale_out(num_out_rows, x_scale, scale_mn_major, torch.ones if fill_unused else torch.empty)
     k = slot_pos.shape[1]
     if r == 0 or k == 0 or h == 0 or num_out_rows == 0:
         return out, out_scale
@@ -368,10 +484,19 @@ def scatter_rows(
     block_h, warps = row_split(r, h, x.device)
     _scatter_rows_kernel[(r, triton.cdiv(h, block_h))](
         _as_copyable(xc), xs, _as_copyable(out), ys, pos, h, s,
-        xc.stride(0), xs.stride(0), out.stride(0), ys.stride(0),
+        xc.stride(0), xs.stride(0), out.stride(0), ys.stride(0), ys.stride(1) if ys.dim() > 1 else 1,
         TOPK=k, HAS_SCALE=x_scale is not None, BLOCK_H=block_h, BLOCK_S=max(16, next_pow2(s)), num_warps=warps,
     )  # fmt: skip
     return out, out_scale
+
+
+def _scale_out(rows: int, x_scale: torch.Tensor, mn_major: bool, alloc) -> torch.Tensor:
+    """``[rows, S]`` scales of ``x_scale``'s dtype made by ``alloc`` (``torch.empty`` or
+    ``torch.ones``), row-major or MN-major."""
+    if not mn_major:
+        return alloc((rows, x_scale.shape[1]), dtype=x_scale.dtype, device=x_scale.device)
+    out = mn_major_scales(rows, x_scale.shape[1], x_scale.device)
+    return out.fill_(1.0) if alloc is torch.ones else out
 
 
 def _as_copyable(t: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from ..tensors import as_contiguous
-from .common import RowPlan, check_scale_input, next_pow2, placeholder, row_plan
+from .common import RowPlan, check_scale_input, mn_major_scales, next_pow2, placeholder, row_plan
 
 AMAX_FLOOR = 1e-10
 INT8_QMAX = 127.0
@@ -338,7 +338,7 @@ def token_quant_kernel(
 def group_quant_kernel(
     X, XS, Q, S, MASKED_M, ROW_EXPERT,
     M, K, CAP, PROGS,
-    stride_xm, stride_xsm, stride_qm, stride_sm,
+    stride_xm, stride_xsm, stride_qm, stride_sm, stride_sg,
     QMAX: tl.constexpr, TO_E4M3: tl.constexpr, HAS_XS: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_ROW_MASK: tl.constexpr, IN_GROUP: tl.constexpr, SILU: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -355,7 +355,7 @@ def group_quant_kernel(
             X, XS, rows, row_ok, col0, K, stride_xm, stride_xsm, HAS_XS, IN_GROUP, SILU, GROUP, NG
         )
         scale = scale_of(amax_bits(x, 2), QMAX)  # [BLOCK_M, NG]
-        tl.store(S + rows[:, None] * stride_sm + g[None, :], scale,
+        tl.store(S + rows[:, None] * stride_sm + g[None, :] * stride_sg, scale,
                  mask=row_ok[:, None] & (g[None, :] * GROUP < K))
         store_codes(Q, rows, cols, mask, x, scale[:, :, None], stride_qm, QMAX, TO_E4M3)
 
@@ -498,15 +498,20 @@ def _check_group_args(k: int, group_size: int, dtype: torch.dtype, name: str = "
 
 def group_quant(
     x2, xs2, in_group: int, shape, plan: RowPlan, group_size: int, dtype: torch.dtype,
-    launch: Launch | None, *, silu: bool,
+    launch: Launch | None, *, silu: bool, scale_mn_major: bool = False,
 ):
-    """Launch :func:`group_quant_kernel` over the rows of ``x2`` (as in :func:`token_quant`)."""
+    """Launch :func:`group_quant_kernel` over the rows of ``x2`` (as in :func:`token_quant`);
+    ``scale_mn_major``: the scales stored MN-major (:func:`~epmoe.kernels.common.mn_major_scales`,
+    rows ``x2``'s rows)."""
     m = x2.shape[0]
     k = x2.shape[1] // 2 if silu else x2.shape[1]
     _check_group_args(k, group_size, dtype, "I" if silu else "x's last dim K")
     groups = k // group_size
     q = torch.empty((m, k), dtype=dtype, device=x2.device)
-    s = torch.empty((m, groups), dtype=torch.float32, device=x2.device)
+    if scale_mn_major:
+        s = mn_major_scales(m, groups, x2.device)
+    else:
+        s = torch.empty((m, groups), dtype=torch.float32, device=x2.device)
     if m and groups:
         if launch is None:
             launch = group_launch(plan.rows, k, group_size, x2.device)
@@ -516,7 +521,7 @@ def group_quant(
         xs = placeholder(x2.device, torch.float32) if xs2 is None else xs2  # never read without scales
         group_quant_kernel[(grid, triton.cdiv(k, launch.block_k))](
             x2, xs, q, s, plan.masked_m, plan.row_mask, m, k, plan.cap, progs,
-            x2.stride(0), xs.stride(0), q.stride(0), s.stride(0),
+            x2.stride(0), xs.stride(0), q.stride(0), s.stride(0), s.stride(1),
             QMAX=INT8_QMAX if dtype == torch.int8 else E4M3_QMAX, TO_E4M3=dtype != torch.int8,
             HAS_XS=xs2 is not None, HAS_MASK=plan.masked, HAS_ROW_MASK=plan.row_expert is not None, IN_GROUP=in_group,
             SILU=silu, GROUP=group_size, BLOCK_M=launch.block_m, BLOCK_K=launch.block_k,

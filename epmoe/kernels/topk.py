@@ -73,7 +73,7 @@ def _fused_topk_kernel(
                 first = tl.min(tl.where(in_g & (v == best[:, None]), e[None, :], E_PAD), 1)
                 best = best + tl.max(tl.where(e[None, :] == first[:, None], float("-inf"), v), 1)
             g_score = tl.where(g_idx == g, best[:, None], g_score)
-        g_left = g_idx < GROUPS
+        g_left = (g_idx < GROUPS) & row_ok[:, None]  # [BLOCK_T, G_PAD], as the loop keeps it
         kept = tl.zeros([BLOCK_T, G_PAD], dtype=tl.int32)
         for _ in range(TOPK_GROUP):
             top = tl.max(tl.where(g_left, g_score, float("-inf")), 1)

@@ -103,7 +103,8 @@ def test_cutlass_fp8_padding_rows_never_reach_the_output(t):
     ids, w = _routing(t, 2, seed=t)
     x, xs = quantize_rows(torch.randn(t, H, generator=g), torch.float8_e4m3fn, 448.0, 128)
     for hint in (None, 1):  # host-sized, and sized on the device (spare rows)
-        batch = to_contiguous(x.cuda(), xs.cuda(), ids, E, backend.alignment, expected_m=hint)
+        batch = to_contiguous(x.cuda(), xs.cuda(), ids, E, backend.alignment, expected_m=hint,
+                              scale_mn_major=backend.mn_major_scales)  # as the layer builds it
 
         def nan_fill(rows, pad):
             rows.view(torch.uint8)[pad] = 0x7F  # e4m3fn NaN
@@ -145,8 +146,9 @@ def test_triton_padding_rows_never_reach_the_output(scheme):
 
 
 @pytest.mark.parametrize("kind", ["fp8_block", "int8_block"])
-def test_cutlass_takes_weight_scales_repeated_once_as_it_repeats_them(kind):
-    """The kernels' own repeat (per call) and prepare_weights' (once) give the same bits."""
+def test_cutlass_takes_scales_in_its_own_layouts_as_given(kind):
+    """The kernels' own repeat of the weight scales (per call) and prepare_weights' (once) give the
+    same bits, and so do row-major activation scales (transposed per call) and MN-major ones."""
     from epmoe.experts import cutlass_backend as cb
     from epmoe.quant import get_scheme
 
@@ -163,3 +165,9 @@ def test_cutlass_takes_weight_scales_repeated_once_as_it_repeats_them(kind):
     want = gemm(a, a_scale, b, b_scale, offsets)
     got = gemm(a, a_scale, b, cb.kernel_weight_scale(b_scale), offsets)
     assert torch.equal(got, want)
+    # Activation scales given MN-major (what the layout and the activation write for the kernel).
+    from epmoe.kernels.common import mn_major_scales
+
+    mn = mn_major_scales(*a_scale.shape, a_scale.device)
+    mn.copy_(a_scale)
+    assert cb.is_mn_major(mn) and torch.equal(gemm(a, mn, b, cb.kernel_weight_scale(b_scale), offsets), want)
