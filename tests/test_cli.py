@@ -123,7 +123,7 @@ def test_info_rows_cover_the_int32_accumulator_and_contiguous_only_backends(monk
     monkeypatch.setattr(cb.CutlassBackend, "available", classmethod(lambda cls, device: (True, "machine ok")))
     monkeypatch.setattr(cb, "own_kernel_missing", lambda: None)
     rows = {name: status for kind, name, status in cli.capability_rows(torch.device("cpu")) if kind == "backend"}
-    assert rows["cutlass int8_channel_int32"] == "available (contiguous layout only)"
+    assert rows["cutlass int8_channel_int32"] == rows["cutlass int8_block"] == "available"  # masked too
     assert rows["cutlass fp8_block"] == "available (contiguous layout only)"
     assert "accumulator='int32' only" in rows["cutlass int8_channel"]
     assert rows["torch int8_channel_int32"] == "available"
