@@ -1,5 +1,5 @@
 """The cutlass experts backend: FP8 block-scaled, INT8 channel-scaled and INT8 block-scaled grouped
-GEMMs over the contiguous layout.
+GEMMs over the contiguous layout, and the INT8 ones over the masked layout.
 
 Considered only with ``SGLANG_CUTLASS_MOE=1`` on compute capability 9.x with CUDA >= 12.3 (the
 rule is :func:`epmoe.experts.fp8_selection.cutlass_decision`); the INT8 schemes also need the
@@ -33,7 +33,12 @@ Every wrapper checks its operands in Python before the extension is loaded or re
 The project's kernels run the whole layout as one CUTLASS problem whose batch index is the expert
 of each 128-row block (a table built on the GPU from ``expert_offsets``; no host sync), so every
 segment is padded to 128 rows: :attr:`CutlassBackend.alignment` is 128, as DeepGEMM's. An expert
-without rows has an empty segment and gets no tiles.
+without rows has an empty segment and gets no tiles. The masked layout (``[E, cap, H]`` with
+``masked_m``) is the same problem over ``E * cap`` rows with the table built from ``masked_m``
+(:func:`int8_block_masked_gemm`, :func:`int8_masked_gemm`; ``cap`` padded to 128 by the backend).
+
+The INT8 block kernel has three schedules of its consumer warpgroups (:data:`INT8_BLOCK_SCHEDULES`),
+each its own instantiation in the one extension; a backend runs the one named when it is built.
 """
 
 from __future__ import annotations
