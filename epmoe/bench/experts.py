@@ -286,20 +286,25 @@ def backend_pass(problem: Problem, backend, m: int, batch, refs: dict, seed: int
     return (lambda: backend.run_contiguous(batch, w, dtype)), refs
 
 
-def masked_pass(problem: Problem, backend, batch, m: int):
-    """``(whole pass, output rows)`` of ``backend.run_masked`` on ``batch``'s rows (``m`` per
-    expert, unpadded) laid out as low-latency dispatch delivers them: one slab of ``m`` rounded up
-    to 128 rows per expert, ``masked_m = m``. ``output rows(out)`` gives the valid rows in
-    ``batch``'s order, for :func:`accuracy` against ``batch``'s references."""
+def masked_batch(problem: Problem, batch, m: int):
+    """``batch``'s rows (``m`` per expert, unpadded) laid out as low-latency dispatch delivers
+    them: one slab of ``m`` rounded up to 128 rows per expert, ``masked_m = m``."""
     from ..layouts import MaskedBatch
 
-    dtype, e = batch.x.dtype, problem.e
+    e = problem.e
     cap = -(-m // 128) * 128
-    x = torch.zeros(e, cap, problem.hidden, dtype=dtype, device=batch.x.device)
+    x = torch.zeros(e, cap, problem.hidden, dtype=batch.x.dtype, device=batch.x.device)
     x[:, :m] = batch.x[: e * m].view(e, m, -1)
-    masked = MaskedBatch(x, None, torch.full((e,), m, dtype=torch.int32, device=x.device), m)
+    return MaskedBatch(x, None, torch.full((e,), m, dtype=torch.int32, device=x.device), m)
+
+
+def masked_pass(problem: Problem, backend, masked):
+    """``(whole pass, output rows)`` of ``backend.run_masked`` on ``masked`` (:func:`masked_batch`):
+    ``output rows(out)`` gives the valid rows in the contiguous batch's order, for
+    :func:`accuracy` against its references."""
+    e, m = problem.e, masked.expected_m
     w = backend.prepare_weights(weights_for(problem, backend.scheme.name))
-    return (lambda: backend.run_masked(masked, w, dtype)), (lambda out: out[:, :m].reshape(e * m, -1))
+    return (lambda: backend.run_masked(masked, w, masked.x.dtype)), (lambda out: out[:, :m].reshape(e * m, -1))
 
 
 def triton_backend(name: str):
@@ -311,13 +316,13 @@ def triton_backend(name: str):
     return TritonBackend(get_scheme(scheme), accumulator="int32" if name.endswith("_int32") else "fp32")
 
 
-def add_masked(label: str, backend, m: int, problem: Problem, batch, refs: dict, timer, cases: list, passes: dict | None):
+def add_masked(label: str, backend, m: int, problem: Problem, masked, refs: dict, timer, cases: list, passes: dict | None):
     """The ``<label>_masked`` case (:func:`masked_pass`) appended to ``cases`` (its whole pass to
     ``passes`` for the turns, when given); a failure is recorded in the case, not raised."""
     name = f"{label}_masked"
     print(f"m={m} {name} ...", flush=True)
     try:
-        total, rows = masked_pass(problem, backend, batch, m)
+        total, rows = masked_pass(problem, backend, masked)
         cases.append(run_case(name, m, {"total": total}, timer, refs, rows))
         if passes is not None:
             passes[name] = total
@@ -560,6 +565,7 @@ def run(args: argparse.Namespace) -> int:
     for i, m in enumerate(args.m):
         batch = uniform_batch(problem, m, device, dtype, seed=1000 + i)
         refs = reference_rows(problem, batch, args.accuracy_experts)
+        masked = masked_batch(problem, batch, m) if args.masked else None  # one for every backend
         cases, passes = [], {}
         for name in backends:
             print(f"m={m} {name} ...", flush=True)
@@ -581,7 +587,7 @@ def run(args: argparse.Namespace) -> int:
             if args.turns:  # else let each backend's buffers go before the next one runs
                 passes[name] = stages["total"]
             if args.masked and name != "torch_bf16":
-                add_masked(name, triton_backend(name), m, problem, batch, refs, timer, cases, passes if args.turns else None)
+                add_masked(name, triton_backend(name), m, problem, masked, refs, timer, cases, passes if args.turns else None)
         for label, backend in extras:
             print(f"m={m} {label} ...", flush=True)
             try:
@@ -592,7 +598,7 @@ def run(args: argparse.Namespace) -> int:
             except Exception as exc:
                 cases.append(Case(label, m, precision_of(label), error=f"{type(exc).__name__}: {exc}"))
             if args.masked and "masked" in backend.layouts:
-                add_masked(label, backend, m, problem, batch, refs, timer, cases, passes if args.turns else None)
+                add_masked(label, backend, m, problem, masked, refs, timer, cases, passes if args.turns else None)
         if args.turns:
             print(f"m={m} whole passes in turns ({args.turns} rounds) ...", flush=True)
             time_in_turns(cases, passes, args.turns, timer)
@@ -603,7 +609,7 @@ def run(args: argparse.Namespace) -> int:
                 "backend": c.backend, "m": m, "precision": c.precision, "ms": c.ms, "error": c.error,
                 "accuracy": c.accuracy, "derived": derive(c, problem, ceilings, baseline),
             })
-        del batch, refs
+        del batch, refs, masked
         if device.type == "cuda":
             torch.cuda.empty_cache()
     report = {
