@@ -806,19 +806,21 @@ def test_cutlass_int8_plumbing_masked(monkeypatch, scheme_name):
     ref = moe_reference(x, ids, w, w13, w2, scheme_name)
     for capacity in (x.shape[0], 128):
         masked, slot_pos = to_masked(x, None, ids, PE, capacity=capacity)
-        masked.expected_m = 1 << 20  # the CUTLASS branch (no crossover data for the CPU)
-        out = backend.run_masked(masked, weights, torch.float32)
+        out = backend.run_masked(masked, weights, torch.float32)  # CUTLASS: no crossover data for the CPU
         assert out.dtype == torch.float32 and out.shape == (PE, capacity, PH)
         got = gather_weighted(out.reshape(-1, PH), slot_pos, w)
         assert rel_err(got, ref) < scheme.rel_error_bound, (capacity, rel_err(got, ref))
     want = ["split_n"] * 4 if scheme_name == "int8_block" else [None] * 4
     assert calls == want, calls  # two GEMMs per pass
-    # Below the crossover: the Triton backend's masked pass, not the CUTLASS kernels.
+    # Below the crossover: the Triton backend's masked pass, not the CUTLASS kernels; a backend
+    # built with int8_kernel="cutlass" runs them whatever the rule says.
     monkeypatch.setattr(cb, "int8_kernel_for", lambda device, name, rows: "triton" if rows < 64 else "cutlass")
-    masked.expected_m = 8
     out = backend.run_masked(masked, weights, torch.float32)
     assert len(calls) == 4
     assert rel_err(gather_weighted(out.reshape(-1, PH), slot_pos, w), ref) < scheme.rel_error_bound
+    forced = cb.CutlassBackend(scheme, accumulator=backend.accumulator, int8_kernel="cutlass")
+    forced.run_masked(masked, weights, torch.float32)
+    assert len(calls) == 6
 
 
 def test_int8_block_schedule_choice(monkeypatch):

@@ -747,10 +747,10 @@ def test_cutlass_int8_masked_gemm(kind, masked_m, max_m, n, k):
 @needs_cutlass
 @pytest.mark.parametrize("scheme_name", ["int8_channel", "int8_block"])
 def test_cutlass_int8_backend_masked(scheme_name):
-    """The cutlass backend's masked pass (CUTLASS branch: the hint at the crossover or above) on
-    a capacity off the 128-row block (padded and cut back) and on an aligned one: the valid rows
-    within the scheme's bound of float64 and close to the Triton backend's masked pass; its
-    GEMMs are the CUTLASS kernels, not the Triton branch."""
+    """The cutlass backend's masked pass on the CUTLASS kernels (``int8_kernel="cutlass"``: this
+    batch is below the crossover) on a capacity off the 128-row block (padded and cut back) and on
+    an aligned one: the valid rows within the scheme's bound of float64 and close to the Triton
+    backend's masked pass."""
     from cases import make_case
     from epmoe.experts import cutlass_backend as cb
     from epmoe.experts.base import ExpertWeights
@@ -762,17 +762,14 @@ def test_cutlass_int8_backend_masked(scheme_name):
     scheme = get_scheme(scheme_name)
     acc = "int32" if scheme_name == "int8_channel" else "fp32"
     stored, (w13, w2) = make_weights(LE, LH, LI, scheme_name)
-    backend = cb.CutlassBackend(scheme, accumulator=acc)
+    backend = cb.CutlassBackend(scheme, accumulator=acc, int8_kernel="cutlass")
     weights = backend.prepare_weights(ExpertWeights(scheme, *[t.cuda() for t in stored]))
     triton = TritonBackend(scheme, accumulator=acc)
     x, ids, w = make_case("empty_experts", 0, LE, LK, LH)
     xc, idc, wc = x.cuda().bfloat16(), ids.cuda(), w.cuda()
     ref = moe_reference(xc.float().cpu(), ids, w, w13, w2, scheme_name)
-    hint = 1 << 20  # above any crossover: the CUTLASS kernels
-    assert cb.int8_kernel_for(xc.device, scheme_name, hint) == "cutlass"
     for capacity in (x.shape[0], 256):
         masked, slot_pos = to_masked(xc, None, idc, LE, capacity=capacity)
-        masked.expected_m = hint
         out = backend.run_masked(masked, weights, torch.bfloat16)
         assert out.shape == (LE, capacity, LH) and out.dtype == torch.bfloat16
         got = gather_weighted(out.reshape(-1, LH), slot_pos, wc)
