@@ -823,7 +823,7 @@ def test_cutlass_int8_plumbing_masked(monkeypatch, scheme_name):
     assert len(calls) == 6
 
 
-def test_int8_block_schedule_choice(monkeypatch):
+def test_int8_block_schedule_choice(monkeypatch, caplog):
     """The schedule of the INT8 block kernel: the argument, else the environment (read when the
     backend is built), else the default; a name not in the list is refused with where it came from."""
     from epmoe.experts import cutlass_backend as cb
@@ -832,6 +832,9 @@ def test_int8_block_schedule_choice(monkeypatch):
     block = get_scheme("int8_block")
     monkeypatch.delenv(cb.INT8_BLOCK_SCHEDULE_ENV, raising=False)
     assert cb.DEFAULT_INT8_BLOCK_SCHEDULE in cb.INT8_BLOCK_SCHEDULES
+    with caplog.at_level(logging.INFO, logger="epmoe"):
+        cb.CutlassBackend(block, schedule="split_n")
+    assert "INT8 block kernel: the split_n schedule" in caplog.text
     assert cb.CutlassBackend(block).schedule == cb.DEFAULT_INT8_BLOCK_SCHEDULE
     assert cb.CutlassBackend(block, schedule="staggered").schedule == "staggered"
     monkeypatch.setenv(cb.INT8_BLOCK_SCHEDULE_ENV, "split_n")

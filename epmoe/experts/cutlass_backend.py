@@ -913,6 +913,8 @@ class CutlassBackend(ExpertsBackend):
             raise ValueError(f"int8_kernel={int8_kernel!r}; allowed: {list(INT8_KERNELS)}")
         self.schedule = int8_block_schedule(schedule)
         self.forced_int8_kernel = None if int8_kernel == "auto" else int8_kernel
+        if scheme.name == "int8_block":
+            log.info("cutlass backend, INT8 block kernel: the %s schedule of its consumer warpgroups", self.schedule)
         # Below the measured INT8 crossover the whole pass is the Triton backend's (its GEMMs
         # too), so a Triton backend of the same scheme is held as a composed part for that
         # branch only; the CUTLASS pass calls the shared row-wise stages (stages.py) directly.
