@@ -58,6 +58,8 @@ def parse_args(argv):
     p.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
     p.add_argument("--tiny", action="store_true", help="CPU dry run at tiny sizes (the CUTLASS rows fail)")
     p.add_argument("--smoke-s", type=float, default=90.0, help="time limit of each schedule's child-process check")
+    p.add_argument("--schedule-out", default=None,
+                   help="also write the winner in the format of epmoe/configs/int8_block_schedule.json here")
     args = p.parse_args(argv)
     if args.turns < 1:
         p.error(f"--turns must be >= 1 (the summary reads the in-turns times); got {args.turns}")
@@ -173,6 +175,36 @@ def summarize(results: list[dict]) -> dict:
     return out
 
 
+WINNER_FROM_M = 128
+"""Rows per expert from which the winner is judged: below the INT8 crossover the Triton pass runs,
+not the CUTLASS kernels."""
+
+
+def winner(summary: dict) -> tuple[str | None, dict]:
+    """``(schedule, {m: {schedule: ms}})``: the schedule with the least contiguous whole-pass time
+    summed over the sizes from :data:`WINNER_FROM_M` rows per expert, among those timed at all of
+    them (``None`` when none was)."""
+    sizes = [m for m in summary if int(m) >= WINNER_FROM_M]
+    table = {m: {s: summary[m]["block"][s]["ms"] for s in INT8_BLOCK_SCHEDULES if s in summary[m]["block"]}
+             for m in sizes}  # fmt: skip
+    complete = [s for s in INT8_BLOCK_SCHEDULES if sizes and all(s in table[m] for m in sizes)]
+    if not complete:
+        return None, table
+    return min(complete, key=lambda s: sum(table[m][s] for m in sizes)), table
+
+
+def schedule_entry(report: dict) -> dict | None:
+    """The ``epmoe/configs/int8_block_schedule.json`` entry of this run, ``{gpu: {...}}``."""
+    best, table = winner(report["summary"])
+    if best is None or not report.get("gpu"):
+        return None
+    source = (f"benchmarks/int8_block_schedules.py, {report['date'][:10]}, commit {report.get('commit')}, "
+              f"{report['gpu']}, E={report['shapes']['experts']} H={report['shapes']['hidden']} "
+              f"I={report['shapes']['intermediate']}, whole passes in turns, contiguous, least total time "
+              f"from {WINNER_FROM_M} rows per expert; torch {report['torch']}")  # fmt: skip
+    return {report["gpu"]: {"schedule": best, "measured_ms": table, "source": source}}
+
+
 def fmt(v, spec=".2f") -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
@@ -223,6 +255,15 @@ def main(argv=None) -> int:
     for s, why in checks.items():
         if why != "ok":
             print(f"schedule {s} left out: {why}")
+    best, _ = winner(report["summary"])
+    print(f"fastest schedule from {WINNER_FROM_M} rows per expert (contiguous, summed): {best}")
+    if args.schedule_out:
+        entry = schedule_entry(report)
+        if entry is None:
+            print(f"no winner to write to {args.schedule_out}", file=sys.stderr)
+        else:
+            Path(args.schedule_out).write_text(json.dumps(entry, indent=1) + "\n")
+            print(f"wrote {args.schedule_out} (ship it as epmoe/configs/int8_block_schedule.json)")
     print(f"wrote {args.out}")
     return code or int(any(why != "ok" for why in checks.values()))
 

@@ -55,3 +55,20 @@ def test_tiny_dry_run_writes_the_summary(tmp_path, capsys):
     assert report["commit"] == "abc" and report["gpu"] is None and report["smoke"] == {}
     assert set(report["summary"]) == {"4"} and report["summary"]["4"]["ms"]["torch_bf16"] > 0
     assert f"wrote {out}" in capsys.readouterr().out
+
+
+def test_winner_is_the_least_total_time_from_128_rows_over_complete_schedules():
+    def entry(**ms):
+        return {"block": {s: {"ms": v} for s, v in ms.items()}}
+
+    summary = {"8": entry(lockstep=1.0, staggered=9.0), "128": entry(lockstep=2.0, staggered=1.9, split_n=1.0),
+               "2048": entry(lockstep=30.0, staggered=25.0)}  # split_n lacks 2048: not a candidate
+    best, table = ibs.winner(summary)
+    assert best == "staggered" and table == {"128": {"lockstep": 2.0, "staggered": 1.9, "split_n": 1.0},
+                                             "2048": {"lockstep": 30.0, "staggered": 25.0}}
+    assert ibs.winner({"8": entry(lockstep=1.0)})[0] is None
+    report = {"summary": summary, "gpu": "NVIDIA H200", "date": "2026-12-02T06:00:00+00:00", "commit": "abc",
+              "shapes": {"experts": 128, "hidden": 7168, "intermediate": 2048}, "torch": "2.11.0+cu130"}
+    entry = ibs.schedule_entry(report)["NVIDIA H200"]
+    assert entry["schedule"] == "staggered" and "commit abc" in entry["source"]
+    assert ibs.schedule_entry({**report, "gpu": None}) is None

@@ -847,6 +847,37 @@ def test_int8_block_schedule_choice(monkeypatch, caplog):
         cb.CutlassBackend(block, schedule="fast")
 
 
+def test_int8_block_schedule_measured_per_gpu(monkeypatch, tmp_path):
+    """Without an argument or the environment, the schedule measured fastest on this GPU
+    (the shipped file), else the default; a bad entry names the file."""
+    from epmoe.experts import cutlass_backend as cb
+
+    cb.measured_schedule.cache_clear()
+    assert cb.measured_schedule("NVIDIA H200") in (None, *cb.INT8_BLOCK_SCHEDULES)  # the shipped file loads
+    path = tmp_path / "schedule.json"
+    path.write_text('{"GPU A": {"schedule": "staggered", "source": "x"}, "GPU B": {"schedule": "fast"}}')
+    assert cb.measured_schedule("GPU A", path) == "staggered"
+    assert cb.measured_schedule("GPU C", path) is None and cb.measured_schedule(None, path) is None
+    assert cb.measured_schedule("GPU A", tmp_path / "none.json") is None
+    path.write_text('{"GPU A": "staggered"}')
+    cb.measured_schedule.cache_clear()  # the file is read once per GPU
+    with pytest.raises(ValueError, match="must map GPU names to"):
+        cb.measured_schedule("GPU A", path)
+    monkeypatch.delenv(cb.INT8_BLOCK_SCHEDULE_ENV, raising=False)
+    monkeypatch.setattr(cb.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cb.devices, "name", lambda device=None: "GPU B")
+    monkeypatch.setattr(cb, "measured_schedule", lambda gpu: {"GPU A": "split_n", "GPU B": "fast"}.get(gpu))
+    with pytest.raises(ValueError, match=r"int8_block_schedule.json for 'GPU B'='fast'; allowed"):
+        cb.int8_block_schedule()
+    monkeypatch.setattr(cb.devices, "name", lambda device=None: "GPU A")
+    assert cb.int8_block_schedule() == "split_n"
+    monkeypatch.setenv(cb.INT8_BLOCK_SCHEDULE_ENV, "lockstep")
+    assert cb.int8_block_schedule() == "lockstep"  # the environment first
+    monkeypatch.delenv(cb.INT8_BLOCK_SCHEDULE_ENV)
+    monkeypatch.setattr(cb.devices, "name", lambda device=None: "GPU C")
+    assert cb.int8_block_schedule() == cb.DEFAULT_INT8_BLOCK_SCHEDULE
+
+
 def test_cutlass_masked_layout_is_int8_only(monkeypatch):
     """The masked layout runs on the INT8 kernels; FP8 masked stays DeepGEMM's, said before the
     machine is asked about."""

@@ -99,11 +99,15 @@ INT8_BLOCK_SCHEDULE_ENV = "EPMOE_INT8_BLOCK_SCHEDULE"
 """Environment variable naming the INT8 block kernel's schedule (one of
 :data:`INT8_BLOCK_SCHEDULES`), read when a :class:`CutlassBackend` is built."""
 DEFAULT_INT8_BLOCK_SCHEDULE = "lockstep"
-"""The schedule used unless one is named; the one timed fastest on an H200 (docs/fp8.md)."""
+"""The schedule of a GPU without a measured one (:data:`SCHEDULE_FILE`): the FP8 kernel's."""
+SCHEDULE_FILE = Path(__file__).resolve().parent.parent / "configs" / "int8_block_schedule.json"
+"""The fastest INT8 block schedule measured per GPU name, ``{"<GPU name>": {"schedule": ...,
+"source": ...}}`` (written by ``benchmarks/int8_block_schedules.py --schedule-out``)."""
 
 
 def int8_block_schedule(name: str | None = None) -> str:
-    """``name``, else ``$EPMOE_INT8_BLOCK_SCHEDULE``, else :data:`DEFAULT_INT8_BLOCK_SCHEDULE`.
+    """``name``, else ``$EPMOE_INT8_BLOCK_SCHEDULE``, else the one measured fastest on the current
+    CUDA device's GPU (:data:`SCHEDULE_FILE`), else :data:`DEFAULT_INT8_BLOCK_SCHEDULE`.
 
     Raises:
         ValueError: a name that is not one of :data:`INT8_BLOCK_SCHEDULES` (saying where it came from).
@@ -113,10 +117,33 @@ def int8_block_schedule(name: str | None = None) -> str:
         name = os.environ.get(INT8_BLOCK_SCHEDULE_ENV) or None
         source = f"{INT8_BLOCK_SCHEDULE_ENV} (from the environment)"
     if name is None:
+        gpu = devices.name(torch.device("cuda")) if torch.cuda.is_available() else None
+        name = measured_schedule(gpu)
+        source = f"{SCHEDULE_FILE} for {gpu!r}"
+    if name is None:
         return DEFAULT_INT8_BLOCK_SCHEDULE
     if name not in INT8_BLOCK_SCHEDULES:
         raise ValueError(f"{source}={name!r}; allowed: {list(INT8_BLOCK_SCHEDULES)}")
     return name
+
+
+@functools.lru_cache(maxsize=8)
+def measured_schedule(gpu: str | None, path: Path = SCHEDULE_FILE) -> str | None:
+    """The schedule the file names for ``gpu`` (package data, read once per GPU), or ``None``
+    (no file, no GPU, no entry).
+
+    Raises:
+        ValueError: the file is not a JSON object of ``{"schedule": ...}`` entries.
+    """
+    if gpu is None or not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    entry = data.get(gpu) if isinstance(data, dict) else None
+    if entry is None and isinstance(data, dict):
+        return None
+    if not isinstance(entry, dict) or not isinstance(entry.get("schedule"), str):
+        raise ValueError(f"{path} must map GPU names to {{\"schedule\": ...}} objects; got {entry!r} for {gpu!r}")
+    return entry["schedule"]
 
 
 TILE_ORDER = (1, 2)
