@@ -18,6 +18,9 @@ rows, as on its own backend: the packing's cost is the difference to ``triton_ms
 for reference; the rule does not use it. Small batches run inside CUDA graphs (launch overhead would
 otherwise hide the kernels).
 
+The CUTLASS INT8 block kernel runs the schedule the backend is built with
+(``EPMOE_INT8_BLOCK_SCHEDULE``, else the default), which ``source`` names.
+
 Run on one GPU with ``SGLANG_CUTLASS_MOE=1`` and the CUTLASS headers (the first run compiles the
 kernels)::
 
@@ -113,6 +116,7 @@ def measure_scheme(key: str, args, device, problem, timer) -> dict:
             f"benchmarks/int8_crossover.py, {_dt.date.today().isoformat()}, E={args.experts} H={args.hidden} "
             f"I={args.intermediate}, whole passes in turns ({args.turns} rounds, medians), segments padded "
             f"to {ROW_BLOCK} rows; torch {torch.__version__}"
+            + (f"; INT8 block kernel schedule {backend.schedule}" if quant == "int8_block" else "")
         ),
     }
 

@@ -17,6 +17,7 @@ the op's body is that same kernel call.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -360,32 +361,60 @@ CUTLASS_GEMMS = ("fp8_block", "int8_channel", "int8_block")
 """``kind`` of :func:`cutlass_grouped_gemm`: which of the CUTLASS grouped GEMMs runs."""
 
 
-def _cutlass_fn(kind: str):
+def _cutlass_fn(kind: str, masked: bool = False):
     from .experts import cutlass_backend as cb
 
-    fns = {"fp8_block": cb.grouped_gemm, "int8_channel": cb.int8_grouped_gemm, "int8_block": cb.int8_block_grouped_gemm}
+    if masked:
+        fns = {"int8_channel": cb.int8_masked_gemm, "int8_block": cb.int8_block_masked_gemm}
+    else:
+        fns = {"fp8_block": cb.grouped_gemm, "int8_channel": cb.int8_grouped_gemm, "int8_block": cb.int8_block_grouped_gemm}
     if kind not in fns:
-        raise ValueError(f"kind={kind!r}; allowed: {list(CUTLASS_GEMMS)}")
+        raise ValueError(f"kind={kind!r}; allowed{' on the masked layout' if masked else ''}: {list(fns)}")
     return fns[kind]
+
+
+def _with_schedule(kind: str, fn, schedule: str):
+    """``fn`` with the INT8 block kernel's ``schedule`` (the other kernels have one each)."""
+    return functools.partial(fn, schedule=schedule) if kind == "int8_block" else fn
 
 
 @_op("cutlass_grouped_gemm")
 def _cutlass_grouped_gemm(
     kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-    expert_offsets: torch.Tensor,
+    expert_offsets: torch.Tensor, schedule: str,
 ) -> torch.Tensor:  # fmt: skip
-    return _cutlass_fn(kind)(a, a_scale, b, b_scale, expert_offsets)
+    return _with_schedule(kind, _cutlass_fn(kind), schedule)(a, a_scale, b, b_scale, expert_offsets)
 
 
 @_cutlass_grouped_gemm.register_fake
-def _(kind, a, a_scale, b, b_scale, expert_offsets):
+def _(kind, a, a_scale, b, b_scale, expert_offsets, schedule):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16)
 
 
-def cutlass_grouped_gemm(kind, a, a_scale, b, b_scale, expert_offsets):
+def cutlass_grouped_gemm(kind, a, a_scale, b, b_scale, expert_offsets, schedule="lockstep"):
     """One of the CUTLASS grouped GEMMs of :mod:`epmoe.experts.cutlass_backend` (``kind`` in
-    :data:`CUTLASS_GEMMS`); ``[M, N]`` bf16."""
-    return _cutlass_grouped_gemm(kind, a, a_scale, b, b_scale, expert_offsets)
+    :data:`CUTLASS_GEMMS`; ``schedule``: the INT8 block kernel's, ignored by the others);
+    ``[M, N]`` bf16."""
+    return _cutlass_grouped_gemm(kind, a, a_scale, b, b_scale, expert_offsets, schedule)
+
+
+@_op("cutlass_masked_gemm")
+def _cutlass_masked_gemm(
+    kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+    masked_m: torch.Tensor, schedule: str,
+) -> torch.Tensor:  # fmt: skip
+    return _with_schedule(kind, _cutlass_fn(kind, masked=True), schedule)(a, a_scale, b, b_scale, masked_m)
+
+
+@_cutlass_masked_gemm.register_fake
+def _(kind, a, a_scale, b, b_scale, masked_m, schedule):
+    return a.new_empty((*a.shape[:2], b.shape[1]), dtype=torch.bfloat16)
+
+
+def cutlass_masked_gemm(kind, a, a_scale, b, b_scale, masked_m, schedule="lockstep"):
+    """One of the INT8 CUTLASS GEMMs on the masked layout (``kind``: ``int8_channel`` or
+    ``int8_block``; ``a [E, max_m, K]``, ``max_m`` a multiple of 128); ``[E, max_m, N]`` bf16."""
+    return _cutlass_masked_gemm(kind, a, a_scale, b, b_scale, masked_m, schedule)
 
 
 def _deepgemm():

@@ -93,3 +93,34 @@ def test_cpu_run_of_a_triton_row_needs_no_interpreter(tmp_path, monkeypatch):
     rows = json.loads(out.read_text())["results"]
     assert [r["backend"] for r in rows] == ["torch_bf16", "torch_int8_block"]
     assert all(r["error"] is None and r["accuracy"] < 0.05 for r in rows)
+
+
+def test_extra_takes_keyword_arguments_into_the_backend_and_label():
+    """``?key=value&...`` builds the backend with those keyword arguments (the CUTLASS INT8 block
+    kernel's schedules side by side in one run) and names the row after their values."""
+    label, backend = experts.load_extra(
+        "epmoe.experts.cutlass_backend:CutlassBackend@int8_block?schedule=staggered&int8_kernel=cutlass"
+    )
+    assert label == "cutlass_int8_block_staggered_cutlass"
+    assert backend.schedule == "staggered" and backend.forced_int8_kernel == "cutlass"
+    with pytest.raises(ValueError, match=r"'schedule' is not key=value"):
+        experts.load_extra("epmoe.experts.cutlass_backend:CutlassBackend@int8_block?schedule")
+    with pytest.raises(ValueError, match=r"int8_kernel='gpu'; allowed: \['auto', 'cutlass', 'triton'\]"):
+        experts.load_extra("epmoe.experts.cutlass_backend:CutlassBackend@int8_block?int8_kernel=gpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback only")
+def test_masked_times_the_masked_layout_of_the_backends_that_run_it(tmp_path, capsys):
+    """--masked: each extra backend with the masked layout gets a ``_masked`` row (its run_masked
+    on slabs of m rounded up to 128, masked_m = m), checked against the same float64 rows."""
+    out = tmp_path / "b.json"
+    args = ["--experts", "2", "--hidden", "256", "--intermediate", "128", "--m", "5", "--backends", "torch_bf16",
+            "--extra", "epmoe.experts.torch_backend:TorchBackend@int8_block", "--masked", "--rep-ms", "1",
+            "--ceiling-size", "64", "--turns", "1", "--json", str(out)]  # fmt: skip
+    assert experts.main(args) == 0
+    rows = {r["backend"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"torch_bf16", "torch_int8_block", "torch_int8_block_masked"}
+    masked, contiguous = rows["torch_int8_block_masked"], rows["torch_int8_block"]
+    assert masked["error"] is None and masked["ms"]["total_turns"] > 0
+    assert masked["accuracy"] < 0.05 and abs(masked["accuracy"] - contiguous["accuracy"]) < 1e-3
+    assert "m=5 torch_int8_block_masked ..." in capsys.readouterr().out

@@ -123,7 +123,12 @@ def test_info_rows_cover_the_int32_accumulator_and_contiguous_only_backends(monk
     monkeypatch.setattr(cb.CutlassBackend, "available", classmethod(lambda cls, device: (True, "machine ok")))
     monkeypatch.setattr(cb, "own_kernel_missing", lambda: None)
     rows = {name: status for kind, name, status in cli.capability_rows(torch.device("cpu")) if kind == "backend"}
-    assert rows["cutlass int8_channel_int32"] == "available (contiguous layout only)"
+    assert rows["cutlass int8_channel_int32"] == rows["cutlass int8_block"] == "available"  # masked too
     assert rows["cutlass fp8_block"] == "available (contiguous layout only)"
+    rules = {name: status for kind, name, status in cli.capability_rows(torch.device("cpu")) if kind == "int8 rule"}
+    assert rules["cutlass int8_block schedule"].startswith(f"{cb.int8_block_schedule()} ($EPMOE_INT8_BLOCK_SCHEDULE")
+    monkeypatch.setenv(cb.INT8_BLOCK_SCHEDULE_ENV, "fastest")
+    rules = {name: status for kind, name, status in cli.capability_rows(torch.device("cpu")) if kind == "int8 rule"}
+    assert "EPMOE_INT8_BLOCK_SCHEDULE (from the environment)='fastest'; allowed" in rules["cutlass int8_block schedule"]
     assert "accumulator='int32' only" in rows["cutlass int8_channel"]
     assert rows["torch int8_channel_int32"] == "available"

@@ -93,7 +93,8 @@ def _op_cases():
     }
 
 
-GPU_ONLY = {"epmoe::cutlass_grouped_gemm", "epmoe::deepgemm_contiguous", "epmoe::deepgemm_masked"}
+GPU_ONLY = {"epmoe::cutlass_grouped_gemm", "epmoe::cutlass_masked_gemm", "epmoe::deepgemm_contiguous",
+            "epmoe::deepgemm_masked"}
 """CUTLASS and DeepGEMM run on a GPU only: opchecked in tests/gpu/test_compile_gpu.py."""
 
 
@@ -176,8 +177,12 @@ def test_gpu_only_ops_have_fake_shapes_without_a_gpu():
     b = torch.empty(3, 384, 256, dtype=torch.float8_e4m3fn, **meta)
     b_scale = torch.empty(3, 3, 2, **meta)
     offsets = torch.empty(4, dtype=torch.int32, **meta)
-    out = torch.ops.epmoe.cutlass_grouped_gemm("fp8_block", a, a_scale, b, b_scale, offsets)
+    out = torch.ops.epmoe.cutlass_grouped_gemm("fp8_block", a, a_scale, b, b_scale, offsets, "lockstep")
     assert (out.shape, out.dtype) == ((256, 384), torch.bfloat16)
+    qa, qb = a.view(torch.int8).reshape(2, 128, 256), b.view(torch.int8)[:2]
+    out = torch.ops.epmoe.cutlass_masked_gemm("int8_block", qa, a_scale.reshape(2, 128, 2), qb, b_scale[:2],
+                                              torch.empty(2, dtype=torch.int32, **meta), "staggered")  # fmt: skip
+    assert (out.shape, out.dtype) == ((2, 128, 384), torch.bfloat16)
     out = torch.ops.epmoe.deepgemm_contiguous(a, a_scale, b, b_scale, torch.empty(256, dtype=torch.int32, **meta))
     assert (out.shape, out.dtype) == ((256, 384), torch.bfloat16)
     a3, s3 = a.reshape(2, 128, 256), a_scale.reshape(2, 128, 2)

@@ -400,6 +400,18 @@ def _int8_block_operands(m=256, k=256, n=128, e=2):
                 b_scale=torch.ones(e, n // 128, k // 128), expert_offsets=torch.tensor([0, 128, 256], dtype=torch.int32))  # fmt: skip
 
 
+def _int8_block_masked_operands(e=2, max_m=128, k=256, n=128):
+    return dict(a=torch.zeros(e, max_m, k, dtype=torch.int8), a_scale=torch.ones(e, max_m, k // 128),
+                b=torch.zeros(e, n, k, dtype=torch.int8), b_scale=torch.ones(e, n // 128, k // 128),
+                masked_m=torch.tensor([3, 128], dtype=torch.int32))  # fmt: skip
+
+
+def _int8_masked_operands(e=2, max_m=128, k=128, n=64):
+    return dict(a=torch.zeros(e, max_m, k, dtype=torch.int8), a_scale=torch.ones(e, max_m, 1),
+                b=torch.zeros(e, n, k, dtype=torch.int8), b_scale=torch.ones(e, n, 1),
+                masked_m=torch.tensor([0, 100], dtype=torch.int32))  # fmt: skip
+
+
 _BAD_OPERANDS = [
     # (wrapper, operands, changes, error, message)
     ("int8", _int8_operands, lambda o: dict(a=o["a"][:, :0], b=o["b"][:, :, :0].contiguous()), ValueError,
@@ -450,6 +462,34 @@ _BAD_OPERANDS = [
     ("int8_block", _int8_block_operands, lambda o: dict(expert_offsets=torch.tensor([0, 100, 256], dtype=torch.int32)),
      ValueError, "non-decreasing multiples of 128"),
     ("int8_block", _int8_block_operands, lambda o: {}, ValueError, "a must be a CUDA tensor"),
+    ("int8_block", _int8_block_operands, lambda o: dict(schedule="pingpong"), ValueError,
+     r"schedule='pingpong'; allowed: \['lockstep', 'staggered', 'split_n'\]"),
+    # the masked layout: whole 128-row blocks per expert, masked_m within them, the kind's scales
+    ("int8_block_masked", _int8_block_masked_operands,
+     lambda o: dict(a=torch.zeros(2, 96, 256, dtype=torch.int8), a_scale=torch.ones(2, 96, 2)), ValueError,
+     r"max_m=96 rows per expert; the kernel needs a multiple of 128 \(pad the capacity"),
+    ("int8_block_masked", _int8_block_masked_operands, lambda o: dict(masked_m=torch.tensor([3, 129], dtype=torch.int32)),
+     ValueError, r"masked_m must lie between 0 and max_m=128; got \[3, 129\]"),
+    ("int8_block_masked", _int8_block_masked_operands, lambda o: dict(masked_m=torch.tensor([3], dtype=torch.int32)),
+     ValueError, r"masked_m must be \[E\] = \[2\]"),
+    ("int8_block_masked", _int8_block_masked_operands, lambda o: dict(masked_m=torch.tensor([3.0, 1.0])), TypeError,
+     "masked_m must be an integer tensor"),
+    ("int8_block_masked", _int8_block_masked_operands, lambda o: dict(a_scale=torch.ones(2, 128, 1)), ValueError,
+     r"a_scale has shape \(2, 128, 1\); allowed: \(2, 128, 2\)"),
+    ("int8_block_masked", _int8_block_masked_operands, lambda o: dict(b=torch.zeros(3, 128, 256, dtype=torch.int8)),
+     ValueError, "a must be \\[E, max_m, K\\] and b \\[E, N, K\\] with the same E"),
+    ("int8_block_masked", _int8_block_masked_operands, lambda o: dict(b_scale=torch.ones(2, 128, 2)), ValueError,
+     r"b_scale has shape \(2, 128, 2\); allowed: \(2, 1, 2\)"),
+    ("int8_block_masked", _int8_block_masked_operands, lambda o: dict(out=torch.empty(2, 128, 128)), ValueError,
+     r"out must be a contiguous bf16 \[E, max_m, N\] = \[2, 128, 128\]"),
+    ("int8_block_masked", _int8_block_masked_operands, lambda o: dict(schedule="x"), ValueError, "schedule='x'"),
+    ("int8_block_masked", _int8_block_masked_operands, lambda o: {}, ValueError, "a must be a CUDA tensor"),
+    ("int8_masked", _int8_masked_operands, lambda o: dict(a_scale=torch.ones(2, 128, 2)), ValueError,
+     r"a_scale has shape \(2, 128, 2\); allowed: \(2, 128, 1\)"),
+    ("int8_masked", _int8_masked_operands, lambda o: dict(a=torch.zeros(2, 128, 120, dtype=torch.int8),
+                                                          b=torch.zeros(2, 64, 120, dtype=torch.int8)),
+     ValueError, "K=120 must be a positive multiple of 16"),
+    ("int8_masked", _int8_masked_operands, lambda o: {}, ValueError, "a must be a CUDA tensor"),
 ]  # fmt: skip
 
 
@@ -460,7 +500,8 @@ def test_cutlass_gemm_wrappers_refuse_bad_operands_before_loading(monkeypatch, w
     from epmoe.experts import cutlass_backend as cb
 
     monkeypatch.setattr(cb, "load_extension", lambda *a, **k: pytest.fail("the extension was loaded"))
-    fn = {"int8": cb.int8_grouped_gemm, "fp8": cb.grouped_gemm, "int8_block": cb.int8_block_grouped_gemm}[wrapper]
+    fn = {"int8": cb.int8_grouped_gemm, "fp8": cb.grouped_gemm, "int8_block": cb.int8_block_grouped_gemm,
+          "int8_block_masked": cb.int8_block_masked_gemm, "int8_masked": cb.int8_masked_gemm}[wrapper]  # fmt: skip
     o = operands()
     with pytest.raises(error, match=message):
         fn(**{**o, **change(o)})
@@ -697,11 +738,12 @@ def test_cutlass_int8_plumbing_contiguous(monkeypatch, spare):
         assert rel_err(got, ref) < get_scheme("int8_channel").rel_error_bound, rel_err(got, ref)
 
 
-def _fake_int8_block_grouped_gemm(a, a_scale, b, b_scale, expert_offsets, out=None):
+def _fake_int8_block_grouped_gemm(a, a_scale, b, b_scale, expert_offsets, out=None, *, schedule):
     """The INT8 block kernel's contract in float64: each 128-wide K block an exact integer sum,
     scaled by the row's 1x128 scale times the 128x128 weight block's, the blocks added."""
-    from epmoe.experts.cutlass_backend import check_block_offsets
+    from epmoe.experts.cutlass_backend import INT8_BLOCK_SCHEDULES, check_block_offsets
 
+    assert schedule in INT8_BLOCK_SCHEDULES
     check_block_offsets(expert_offsets, a.shape[0])
     m, k = a.shape
     e, n, _ = b.shape
@@ -758,6 +800,155 @@ def test_cutlass_int8_block_plumbing_contiguous(monkeypatch, spare):
         assert rel_err(got, ref) < block.rel_error_bound, rel_err(got, ref)
 
 
+def _fake_masked(contiguous_fake, calls):
+    """A masked-layout stand-in built on a contiguous one: the 128-row blocks of each expert's
+    slab that hold valid rows (masked_m[e]) are computed as a segment, the rest stay NaN. It
+    checks what the real kernels need (max_m a multiple of 128) and records the schedule it was
+    given."""
+
+    def masked(a, a_scale, b, b_scale, masked_m, out=None, **kw):
+        e, max_m, k = a.shape
+        assert max_m % 128 == 0, a.shape
+        calls.append(kw.get("schedule"))
+        flat = torch.full((e * max_m, b.shape[1]), float("nan"), dtype=torch.bfloat16)
+        for x, rows in enumerate(masked_m.tolist()):
+            rows = -(-rows // 128) * 128  # whole blocks, as the kernel's tiles
+            if rows:
+                lo = x * max_m
+                sub = torch.tensor([0] * (x + 1) + [rows] * (e - x), dtype=torch.int32)
+                part = contiguous_fake(a.reshape(e * max_m, k)[lo : lo + rows], a_scale.reshape(e * max_m, -1)[lo : lo + rows],
+                                       b, b_scale, sub, **kw)  # fmt: skip
+                flat[lo : lo + rows] = part
+        result = flat.view(e, max_m, -1)
+        return result if out is None else out.copy_(result)
+
+    return masked
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter on CPU")
+@pytest.mark.parametrize("scheme_name", ["int8_channel", "int8_block"])
+def test_cutlass_int8_plumbing_masked(monkeypatch, scheme_name):
+    """The cutlass backend's INT8 masked pass around stand-in kernels: Triton's row-wise stages on
+    the valid rows, a capacity off the 128-row block padded for the kernels and cut back, the
+    backend's schedule (the environment's, read when it is built) given to the block kernel;
+    a hint below the crossover runs the Triton backend's masked pass instead."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from cases import make_case
+    from helpers import make_weights
+    from reference import moe_reference, rel_err
+
+    from epmoe.experts import cutlass_backend as cb
+    from epmoe.experts.base import ExpertWeights
+    from epmoe.layouts import gather_weighted, to_masked
+    from epmoe.quant import get_scheme
+
+    scheme = get_scheme(scheme_name)
+    calls = []
+    monkeypatch.setattr(cb, "int8_block_masked_gemm", _fake_masked(_fake_int8_block_grouped_gemm, calls))
+    monkeypatch.setattr(cb, "int8_masked_gemm", _fake_masked(_fake_int8_grouped_gemm, calls))
+    monkeypatch.setenv(cb.INT8_BLOCK_SCHEDULE_ENV, "split_n")
+    stored, (w13, w2) = make_weights(PE, PH, PI, scheme_name)
+    x, ids, w = make_case("empty_experts", 0, PE, PK, PH)
+    backend = cb.CutlassBackend(scheme, accumulator="int32" if scheme_name == "int8_channel" else "fp32")
+    monkeypatch.delenv(cb.INT8_BLOCK_SCHEDULE_ENV)
+    assert backend.schedule == "split_n" and "masked" in backend.layouts
+    weights = backend.prepare_weights(ExpertWeights(scheme, *stored))
+    ref = moe_reference(x, ids, w, w13, w2, scheme_name)
+    for capacity in (x.shape[0], 128):
+        masked, slot_pos = to_masked(x, None, ids, PE, capacity=capacity)
+        out = backend.run_masked(masked, weights, torch.float32)  # CUTLASS: no crossover data for the CPU
+        assert out.dtype == torch.float32 and out.shape == (PE, capacity, PH)
+        got = gather_weighted(out.reshape(-1, PH), slot_pos, w)
+        assert rel_err(got, ref) < scheme.rel_error_bound, (capacity, rel_err(got, ref))
+    want = ["split_n"] * 4 if scheme_name == "int8_block" else [None] * 4
+    assert calls == want, calls  # two GEMMs per pass
+    # Below the crossover: the Triton backend's masked pass, not the CUTLASS kernels; a backend
+    # built with int8_kernel="cutlass" runs them whatever the rule says.
+    monkeypatch.setattr(cb, "int8_kernel_for", lambda device, name, rows: "triton" if rows < 64 else "cutlass")
+    out = backend.run_masked(masked, weights, torch.float32)
+    assert len(calls) == 4
+    assert rel_err(gather_weighted(out.reshape(-1, PH), slot_pos, w), ref) < scheme.rel_error_bound
+    forced = cb.CutlassBackend(scheme, accumulator=backend.accumulator, int8_kernel="cutlass")
+    forced.run_masked(masked, weights, torch.float32)
+    assert len(calls) == 6
+
+
+def test_int8_block_schedule_choice(monkeypatch, caplog):
+    """The schedule of the INT8 block kernel: the argument, else the environment (read when the
+    backend is built), else the default; a name not in the list is refused with where it came from."""
+    from epmoe.experts import cutlass_backend as cb
+    from epmoe.quant import get_scheme
+
+    block = get_scheme("int8_block")
+    monkeypatch.delenv(cb.INT8_BLOCK_SCHEDULE_ENV, raising=False)
+    monkeypatch.setattr(cb, "measured_schedule", lambda gpu: None)  # a GPU without a measured one
+    assert cb.DEFAULT_INT8_BLOCK_SCHEDULE in cb.INT8_BLOCK_SCHEDULES
+    with caplog.at_level(logging.INFO, logger="epmoe"):
+        cb.CutlassBackend(block, schedule="split_n")
+    assert "INT8 block kernel: the split_n schedule" in caplog.text
+    assert cb.CutlassBackend(block).schedule == cb.DEFAULT_INT8_BLOCK_SCHEDULE
+    assert cb.CutlassBackend(block, schedule="staggered").schedule == "staggered"
+    monkeypatch.setenv(cb.INT8_BLOCK_SCHEDULE_ENV, "split_n")
+    assert cb.CutlassBackend(block).schedule == "split_n"
+    assert cb.CutlassBackend(block, schedule="lockstep").schedule == "lockstep"
+    monkeypatch.setenv(cb.INT8_BLOCK_SCHEDULE_ENV, "pingpong")
+    with pytest.raises(ValueError, match=r"EPMOE_INT8_BLOCK_SCHEDULE \(from the environment\)='pingpong'; allowed"):
+        cb.CutlassBackend(block)
+    with pytest.raises(ValueError, match=r"^schedule='fast'; allowed: \['lockstep', 'staggered', 'split_n'\]"):
+        cb.CutlassBackend(block, schedule="fast")
+
+
+def test_int8_block_schedule_measured_per_gpu(monkeypatch, tmp_path):
+    """Without an argument or the environment, the schedule measured fastest on this GPU
+    (the shipped file), else the default; a bad entry names the file."""
+    from epmoe.experts import cutlass_backend as cb
+
+    cb.measured_schedule.cache_clear()
+    assert cb.measured_schedule("NVIDIA H200") in (None, *cb.INT8_BLOCK_SCHEDULES)  # the shipped file loads
+    path = tmp_path / "schedule.json"
+    path.write_text('{"GPU A": {"schedule": "staggered", "source": "x"}, "GPU B": {"schedule": "fast"}}')
+    assert cb.measured_schedule("GPU A", path) == "staggered"
+    assert cb.measured_schedule("GPU C", path) is None and cb.measured_schedule(None, path) is None
+    assert cb.measured_schedule("GPU A", tmp_path / "none.json") is None
+    path.write_text('{"GPU A": "staggered"}')
+    cb.measured_schedule.cache_clear()  # the file is read once per GPU
+    with pytest.raises(ValueError, match="must map GPU names to"):
+        cb.measured_schedule("GPU A", path)
+    monkeypatch.delenv(cb.INT8_BLOCK_SCHEDULE_ENV, raising=False)
+    monkeypatch.setattr(cb.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cb.devices, "name", lambda device=None: "GPU B")
+    monkeypatch.setattr(cb, "measured_schedule", lambda gpu: {"GPU A": "split_n", "GPU B": "fast"}.get(gpu))
+    with pytest.raises(ValueError, match=r"int8_block_schedule.json for 'GPU B'='fast'; allowed"):
+        cb.int8_block_schedule()
+    monkeypatch.setattr(cb.devices, "name", lambda device=None: "GPU A")
+    assert cb.int8_block_schedule() == "split_n"
+    monkeypatch.setenv(cb.INT8_BLOCK_SCHEDULE_ENV, "lockstep")
+    assert cb.int8_block_schedule() == "lockstep"  # the environment first
+    monkeypatch.delenv(cb.INT8_BLOCK_SCHEDULE_ENV)
+    monkeypatch.setattr(cb.devices, "name", lambda device=None: "GPU C")
+    assert cb.int8_block_schedule() == cb.DEFAULT_INT8_BLOCK_SCHEDULE
+
+
+def test_cutlass_masked_layout_is_int8_only(monkeypatch):
+    """The masked layout runs on the INT8 kernels; FP8 masked stays DeepGEMM's, said before the
+    machine is asked about."""
+    from epmoe.experts import cutlass_backend as cb
+    from epmoe.quant import get_scheme
+
+    cpu = torch.device("cpu")
+    ok, reason = cb.CutlassBackend.supports(get_scheme("fp8_block"), "masked", cpu, 256, 128)
+    assert not ok and "contiguous layout only" in reason and "deepgemm" in reason
+    monkeypatch.setattr(cb.CutlassBackend, "available", classmethod(lambda cls, device: (True, "machine ok")))
+    monkeypatch.setattr(cb, "own_kernel_missing", lambda: None)
+    for name, acc in (("int8_block", "fp32"), ("int8_channel", "int32")):
+        ok, reason = cb.CutlassBackend.supports(get_scheme(name), "masked", cpu, 256, 128, accumulator=acc)
+        assert ok, reason
+    with pytest.raises(NotImplementedError, match="deepgemm"):
+        cb.CutlassBackend(get_scheme("fp8_block")).run_masked(None, None, torch.bfloat16)
+
+
 def test_cutlass_int8_block_selection(monkeypatch):
     """int8_block on cutlass: the machine rule first (SGLANG_CUTLASS_MOE, GPU), the scheme's sizes,
     then the project's kernel (headers); auto walks cutlass -> triton -> torch; the fp32
@@ -775,7 +966,7 @@ def test_cutlass_int8_block_selection(monkeypatch):
     ok, reason = cb.CutlassBackend.supports(block, "contiguous", cpu, 256, 128)
     assert not ok and "SGLANG_CUTLASS_MOE=1 is required" in reason
     ok, reason = cb.CutlassBackend.supports(block, "masked", cpu, 256, 128)
-    assert not ok and "masked" in reason
+    assert not ok and "SGLANG_CUTLASS_MOE=1 is required" in reason  # masked as contiguous: the machine
     monkeypatch.setattr(cb.CutlassBackend, "available", classmethod(lambda cls, device: (True, "machine ok")))
     ok, reason = cb.CutlassBackend.supports(block, "contiguous", cpu, 256, 200)
     assert not ok and "multiples of 128" in reason and "intermediate=200" in reason

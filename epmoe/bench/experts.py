@@ -6,9 +6,15 @@ activation, GEMM2 and the whole pass (input quantization included) of:
 * ``torch_bf16``: BF16 ``torch._grouped_mm`` GEMMs with torch ``silu * mul`` between (baseline);
 * ``triton_int8_channel`` (fp32 accumulator), ``triton_int8_channel_int32``,
   ``triton_int8_block`` and ``triton_bf16``;
-* any other :class:`~epmoe.experts.base.ExpertsBackend` given with ``--extra module:Class[@scheme]``
-  (whole pass only, through its ``run_contiguous``; ``@int8_channel_int32`` for the int32
-  accumulator), so FP8 and CUTLASS INT8 rows need no edit here.
+* any other :class:`~epmoe.experts.base.ExpertsBackend` given with
+  ``--extra module:Class[@scheme][?key=value&...]`` (whole pass only, through its
+  ``run_contiguous``; ``@int8_channel_int32`` for the int32 accumulator; the ``key=value`` pairs
+  are the backend's keyword arguments, e.g. ``?schedule=staggered&int8_kernel=cutlass``), so FP8
+  and CUTLASS INT8 rows need no edit here.
+
+With ``--masked`` each Triton row and each extra backend that runs the masked layout is also timed
+there (whole pass, row ``<label>_masked``: every expert's ``m`` rows in a slab of ``m`` rounded up
+to 128, as low-latency dispatch delivers them, through its ``run_masked``).
 
 Ceilings measured in the same run: device copy bandwidth, a BF16 8192^3 matmul and
 ``torch._int_mm`` INT8 8192^3. Each GEMM is reported as a fraction of its memory floor (weight
@@ -241,19 +247,29 @@ def triton_stages(problem: Problem, batch, scheme_name: str, accumulator: str) -
 
 
 def load_extra(spec: str):
-    """``module:Class[@scheme]`` -> (label, backend instance); ``scheme`` may also be
-    ``int8_channel_int32`` (``int8_channel`` with the int32 accumulator, as in the config tables)."""
+    """``module:Class[@scheme][?key=value&...]`` -> (label, backend instance); ``scheme`` may also
+    be ``int8_channel_int32`` (``int8_channel`` with the int32 accumulator, as in the config
+    tables); the pairs are keyword arguments of the backend (string values), their values appended
+    to the label (``cutlass_int8_block_staggered``)."""
     from ..kernels.configs import mode_and_accumulator
     from ..quant.schemes import get_scheme
 
-    path, _, scheme_name = spec.partition("@")
+    spec_main, _, query = spec.partition("?")
+    path, _, scheme_name = spec_main.partition("@")
     module, _, cls_name = path.partition(":")
     if not module or not cls_name:
-        raise ValueError(f"--extra {spec!r}: expected module:Class[@scheme]")
+        raise ValueError(f"--extra {spec!r}: expected module:Class[@scheme][?key=value&...]")
+    kwargs = {}
+    for pair in filter(None, query.split("&")):
+        key, eq, value = pair.partition("=")
+        if not eq or not key.isidentifier():
+            raise ValueError(f"--extra {spec!r}: {pair!r} is not key=value")
+        kwargs[key] = value
     cls = getattr(importlib.import_module(module), cls_name)
     scheme_name = scheme_name or sorted(cls.schemes)[0]
     quant, accumulator = mode_and_accumulator(scheme_name)
-    return f"{cls.name}_{scheme_name}", cls(get_scheme(quant), accumulator=accumulator)
+    label = "_".join([f"{cls.name}_{scheme_name}", *kwargs.values()])
+    return label, cls(get_scheme(quant), accumulator=accumulator, **kwargs)
 
 
 def backend_pass(problem: Problem, backend, m: int, batch, refs: dict, seed: int, accuracy_experts: int):
@@ -268,6 +284,51 @@ def backend_pass(problem: Problem, backend, m: int, batch, refs: dict, seed: int
         batch = uniform_batch(problem, m, batch.x.device, dtype, seed, align)
         refs = reference_rows(problem, batch, accuracy_experts)
     return (lambda: backend.run_contiguous(batch, w, dtype)), refs
+
+
+def masked_batch(problem: Problem, batch, m: int):
+    """``batch``'s rows (``m`` per expert, unpadded) laid out as low-latency dispatch delivers
+    them: one slab of ``m`` rounded up to 128 rows per expert, ``masked_m = m``."""
+    from ..layouts import MaskedBatch
+
+    e = problem.e
+    cap = -(-m // 128) * 128
+    x = torch.zeros(e, cap, problem.hidden, dtype=batch.x.dtype, device=batch.x.device)
+    x[:, :m] = batch.x[: e * m].view(e, m, -1)
+    return MaskedBatch(x, None, torch.full((e,), m, dtype=torch.int32, device=x.device), m)
+
+
+def masked_pass(problem: Problem, backend, masked):
+    """``(whole pass, output rows)`` of ``backend.run_masked`` on ``masked`` (:func:`masked_batch`):
+    ``output rows(out)`` gives the valid rows in the contiguous batch's order, for
+    :func:`accuracy` against its references."""
+    e, m = problem.e, masked.expected_m
+    w = backend.prepare_weights(weights_for(problem, backend.scheme.name))
+    return (lambda: backend.run_masked(masked, w, masked.x.dtype)), (lambda out: out[:, :m].reshape(e * m, -1))
+
+
+def triton_backend(name: str):
+    """The Triton backend of a built-in ``triton_<scheme>[_int32]`` row."""
+    from ..experts.triton_backend import TritonBackend
+    from ..quant.schemes import get_scheme
+
+    scheme = name.removeprefix("triton_").removesuffix("_int32")
+    return TritonBackend(get_scheme(scheme), accumulator="int32" if name.endswith("_int32") else "fp32")
+
+
+def add_masked(label: str, backend, m: int, problem: Problem, masked, refs: dict, timer, cases: list, passes: dict | None):
+    """The ``<label>_masked`` case (:func:`masked_pass`) appended to ``cases`` (its whole pass to
+    ``passes`` for the turns, when given); a failure is recorded in the case, not raised."""
+    name = f"{label}_masked"
+    print(f"m={m} {name} ...", flush=True)
+    try:
+        total, rows = masked_pass(problem, backend, masked)
+        cases.append(run_case(name, m, {"total": total}, timer, refs, rows))
+        if passes is not None:
+            passes[name] = total
+    except Exception as exc:
+        traceback.print_exc(file=sys.stderr)
+        cases.append(Case(name, m, precision_of(name), error=f"{type(exc).__name__}: {exc}"))
 
 
 # ------------------------------------------------------------------------------- accuracy
@@ -303,11 +364,12 @@ def precision_of(label: str) -> str:
     return "bf16"
 
 
-def run_case(label: str, m: int, stages: dict, timer, refs: dict) -> Case:
+def run_case(label: str, m: int, stages: dict, timer, refs: dict, rows: Callable = lambda out: out) -> Case:
+    """Times every stage of ``stages``; the accuracy of ``rows(total's output)`` against ``refs``."""
     case = Case(label, m, precision_of(label))
     graph = m <= GRAPH_MAX_M
     try:
-        case.accuracy = accuracy(stages["total"](), refs)
+        case.accuracy = accuracy(rows(stages["total"]()), refs)
         for name, fn in stages.items():
             case.ms[name] = timer(fn, graph)
     except Exception as exc:  # one failing backend must not end the run
@@ -503,6 +565,7 @@ def run(args: argparse.Namespace) -> int:
     for i, m in enumerate(args.m):
         batch = uniform_batch(problem, m, device, dtype, seed=1000 + i)
         refs = reference_rows(problem, batch, args.accuracy_experts)
+        masked = masked_batch(problem, batch, m) if args.masked else None  # one for every backend
         cases, passes = [], {}
         for name in backends:
             print(f"m={m} {name} ...", flush=True)
@@ -523,6 +586,8 @@ def run(args: argparse.Namespace) -> int:
             cases.append(run_case(name, m, stages, timer, refs))
             if args.turns:  # else let each backend's buffers go before the next one runs
                 passes[name] = stages["total"]
+            if args.masked and name != "torch_bf16":
+                add_masked(name, triton_backend(name), m, problem, masked, refs, timer, cases, passes if args.turns else None)
         for label, backend in extras:
             print(f"m={m} {label} ...", flush=True)
             try:
@@ -532,6 +597,8 @@ def run(args: argparse.Namespace) -> int:
                     passes[label] = total
             except Exception as exc:
                 cases.append(Case(label, m, precision_of(label), error=f"{type(exc).__name__}: {exc}"))
+            if args.masked and "masked" in backend.layouts:
+                add_masked(label, backend, m, problem, masked, refs, timer, cases, passes if args.turns else None)
         if args.turns:
             print(f"m={m} whole passes in turns ({args.turns} rounds) ...", flush=True)
             time_in_turns(cases, passes, args.turns, timer)
@@ -542,7 +609,7 @@ def run(args: argparse.Namespace) -> int:
                 "backend": c.backend, "m": m, "precision": c.precision, "ms": c.ms, "error": c.error,
                 "accuracy": c.accuracy, "derived": derive(c, problem, ceilings, baseline),
             })
-        del batch, refs
+        del batch, refs, masked
         if device.type == "cuda":
             torch.cuda.empty_cache()
     report = {

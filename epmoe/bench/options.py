@@ -21,8 +21,12 @@ def add_experts_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", default=",".join(EXPERTS_BACKENDS),
                    help=f"comma-separated subset of {','.join(EXPERTS_BACKENDS)}")
     p.add_argument("--extra", action="append", default=[],
-                   help="module:Class[@scheme] of another ExpertsBackend (repeatable; scheme may be "
-                        "int8_channel_int32 for the int32 accumulator)")
+                   help="module:Class[@scheme][?key=value&...] of another ExpertsBackend (repeatable; scheme may "
+                        "be int8_channel_int32 for the int32 accumulator; key=value: keyword arguments of the "
+                        "backend, e.g. ?schedule=staggered)")
+    p.add_argument("--masked", action="store_true",
+                   help="also time each Triton row and each --extra backend that runs the masked layout on it "
+                        "(rows per expert in slabs of m rounded up to 128, as low-latency dispatch delivers them)")
     p.add_argument("--json", default=None, help="write all numbers here")
     p.add_argument("--plot", default=None, help="write a PNG here (needs the 'plot' extra)")
     p.add_argument("--rep-ms", type=float, default=200.0, help="do_bench repetition time per measurement")

@@ -76,6 +76,7 @@ using namespace cute;
 template <class Op>
 struct S32InF32Registers : Op {};
 constexpr float kInt32InFloatBias = 12582912.0f;  // 1.5 * 2^23: bits 0x4B400000
+constexpr int32_t kInt32InFloatBiasBits = 0x4B400000;
 
 }  // namespace epmoe
 
@@ -93,7 +94,19 @@ namespace epmoe {
 // scales stay with the base's cp.async warp) and consumer halves replaced; see the file comment.
 // Accumulator fragment of a 64 x N GMMA per thread: (2 columns, 2 row halves, N/8 column blocks) at
 // rows lane/4 + 16 warp (+8) and columns 2 (lane % 4) (+1) + 8 block (CuTe's SM90 CLayout_64xN).
-template <class Base>
+// How the consumer warpgroups order their MMAs and the per-K-block promotion (run-time choice of
+// the INT8 kernel, one instantiation each; FP8 builds kLockstep):
+//  * kLockstep: both warpgroups wait for a stage, issue their MMAs together, wait for them and
+//    promote together: the tensor cores idle while the two promote.
+//  * kStaggered: the warpgroups take turns to issue (two named barriers, FlashAttention-3's
+//    warp-scheduler barriers at K-block granularity), so one promotes while the other's MMAs run.
+//  * kSplitN: each warpgroup issues its 64 x N MMAs as two 64 x N/2 halves into two partial
+//    accumulators and promotes one half while the other half (or the next K block's first half)
+//    runs: the overlap inside one warpgroup, with as many registers as kLockstep.
+enum BlockScaledSchedule : int { kLockstep = 0, kStaggered = 1, kSplitN = 2 };
+constexpr int kBlockScaledSchedules = 3;
+
+template <class Base, int Schedule = kLockstep>
 struct Sm90BlockScaledMainloop : Base {
   using typename Base::MainloopPipeline;
   using typename Base::PipelineState;
@@ -229,83 +242,245 @@ struct Sm90BlockScaledMainloop : Base {
     }
   }
 
-  // Consumer: per k tile, the warpgroup's MMAs into a zeroed partial accumulator, the stage
-  // released, then accum += partial * SFA[row] * SFB[group] with one FMA per element.
+  // Consumer: per k tile, the warpgroup's MMAs into a partial accumulator (zeroed; INT8: the bias),
+  // the stage released as soon as they retire, then accum += partial * SFA[row] * SFB[group] with
+  // one FMA per element (INT8: and the FADD that takes the bias off). Schedule says how the MMAs
+  // of one warpgroup and K block overlap the promotion of another (see BlockScaledSchedule).
   template <class FrgTensorC>
   CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read,
                           FrgTensorC& accum, int k_tile_count, int thread_idx,
                           TensorStorage& shared_tensors, Params const& /*params*/) {
-    constexpr int kWarpGroups = size(TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
     static_assert(size<1>(FrgTensorC{}) == 1 && size<2>(FrgTensorC{}) == 1,
                   "one 64 x N GMMA atom per warpgroup");
     static_assert(size(FrgTensorC{}) == kTileN / 2, "64 x N accumulator: N/2 values per thread");
-    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
-    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
-    Tensor sSFA =
-        make_tensor(make_smem_ptr(shared_tensors.smem_SFA.data()), filter_zeros(SmemLayoutSFA{}));
-    Tensor sSFB =
-        make_tensor(make_smem_ptr(shared_tensors.smem_SFB.data()), filter_zeros(SmemLayoutSFB{}));
-    const int warp_group = __shfl_sync(0xFFFFFFFF, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
+    clear(accum);
+    if (k_tile_count <= 0) return;
+    if constexpr (Schedule == kSplitN) {
+      mma_split_n(pipeline, smem_pipe_read, accum, k_tile_count, thread_idx, shared_tensors);
+    } else {
+      mma_whole(pipeline, smem_pipe_read, accum, k_tile_count, thread_idx, shared_tensors);
+    }
+  }
+
+  static constexpr int kWarpGroups = size(TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
+  static constexpr int kMathThreads = size(TiledMma{});
+  static_assert(Schedule != kStaggered || kWarpGroups == 2, "two warpgroups take turns");
+  // kStaggered's named barriers (user ids, above CUTLASS's reserved ones): warpgroup w waits on
+  // kTurnBarrier + w before it issues a K block's MMAs and arrives on the other's after.
+  static constexpr uint32_t kTurnBarrier = 0;
+
+  // This warpgroup's index (uniform in the warp) and the first of the two rows (row, row + 8) of
+  // its accumulator values in the tile (CuTe's SM90 CLayout_64xN).
+  CUTLASS_DEVICE static int warp_group_of(int thread_idx) {
+    return __shfl_sync(0xFFFFFFFF, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
+  }
+  CUTLASS_DEVICE static int first_row(int warp_group, int thread_idx) {
+    const int t = thread_idx % cutlass::NumThreadsPerWarpGroup;
+    return warp_group * 64 + (t / 32) * 16 + (t % 32) / 4;
+  }
+
+  // The consumers' views of shared memory: A, B, SFA and SFB tiles (with the stage mode).
+  CUTLASS_DEVICE static auto consumer_smem(TensorStorage& shared_tensors) {
+    return cute::make_tuple(
+        make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{}),
+        make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{}),
+        make_tensor(make_smem_ptr(shared_tensors.smem_SFA.data()), filter_zeros(SmemLayoutSFA{})),
+        make_tensor(make_smem_ptr(shared_tensors.smem_SFB.data()), filter_zeros(SmemLayoutSFB{})));
+  }
+
+  // The scales one thread applies to a K block: its two rows' SFA, the tile's SFB groups.
+  struct KBlockScales {
+    float sfa0, sfa1;
+    float sfb[kGroups];
+  };
+  template <class TensorSFA, class TensorSFB>
+  CUTLASS_DEVICE static KBlockScales read_scales(TensorSFA const& sSFA, TensorSFB const& sSFB,
+                                                 int row, int stage) {
+    KBlockScales s;
+    s.sfa0 = sSFA(row, 0, stage);
+    s.sfa1 = sSFA(row + 8, 0, stage);
+    CUTLASS_PRAGMA_UNROLL
+    for (int g = 0; g < kGroups; ++g) s.sfb[g] = sSFB(g, 0, stage);
+    return s;
+  }
+
+  // accum's 8-column blocks [kFirstBlock, kFirstBlock + kBlocks) += the partial sums of partial
+  // (whose block b is accum's kFirstBlock + b) times SFA[row] * SFB[group].
+  template <int kFirstBlock, int kBlocks, class Accum, class Partial>
+  CUTLASS_DEVICE static void promote(Accum& accum, Partial const& partial, KBlockScales const& s) {
+    float f0[kGroups], f1[kGroups];
+    CUTLASS_PRAGMA_UNROLL
+    for (int g = 0; g < kGroups; ++g) {
+      f0[g] = s.sfa0 * s.sfb[g];
+      f1[g] = s.sfa1 * s.sfb[g];
+    }
+    cute::warpgroup_fence_operand(accum);
+    CUTLASS_PRAGMA_UNROLL
+    for (int b = 0; b < kBlocks; ++b) {
+      const int blk = kFirstBlock + b;
+      const int g = blk * 8 / kGroupN;
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < 2; ++c) {
+        accum(c + 4 * blk) += promote_partial(partial(c + 4 * b)) * f0[g];
+        accum(c + 2 + 4 * blk) += promote_partial(partial(c + 2 + 4 * b)) * f1[g];
+      }
+    }
+    cute::warpgroup_fence_operand(accum);
+  }
+
+  // Where the MMAs start a K block: INT8 sums land on the bias bits; FP8's first MMA zeroes.
+  template <class Mma, class Partial>
+  CUTLASS_DEVICE static void start_partial(Mma& tiled_mma, Partial& partial) {
+    if constexpr (kIntegerMma) {
+      using Value = typename std::remove_reference_t<Partial>::value_type;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(partial); ++i) {
+        if constexpr (cute::is_same_v<Value, float>) {
+          partial(i) = kInt32InFloatBias;
+        } else {
+          // One move per register, not a copy of one constant register: the compiler otherwise
+          // keeps the bias in a register of the other half's partial (in flight) and reads it.
+          asm volatile("mov.b32 %0, %1;" : "=r"(partial(i)) : "n"(kInt32InFloatBiasBits));
+        }
+      }
+      tiled_mma.accumulate_ = cute::GMMA::ScaleOut::One;
+    } else {
+      tiled_mma.accumulate_ = cute::GMMA::ScaleOut::Zero;
+    }
+  }
+
+  // One K block's MMAs of this warpgroup (all of its K steps) into partial, committed as one
+  // group, not waited for.
+  template <class Mma, class FragA, class FragB, class Partial>
+  CUTLASS_DEVICE static void issue_k_block(Mma& tiled_mma, FragA const& tCrA, FragB const& tCrB,
+                                           Partial& partial, int stage) {
+    start_partial(tiled_mma, partial);
+    cute::warpgroup_fence_operand(partial);
+    cute::warpgroup_arrive();
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < size<2>(tCrA); ++k) {
+      cute::gemm(tiled_mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage), partial);
+      tiled_mma.accumulate_ = cute::GMMA::ScaleOut::One;
+    }
+    cute::warpgroup_commit_batch();
+  }
+
+  // kLockstep and kStaggered: one 64 x N partial per warpgroup, waited for before its promotion.
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma_whole(MainloopPipeline pipeline, PipelineState smem_pipe_read,
+                                FrgTensorC& accum, int k_tile_count, int thread_idx,
+                                TensorStorage& shared_tensors) {
+    constexpr bool kTurns = Schedule == kStaggered;
+    auto smem = consumer_smem(shared_tensors);  // not bound: C++17 lambdas cannot capture bindings
+    auto sA = get<0>(smem);
+    auto sB = get<1>(smem);
+    auto sSFA = get<2>(smem);
+    auto sSFB = get<3>(smem);
+    const int warp_group = warp_group_of(thread_idx);
     TiledMma tiled_mma;
     auto thread_mma = tiled_mma.get_slice(
         make_layout(Int<kWarpGroups>{}, Int<cutlass::NumThreadsPerWarpGroup>{})(warp_group));
     Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));
     Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));
-    const int t = thread_idx % cutlass::NumThreadsPerWarpGroup;
-    const int row = warp_group * 64 + (t / 32) * 16 + (t % 32) / 4;
+    const int row = first_row(warp_group, thread_idx);
 
     Tensor partial = make_fragment_like(accum);
-    clear(accum);
+    // Warpgroup 0 issues first: warpgroup 1 lets it go once.
+    if constexpr (kTurns) {
+      if (warp_group == 1) cutlass::arch::NamedBarrier::arrive(kMathThreads, kTurnBarrier);
+    }
     auto token = pipeline.consumer_try_wait(smem_pipe_read);
     CUTLASS_PRAGMA_NO_UNROLL
     for (; k_tile_count > 0; --k_tile_count) {
       pipeline.consumer_wait(smem_pipe_read, token);
       const int stage = smem_pipe_read.index();
-      const float sfa0 = sSFA(row, 0, stage);  // read before the stage is released
-      const float sfa1 = sSFA(row + 8, 0, stage);
-      float sfb[kGroups];
-      CUTLASS_PRAGMA_UNROLL
-      for (int g = 0; g < kGroups; ++g) sfb[g] = sSFB(g, 0, stage);
-
-      if constexpr (kIntegerMma) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(partial); ++i) partial(i) = kInt32InFloatBias;  // sums land on these bits
-        tiled_mma.accumulate_ = cute::GMMA::ScaleOut::One;
-      } else {
-        tiled_mma.accumulate_ = cute::GMMA::ScaleOut::Zero;
+      const KBlockScales scales = read_scales(sSFA, sSFB, row, stage);  // before the release
+      if constexpr (kTurns) {
+        cutlass::arch::NamedBarrier::sync(kMathThreads, kTurnBarrier + warp_group);
       }
-      cute::warpgroup_fence_operand(partial);
-      cute::warpgroup_arrive();
-      CUTLASS_PRAGMA_UNROLL
-      for (int k = 0; k < size<2>(tCrA); ++k) {
-        cute::gemm(tiled_mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage), partial);
-        tiled_mma.accumulate_ = cute::GMMA::ScaleOut::One;
+      issue_k_block(tiled_mma, tCrA, tCrB, partial, stage);
+      if constexpr (kTurns) {
+        cutlass::arch::NamedBarrier::arrive(kMathThreads, kTurnBarrier + (warp_group ^ 1));
       }
-      cute::warpgroup_commit_batch();
       cute::warpgroup_wait<0>();
       cute::warpgroup_fence_operand(partial);
       pipeline.consumer_release(smem_pipe_read);
       ++smem_pipe_read;
       if (k_tile_count > 1) token = pipeline.consumer_try_wait(smem_pipe_read);
-
-      float f0[kGroups], f1[kGroups];
-      CUTLASS_PRAGMA_UNROLL
-      for (int g = 0; g < kGroups; ++g) {
-        f0[g] = sfa0 * sfb[g];
-        f1[g] = sfa1 * sfb[g];
-      }
-      cute::warpgroup_fence_operand(accum);
-      CUTLASS_PRAGMA_UNROLL
-      for (int blk = 0; blk < kTileN / 8; ++blk) {
-        const int g = blk * 8 / kGroupN;
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < 2; ++c) {
-          accum(c + 4 * blk) += promote_partial(partial(c + 4 * blk)) * f0[g];
-          accum(c + 2 + 4 * blk) += promote_partial(partial(c + 2 + 4 * blk)) * f1[g];
-        }
-      }
-      cute::warpgroup_fence_operand(accum);
+      promote<0, kTileN / 8>(accum, partial, scales);
     }
+    // Warpgroup 1's last arrival on warpgroup 0's barrier is taken here, so every mainloop
+    // leaves both barriers as it found them.
+    if constexpr (kTurns) {
+      if (warp_group == 0) cutlass::arch::NamedBarrier::sync(kMathThreads, kTurnBarrier);
+    }
+  }
+
+  // kSplitN: the warpgroup's MMAs in two N halves, each into its own 64 x N/2 partial; while one
+  // half's partial is promoted the other half's MMAs (this K block's second, or the next K
+  // block's first) run. Needs k_tile_count >= 1.
+  static constexpr int kTileM = size<0>(TileShape{});
+  static constexpr int kTileK = size<2>(TileShape{});
+  static constexpr int kHalfN = kTileN / 2;
+  static_assert(kHalfN % 8 == 0, "each half is whole 8-column blocks");
+  // Its partials are int32 fragments (the MMA's own register type), not S32InF32Registers'
+  // floats: reinterpreting the registers of an MMA in flight moves them through float registers
+  // right after the issue, which ptxas answers by waiting for the MMA there (C7514), serializing
+  // the two halves. The bits are read as the biased float after the wait (promote_partial).
+  using HalfMma = decltype(make_tiled_mma(
+      decltype(cute::GMMA::ss_op_selector<int8_t, int8_t, int32_t,
+                                          Shape<Int<kTileM>, Int<kHalfN>, Int<kTileK>>,
+                                          cute::GMMA::Major::K, cute::GMMA::Major::K>()){},
+      Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
+
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma_split_n(MainloopPipeline pipeline, PipelineState smem_pipe_read,
+                                  FrgTensorC& accum, int k_tile_count, int thread_idx,
+                                  TensorStorage& shared_tensors) {
+    static_assert(kIntegerMma, "kSplitN is built for the INT8 MMAs");
+    auto smem = consumer_smem(shared_tensors);  // not bound: C++17 lambdas cannot capture bindings
+    auto sA = get<0>(smem);
+    auto sB = get<1>(smem);
+    auto sSFA = get<2>(smem);
+    auto sSFB = get<3>(smem);
+    // (N/2, 2 halves) x K x stages: half h of every stage's B tile.
+    Tensor sB_halves = logical_divide(sB, Shape<Int<kHalfN>>{});
+    const int warp_group = warp_group_of(thread_idx);
+    HalfMma half_mma;
+    auto thread_mma = half_mma.get_slice(
+        make_layout(Int<kWarpGroups>{}, Int<cutlass::NumThreadsPerWarpGroup>{})(warp_group));
+    Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));
+    Tensor tCrB0 = thread_mma.make_fragment_B(thread_mma.partition_B(sB_halves(make_coord(_, 0), _, _)));
+    Tensor tCrB1 = thread_mma.make_fragment_B(thread_mma.partition_B(sB_halves(make_coord(_, 1), _, _)));
+    Tensor p0 = partition_fragment_C(half_mma, Shape<Int<kTileM>, Int<kHalfN>>{});
+    Tensor p1 = make_fragment_like(p0);
+    static_assert(size(decltype(p0){}) * 2 == size(FrgTensorC{}), "two halves make the accumulator");
+    constexpr int kHalfBlocks = kHalfN / 8;
+    const int row = first_row(warp_group, thread_idx);
+
+    // Nothing is in flight where an iteration starts or ends (ptxas serializes the MMAs when
+    // the registers of one in flight are carried around a loop): each K block's half 0 runs while
+    // the previous block's half 1 is promoted, its half 1 while its half 0 is.
+    auto k_block = [&](auto first, KBlockScales const& previous) {
+      pipeline.consumer_wait(smem_pipe_read, pipeline.consumer_try_wait(smem_pipe_read));
+      const int stage = smem_pipe_read.index();
+      const KBlockScales scales = read_scales(sSFA, sSFB, row, stage);
+      issue_k_block(half_mma, tCrA, tCrB0, p0, stage);
+      if constexpr (!decltype(first)::value) promote<kHalfBlocks, kHalfBlocks>(accum, p1, previous);
+      issue_k_block(half_mma, tCrA, tCrB1, p1, stage);
+      cute::warpgroup_wait<1>();
+      cute::warpgroup_fence_operand(p0);
+      promote<0, kHalfBlocks>(accum, p0, scales);
+      cute::warpgroup_wait<0>();
+      cute::warpgroup_fence_operand(p1);
+      pipeline.consumer_release(smem_pipe_read);
+      ++smem_pipe_read;
+      return scales;
+    };
+    KBlockScales previous = k_block(cute::true_type{}, KBlockScales{});
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (--k_tile_count; k_tile_count > 0; --k_tile_count) previous = k_block(cute::false_type{}, previous);
+    promote<kHalfBlocks, kHalfBlocks>(accum, p1, previous);
   }
 
   // A partial sum as a float: FP8's is one; INT8's is the exact int32 sum (S32InF32Registers).
@@ -316,6 +491,8 @@ struct Sm90BlockScaledMainloop : Base {
       return v;
     }
   }
+  // The same from an int32 fragment (kSplitN's partials): its bits are the biased float.
+  CUTLASS_DEVICE static float promote_partial(int32_t v) { return __int_as_float(v) - kInt32InFloatBias; }
 
   // mma released every stage it read.
   CUTLASS_DEVICE void mma_tail(MainloopPipeline, PipelineState, int) {}
@@ -510,8 +687,9 @@ struct WithElement<cutlass::gemm::collective::CollectiveMma<Policy, Tile, EA, SA
 // (the tile's M must be kRowBlock), the
 // weight-scale group along N (128 / kGroupN copies of each 128x128 block scale are read) and the
 // epilogue: Sm90WholeTileEpilogue, or CUTLASS's subtiled one, whose smaller buffer leaves room
-// for one more mainloop stage.
-template <class Element_, class TileShape_, class ClusterShape_, int GroupN, bool WholeTileEpilogue>
+// for one more mainloop stage; Schedule: the consumer warpgroups' (BlockScaledSchedule).
+template <class Element_, class TileShape_, class ClusterShape_, int GroupN, bool WholeTileEpilogue,
+          int Schedule = kLockstep>
 struct BlockScaledContiguousGemmConfig {
   static_assert(size<0>(TileShape_{}) == kRowBlock, "a tile's rows are one aligned block");
   static_assert(size<0>(ClusterShape_{}) == 1 || size<1>(ClusterShape_{}) == 1,
@@ -565,7 +743,7 @@ struct BlockScaledContiguousGemmConfig {
               sizeof(typename CollectiveEpilogue::SharedStorage))>,
           cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum>::CollectiveOp,
       ElementA, TileShape>::type;
-  using CollectiveMainloop = Sm90BlockScaledMainloop<CutlassMainloop>;
+  using CollectiveMainloop = Sm90BlockScaledMainloop<CutlassMainloop, Schedule>;
 
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
                                                           CollectiveEpilogue,
@@ -642,13 +820,13 @@ typename Cfg::Gemm::Arguments make_arguments(at::Tensor& out, const at::Tensor& 
   return args;
 }
 
-// Runs the GEMM for configuration Cfg. Shapes were checked by the caller; M > 0.
+// Runs the GEMM for configuration Cfg over the [ceil(M / 128)] table of each row block's expert
+// (expert_block_table). Shapes were checked by the caller; M > 0.
 template <class Cfg>
-void run_block_scaled_contiguous_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
-                             const at::Tensor& b, const at::Tensor& b_scale,
-                             const at::Tensor& offsets, int64_t raster_along_n,
-                             int64_t max_swizzle) {
-  auto block_expert = block_expert_table(a, offsets);
+void run_block_scaled_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
+                           const at::Tensor& b, const at::Tensor& b_scale,
+                           const at::Tensor& block_expert, int64_t raster_along_n,
+                           int64_t max_swizzle) {
   const int sm_count = at::cuda::getDeviceProperties(a.get_device())->multiProcessorCount;
   auto [sfa, sfb] = kernel_scales<Cfg>(a_scale, b_scale, b.size(1));
   auto args = make_arguments<Cfg>(out, a, sfa, b, sfb, block_expert.data_ptr<int32_t>(), sm_count,
@@ -675,28 +853,30 @@ using BlockScaledCluster = Shape<_2, _1, _1>;
 // Whole-tile epilogue, four mainloop stages: the epilogue's fixed cost per tile weighs most when
 // a tile has few k blocks. CUTLASS's subtiled epilogue, five mainloop stages: a deeper pipeline
 // for long k loops.
-template <class Element>
-using ShortKConfig = BlockScaledContiguousGemmConfig<Element, BlockScaledTile, BlockScaledCluster, 64, true>;
-template <class Element>
-using LongKConfig = BlockScaledContiguousGemmConfig<Element, BlockScaledTile, BlockScaledCluster, 64, false>;
+template <class Element, int Schedule>
+using ShortKConfig =
+    BlockScaledContiguousGemmConfig<Element, BlockScaledTile, BlockScaledCluster, 64, true, Schedule>;
+template <class Element, int Schedule>
+using LongKConfig =
+    BlockScaledContiguousGemmConfig<Element, BlockScaledTile, BlockScaledCluster, 64, false, Schedule>;
 // On the H200 (session 11, docs/fp8.md) the whole-tile epilogue took FP8 GEMM2 (K = 2048) from
 // 1.13 to 1.08-1.10x DeepGEMM's time, and was 0-5 % slower on GEMM1 (K = 7168). The boundary
 // between the two measured K is a choice.
 constexpr int64_t kWholeTileEpilogueMaxK = 4096;
 
-// The GEMM for operands of type Element, in the configuration for b's K. Shapes were checked by
-// the caller; M > 0.
-template <class Element>
+// The GEMM for operands of type Element, in the configuration for b's K and the consumer
+// warpgroups' Schedule. Shapes were checked by the caller; M > 0.
+template <class Element, int Schedule = kLockstep>
 void run_block_scaled_by_k(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
                            const at::Tensor& b, const at::Tensor& b_scale,
-                           const at::Tensor& offsets, int64_t raster_along_n,
+                           const at::Tensor& block_expert, int64_t raster_along_n,
                            int64_t max_swizzle) {
   if (b.size(2) <= kWholeTileEpilogueMaxK) {
-    run_block_scaled_contiguous_gemm<ShortKConfig<Element>>(out, a, a_scale, b, b_scale, offsets,
-                                                            raster_along_n, max_swizzle);
-  } else {
-    run_block_scaled_contiguous_gemm<LongKConfig<Element>>(out, a, a_scale, b, b_scale, offsets,
+    run_block_scaled_gemm<ShortKConfig<Element, Schedule>>(out, a, a_scale, b, b_scale, block_expert,
                                                            raster_along_n, max_swizzle);
+  } else {
+    run_block_scaled_gemm<LongKConfig<Element, Schedule>>(out, a, a_scale, b, b_scale, block_expert,
+                                                          raster_along_n, max_swizzle);
   }
 }
 
@@ -704,8 +884,8 @@ template <class Element>
 int64_t workspace_size_by_k(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
                             const at::Tensor& b, const at::Tensor& b_scale, int64_t sm_count) {
   return b.size(2) <= kWholeTileEpilogueMaxK
-             ? workspace_size_for<ShortKConfig<Element>>(out, a, a_scale, b, b_scale, sm_count)
-             : workspace_size_for<LongKConfig<Element>>(out, a, a_scale, b, b_scale, sm_count);
+             ? workspace_size_for<ShortKConfig<Element, kLockstep>>(out, a, a_scale, b, b_scale, sm_count)
+             : workspace_size_for<LongKConfig<Element, kLockstep>>(out, a, a_scale, b, b_scale, sm_count);
 }
 
 }  // namespace epmoe

@@ -215,6 +215,26 @@ static __global__ void block_expert_kernel(int num_blocks, int num_experts, int6
   block_expert[t] = (lo < num_experts && offsets[lo] <= row) ? lo : -1;
 }
 
+// The masked layout ([E, max_m, K] seen as E * max_m rows, max_m a multiple of 128):
+// block_expert[b] = e = 128 b / max_m when the block starts below e * max_m + masked_m[e], else -1,
+// so blocks holding no valid row get no tiles. Threads 0..E-1 also check masked_m (0 to max_m):
+// a bad batch stops with a device-side assert before the GEMM runs, without a host sync.
+static __global__ void masked_block_expert_kernel(int num_blocks, int num_experts, int max_m,
+                                                  const int32_t* __restrict__ masked_m,
+                                                  int32_t* block_expert) {
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t < num_experts) {
+    const int32_t v = masked_m[t];
+    const bool ok = v >= 0 && v <= max_m;
+    if (!ok) printf("epmoe: masked_m[%d] = %d (rows per expert in the layout: %d)\n", t, v, max_m);
+    CUDA_KERNEL_ASSERT_MSG(ok, "masked_m must lie between 0 and the layout's rows per expert");
+  }
+  if (t >= num_blocks) return;
+  const int64_t row = int64_t(t) * kRowBlock;
+  const int e = static_cast<int>(row / max_m);
+  block_expert[t] = (e < num_experts && row - int64_t(e) * max_m < masked_m[e]) ? e : -1;
+}
+
 // The strides of A [M, K] and D [M, N] (a static zero in L: one tensor serves every expert) and
 // of B [E, N, K] (moves with L).
 template <class Cfg>
@@ -266,6 +286,30 @@ static at::Tensor block_expert_table(const at::Tensor& a, const at::Tensor& offs
       block_expert.data_ptr<int32_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return block_expert;
+}
+
+// masked_block_expert_kernel over the E * max_m rows of a masked batch (a: [E * max_m, K]).
+static at::Tensor masked_block_expert_table(const at::Tensor& a, const at::Tensor& masked_m,
+                                            int64_t max_m) {
+  auto stream = at::cuda::getCurrentCUDAStream(a.get_device());
+  const int num_blocks = static_cast<int>((a.size(0) + kRowBlock - 1) / kRowBlock);
+  auto block_expert = at::empty({num_blocks}, a.options().dtype(at::kInt));
+  const int threads = 128;
+  const int num_experts = static_cast<int>(masked_m.size(0));
+  const int checks = std::max(num_blocks, num_experts);
+  masked_block_expert_kernel<<<(checks + threads - 1) / threads, threads, 0, stream>>>(
+      num_blocks, num_experts, static_cast<int>(max_m), masked_m.data_ptr<int32_t>(),
+      block_expert.data_ptr<int32_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return block_expert;
+}
+
+// The block table of either layout: segments are the contiguous layout's [E+1] offsets when
+// masked_max_m is 0, else the masked layout's [E] masked_m with masked_max_m rows per expert.
+static at::Tensor expert_block_table(const at::Tensor& a, const at::Tensor& segments,
+                                     int64_t masked_max_m) {
+  return masked_max_m > 0 ? masked_block_expert_table(a, segments, masked_max_m)
+                          : block_expert_table(a, segments);
 }
 
 }  // namespace epmoe

@@ -16,13 +16,18 @@ void fp8_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a, const at::Te
 int64_t fp8_contiguous_gemm_coop_workspace(at::Tensor& out, const at::Tensor& a,
                                            const at::Tensor& a_scale, const at::Tensor& b,
                                            const at::Tensor& b_scale, int64_t sm_count);
+// segments, masked_max_m: the contiguous layout's [E+1] offsets and 0, or the masked layout's
+// [E] masked_m and its rows per expert (a, a_scale and out then hold E * max_m rows).
 void int8_block_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a,
                                      const at::Tensor& a_scale, const at::Tensor& b,
-                                     const at::Tensor& b_scale, const at::Tensor& offsets,
-                                     int64_t raster_along_n, int64_t max_swizzle);
+                                     const at::Tensor& b_scale, const at::Tensor& segments,
+                                     int64_t masked_max_m, int64_t raster_along_n,
+                                     int64_t max_swizzle, int64_t schedule);
 void int8_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
                                const at::Tensor& b, const at::Tensor& b_scale,
-                               const at::Tensor& offsets);
+                               const at::Tensor& segments, int64_t masked_max_m);
+constexpr int64_t kBlockScaledSchedules = 3;  // BlockScaledSchedule in block_scaled_contiguous_gemm.cuh
+constexpr int64_t kRowBlock = 128;
 }  // namespace epmoe
 
 namespace {
@@ -95,18 +100,96 @@ void fp8_contiguous_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& 
                                   max_swizzle);
 }
 
+void check_schedule(const char* op, int64_t schedule) {
+  TORCH_CHECK(schedule >= 0 && schedule < epmoe::kBlockScaledSchedules, op, ": schedule=", schedule,
+              " (allowed 0 to ", epmoe::kBlockScaledSchedules - 1, ")");
+}
+
 // The same contract with int8 operands: each 128-wide K block summed exactly in int32, promoted
-// to fp32 with a_scale[row, kb] * b_scale[e, nb, kb].
+// to fp32 with a_scale[row, kb] * b_scale[e, nb, kb]; schedule: how the consumer warpgroups
+// overlap the MMAs and the promotion (BlockScaledSchedule).
 void int8_block_contiguous_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& a_scale,
                                 const at::Tensor& b, const at::Tensor& b_scale,
                                 const at::Tensor& offsets, int64_t raster_along_n,
-                                int64_t max_swizzle) {
+                                int64_t max_swizzle, int64_t schedule) {
   check_operands("int8_block_contiguous_gemm", at::kChar, out, a, a_scale, b, b_scale);
   check_block_offsets_arg("int8_block_contiguous_gemm", a, b, offsets, max_swizzle);
+  check_schedule("int8_block_contiguous_gemm", schedule);
   if (a.size(0) == 0 || b.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(a.device());
-  epmoe::int8_block_contiguous_gemm_coop(out, a, a_scale, b, b_scale, offsets, raster_along_n,
-                                         max_swizzle);
+  epmoe::int8_block_contiguous_gemm_coop(out, a, a_scale, b, b_scale, offsets, 0, raster_along_n,
+                                         max_swizzle, schedule);
+}
+
+// The masked layout's a [E, max_m, K], its scales [E, max_m, ...] and out [E, max_m, N] as the
+// E * max_m rows the contiguous kernels take (views), after checking what the masked ops add:
+// max_m a multiple of 128, masked_m a contiguous int32 [E] tensor on a's device.
+struct MaskedRows {
+  at::Tensor out, a, a_scale;
+  int64_t max_m;
+};
+MaskedRows masked_rows(const char* op, const at::Tensor& out, const at::Tensor& a,
+                       const at::Tensor& a_scale, const at::Tensor& b, const at::Tensor& masked_m) {
+  TORCH_CHECK(a.dim() == 3 && a.is_contiguous() && b.dim() == 3 && a.size(0) == b.size(0), op,
+              ": a must be a contiguous [E, max_m, K] tensor with b's E; got a ", a.sizes(),
+              " and b ", b.sizes());
+  const int64_t e = a.size(0), max_m = a.size(1);
+  TORCH_CHECK(max_m % epmoe::kRowBlock == 0, op, ": max_m=", max_m, " must be a multiple of ",
+              epmoe::kRowBlock);
+  TORCH_CHECK(a_scale.dim() >= 2 && a_scale.size(0) == e && a_scale.size(1) == max_m &&
+                  a_scale.is_contiguous(),
+              op, ": a_scale must be a contiguous [E, max_m, ...] tensor; got ", a_scale.sizes());
+  TORCH_CHECK(out.dim() == 3 && out.size(0) == e && out.size(1) == max_m && out.is_contiguous(), op,
+              ": out must be a contiguous [E, max_m, N] tensor; got ", out.sizes());
+  TORCH_CHECK(masked_m.is_cuda() && masked_m.device() == a.device() &&
+                  masked_m.scalar_type() == at::kInt && masked_m.is_contiguous() &&
+                  masked_m.dim() == 1 && masked_m.size(0) == e,
+              op, ": masked_m must be a contiguous int32 [E] CUDA tensor on a's device");
+  const int64_t rows = e * max_m;
+  auto rest = a_scale.sizes().slice(2).vec();
+  rest.insert(rest.begin(), rows);
+  return {out.view({rows, out.size(2)}), a.view({rows, a.size(2)}), a_scale.view(rest), max_m};
+}
+
+// out[e, :masked_m[e]] = the block-scaled GEMM of a[e, :masked_m[e]] with b[e]; rows past
+// masked_m[e] hold anything. masked_m stays on the device (checked there, as the offsets are).
+void int8_block_masked_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& a_scale,
+                            const at::Tensor& b, const at::Tensor& b_scale,
+                            const at::Tensor& masked_m, int64_t raster_along_n, int64_t max_swizzle,
+                            int64_t schedule) {
+  const char* op = "int8_block_masked_gemm";
+  auto rows = masked_rows(op, out, a, a_scale, b, masked_m);
+  check_operands(op, at::kChar, rows.out, rows.a, rows.a_scale, b, b_scale);
+  TORCH_CHECK(max_swizzle >= 1, op, ": max_swizzle=", max_swizzle, " (allowed >= 1)");
+  check_schedule(op, schedule);
+  if (rows.a.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(a.device());
+  epmoe::int8_block_contiguous_gemm_coop(rows.out, rows.a, rows.a_scale, b, b_scale, masked_m,
+                                         rows.max_m, raster_along_n, max_swizzle, schedule);
+}
+
+// The INT8 channel-scaled op's operands (named op in the messages): a [M, K], a_scale [M] or
+// [M, 1], b [E, N, K], b_scale [E, N] or [E, N, 1], out bf16 [M, N].
+void check_int8_channel(const char* op, const at::Tensor& out, const at::Tensor& a,
+                        const at::Tensor& a_scale, const at::Tensor& b, const at::Tensor& b_scale) {
+  // K in 16-byte TMA rows of A and B; N in 16-byte rows of the bf16 output.
+  check_ab(op, a, b, at::kChar, 16, 8, {&a_scale, &b, &b_scale, &out});
+  const int64_t m = a.size(0), e = b.size(0), n = b.size(1);
+  const bool a_scale_ok = a_scale.dim() == 1 ? a_scale.size(0) == m
+                                             : a_scale.dim() == 2 && a_scale.size(0) == m && a_scale.size(1) == 1;
+  TORCH_CHECK(a_scale.scalar_type() == at::kFloat && a_scale.is_contiguous() && a_scale_ok,
+              op, ": a_scale must be a contiguous fp32 [M] or [M, 1] tensor, M=", m,
+              "; got ", a_scale.sizes());
+  const bool b_scale_ok =
+      b_scale.size(0) == e && b_scale.size(1) == n &&
+      (b_scale.dim() == 2 || (b_scale.dim() == 3 && b_scale.size(2) == 1));
+  TORCH_CHECK(b_scale.scalar_type() == at::kFloat && b_scale.is_contiguous() && b_scale.dim() >= 2 &&
+                  b_scale_ok,
+              op, ": b_scale must be a contiguous fp32 [E, N] or [E, N, 1] tensor, E=", e,
+              ", N=", n, "; got ", b_scale.sizes());
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(0) == m && out.size(1) == n,
+              op, ": out must be a contiguous bf16 [M, N] tensor");
 }
 
 // out[offsets[e]:offsets[e+1]] = (a rows @ b[e]^T) * a_scale[rows] * b_scale[e], bf16, int32 K sum;
@@ -114,30 +197,27 @@ void int8_block_contiguous_gemm(at::Tensor out, const at::Tensor& a, const at::T
 void int8_contiguous_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& a_scale,
                           const at::Tensor& b, const at::Tensor& b_scale,
                           const at::Tensor& offsets) {
-  // K in 16-byte TMA rows of A and B; N in 16-byte rows of the bf16 output.
-  check_ab("int8_contiguous_gemm", a, b, at::kChar, 16, 8, {&a_scale, &b, &b_scale, &out, &offsets});
-  const int64_t m = a.size(0), e = b.size(0), n = b.size(1);
-  const bool a_scale_ok = a_scale.dim() == 1 ? a_scale.size(0) == m
-                                             : a_scale.dim() == 2 && a_scale.size(0) == m && a_scale.size(1) == 1;
-  TORCH_CHECK(a_scale.scalar_type() == at::kFloat && a_scale.is_contiguous() && a_scale_ok,
-              "int8_contiguous_gemm: a_scale must be a contiguous fp32 [M] or [M, 1] tensor, M=", m,
-              "; got ", a_scale.sizes());
-  const bool b_scale_ok =
-      b_scale.size(0) == e && b_scale.size(1) == n &&
-      (b_scale.dim() == 2 || (b_scale.dim() == 3 && b_scale.size(2) == 1));
-  TORCH_CHECK(b_scale.scalar_type() == at::kFloat && b_scale.is_contiguous() && b_scale.dim() >= 2 &&
-                  b_scale_ok,
-              "int8_contiguous_gemm: b_scale must be a contiguous fp32 [E, N] or [E, N, 1] tensor, E=", e,
-              ", N=", n, "; got ", b_scale.sizes());
-  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.dim() == 2 &&
-                  out.size(0) == m && out.size(1) == n,
-              "int8_contiguous_gemm: out must be a contiguous bf16 [M, N] tensor");
+  check_int8_channel("int8_contiguous_gemm", out, a, a_scale, b, b_scale);
+  TORCH_CHECK(offsets.is_cuda() && offsets.device() == a.device(),
+              "int8_contiguous_gemm: expert_offsets must be on a's device");
+  const int64_t m = a.size(0), e = b.size(0);
   TORCH_CHECK(offsets.scalar_type() == at::kInt && offsets.is_contiguous() && offsets.dim() == 1 &&
                   offsets.size(0) == e + 1,
               "int8_contiguous_gemm: expert_offsets must be a contiguous int32 [E+1] tensor");
   if (m == 0 || e == 0) return;
   const c10::cuda::CUDAGuard guard(a.device());
-  epmoe::int8_contiguous_gemm_coop(out, a, a_scale, b, b_scale, offsets);
+  epmoe::int8_contiguous_gemm_coop(out, a, a_scale, b, b_scale, offsets, 0);
+}
+
+// out[e, :masked_m[e]] = (a[e] @ b[e]^T) * a_scale[e] * b_scale[e] over the masked layout
+// (a [E, max_m, K], a_scale [E, max_m, 1] or [E, max_m]); rows past masked_m[e] hold anything.
+void int8_masked_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& a_scale,
+                      const at::Tensor& b, const at::Tensor& b_scale, const at::Tensor& masked_m) {
+  auto rows = masked_rows("int8_masked_gemm", out, a, a_scale, b, masked_m);
+  check_int8_channel("int8_masked_gemm", rows.out, rows.a, rows.a_scale, b, b_scale);
+  if (rows.a.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(a.device());
+  epmoe::int8_contiguous_gemm_coop(rows.out, rows.a, rows.a_scale, b, b_scale, masked_m, rows.max_m);
 }
 
 // Bytes of workspace GemmKernel::get_workspace_size asks for on this problem and SM count.
@@ -167,7 +247,15 @@ EPMOE_LIBRARY(TORCH_EXTENSION_NAME, m) {
       "Tensor expert_offsets) -> ()");
   m.def(
       "int8_block_contiguous_gemm(Tensor(a!) out, Tensor a, Tensor a_scale, Tensor b, "
-      "Tensor b_scale, Tensor expert_offsets, int raster_along_n=1, int max_swizzle=1) -> ()");
+      "Tensor b_scale, Tensor expert_offsets, int raster_along_n=1, int max_swizzle=1, "
+      "int schedule=0) -> ()");
+  m.def(
+      "int8_block_masked_gemm(Tensor(a!) out, Tensor a, Tensor a_scale, Tensor b, "
+      "Tensor b_scale, Tensor masked_m, int raster_along_n=1, int max_swizzle=1, "
+      "int schedule=0) -> ()");
+  m.def(
+      "int8_masked_gemm(Tensor(a!) out, Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, "
+      "Tensor masked_m) -> ()");
 }
 
 EPMOE_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CUDA, m) {
@@ -175,4 +263,6 @@ EPMOE_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CUDA, m) {
   m.impl("workspace_size", &workspace_size);
   m.impl("int8_contiguous_gemm", &int8_contiguous_gemm);
   m.impl("int8_block_contiguous_gemm", &int8_block_contiguous_gemm);
+  m.impl("int8_block_masked_gemm", &int8_block_masked_gemm);
+  m.impl("int8_masked_gemm", &int8_masked_gemm);
 }

@@ -116,10 +116,12 @@ typename Cfg::Gemm::Arguments make_int8_arguments(at::Tensor& out, const at::Ten
   return args;
 }
 
+// segments, masked_max_m: the contiguous layout's offsets (0) or the masked layout's masked_m and
+// rows per expert (expert_block_table).
 void int8_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
                                const at::Tensor& b, const at::Tensor& b_scale,
-                               const at::Tensor& offsets) {
-  auto block_expert = block_expert_table(a, offsets);
+                               const at::Tensor& segments, int64_t masked_max_m) {
+  auto block_expert = expert_block_table(a, segments, masked_max_m);
   const int sm_count = at::cuda::getDeviceProperties(a.get_device())->multiProcessorCount;
   auto args = make_int8_arguments<Int8Config>(out, a, a_scale, b, b_scale,
                                               block_expert.data_ptr<int32_t>(), sm_count);

@@ -1,5 +1,5 @@
 """The cutlass experts backend: FP8 block-scaled, INT8 channel-scaled and INT8 block-scaled grouped
-GEMMs over the contiguous layout.
+GEMMs over the contiguous layout, and the INT8 ones over the masked layout.
 
 Considered only with ``SGLANG_CUTLASS_MOE=1`` on compute capability 9.x with CUDA >= 12.3 (the
 rule is :func:`epmoe.experts.fp8_selection.cutlass_decision`); the INT8 schemes also need the
@@ -33,7 +33,12 @@ Every wrapper checks its operands in Python before the extension is loaded or re
 The project's kernels run the whole layout as one CUTLASS problem whose batch index is the expert
 of each 128-row block (a table built on the GPU from ``expert_offsets``; no host sync), so every
 segment is padded to 128 rows: :attr:`CutlassBackend.alignment` is 128, as DeepGEMM's. An expert
-without rows has an empty segment and gets no tiles.
+without rows has an empty segment and gets no tiles. The masked layout (``[E, cap, H]`` with
+``masked_m``) is the same problem over ``E * cap`` rows with the table built from ``masked_m``
+(:func:`int8_block_masked_gemm`, :func:`int8_masked_gemm`; ``cap`` padded to 128 by the backend).
+
+The INT8 block kernel has three schedules of its consumer warpgroups (:data:`INT8_BLOCK_SCHEDULES`),
+each its own instantiation in the one extension; a backend runs the one named when it is built.
 """
 
 from __future__ import annotations
@@ -78,11 +83,70 @@ SOURCES = (
     "fp8_block_contiguous_gemm_binding.cpp",
     "fp8_block_contiguous_gemm.cu",
     "int8_block_contiguous_gemm.cu",
+    "int8_block_staggered_gemm.cu",
+    "int8_block_split_n_gemm.cu",
     "int8_channel_contiguous_gemm.cu",
 )
 HEADERS = ("contiguous_gemm_common.cuh", "block_scaled_contiguous_gemm.cuh")
 ROW_BLOCK = 128
 """Rows of a tile of the project's kernel: every expert segment starts and ends on a multiple."""
+INT8_BLOCK_SCHEDULES = ("lockstep", "staggered", "split_n")
+"""How the INT8 block kernel's two consumer warpgroups overlap a K block's MMAs with the promotion
+of the one before (``BlockScaledSchedule`` in ``block_scaled_contiguous_gemm.cuh``; the op takes
+the index): ``lockstep`` (both issue, wait and promote together: the tensor cores idle during the
+promotion), ``staggered`` (they take turns to issue, so one promotes while the other's MMAs run),
+``split_n`` (each issues its MMAs in two N halves and promotes one while the other runs)."""
+INT8_BLOCK_SCHEDULE_ENV = "EPMOE_INT8_BLOCK_SCHEDULE"
+"""Environment variable naming the INT8 block kernel's schedule (one of
+:data:`INT8_BLOCK_SCHEDULES`), read when a :class:`CutlassBackend` is built."""
+DEFAULT_INT8_BLOCK_SCHEDULE = "lockstep"
+"""The schedule of a GPU without a measured one (:data:`SCHEDULE_FILE`): the FP8 kernel's."""
+SCHEDULE_FILE = Path(__file__).resolve().parent.parent / "configs" / "int8_block_schedule.json"
+"""The fastest INT8 block schedule measured per GPU name, ``{"<GPU name>": {"schedule": ...,
+"source": ...}}`` (written by ``benchmarks/int8_block_schedules.py --schedule-out``)."""
+
+
+def int8_block_schedule(name: str | None = None) -> str:
+    """``name``, else ``$EPMOE_INT8_BLOCK_SCHEDULE``, else the one measured fastest on the current
+    CUDA device's GPU (:data:`SCHEDULE_FILE`), else :data:`DEFAULT_INT8_BLOCK_SCHEDULE`.
+
+    Raises:
+        ValueError: a name that is not one of :data:`INT8_BLOCK_SCHEDULES` (saying where it came from).
+    """
+    source = "schedule"
+    if name is None:
+        name = os.environ.get(INT8_BLOCK_SCHEDULE_ENV) or None
+        source = f"{INT8_BLOCK_SCHEDULE_ENV} (from the environment)"
+    if name is None:
+        gpu = devices.name(torch.device("cuda")) if torch.cuda.is_available() else None
+        name = measured_schedule(gpu)
+        source = f"{SCHEDULE_FILE} for {gpu!r}"
+    if name is None:
+        return DEFAULT_INT8_BLOCK_SCHEDULE
+    if name not in INT8_BLOCK_SCHEDULES:
+        raise ValueError(f"{source}={name!r}; allowed: {list(INT8_BLOCK_SCHEDULES)}")
+    return name
+
+
+@functools.lru_cache(maxsize=8)
+def measured_schedule(gpu: str | None, path: Path = SCHEDULE_FILE) -> str | None:
+    """The schedule the file names for ``gpu`` (package data, read once per GPU), or ``None``
+    (no file, no GPU, no entry).
+
+    Raises:
+        ValueError: the file is not a JSON object of ``{"schedule": ...}`` entries.
+    """
+    if gpu is None or not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    entry = data.get(gpu) if isinstance(data, dict) else None
+    if entry is None and isinstance(data, dict):
+        return None
+    if not isinstance(entry, dict) or not isinstance(entry.get("schedule"), str):
+        raise ValueError(f"{path} must map GPU names to {{\"schedule\": ...}} objects; got {entry!r} for {gpu!r}")
+    return entry["schedule"]
+
+
 TILE_ORDER = (1, 2)
 """The persistent tile order of the project's kernel: ``(raster along N, swizzle)``. On an H200,
 along N with swizzle 2 was the fastest of five orders in run 64 (along M the slowest) and again
@@ -403,6 +467,7 @@ def check_operands(
     n_multiple: int,
     a_scale_shapes,
     b_scale_shapes,
+    devices: bool = True,
 ) -> None:
     """Refuse operands a CUTLASS GEMM wrapper cannot take, before anything reads them: shapes,
     dtypes, sizes, the scales' shapes, then (host) offsets, then devices.
@@ -420,6 +485,7 @@ def check_operands(
             the host).
         out: ``None`` or a contiguous bf16 ``[M, N]`` tensor.
         k_multiple, n_multiple: what K and N must be positive multiples of.
+        devices: check the devices too (the masked wrappers check them on their own shapes).
 
     Raises:
         TypeError: a tensor of the wrong dtype (or not a tensor).
@@ -456,6 +522,8 @@ def check_operands(
     if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (m, n) or not out.is_contiguous()):
         raise ValueError(f"{op}: out must be a contiguous bf16 [M, N] = [{m}, {n}] tensor; got {_shape(out)}")
     check_block_offsets(expert_offsets, m)
+    if not devices:
+        return
     if a.device.type != "cuda":
         raise ValueError(f"{op}: a must be a CUDA tensor; got {_shape(a)}")
     for name, t in (("b", b), ("a_scale", a_scale), ("b_scale", b_scale), ("out", out)):
@@ -463,7 +531,7 @@ def check_operands(
             raise ValueError(f"{op}: {name} must be on a's device {a.device}; got {_shape(t)}")
 
 
-def _check_block_scaled(op, dtype, a, a_scale, b, b_scale, expert_offsets, out) -> None:
+def _check_block_scaled(op, dtype, a, a_scale, b, b_scale, expert_offsets, out, devices=True) -> None:
     """The block-scaled kernels' operands (FP8 or INT8): K and N positive multiples of 128 (the
     kernels step K in whole 128-wide scale blocks and read one weight scale per 128 columns),
     ``a_scale [M, K/128]``, ``b_scale [E, N/128, K/128]`` or :func:`kernel_weight_scale`'s
@@ -472,7 +540,8 @@ def _check_block_scaled(op, dtype, a, a_scale, b, b_scale, expert_offsets, out) 
     check_operands(op, a, a_scale, b, b_scale, expert_offsets, out, dtype=dtype, k_multiple=BLOCK,
                    n_multiple=BLOCK, a_scale_shapes=lambda m, k: [(m, k // BLOCK)],
                    b_scale_shapes=lambda e, n, k: [(e, n // BLOCK, k // BLOCK),
-                                                   (e, n // WEIGHT_SCALE_GROUP_N, k // BLOCK)])  # fmt: skip
+                                                   (e, n // WEIGHT_SCALE_GROUP_N, k // BLOCK)],
+                   devices=devices)  # fmt: skip
 
 
 WEIGHT_SCALE_GROUP_N = 64
@@ -557,6 +626,8 @@ def int8_block_grouped_gemm(
     b_scale: torch.Tensor,
     expert_offsets: torch.Tensor,
     out: torch.Tensor | None = None,
+    *,
+    schedule: str = DEFAULT_INT8_BLOCK_SCHEDULE,
 ) -> torch.Tensor:
     """``out[r] = sum_kb (a[r, kb] @ b[e, :, kb]^T) * a_scale[r, kb] * b_scale[e, :, kb]`` in bf16
     for the rows ``r`` of each expert ``e`` (``kb``: the 128-wide K blocks, each summed exactly in
@@ -572,24 +643,179 @@ def int8_block_grouped_gemm(
         expert_offsets: ``[E+1]`` int32 row offsets, multiples of 128, as in :func:`grouped_gemm`.
         out: optional ``[M, N]`` bf16 output; rows outside ``offsets[0]:offsets[E]`` are left
             unwritten.
+        schedule: one of :data:`INT8_BLOCK_SCHEDULES` (the same sums whichever).
 
     Raises:
         TypeError, ValueError: what :func:`check_operands` refuses (K or N not a positive multiple
-            of 128 among them), ``a`` with ``MAX_ROWS`` rows or more; all before the extension is
-            loaded.
+            of 128 among them), ``a`` with ``MAX_ROWS`` rows or more, an unknown ``schedule``; all
+            before the extension is loaded.
 
     Returns:
         ``out``, ``[M, N]`` bf16.
     """
+    index = _schedule_index(schedule)
     _check_block_scaled("int8_block_grouped_gemm", torch.int8, a, a_scale, b, b_scale, expert_offsets, out)
     out = _output(a, b, out)
     if a.shape[0] == 0 or b.shape[0] == 0:
         return out
     offsets = expert_offsets.to(device=a.device, dtype=torch.int32).contiguous()
     load_extension().int8_block_contiguous_gemm(
-        out, a.contiguous(), kernel_act_scale(a_scale), b, b_scale.contiguous(), offsets, *TILE_ORDER
+        out, a.contiguous(), kernel_act_scale(a_scale), b, b_scale.contiguous(), offsets, *TILE_ORDER, index
     )
     return out
+
+
+def _schedule_index(schedule: str) -> int:
+    if schedule not in INT8_BLOCK_SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}; allowed: {list(INT8_BLOCK_SCHEDULES)}")
+    return INT8_BLOCK_SCHEDULES.index(schedule)
+
+
+# --------------------------------------------------------------------------- the masked layout
+def _check_masked(op, a, a_scale, b, masked_m, out, scale_cols) -> None:
+    """The masked layout's own conditions, before the contiguous checks run on its rows:
+    ``a [E, max_m, K]`` with ``max_m`` a multiple of :data:`ROW_BLOCK` (the kernels tile whole
+    128-row blocks of each expert's slab; pad the capacity, :func:`pad_capacity`), ``a_scale
+    [E, max_m, scale_cols(K)]``, ``masked_m`` an integer ``[E]`` tensor (on the host: each 0 to
+    ``max_m``), ``out`` ``None`` or a contiguous bf16 ``[E, max_m, N]`` tensor."""
+    for name, t in (("a", a), ("a_scale", a_scale), ("b", b), ("masked_m", masked_m)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor; got {t!r}")
+    if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0]:
+        raise ValueError(f"{op}: a must be [E, max_m, K] and b [E, N, K] with the same E; got a {_shape(a)} and b {_shape(b)}")
+    e, max_m, k = a.shape
+    if max_m % ROW_BLOCK:
+        raise ValueError(f"{op}: a has max_m={max_m} rows per expert; the kernel needs a multiple of {ROW_BLOCK} "
+                         "(pad the capacity: pad_capacity)")  # fmt: skip
+    want = (e, max_m, *scale_cols(k))
+    if tuple(a_scale.shape) != want:
+        raise ValueError(f"{op}: a_scale has shape {tuple(a_scale.shape)}; allowed: {want} (a {tuple(a.shape)})")
+    if masked_m.dtype.is_floating_point or masked_m.dtype.is_complex or masked_m.dtype == torch.bool:
+        raise TypeError(f"{op}: masked_m must be an integer tensor; got {_shape(masked_m)}")
+    if tuple(masked_m.shape) != (e,):
+        raise ValueError(f"{op}: masked_m must be [E] = [{e}]; got {_shape(masked_m)}")
+    if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (e, max_m, b.shape[1])
+                            or not out.is_contiguous()):  # fmt: skip
+        raise ValueError(f"{op}: out must be a contiguous bf16 [E, max_m, N] = [{e}, {max_m}, {b.shape[1]}] "
+                         f"tensor; got {_shape(out)}")  # fmt: skip
+    if masked_m.device.type == "cpu" and masked_m.numel() and not bool(((masked_m >= 0) & (masked_m <= max_m)).all()):
+        raise ValueError(f"{op}: masked_m must lie between 0 and max_m={max_m}; got {masked_m.tolist()}")
+
+
+def _check_masked_devices(op, a, a_scale, b, b_scale, masked_m, out) -> None:
+    """Every operand on ``a``'s CUDA device (``masked_m`` may also be a host tensor)."""
+    if a.device.type != "cuda":
+        raise ValueError(f"{op}: a must be a CUDA tensor; got {_shape(a)}")
+    for name, t in (("b", b), ("a_scale", a_scale), ("b_scale", b_scale), ("out", out)):
+        if t is not None and t.device != a.device:
+            raise ValueError(f"{op}: {name} must be on a's device {a.device}; got {_shape(t)}")
+    if masked_m.device.type not in ("cpu", a.device.type) or (masked_m.is_cuda and masked_m.device != a.device):
+        raise ValueError(f"{op}: masked_m must be on the host or on a's device {a.device}; got {_shape(masked_m)}")
+
+
+def _masked_segments(e: int, max_m: int) -> torch.Tensor:
+    """The offsets of ``e`` full slabs of ``max_m`` rows: the masked layout's rows as the
+    contiguous checks see them."""
+    return torch.arange(e + 1, dtype=torch.int32) * max_m
+
+
+def _masked_output(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    return torch.empty((*a.shape[:2], b.shape[1]), dtype=torch.bfloat16, device=a.device) if out is None else out
+
+
+def int8_block_masked_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    masked_m: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    schedule: str = DEFAULT_INT8_BLOCK_SCHEDULE,
+) -> torch.Tensor:
+    """:func:`int8_block_grouped_gemm` on the masked layout: ``out[e, r]`` for the first
+    ``masked_m[e]`` rows ``r`` of each expert's slab (rows past them hold anything). No host
+    read: the kernel's table of 128-row blocks is built on the GPU from ``masked_m``, and blocks
+    with no valid row get no tiles.
+
+    Args:
+        a: ``[E, max_m, K]`` int8, ``max_m`` a multiple of 128, ``K`` of 128.
+        a_scale: ``[E, max_m, K/128]`` fp32.
+        b, b_scale: as in :func:`int8_block_grouped_gemm`.
+        masked_m: ``[E]`` integer valid rows per expert, 0 to ``max_m`` (checked on the host, or
+            by the kernel that builds the block table: a device-side assert).
+        out: optional contiguous bf16 ``[E, max_m, N]``.
+        schedule: one of :data:`INT8_BLOCK_SCHEDULES`.
+
+    Raises:
+        TypeError, ValueError: what :func:`_check_masked` and :func:`check_operands` refuse, an
+            unknown ``schedule``; all before the extension is loaded.
+
+    Returns:
+        ``out``, ``[E, max_m, N]`` bf16.
+    """
+    op = "int8_block_masked_gemm"
+    index = _schedule_index(schedule)
+    _check_masked(op, a, a_scale, b, masked_m, out, lambda k: (k // BLOCK,))
+    a, a_scale = a.contiguous(), a_scale.contiguous()
+    e, max_m, k = a.shape
+    _check_block_scaled(op, torch.int8, a.reshape(e * max_m, k), a_scale.reshape(e * max_m, -1), b, b_scale,
+                        _masked_segments(e, max_m), None, devices=False)  # fmt: skip
+    _check_masked_devices(op, a, a_scale, b, b_scale, masked_m, out)
+    out = _masked_output(a, b, out)
+    if out.numel() == 0:
+        return out
+    masked_m = masked_m.to(device=a.device, dtype=torch.int32).contiguous()
+    load_extension().int8_block_masked_gemm(out, a, a_scale, b, b_scale.contiguous(), masked_m, *TILE_ORDER, index)
+    return out
+
+
+def int8_masked_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    masked_m: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`int8_grouped_gemm` (per-token and per-channel scales, int32 K sum) on the masked
+    layout, as :func:`int8_block_masked_gemm`: ``a [E, max_m, K]`` int8 (``max_m`` a multiple of
+    128, ``K`` of 16), ``a_scale [E, max_m, 1]`` or ``[E, max_m]`` fp32, ``b [E, N, K]``,
+    ``b_scale [E, N, 1]`` or ``[E, N]``; returns ``out`` ``[E, max_m, N]`` bf16, its rows past
+    ``masked_m[e]`` holding anything.
+
+    Raises:
+        TypeError, ValueError: what :func:`_check_masked` and :func:`check_operands` refuse; all
+            before the extension is loaded.
+    """
+    op = "int8_masked_gemm"
+    per_row = isinstance(a_scale, torch.Tensor) and a_scale.dim() == 2  # [E, max_m] or [E, max_m, 1]
+    _check_masked(op, a, a_scale, b, masked_m, out, lambda k: () if per_row else (1,))
+    a, a_scale = a.contiguous(), a_scale.contiguous()
+    e, max_m, k = a.shape
+    _check_rows(a.reshape(e * max_m, k))
+    check_operands(op, a.reshape(e * max_m, k), a_scale.reshape(e * max_m, -1), b, b_scale,
+                   _masked_segments(e, max_m), None, dtype=torch.int8, k_multiple=16, n_multiple=8,
+                   a_scale_shapes=lambda m, k: [(m, 1)], b_scale_shapes=lambda e, n, k: [(e, n, 1), (e, n)],
+                   devices=False)  # fmt: skip
+    _check_masked_devices(op, a, a_scale, b, b_scale, masked_m, out)
+    out = _masked_output(a, b, out)
+    if out.numel() == 0:
+        return out
+    masked_m = masked_m.to(device=a.device, dtype=torch.int32).contiguous()
+    load_extension().int8_masked_gemm(out, a, a_scale, b, b_scale.contiguous(), masked_m)
+    return out
+
+
+def pad_capacity(t: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """``t [E, cap, ...]`` as ``[E, rows, ...]`` (``rows >= cap``), its first ``cap`` rows of
+    each expert copied and the rest uninitialised (rows past ``masked_m`` are never read back);
+    ``t`` itself when ``cap == rows``."""
+    if t is None or t.shape[1] == rows:
+        return t
+    padded = t.new_empty((t.shape[0], rows, *t.shape[2:]))
+    padded[:, : t.shape[1]] = t
+    return padded
 
 
 def _sgl_grouped_gemm(out, a, a_scale, b, b_scale, offsets) -> None:
@@ -721,6 +947,8 @@ def packed_batch(batch: ContiguousBatch) -> tuple[ContiguousBatch, torch.Tensor]
 
 # -------------------------------------------------------------------------------------- backend
 INT8_SCHEMES = frozenset({"int8_channel", "int8_block"})
+INT8_KERNELS = ("auto", "cutlass", "triton")
+"""``int8_kernel`` of :class:`CutlassBackend`: by rows per expert, or one of the two always."""
 KERNEL_NAMES = {
     "fp8_block": "CUTLASS FP8 block kernel",
     "int8_channel": "CUTLASS INT8 kernel",
@@ -729,17 +957,31 @@ KERNEL_NAMES = {
 
 
 class CutlassBackend(ExpertsBackend):
-    """``fp8_block`` (sgl-kernel's op or the project's kernel), ``int8_channel`` with the int32
-    accumulator and ``int8_block`` (the project's kernels), over the contiguous layout."""
+    """``fp8_block`` (sgl-kernel's op or the project's kernel) over the contiguous layout;
+    ``int8_channel`` with the int32 accumulator and ``int8_block`` (the project's kernels) over the
+    contiguous and the masked layouts.
+
+    ``schedule``: the INT8 block kernel's (:func:`int8_block_schedule`: the argument, else
+    ``$EPMOE_INT8_BLOCK_SCHEDULE``, else the default), fixed when the backend is built.
+    ``int8_kernel``: ``"auto"`` (the INT8 GEMMs by rows per expert, :meth:`int8_kernel`), or
+    ``"cutlass"`` / ``"triton"`` at every size (what the benchmarks compare)."""
 
     name = "cutlass"
     schemes = frozenset({"fp8_block", "int8_channel", "int8_block"})
-    layouts = frozenset({"contiguous"})
+    layouts = frozenset({"contiguous", "masked"})
 
-    def __init__(self, scheme: QuantScheme, *, accumulator: str = "fp32") -> None:
+    def __init__(
+        self, scheme: QuantScheme, *, accumulator: str = "fp32", schedule: str | None = None, int8_kernel: str = "auto"
+    ) -> None:
         super().__init__(scheme, accumulator=accumulator)
         if scheme.name == "int8_channel" and accumulator != "int32":
             raise ValueError(_INT8_ACCUMULATOR)
+        if int8_kernel not in INT8_KERNELS:
+            raise ValueError(f"int8_kernel={int8_kernel!r}; allowed: {list(INT8_KERNELS)}")
+        self.schedule = int8_block_schedule(schedule)
+        self.forced_int8_kernel = None if int8_kernel == "auto" else int8_kernel
+        if scheme.name == "int8_block":
+            log.info("cutlass backend, INT8 block kernel: the %s schedule of its consumer warpgroups", self.schedule)
         # Below the measured INT8 crossover the whole pass is the Triton backend's (its GEMMs
         # too), so a Triton backend of the same scheme is held as a composed part for that
         # branch only; the CUTLASS pass calls the shared row-wise stages (stages.py) directly.
@@ -762,7 +1004,7 @@ class CutlassBackend(ExpertsBackend):
     def alignment_for(self, rows_per_expert: int, device: torch.device) -> int:
         """INT8 batches that the measured rule gives to the Triton pass are laid out for it
         (no 128-row padding to compute on or pack away); the rest for the CUTLASS kernels."""
-        if self.int8 and int8_kernel_for(device, self.scheme.name, rows_per_expert) == "triton":
+        if self.int8 and self._int8_kernel_at(device, rows_per_expert) == "triton":
             return self._triton_below_crossover.alignment
         return self.alignment
 
@@ -812,6 +1054,11 @@ class CutlassBackend(ExpertsBackend):
         # The INT8 conditions that do not depend on the machine come first, so that a layer the
         # kernel could never serve (fp32 accumulator) is not told about the machine's. int8_block's
         # sizes (multiples of 128) are the base's scheme rule.
+        if layout == "masked" and scheme.name not in INT8_SCHEMES and scheme.name in cls.schemes:
+            return False, (
+                f"runs quant={scheme.name!r} on the contiguous layout only (the masked layout: "
+                "INT8 schemes; FP8 masked runs on backend='deepgemm')"
+            )
         if scheme.name == "int8_channel" and layout in cls.layouts:
             if accumulator != "int32":
                 return False, _INT8_ACCUMULATOR
@@ -855,7 +1102,11 @@ class CutlassBackend(ExpertsBackend):
         judged by the dispatcher's hint (a host number, fixed inside a CUDA graph), so a captured
         decode step runs the Triton branch below the crossover as an eager one does. The rule is
         logged once per GPU and scheme."""
-        return int8_kernel_for(batch.x.device, self.scheme.name, batch_rows_per_expert(batch))
+        return self._int8_kernel_at(batch.x.device, batch_rows_per_expert(batch))
+
+    def _int8_kernel_at(self, device: torch.device, rows_per_expert: int) -> str:
+        """The forced ``int8_kernel``, else :func:`int8_kernel_for`."""
+        return self.forced_int8_kernel or int8_kernel_for(device, self.scheme.name, rows_per_expert)
 
     def run_contiguous(
         self, batch: ContiguousBatch, weights: ExpertWeights, out_dtype: torch.dtype
@@ -928,7 +1179,7 @@ class CutlassBackend(ExpertsBackend):
         from .. import ops
 
         scheme = self.scheme
-        gemm = functools.partial(ops.cutlass_grouped_gemm, scheme.name)
+        gemm = functools.partial(ops.cutlass_grouped_gemm, scheme.name, schedule=self.schedule)
         offsets = batch.expert_offsets
         bound, lift, drop = spare_row_slab(batch)
         with phase("epmoe.quantize"):
@@ -943,10 +1194,44 @@ class CutlassBackend(ExpertsBackend):
     def run_masked(
         self, batch: MaskedBatch, weights: ExpertWeights, out_dtype: torch.dtype
     ) -> torch.Tensor:
-        raise NotImplementedError(
-            "the cutlass backend runs the contiguous layout only; use backend='deepgemm' (FP8) or "
-            "'triton' (INT8) for masked"
-        )
+        """INT8 only: the Triton backend's masked pass below the measured crossover (judged by
+        ``batch.expected_m``, a host number), else :meth:`_run_int8_masked`."""
+        if not self.int8:
+            raise NotImplementedError(
+                f"the cutlass backend runs quant={self.scheme.name!r} on the contiguous layout only; "
+                "use backend='deepgemm' for FP8 on the masked layout"
+            )
+        hint = max(1, int(batch.expected_m)) if batch.expected_m is not None else batch.x.shape[1]
+        if self._int8_kernel_at(batch.x.device, hint) == "triton":
+            return self._triton_below_crossover.run_masked(batch, weights, out_dtype)
+        out = self._run_int8_masked(batch, weights)
+        return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
+
+    def _run_int8_masked(self, batch: MaskedBatch, weights: ExpertWeights) -> torch.Tensor:
+        """quantize (the valid rows; unless they arrived so) -> GEMM1 -> silu(gate) * up
+        requantized -> GEMM2 on the masked layout, ``[E, cap, H]`` bf16 out. The kernels tile whole
+        128-row blocks of each expert's slab, so a capacity off the block is padded (GEMM1's
+        operand, after quantization: one copy of the int8 rows) and the output cut back; the
+        blocks past ``masked_m`` get no tiles and the row-wise stages skip those rows."""
+        check_weights(weights, self.scheme)
+        from .. import ops
+
+        scheme = self.scheme
+        masked_m = batch.masked_m.to(device=batch.x.device, dtype=torch.int32)
+        hint = None if batch.expected_m is None else max(1, int(batch.expected_m))
+        cap = batch.x.shape[1]
+        rows = -(-cap // ROW_BLOCK) * ROW_BLOCK
+        gemm = functools.partial(ops.cutlass_masked_gemm, scheme.name, schedule=self.schedule)
+        with phase("epmoe.quantize"):
+            a, a_scale = stages.gemm1_input(scheme, batch.x, batch.x_scale, weights, masked_m, hint)
+            a, a_scale = pad_capacity(a, rows), pad_capacity(a_scale.contiguous(), rows)
+        with phase("epmoe.gemm1"):
+            gate_up = gemm(a, a_scale, weights.w13, weights.w13_scale, masked_m)
+        with phase("epmoe.activation"):
+            h, h_scale = stages.activation(scheme, gate_up, weights, masked_m, hint)
+        with phase("epmoe.gemm2"):
+            out = gemm(h, h_scale, weights.w2, weights.w2_scale, masked_m)
+        return out if rows == cap else out[:, :cap]
 
 
 _INT8_ACCUMULATOR = (

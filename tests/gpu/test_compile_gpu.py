@@ -111,18 +111,22 @@ def test_opcheck_cutlass(kind):
 
     # The op object itself: on the H200 (torch 2.11) a lookup through torch.ops.epmoe once found no
     # cutlass_grouped_gemm after the Triton ops' opchecks (not reproduced on CPU).
-    args = (kind, a, a_scale, b, b_scale, offsets)
+    args = (kind, a, a_scale, b, b_scale, offsets, "staggered")
     if kind != "fp8_block":
         torch.library.opcheck(ops._cutlass_grouped_gemm.op, args)
+        # The masked layout: the same rows as two experts' slabs of 128, 100 and 7 of them valid.
+        masked = (kind, a.view(e, m // e, k), a_scale.view(e, m // e, -1), b, b_scale,
+                  torch.tensor([100, 7], dtype=torch.int32, **dev), "split_n")  # fmt: skip
+        torch.library.opcheck(ops._cutlass_masked_gemm.op, masked)
         return
     # torch's schema check compares inputs before and after with arithmetic that has no CUDA
     # float8 kernel ("mul_cuda" not implemented for 'Float8_e4m3fn'), so the FP8 case runs the
     # other checks, and the no-mutation part of the schema is checked here on the bytes.
     utils = tuple(u for u in torch.library.opcheck.__kwdefaults__["test_utils"] if u != "test_schema")
     torch.library.opcheck(ops._cutlass_grouped_gemm.op, args, test_utils=utils)
-    before = [t.view(torch.uint8).clone() if t.dtype == torch.float8_e4m3fn else t.clone() for t in args[1:]]
+    before = [t.view(torch.uint8).clone() if t.dtype == torch.float8_e4m3fn else t.clone() for t in args[1:-1]]
     ops._cutlass_grouped_gemm.op(*args)
-    for old, new in zip(before, args[1:]):
+    for old, new in zip(before, args[1:-1]):
         assert torch.equal(old, new.view(torch.uint8) if new.dtype == torch.float8_e4m3fn else new)
 
 

@@ -633,8 +633,9 @@ def test_cutlass_int8_block_gemm(counts, n, k, spare):
     is the fp32 promotion and sum over the K blocks (at most (K/128 + 2) fp32 roundings of the
     terms' magnitudes) and one bf16 rounding (2^-8 relative). Empty experts, N not a multiple of
     the 192-wide tile, odd block counts (a cluster partner parked past M), spare rows left
-    unwritten; every tile order gives the same output."""
-    from epmoe.experts.cutlass_backend import int8_block_grouped_gemm, load_extension
+    unwritten; every tile order gives the same output; every schedule of the consumer
+    warpgroups meets the same bound."""
+    from epmoe.experts.cutlass_backend import INT8_BLOCK_SCHEDULES, int8_block_grouped_gemm, load_extension
 
     g = torch.Generator(device="cuda").manual_seed(n + k)
     offsets = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
@@ -644,22 +645,139 @@ def test_cutlass_int8_block_gemm(counts, n, k, spare):
     b = torch.randint(-127, 128, (e, n, k), dtype=torch.int8, device="cuda", generator=g)
     sa = torch.rand(m, kb, device="cuda", generator=g) + 0.5
     sb = (torch.rand(e, n // 128, kb, device="cuda", generator=g) + 0.5) / (127.0 * 127.0 * k**0.5)
+    refs = {x: int8_block_reference(a, sa, b, sb, int(offsets[x]), int(offsets[x + 1]), x)
+            for x in range(e) if offsets[x + 1] > offsets[x]}  # fmt: skip
+
+    def check(out, what):
+        for x, (ref, mag) in refs.items():
+            err = (out[int(offsets[x]) : int(offsets[x + 1])].double() - ref).abs()
+            bound = ref.abs() * 2.0**-8 + (kb + 2) * 2.0**-24 * mag * 1.01
+            assert bool((err <= bound).all()), (what, x, float(((err - bound) / mag).max()))
+        assert torch.isnan(out[used:]).all(), f"{what}: spare rows must stay unwritten"
+
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     int8_block_grouped_gemm(a, sa, b, sb, offsets, out=out)
-    for x in range(e):
-        lo, hi = int(offsets[x]), int(offsets[x + 1])
-        if hi > lo:
-            ref, mag = int8_block_reference(a, sa, b, sb, lo, hi, x)
-            err = (out[lo:hi].double() - ref).abs()
-            bound = ref.abs() * 2.0**-8 + (kb + 2) * 2.0**-24 * mag * 1.01
-            assert bool((err <= bound).all()), float(((err - bound) / mag).max())
-    assert torch.isnan(out[used:]).all(), "spare rows must stay unwritten"
+    check(out, "default schedule")
     ext = load_extension()
     for raster, swizzle in {(0, 1), (1, 1), (1, 4)}:
         out2 = torch.full_like(out, float("nan"))
         ext.int8_block_contiguous_gemm(out2, a, sa, b, sb, offsets, raster, swizzle)
         torch.testing.assert_close(out2[:used], out[:used], rtol=0, atol=0)
         assert torch.isnan(out2[used:]).all()
+    for schedule in INT8_BLOCK_SCHEDULES:
+        out2 = torch.full_like(out, float("nan"))
+        int8_block_grouped_gemm(a, sa, b, sb, offsets, out=out2, schedule=schedule)
+        check(out2, schedule)
+
+
+def _masked_operands(kind, masked_m, max_m, n, k, seed):
+    """Random int8 operands of the masked layout with scales of the kind's granularity."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    e = len(masked_m)
+    a = torch.randint(-127, 128, (e, max_m, k), dtype=torch.int8, device="cuda", generator=g)
+    b = torch.randint(-127, 128, (e, n, k), dtype=torch.int8, device="cuda", generator=g)
+    cols, bcols = (k // 128, (n // 128, k // 128)) if kind == "int8_block" else (1, (n, 1))
+    sa = torch.rand(e, max_m, cols, device="cuda", generator=g) + 0.5
+    sb = (torch.rand(e, *bcols, device="cuda", generator=g) + 0.5) / (127.0 * 127.0 * k**0.5)
+    return a, sa, b, sb
+
+
+def _check_masked_rows(kind, out, a, sa, b, sb, masked_m):
+    """Each expert's valid rows against float64 within one bf16 rounding (plus, for block scales,
+    the fp32 sum over K blocks); the 128-row blocks with no valid row stay unwritten (NaN)."""
+    for x, rows in enumerate(masked_m):
+        if rows:
+            if kind == "int8_block":
+                ref, mag = int8_block_reference(a[x], sa[x], b, sb, 0, rows, x)
+                bound = ref.abs() * 2.0**-8 + (a.shape[2] // 128 + 2) * 2.0**-24 * mag * 1.01
+            else:
+                ref = (a[x, :rows].double() @ b[x].double().t()) * sa[x, :rows].double() * sb[x].double().t()
+                bound = ref.abs() * 2.0**-8 * (1 + 1e-5)
+            err = (out[x, :rows].double() - ref).abs()
+            assert bool((err <= bound).all()), (x, float(((err - bound) / bound.clamp_min(1e-30)).max()))
+        first_unused = -(-rows // 128) * 128
+        assert torch.isnan(out[x, first_unused:]).all(), f"expert {x}: blocks past masked_m must stay unwritten"
+
+
+@needs_cutlass
+@pytest.mark.parametrize("kind", ["int8_block", "int8_channel"])
+@pytest.mark.parametrize(
+    "masked_m,max_m,n,k",
+    [([0, 100, 256, 1, 129], 256, 256, 256), ([128, 7, 0], 128, 4096, 7168), ([300, 384, 0, 64], 384, 7168, 2048)],
+)  # fmt: skip
+def test_cutlass_int8_masked_gemm(kind, masked_m, max_m, n, k):
+    """The INT8 kernels on the masked layout ([E, max_m, K] with masked_m valid rows per expert):
+    every valid element within one bf16 rounding of the float64 result, blocks without a valid
+    row skipped (no tiles: left unwritten), every schedule of the block kernel alike; then the
+    GEMM captured in a CUDA graph (no host read of masked_m) and replayed after masked_m changed
+    in place."""
+    from epmoe.experts.cutlass_backend import INT8_BLOCK_SCHEDULES, int8_block_masked_gemm, int8_masked_gemm
+
+    a, sa, b, sb = _masked_operands(kind, masked_m, max_m, n, k, seed=n + k + max_m)
+    counts = torch.tensor(masked_m, dtype=torch.int32, device="cuda")
+    schedules = INT8_BLOCK_SCHEDULES if kind == "int8_block" else (None,)
+    for schedule in schedules:
+        out = torch.full((len(masked_m), max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        if kind == "int8_block":
+            int8_block_masked_gemm(a, sa, b, sb, counts, out=out, schedule=schedule)
+        else:
+            int8_masked_gemm(a, sa, b, sb, counts, out=out)
+        _check_masked_rows(kind, out, a, sa, b, sb, masked_m)
+
+    def gemm(out):
+        if kind == "int8_block":
+            return int8_block_masked_gemm(a, sa, b, sb, counts, out=out)
+        return int8_masked_gemm(a, sa, b, sb, counts, out=out)
+
+    out = torch.full((len(masked_m), max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        gemm(out)  # warm-up (the extension loaded, its kernels resident) off the capture
+        with torch.cuda.graph(graph, stream=stream):
+            gemm(out)
+    torch.cuda.current_stream().wait_stream(stream)
+    changed = [max_m - rows if rows < max_m else rows // 2 for rows in masked_m]
+    counts.copy_(torch.tensor(changed, dtype=torch.int32))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check_masked_rows(kind, out, a, sa, b, sb, changed)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("scheme_name", ["int8_channel", "int8_block"])
+def test_cutlass_int8_backend_masked(scheme_name):
+    """The cutlass backend's masked pass on the CUTLASS kernels (``int8_kernel="cutlass"``: this
+    batch is below the crossover) on a capacity off the 128-row block (padded and cut back) and on
+    an aligned one: the valid rows within the scheme's bound of float64 and close to the Triton
+    backend's masked pass."""
+    from cases import make_case
+    from epmoe.experts import cutlass_backend as cb
+    from epmoe.experts.base import ExpertWeights
+    from epmoe.experts.triton_backend import TritonBackend
+    from epmoe.layouts import gather_weighted, to_masked
+    from helpers import make_weights
+    from reference import moe_reference, rel_err
+
+    scheme = get_scheme(scheme_name)
+    acc = "int32" if scheme_name == "int8_channel" else "fp32"
+    stored, (w13, w2) = make_weights(LE, LH, LI, scheme_name)
+    backend = cb.CutlassBackend(scheme, accumulator=acc, int8_kernel="cutlass")
+    weights = backend.prepare_weights(ExpertWeights(scheme, *[t.cuda() for t in stored]))
+    triton = TritonBackend(scheme, accumulator=acc)
+    x, ids, w = make_case("empty_experts", 0, LE, LK, LH)
+    xc, idc, wc = x.cuda().bfloat16(), ids.cuda(), w.cuda()
+    ref = moe_reference(xc.float().cpu(), ids, w, w13, w2, scheme_name)
+    for capacity in (x.shape[0], 256):
+        masked, slot_pos = to_masked(xc, None, idc, LE, capacity=capacity)
+        out = backend.run_masked(masked, weights, torch.bfloat16)
+        assert out.shape == (LE, capacity, LH) and out.dtype == torch.bfloat16
+        got = gather_weighted(out.reshape(-1, LH), slot_pos, wc)
+        want = gather_weighted(triton.run_masked(masked, weights, torch.bfloat16).reshape(-1, LH), slot_pos, wc)
+        assert rel_err(got.float().cpu(), ref) < scheme.rel_error_bound, (capacity, rel_err(got.float().cpu(), ref))
+        assert rel_err(got.float(), want.float()) < 2e-2, (capacity, rel_err(got.float(), want.float()))
 
 
 @needs_cutlass

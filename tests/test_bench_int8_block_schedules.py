@@ -1,0 +1,74 @@
+"""benchmarks/int8_block_schedules.py without a GPU: the rows it asks the experts bench for, the
+summary's ratios and targets on synthetic results, and a tiny CPU dry run end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import int8_block_schedules as ibs
+from epmoe.experts.cutlass_backend import INT8_BLOCK_SCHEDULES
+
+
+def _row(backend, m, ms, error=None):
+    return {"backend": backend, "m": m, "error": error, "ms": {} if ms is None else {"total_turns": ms}}
+
+
+def test_every_schedule_is_a_row_with_cutlass_forced():
+    argv = ibs.bench_argv(ibs.parse_args(["--out", "x.json"]), "b.json", INT8_BLOCK_SCHEDULES)
+    extras = [argv[i + 1] for i, a in enumerate(argv) if a == "--extra"]
+    assert extras[0].endswith("@int8_channel_int32?int8_kernel=cutlass")
+    assert [e.split("schedule=")[1] for e in extras[1:]] == [f"{s}&int8_kernel=cutlass" for s in INT8_BLOCK_SCHEDULES]
+    assert "--masked" in argv and argv[argv.index("--turns") + 1] == "3"
+    assert "--masked" not in ibs.bench_argv(ibs.parse_args(["--out", "x", "--no-masked"]), "b", ["lockstep"])
+    with pytest.raises(SystemExit):
+        ibs.parse_args(["--out", "x", "--turns", "0"])
+
+
+def test_summary_ratios_targets_and_fastest():
+    rows = [_row("torch_bf16", 512, 10.0), _row("cutlass_int8_channel_int32_cutlass", 512, 5.0),
+            _row("cutlass_int8_block_lockstep_cutlass", 512, 7.0),
+            _row("cutlass_int8_block_staggered_cutlass", 512, 5.5),
+            _row("cutlass_int8_block_split_n_cutlass", 512, None, error="RuntimeError: boom"),
+            _row("cutlass_int8_channel_int32_cutlass_masked", 512, 6.0),
+            _row("cutlass_int8_block_lockstep_cutlass_masked", 512, 6.6),
+            _row("torch_bf16", 32, 4.0), _row("cutlass_int8_block_lockstep_cutlass", 32, 2.0)]  # fmt: skip
+    s = ibs.summarize(rows)
+    big = s["512"]["block"]
+    assert big["lockstep"] == {"ms": 7.0, "speedup_vs_bf16": 10 / 7, "time_vs_channel": 1.4, "meets_targets": False}
+    assert big["staggered"]["meets_targets"] is True and big["staggered"]["time_vs_channel"] == 1.1
+    assert "split_n" not in big  # its row failed: no time
+    assert big["lockstep_masked"]["time_vs_channel"] == pytest.approx(1.1)
+    assert s["512"]["fastest"] == {"contiguous": "staggered", "masked": "lockstep"}
+    assert s["32"]["block"]["lockstep"]["meets_targets"] is None  # no target at 32 rows, no channel row
+    text = ibs.table(s)
+    assert "staggered" in text and "MET" in text and "not met" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU dry run")
+def test_tiny_dry_run_writes_the_summary(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    assert ibs.main(["--tiny", "--turns", "1", "--out", str(out), "--commit", "abc"]) == 1  # CUTLASS rows fail on CPU
+    report = json.loads(out.read_text())
+    assert report["commit"] == "abc" and report["gpu"] is None and report["smoke"] == {}
+    assert set(report["summary"]) == {"4"} and report["summary"]["4"]["ms"]["torch_bf16"] > 0
+    assert f"wrote {out}" in capsys.readouterr().out
+
+
+def test_winner_is_the_least_total_time_from_128_rows_over_complete_schedules():
+    def entry(**ms):
+        return {"block": {s: {"ms": v} for s, v in ms.items()}}
+
+    summary = {"8": entry(lockstep=1.0, staggered=9.0), "128": entry(lockstep=2.0, staggered=1.9, split_n=1.0),
+               "2048": entry(lockstep=30.0, staggered=25.0)}  # split_n lacks 2048: not a candidate
+    best, table = ibs.winner(summary)
+    assert best == "staggered" and table == {"128": {"lockstep": 2.0, "staggered": 1.9, "split_n": 1.0},
+                                             "2048": {"lockstep": 30.0, "staggered": 25.0}}
+    assert ibs.winner({"8": entry(lockstep=1.0)})[0] is None
+    report = {"summary": summary, "gpu": "NVIDIA H200", "date": "2026-12-02T06:00:00+00:00", "commit": "abc",
+              "shapes": {"experts": 128, "hidden": 7168, "intermediate": 2048}, "torch": "2.11.0+cu130"}
+    entry = ibs.schedule_entry(report)["NVIDIA H200"]
+    assert entry["schedule"] == "staggered" and "commit abc" in entry["source"]
+    assert ibs.schedule_entry({**report, "gpu": None}) is None
