@@ -115,8 +115,9 @@ def test_opcheck_cutlass(kind):
     if kind != "fp8_block":
         torch.library.opcheck(ops._cutlass_grouped_gemm.op, args)
         # The masked layout: the same rows as two experts' slabs of 128, 100 and 7 of them valid.
+        (m, k), e = a.shape, b.shape[0]
         masked = (kind, a.view(e, m // e, k), a_scale.view(e, m // e, -1), b, b_scale,
-                  torch.tensor([100, 7], dtype=torch.int32, **dev), "split_n")  # fmt: skip
+                  torch.tensor([100, 7], dtype=torch.int32, device="cuda"), "split_n")  # fmt: skip
         torch.library.opcheck(ops._cutlass_masked_gemm.op, masked)
         return
     # torch's schema check compares inputs before and after with arithmetic that has no CUDA
