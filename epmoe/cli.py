@@ -48,7 +48,7 @@ def capability_rows(device: "torch.device") -> list[tuple[str, str, str]]:
         quant, _ = mode_and_accumulator(key)
         rows.append(("int8 rule", f"cutlass {key}", int8_rule(device, quant).describe()))
     try:  # what a cutlass backend built now would run (a bad value is shown, not raised)
-        schedule = f"{int8_block_schedule()} (${INT8_BLOCK_SCHEDULE_ENV}, else the default)"
+        schedule = f"{int8_block_schedule()} (${INT8_BLOCK_SCHEDULE_ENV}, else the one measured for this GPU, else the default)"
     except ValueError as exc:
         schedule = str(exc)
     rows.append(("int8 rule", "cutlass int8_block schedule", schedule))

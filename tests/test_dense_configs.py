@@ -31,12 +31,15 @@ def test_table_round_trip_and_buckets(tmp_path):
 
 
 def test_plan_reads_the_device_table(tmp_path, monkeypatch):
-    """A CUDA device whose name has a table: the smallest bucket >= M, the largest past the end;
-    other shapes and modes take the default rule. (No GPU needed: the device facts are stubbed.)"""
+    """A CUDA device whose name has a table: the smallest bucket >= M; past a shape's largest
+    measured bucket, and for other shapes and modes, the default rule (a shape the sweep measured
+    only at one row is not stretched to large batches). (No GPU needed: the device facts are
+    stubbed.)"""
     from epmoe import devices
     from epmoe.kernels import configs
 
-    dc.write_dense_table(dc.table_path("Some GPU", tmp_path), TABLE)
+    partial = {"N=24576,K=1536": {"1": {"kernel": "small_m", "config": CFG._replace(fused=False).to_dict()}}}
+    dc.write_dense_table(dc.table_path("Some GPU", tmp_path), {**TABLE, "int8_block_fp32": partial})
     monkeypatch.setenv("EPMOE_CONFIG_DIR", str(tmp_path))
     monkeypatch.setattr(configs, "device_name", lambda device=None: "Some GPU")
     monkeypatch.setattr(dc, "device_name", lambda device=None: "Some GPU")
@@ -53,6 +56,9 @@ def test_plan_reads_the_device_table(tmp_path, monkeypatch):
         assert dc.dense_plan("int8_block", "fp32", 576, 7168, 1, dev) == (
             "small_m", small_m_config(1, 576, 7168, "int8_block", 132))
         assert dc.dense_plan("int8_channel", "int32", 1536, 7168, 65, dev) == ("tiled", None)
+        assert dc.dense_plan("int8_block", "fp32", 24576, 1536, 1, dev) == ("small_m", CFG._replace(fused=False))
+        for m in (2, 4096):
+            assert dc.dense_plan("int8_block", "fp32", 24576, 1536, m, dev) == dc.default_plan("int8_block", 24576, 1536, m, 132)
     finally:
         dc.load_dense_table.cache_clear()
         dc.dense_plan.cache_clear()
@@ -79,6 +85,12 @@ def test_malformed_tables_are_refused(tmp_path):
     with pytest.raises(ValueError, match="block_k=100"):
         dc.write_dense_table(tmp_path / "t.json", bad["configs"])
     assert not (tmp_path / "t.json").exists()
+    for entry, says in (("small_m", "kernel=None"), ({"kernel": "small_m"}, "KeyError"),
+                        ({"kernel": "small_m", "config": {"block_m": "x"}}, "small_m entry has a 'config'")):
+        with pytest.raises(ValueError, match=f"int8_channel_int32 N=1,K=1 bucket 1: .*{says}"):
+            dc.parse_table({"configs": {"int8_channel_int32": {"N=1,K=1": {"1": entry}}}})
+    with pytest.raises(ValueError, match="bucket one: ValueError"):
+        dc.parse_table({"configs": {"m": {"N=1,K=1": {"one": {"kernel": "tiled"}}}}})
 
 
 @pytest.mark.parametrize("plan", ["small_m-split", "tiled"])

@@ -853,7 +853,8 @@ def test_cutlass_int8_plumbing_masked(monkeypatch, scheme_name):
     x, ids, w = make_case("empty_experts", 0, PE, PK, PH)
     backend = cb.CutlassBackend(scheme, accumulator="int32" if scheme_name == "int8_channel" else "fp32")
     monkeypatch.delenv(cb.INT8_BLOCK_SCHEDULE_ENV)
-    assert backend.schedule == "split_n" and "masked" in backend.layouts
+    assert backend.schedule == ("split_n" if scheme_name == "int8_block" else cb.DEFAULT_INT8_BLOCK_SCHEDULE)
+    assert "masked" in backend.layouts
     weights = backend.prepare_weights(ExpertWeights(scheme, *stored))
     ref = moe_reference(x, ids, w, w13, w2, scheme_name)
     for capacity in (x.shape[0], 128):
@@ -898,6 +899,9 @@ def test_int8_block_schedule_choice(monkeypatch, caplog):
         cb.CutlassBackend(block)
     with pytest.raises(ValueError, match=r"^schedule='fast'; allowed: \['lockstep', 'staggered', 'split_n'\]"):
         cb.CutlassBackend(block, schedule="fast")
+    # Only int8_block has schedules: the bad environment value does not stop the other schemes.
+    assert cb.CutlassBackend(get_scheme("fp8_block")).schedule == cb.DEFAULT_INT8_BLOCK_SCHEDULE
+    assert cb.CutlassBackend(get_scheme("int8_channel"), accumulator="int32").schedule == cb.DEFAULT_INT8_BLOCK_SCHEDULE
 
 
 def test_int8_block_schedule_measured_per_gpu(monkeypatch, tmp_path):

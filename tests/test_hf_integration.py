@@ -306,8 +306,8 @@ def test_enabled_experts_forward_reads_nothing_back(monkeypatch):
     import epmoe.layer as layer_module
     from epmoe.layouts import _to_contiguous_kernels, kernel_permute
 
-    def scatter(x, x_scale, ids, e, alignment, padded_rows, *, expected_m=None):
-        return _to_contiguous_kernels(x, x_scale, ids, e, alignment, padded_rows, expected_m)
+    def scatter(x, x_scale, ids, e, alignment, padded_rows, *, expected_m=None, scale_mn_major=False):
+        return _to_contiguous_kernels(x, x_scale, ids, e, alignment, padded_rows, expected_m, scale_mn_major)
 
     monkeypatch.setattr(layer_module, "to_contiguous", scatter)
     monkeypatch.setattr(layer_module, "gather_weighted", lambda out, pos, w, dtype: kernel_permute().gather_weighted(out, pos, w.float(), dtype))

@@ -978,7 +978,10 @@ class CutlassBackend(ExpertsBackend):
             raise ValueError(_INT8_ACCUMULATOR)
         if int8_kernel not in INT8_KERNELS:
             raise ValueError(f"int8_kernel={int8_kernel!r}; allowed: {list(INT8_KERNELS)}")
-        self.schedule = int8_block_schedule(schedule)
+        # Only the INT8 block kernel has schedules: a bad $EPMOE_INT8_BLOCK_SCHEDULE must not stop
+        # FP8 or channel-wise layers from building (a schedule named here is still checked).
+        self.schedule = (int8_block_schedule(schedule) if scheme.name == "int8_block" or schedule is not None
+                         else DEFAULT_INT8_BLOCK_SCHEDULE)  # fmt: skip
         self.forced_int8_kernel = None if int8_kernel == "auto" else int8_kernel
         if scheme.name == "int8_block":
             log.info("cutlass backend, INT8 block kernel: the %s schedule of its consumer warpgroups", self.schedule)

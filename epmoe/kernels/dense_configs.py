@@ -66,11 +66,17 @@ def parse_table(data: dict, where: str = "table") -> dict:
         for shape, buckets in shapes.items():
             parsed = {}
             for bucket, entry in buckets.items():
-                kernel = entry.get("kernel")
+                at = f"{where}: {mode} {shape} bucket {bucket}"
+                kernel = entry.get("kernel") if isinstance(entry, dict) else None
                 if kernel not in KERNELS:
-                    raise ValueError(f"{where}: {mode} {shape} bucket {bucket}: kernel={kernel!r}; allowed: {list(KERNELS)}")
-                cfg = SmallMConfig.from_dict(entry["config"]) if kernel == "small_m" else None
-                parsed[int(bucket)] = (kernel, cfg)
+                    raise ValueError(f"{at}: kernel={kernel!r}; allowed: {list(KERNELS)} (an entry is "
+                                     '{"kernel": ..., "config": {...}})')  # fmt: skip
+                try:
+                    cfg = SmallMConfig.from_dict(entry["config"]) if kernel == "small_m" else None
+                    parsed[int(bucket)] = (kernel, cfg)
+                except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                    raise ValueError(f"{at}: {type(exc).__name__}: {exc} (a bucket is a row count; a "
+                                     "small_m entry has a 'config' object of SmallMConfig fields)") from exc
             order = sorted(parsed)
             out.setdefault(mode, {})[shape] = (tuple(order), tuple(parsed[b] for b in order))
     return out
@@ -94,13 +100,15 @@ def dense_plan(
     scheme: str, accumulator: str, n: int, k: int, m: int, device: torch.device
 ) -> tuple[str, SmallMConfig | None]:
     """``(kernel, launch)`` for an ``[m, k] x [n, k]^T`` call on ``device``: the device table's
-    entry where one exists, else :func:`default_plan` (cached: the forward asks on every call)."""
+    entry where one covers ``m`` (at most the shape's largest measured bucket), else
+    :func:`default_plan` (cached: the forward asks on every call). A shape the sweep measured only
+    at small batches (its time budget ran out) is not extrapolated to large ones."""
     from .. import devices
 
     sms = devices.sm_count(device) if device.type == "cuda" else 4
     table = load_dense_table(device_name(device)) if device.type == "cuda" else {}
     hit = table.get(mode_key(scheme, accumulator), {}).get(shape_key(n, k))
-    if not hit:
+    if not hit or m > hit[0][-1]:
         return default_plan(scheme, n, k, m, sms)
     bounds, plans = hit
     return plans[_bucket_index(bounds, m)]
