@@ -154,17 +154,24 @@ def _fake_matches_real(buf, device, rank):
     return out
 
 
-@torch.no_grad()
-def _low_latency(scheme, buf, device, rank):
-    block = _block(scheme, "deepep_low_latency", buf, device, max_tokens_per_rank=CAP)
-    t = 8 if rank == 0 else 3  # different static batch sizes per rank
-    xs = [_x(t, s, rank, device) for s in range(4)]
+def _eager_and_compiled(block, xs, t):
+    """``block`` eagerly and compiled (fullgraph) on ``xs``: the eager outputs, the compiled block
+    and the row with what both checks saw."""
     eager = [block(x).clone() for x in xs]
     torch.cuda.synchronize()
     row = dict(backend=block.experts.backend.name, dispatcher=block.experts.dispatcher.name, tokens=t,
                finite=all(bool(torch.isfinite(e).all()) for e in eager), explain=_explain(block, xs[0]))  # fmt: skip
     compiled = torch.compile(block, fullgraph=True, dynamic=False)
     row["compiled_vs_eager"] = [rel_err(compiled(x).float().cpu(), e.float().cpu()) for x, e in zip(xs, eager)]
+    return eager, compiled, row
+
+
+@torch.no_grad()
+def _low_latency(scheme, buf, device, rank):
+    block = _block(scheme, "deepep_low_latency", buf, device, max_tokens_per_rank=CAP)
+    t = 8 if rank == 0 else 3  # different static batch sizes per rank
+    xs = [_x(t, s, rank, device) for s in range(4)]
+    eager, compiled, row = _eager_and_compiled(block, xs, t)
     static = xs[0].clone()
     graph, out = _captured(lambda: block(static), device)
     row["graph_vs_eager"] = _replays(graph, out, static, xs[1:], eager[1:])
@@ -191,12 +198,7 @@ def _normal_bounded(buf, device, rank):
     block = _block("bf16", "deepep_normal", buf, device, normal_max_tokens_per_rank=CAP)
     t = 12 if rank == 0 else 5
     xs = [_x(t, 10 + s, rank, device) for s in range(3)]
-    eager = [block(x).clone() for x in xs]
-    torch.cuda.synchronize()
-    row = dict(backend=block.experts.backend.name, dispatcher=block.experts.dispatcher.name, tokens=t,
-               finite=all(bool(torch.isfinite(e).all()) for e in eager), explain=_explain(block, xs[0]))  # fmt: skip
-    compiled = torch.compile(block, fullgraph=True, dynamic=False)
-    row["compiled_vs_eager"] = [rel_err(compiled(x).float().cpu(), e.float().cpu()) for x, e in zip(xs, eager)]
+    _, _, row = _eager_and_compiled(block, xs, t)
     torch.cuda.synchronize()
     torch._dynamo.reset()
     return row
