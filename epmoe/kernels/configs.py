@@ -140,11 +140,15 @@ def load_table(name: str) -> dict:
             f"EPMOE_CONFIG_DIR={os.environ['EPMOE_CONFIG_DIR']!r} (from the environment) names "
             f"{missing}, not a directory"
         )
-    for d in dirs + [PACKAGE_DIR]:
-        path = d / config_filename(name)
-        if path.is_file():
-            return read_config_file(path)
-    return {}
+    path = find_config_file(config_filename(name))
+    return {} if path is None else read_config_file(path)
+
+
+def find_config_file(filename: str) -> Path | None:
+    """The first ``filename`` in ``$EPMOE_CONFIG_DIR``'s directories, else in the package's
+    configs, else ``None``."""
+    dirs = [Path(p) for p in os.environ.get("EPMOE_CONFIG_DIR", "").split(os.pathsep) if p]
+    return next((d / filename for d in dirs + [PACKAGE_DIR] if (d / filename).is_file()), None)
 
 
 def read_config_file(path: Path | str) -> dict:

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from pathlib import Path
 
 import torch
 
-from .configs import PACKAGE_DIR, _bucket_index, config_filename, device_name, shape_key
-from .dense_int8 import SmallMConfig, small_m_config
+from .configs import PACKAGE_DIR, _bucket_index, config_filename, device_name, find_config_file, shape_key
+from .dense_int8 import SmallMConfig, _sms, small_m_config
 
 KERNELS = ("small_m", "tiled")
 FILE_PREFIX = "dense_int8_"
@@ -48,12 +47,8 @@ def table_path(name: str, directory: Path | str = PACKAGE_DIR) -> Path:
 def load_dense_table(name: str) -> dict:
     """``{mode: {shape_key: (buckets ascending, plans)}}`` of a device's table, parsed and checked
     once (empty when none ships)."""
-    dirs = [Path(p) for p in os.environ.get("EPMOE_CONFIG_DIR", "").split(os.pathsep) if p]
-    for d in dirs + [PACKAGE_DIR]:
-        path = table_path(name, d)
-        if path.is_file():
-            return parse_table(json.loads(path.read_text()), str(path))
-    return {}
+    path = find_config_file(FILE_PREFIX + config_filename(name))
+    return {} if path is None else parse_table(json.loads(path.read_text()), str(path))
 
 
 def parse_table(data: dict, where: str = "table") -> dict:
@@ -103,9 +98,7 @@ def dense_plan(
     entry where one covers ``m`` (at most the shape's largest measured bucket), else
     :func:`default_plan` (cached: the forward asks on every call). A shape the sweep measured only
     at small batches (its time budget ran out) is not extrapolated to large ones."""
-    from .. import devices
-
-    sms = devices.sm_count(device) if device.type == "cuda" else 4
+    sms = _sms(device)
     table = load_dense_table(device_name(device)) if device.type == "cuda" else {}
     hit = table.get(mode_key(scheme, accumulator), {}).get(shape_key(n, k))
     if not hit or m > hit[0][-1]:
