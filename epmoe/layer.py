@@ -20,6 +20,7 @@ from torch import nn
 from .checkpoint import loading
 from .dispatch.base import LOW_LATENCY_PAYLOADS, DispatchConfig, Dispatched
 from .dispatch.collective import check_agreement
+from .dispatch.deepep_dispatch.sizing import expected_rows_per_expert
 from .dispatch.select import select_dispatcher
 from .experts.base import ExpertWeights
 from .environment import requested
@@ -552,8 +553,7 @@ class DeepEPMoELayer(nn.Module):
             return d.expected_m
         if b.prefers_host_sizes and host_reads_allowed(self.device):
             return None
-        slots = d.topk_ids.shape[0] * d.topk_ids.shape[1]
-        return max(1, -(-slots // self.num_local_experts))
+        return expected_rows_per_expert(d.topk_ids.shape[0], 1, d.topk_ids.shape[1], self.num_local_experts)
 
     @property
     def payload(self) -> str:

@@ -8,11 +8,10 @@ backends that need host-side sizes get them from the layer's count read-back as 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .base import PAYLOADS, DispatchConfig, Dispatched, Dispatcher
+from .deepep_dispatch.sizing import expected_rows_per_expert
 
 
 class LocalDispatcher(Dispatcher):
@@ -34,7 +33,7 @@ class LocalDispatcher(Dispatcher):
             num_tokens=x.shape[0],
             topk_ids=topk_ids,
             topk_weights=topk_weights,
-            expected_m=max(1, math.ceil(topk_ids.numel() / self.cfg.num_experts)),
+            expected_m=expected_rows_per_expert(topk_ids.shape[0], 1, topk_ids.shape[1], self.cfg.num_experts),
         )
 
     def combine(self, y: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:

@@ -385,7 +385,7 @@ INTERPRETER_TILE = 65536
 
 def fused_copy_step(num_slots: int) -> bool:
     """Whether :func:`slot_layout_scatter` lays out and scatters ``num_slots`` slots in one launch."""
-    return 0 < num_slots <= COPY_MAX_SLOTS and _step(num_slots) <= COPY_MAX_SLOTS
+    return 0 < num_slots <= COPY_MAX_SLOTS
 
 
 def slot_layout_scatter(

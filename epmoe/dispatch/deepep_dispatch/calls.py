@@ -31,10 +31,6 @@ import torch.distributed as dist
 from ...tensors import as_contiguous, capturing
 from .buffer import buffer_by_id
 
-NORMAL_HANDLE_TENSORS = 6
-"""Tensors of DeepEP's intranode normal-mode handle."""
-
-
 def normal_payload(x: torch.Tensor, x_scale: torch.Tensor | None):
     """The ``x`` argument of ``deep_ep.Buffer.dispatch`` for a layer payload.
 

@@ -4,7 +4,6 @@ needs ``deep_ep``, a GPU or a process group."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -205,4 +204,4 @@ def expected_rows_per_expert(num_tokens: int, world_size: int, top_k: int, num_e
     """Rows-per-expert hint (masked layout, device-sized contiguous layout): rows a local expert
     gets when every rank sends ``num_tokens`` tokens with uniform routing (a host-side number,
     so it is fixed inside a CUDA graph)."""
-    return max(1, math.ceil(num_tokens * world_size * top_k / max(num_experts, 1)))
+    return max(1, -(-(num_tokens * world_size * top_k) // max(num_experts, 1)))
