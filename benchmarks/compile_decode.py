@@ -54,7 +54,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from epmoe import DeepEPMoELayer
-from epmoe.layouts import to_contiguous
 from epmoe.timing import kernel_ms
 
 SCHEMES = ("bf16", "int8_channel", "fp8_block")
@@ -136,11 +135,7 @@ def experts_pass(layer: DeepEPMoELayer, y: torch.Tensor, logits: torch.Tensor):
     ids, w = layer.route(logits)
     d = layer.dispatcher.dispatch(y, ids, w)
     backend = layer.backend
-    # What the layer does (DeepEPMoELayer._segment_hint): device-side segment sizes for a backend
-    # that takes them (Triton), exact host sizes otherwise (the CUTLASS FP8 kernel).
-    hint = max(1, -(-ids.numel() // layer.num_local_experts)) if backend.device_segments else None
-    batch = to_contiguous(d.x, d.x_scale, d.topk_ids, layer.num_local_experts, backend.alignment, expected_m=hint,
-                          scale_mn_major=backend.mn_major_scales)  # fmt: skip
+    batch = layer._contiguous_batch(d)  # the layer's own layout: sizes, alignment, scale layout
     weights = layer.backend.prepare_weights(layer.expert_weights())
     return (lambda: backend.run_contiguous(batch, weights, y.dtype)), batch
 

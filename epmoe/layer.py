@@ -26,7 +26,7 @@ from .experts.base import ExpertWeights
 from .environment import requested
 from .experts.select import select_backend
 from .inputs import INPUT_DTYPES, check_forward_inputs, check_forward_values
-from .layouts import MaskedBatch, gather_weighted, to_contiguous
+from .layouts import ContiguousBatch, MaskedBatch, gather_weighted, to_contiguous
 from .quant.payload import choose_payloads
 from .quant.schemes import BLOCK, get_scheme
 from .routing import check_routing_config, select_experts
@@ -509,20 +509,25 @@ class DeepEPMoELayer(nn.Module):
             self._prepared = (key, self.backend.prepare_weights(weights))
         return self._prepared[1]
 
+    def _contiguous_batch(self, d: Dispatched) -> ContiguousBatch:
+        """What arrived, laid out for the backend: sized on the device from the segment hint
+        (aligned for the kernel that batch size runs on), else from the host sizes."""
+        hint = self._segment_hint(d)
+        align = self.backend.alignment if hint is None else self.backend.alignment_for(hint, self.device)
+        rows = d.padded_rows if hint is None else None  # host sizes, or the hint's device sizes
+        return to_contiguous(
+            d.x, d.x_scale, d.topk_ids, self.num_local_experts, align, rows, expected_m=hint,
+            scale_mn_major=self.backend.mn_major_scales,
+        )
+
     def _run_experts(self, d: Dispatched, dtype: torch.dtype) -> torch.Tensor:
         """Experts on what arrived; returns what ``combine`` takes."""
         if d.layout == "masked":
             batch = MaskedBatch(d.x, d.x_scale, d.masked_m, d.expected_m)
             with phase("epmoe.experts"):
                 return self.backend.run_masked(batch, self._weights(), dtype)
-        hint = self._segment_hint(d)
-        align = self.backend.alignment if hint is None else self.backend.alignment_for(hint, self.device)
-        rows = d.padded_rows if hint is None else None  # host sizes, or the hint's device sizes
         with phase("epmoe.scatter"):
-            batch = to_contiguous(
-                d.x, d.x_scale, d.topk_ids, self.num_local_experts, align, rows, expected_m=hint,
-                scale_mn_major=self.backend.mn_major_scales,
-            )
+            batch = self._contiguous_batch(d)
         with phase("epmoe.experts"):
             out = self.backend.run_contiguous(batch, self._weights(), dtype)
         weights = d.topk_weights
