@@ -50,11 +50,12 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks.provenance, epmoe of this checkout
+from benchmarks.provenance import git_commit  # noqa: E402
 import torch
 import torch.nn.functional as F
 
@@ -81,13 +82,7 @@ TARGETS = "ratio to bf16 >= 1.7 for M >= 1024, >= 1.6 for M <= 64, never slower 
 
 
 def _commit(given: str | None) -> str:
-    if given:
-        return given
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()  # fmt: skip
-    except Exception:
-        return "unknown"
+    return git_commit(given)
 
 
 def _sync():

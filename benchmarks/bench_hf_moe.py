@@ -37,11 +37,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks.provenance, epmoe of this checkout
+from benchmarks.provenance import git_commit  # noqa: E402
 import torch
 
 VARIANTS = {
@@ -72,13 +73,7 @@ NO_EXPERTS = "bench_no_experts"
 
 
 def _commit(given: str | None) -> str:
-    if given:
-        return given
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent,
-                              check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return git_commit(given)
 
 
 class Clock:

@@ -45,10 +45,12 @@ import datetime
 import json
 import math
 import os
-import subprocess
 import sys
+from pathlib import Path
 import time
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks.provenance, epmoe of this checkout
+from benchmarks.provenance import git_commit  # noqa: E402
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -141,13 +143,7 @@ def experts_pass(layer: DeepEPMoELayer, y: torch.Tensor, logits: torch.Tensor):
 
 
 def commit_of(arg: str | None) -> str | None:
-    if arg:
-        return arg
-    try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=root, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
+    return git_commit(arg, fallback=None)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

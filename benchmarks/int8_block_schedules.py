@@ -37,6 +37,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks.provenance, epmoe of this checkout
+from benchmarks.provenance import git_commit  # noqa: E402
 import torch
 
 from epmoe.bench import experts as bench
@@ -132,13 +134,7 @@ def bench_argv(args, json_path: str, schedules) -> list[str]:
 
 
 def commit(given: str | None) -> str | None:
-    if given:
-        return given
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return None
+    return git_commit(given, fallback=None)
 
 
 def turns_ms(rows: dict, label: str):

@@ -51,12 +51,13 @@ import math
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 import types
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks.provenance, epmoe of this checkout
+from benchmarks.provenance import git_commit  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DIR = ROOT / ".thirdparty" / "sglang"
 FUSED = "sglang.srt.layers.moe.fused_moe_triton"
@@ -332,13 +333,7 @@ class SglangPass:
 
 
 def _commit(given: str | None) -> str:
-    if given:
-        return given
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT, check=True)
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (pass --commit)"
+    return git_commit(given, fallback="unknown (pass --commit)")
 
 
 def main(argv: list[str] | None = None) -> int:

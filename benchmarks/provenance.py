@@ -1,0 +1,20 @@
+"""The commit a benchmark records in its JSON."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def git_commit(given: str | None = None, fallback: str | None = "unknown") -> str | None:
+    """``given`` (a ``--commit`` argument), else this checkout's ``git rev-parse HEAD``, else
+    ``fallback`` (no git, or not a checkout: the GPU machine's copy of the tree)."""
+    if given:
+        return given
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT,
+                              check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return fallback
