@@ -117,11 +117,28 @@ class MaskedBatch:
 def _local_slots(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat indices ``r * k + j`` of valid slots, ordered by (expert, token) — a stable sort —
     and their experts, int64 whatever the ids' dtype (narrow ids index wrongly: uint8 as a mask)."""
+    key = _slot_keys(topk_ids, num_experts)
+    order = torch.sort(key, stable=True).indices[: int((key < num_experts).sum())]
+    return order, key[order]
+
+
+def _slot_keys(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Each slot's local expert, ``num_experts`` for a slot of another rank (or ``-1``): int64,
+    flat."""
     flat = topk_ids.reshape(-1).long()
-    valid = (flat >= 0) & (flat < num_experts)
-    key = torch.where(valid, flat, torch.full_like(flat, num_experts))
-    order = torch.sort(key, stable=True).indices[: int(valid.sum())]
-    return order, flat[order]
+    return torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+
+
+def _copy_rows(x, x_scale, src, pos, rows: int):
+    """``rows`` rows with ``x[src]`` (and its scales) at ``pos``; rows no slot lands on hold zeros
+    (scales: ones)."""
+    out_x = x.new_zeros((rows, x.shape[1]))
+    out_x[pos] = x[src]
+    out_scale = None
+    if x_scale is not None:
+        out_scale = x_scale.new_ones((rows, x_scale.shape[1]))
+        out_scale[pos] = x_scale[src]
+    return out_x, out_scale
 
 
 def to_contiguous(
@@ -255,12 +272,7 @@ def _to_contiguous_torch(x, x_scale, topk_ids, num_experts, alignment) -> Contig
     slot_pos = torch.full((r * k,), -1, dtype=torch.int64, device=device)
     slot_pos[slots] = pos
     slot_pos = slot_pos.reshape(r, k)
-    out_x = x.new_zeros((m, x.shape[1]))
-    out_x[pos] = x[slots // k]
-    out_scale = None
-    if x_scale is not None:
-        out_scale = x_scale.new_ones((m, x_scale.shape[1]))
-        out_scale[pos] = x_scale[slots // k]
+    out_x, out_scale = _copy_rows(x, x_scale, slots // k, pos, m)
     return ContiguousBatch(out_x, out_scale, offsets.to(torch.int32), m_indices, slot_pos, num_rows, alignment=alignment)
 
 
@@ -271,9 +283,7 @@ def _to_contiguous_torch_device(x, x_scale, topk_ids, num_experts, alignment, ex
     r, k = topk_ids.shape
     device = x.device
     m = max_rows(r, k, num_experts, alignment)
-    flat = topk_ids.reshape(-1).long()
-    valid = (flat >= 0) & (flat < num_experts)
-    key = torch.where(valid, flat, num_experts)  # foreign slots sort last, into an extra bin
+    key = _slot_keys(topk_ids, num_experts)  # foreign slots sort last, into an extra bin
     order = torch.sort(key, stable=True).indices
     experts = key[order]
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
@@ -290,16 +300,9 @@ def _to_contiguous_torch_device(x, x_scale, topk_ids, num_experts, alignment, ex
     m_indices[pos] = torch.where(placed, experts, -1).to(torch.int32)
     slot_pos = torch.full((r * k,), -1, dtype=torch.int64, device=device)
     slot_pos[order] = torch.where(placed, pos, -1)
-    src = order // k
-    out_x = x.new_zeros((m + 1, x.shape[1]))
-    out_x[pos] = x[src]
-    out_scale = None
-    if x_scale is not None:
-        out_scale = x_scale.new_ones((m + 1, x_scale.shape[1]))
-        out_scale[pos] = x_scale[src]
-        out_scale = out_scale[:m]
+    out_x, out_scale = _copy_rows(x, x_scale, order // k, pos, m + 1)
     return ContiguousBatch(
-        out_x[:m], out_scale, offsets.to(torch.int32), m_indices[:m], slot_pos.reshape(r, k),
+        out_x[:m], None if out_scale is None else out_scale[:m], offsets.to(torch.int32), m_indices[:m], slot_pos.reshape(r, k),
         counts[:num_experts].to(torch.int32), expected_m, alignment,
     )  # fmt: skip
 
