@@ -44,6 +44,7 @@ if str(ROOT) not in sys.path:  # epmoe and benchmarks/ from this checkout, also 
     sys.path.insert(0, str(ROOT))
 
 from epmoe.bench import layer as bench_layer  # noqa: E402
+from benchmarks.provenance import git_commit, git_dirty  # noqa: E402
 from epmoe.bench.plotting import check_plot  # noqa: E402
 
 GPU_COUNTS = (2, 4, 8)
@@ -73,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_layer.add_arguments(p, standard=False, schemes=SCHEMES)
     p.add_argument("--rounds", type=int, default=5, help="rounds of the schemes taking turns (0: skip them)")
     p.add_argument("--tests-timeout", type=float, default=900.0, help="seconds the tests part may take")
-    p.add_argument("--commit", default=None, help="commit recorded when git cannot tell (no .git here)")
+    p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD of this checkout, with whether its tracked files differ)")
     p.add_argument("--report", nargs="+", default=None, metavar="JSON",
                    help="run nothing: the scaling table (and --markdown / --plot) from these JSONs")
     p.add_argument("--markdown", default=None, help="write the scaling table (Markdown) here")
@@ -124,19 +125,6 @@ def check_machine(p: argparse.ArgumentParser, args: argparse.Namespace, gpus_her
 
 
 # ---------------------------------------------------------------------------------- the run
-def git_commit(given: str | None) -> tuple[str | None, bool | None]:
-    """``(commit, dirty)`` of this checkout from git, else ``(given, None)``."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=30)
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                                capture_output=True, text=True, timeout=30)  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired):
-        return given, None
-    if head.returncode:
-        return given, None
-    return head.stdout.strip(), bool(status.stdout.strip())
-
-
 def machine(n: int) -> dict:
     """The GPUs, the link between them and the versions that shape the figures."""
     import importlib.metadata as md
@@ -287,7 +275,9 @@ def run(args: argparse.Namespace) -> int:
     0 when every part ran and no test failed, else 1."""
     import tempfile
 
-    commit, dirty = git_commit(args.commit)
+    # a given --commit names the tree that ran (the GPU machine's copy has stale git metadata)
+    commit = git_commit(args.commit, fallback=None)
+    dirty = None if args.commit else git_dirty()
     doc = dict(kind="ep_scaling", format=FORMAT, date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                commit=commit, dirty=dirty, gpus=args.gpus, machine=machine(args.gpus), parts=args.parts,
                redundant_experts=REDUNDANT_EXPERTS,

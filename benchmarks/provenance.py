@@ -18,3 +18,12 @@ def git_commit(given: str | None = None, fallback: str | None = "unknown") -> st
                               check=True).stdout.strip()  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
         return fallback
+
+
+def git_dirty() -> bool | None:
+    """Whether this checkout's tracked files differ from its HEAD; ``None`` without git."""
+    try:
+        return bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                   text=True, cwd=ROOT, check=True, timeout=30).stdout.strip())  # fmt: skip
+    except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired):
+        return None

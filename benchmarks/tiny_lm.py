@@ -313,19 +313,13 @@ class RunFacts:
 def run_facts(device, commit: str | None = None) -> RunFacts:
     """Date, commit (``git rev-parse HEAD`` of this checkout unless given), versions and GPU."""
     import datetime
-    import subprocess
 
     import torch
     import transformers
 
-    if commit is None:
-        try:
-            commit = subprocess.run(
-                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                cwd=Path(__file__).resolve().parent,
-            ).stdout.strip()  # fmt: skip
-        except (OSError, subprocess.CalledProcessError):
-            commit = "unknown (pass --commit)"
+    from benchmarks.provenance import git_commit
+
+    commit = git_commit(commit, fallback="unknown (pass --commit)")
     try:
         import triton
 
