@@ -89,3 +89,16 @@ def test_runnable_blocks_run():
     assert blocks, "docs/getting-started.md keeps one runnable example"
     for page, block in blocks:
         exec(compile(block, str(page), "exec"), {"__name__": "__docs__"})
+
+
+def test_no_merge_conflict_markers():
+    """A merge left its markers in a committed page once; no text file of the tree may carry them."""
+    suffixes = {".md", ".py", ".json", ".cu", ".cuh", ".cpp", ".toml", ".txt", ".cfg"}
+    marker = re.compile(r"^(<{7} |={7}$|>{7} )", re.M)
+    found = [
+        str(p.relative_to(ROOT))
+        for top in ("README.md", "CHANGELOG.md", "docs", "benchmarks", "epmoe", "examples", "tests")
+        for p in ([ROOT / top] if (ROOT / top).is_file() else sorted((ROOT / top).rglob("*")))
+        if p.suffix in suffixes and p.is_file() and marker.search(p.read_text(errors="replace"))
+    ]
+    assert not found, f"merge conflict markers in {found}"
