@@ -37,8 +37,10 @@ without rows has an empty segment and gets no tiles. The masked layout (``[E, ca
 ``masked_m``) is the same problem over ``E * cap`` rows with the table built from ``masked_m``
 (:func:`int8_block_masked_gemm`, :func:`int8_masked_gemm`; ``cap`` padded to 128 by the backend).
 
-The INT8 block kernel has three schedules of its consumer warpgroups (:data:`INT8_BLOCK_SCHEDULES`),
-each its own instantiation in the one extension; a backend runs the one named when it is built.
+The INT8 block kernel has variants (:data:`INT8_BLOCK_SCHEDULES`: its consumer warpgroups'
+schedule and its tile width), each its own instantiation in the one extension; a backend runs the
+one named when it is built (the argument, ``EPMOE_INT8_BLOCK_SCHEDULE``, else the one measured
+fastest on its GPU, :data:`SCHEDULE_FILE`).
 """
 
 from __future__ import annotations
@@ -85,17 +87,37 @@ SOURCES = (
     "int8_block_contiguous_gemm.cu",
     "int8_block_staggered_gemm.cu",
     "int8_block_split_n_gemm.cu",
+    "int8_block_split_n_zero_gemm.cu",
+    "int8_block_n256_quarters_gemm.cu",
+    "int8_block_n256_halves_gemm.cu",
+    "int8_block_n128_split_n_gemm.cu",
     "int8_channel_contiguous_gemm.cu",
 )
 HEADERS = ("contiguous_gemm_common.cuh", "block_scaled_contiguous_gemm.cuh")
 ROW_BLOCK = 128
 """Rows of a tile of the project's kernel: every expert segment starts and ends on a multiple."""
-INT8_BLOCK_SCHEDULES = ("lockstep", "staggered", "split_n")
-"""How the INT8 block kernel's two consumer warpgroups overlap a K block's MMAs with the promotion
-of the one before (``BlockScaledSchedule`` in ``block_scaled_contiguous_gemm.cuh``; the op takes
-the index): ``lockstep`` (both issue, wait and promote together: the tensor cores idle during the
-promotion), ``staggered`` (they take turns to issue, so one promotes while the other's MMAs run),
-``split_n`` (each issues its MMAs in two N halves and promotes one while the other runs)."""
+INT8_BLOCK_SCHEDULES = (
+    "lockstep", "staggered", "split_n", "split_n_zero", "n256_quarters", "n256_halves", "n128_split_n",
+)  # fmt: skip
+"""The INT8 block kernel's variants (``kInt8BlockVariants`` in ``block_scaled_contiguous_gemm.cuh``,
+in this order: the op takes the index): how its two consumer warpgroups overlap a K block's MMAs
+with the promotion of the one before, where each K block's int32 sums start, and the tile's
+width. On 128 x 192 tiles: ``lockstep`` (both issue, wait and promote together: the tensor cores
+idle during the promotion), ``staggered`` (they take turns to issue, so one promotes while the
+other's MMAs run), ``split_n`` (each issues its MMAs in two N halves and promotes one while the
+other runs). Those three start each K block's sums from registers set to the float bias; the
+others start from zero (``kZeroStart``: no register moves between MMA issues, the bias added in
+the promotion): ``split_n_zero`` (``split_n`` so); on 128 x 256 tiles (N = 4096 and 7168 are
+whole multiples, where 192 leaves a part-empty last tile column) ``n256_quarters`` (four N chunks
+through two partials, each promoted while the next runs) and ``n256_halves`` (two N halves
+through one partial, each promoted before the next is issued); on 128 x 128 tiles
+``n128_split_n`` (``split_n``'s halves)."""
+INT8_BLOCK_TILE_N = {name: 192 for name in ("lockstep", "staggered", "split_n", "split_n_zero")} | {
+    "n256_quarters": 256, "n256_halves": 256, "n128_split_n": 128,
+}  # fmt: skip
+"""Tile width of each INT8 block variant: a 192-wide tile reads the weight scales on a 64-column
+grid (:func:`kernel_weight_scale`, repeated per call from the stored ``[E, N/128, K/128]``), the
+128- and 256-wide ones as stored."""
 INT8_BLOCK_SCHEDULE_ENV = "EPMOE_INT8_BLOCK_SCHEDULE"
 """Environment variable naming the INT8 block kernel's schedule (one of
 :data:`INT8_BLOCK_SCHEDULES`), read when a :class:`CutlassBackend` is built."""
@@ -531,16 +553,16 @@ def check_operands(
             raise ValueError(f"{op}: {name} must be on a's device {a.device}; got {_shape(t)}")
 
 
-def _check_block_scaled(op, dtype, a, a_scale, b, b_scale, expert_offsets, out, devices=True) -> None:
+def _check_block_scaled(op, dtype, a, a_scale, b, b_scale, expert_offsets, out, devices=True, tile_n=192) -> None:
     """The block-scaled kernels' operands (FP8 or INT8): K and N positive multiples of 128 (the
     kernels step K in whole 128-wide scale blocks and read one weight scale per 128 columns),
-    ``a_scale [M, K/128]``, ``b_scale [E, N/128, K/128]`` or :func:`kernel_weight_scale`'s
-    ``[E, N/64, K/128]``."""
+    ``a_scale [M, K/128]``, ``b_scale [E, N/128, K/128]`` or, for the kernels of 192-wide tiles
+    (``tile_n``), :func:`kernel_weight_scale`'s ``[E, N/64, K/128]``."""
     _check_rows(a)
+    groups = (BLOCK, WEIGHT_SCALE_GROUP_N) if tile_n % BLOCK else (BLOCK,)
     check_operands(op, a, a_scale, b, b_scale, expert_offsets, out, dtype=dtype, k_multiple=BLOCK,
                    n_multiple=BLOCK, a_scale_shapes=lambda m, k: [(m, k // BLOCK)],
-                   b_scale_shapes=lambda e, n, k: [(e, n // BLOCK, k // BLOCK),
-                                                   (e, n // WEIGHT_SCALE_GROUP_N, k // BLOCK)],
+                   b_scale_shapes=lambda e, n, k: [(e, n // g, k // BLOCK) for g in groups],
                    devices=devices)  # fmt: skip
 
 
@@ -654,7 +676,8 @@ def int8_block_grouped_gemm(
         ``out``, ``[M, N]`` bf16.
     """
     index = _schedule_index(schedule)
-    _check_block_scaled("int8_block_grouped_gemm", torch.int8, a, a_scale, b, b_scale, expert_offsets, out)
+    _check_block_scaled("int8_block_grouped_gemm", torch.int8, a, a_scale, b, b_scale, expert_offsets, out,
+                        tile_n=INT8_BLOCK_TILE_N[schedule])  # fmt: skip
     out = _output(a, b, out)
     if a.shape[0] == 0 or b.shape[0] == 0:
         return out
@@ -984,7 +1007,8 @@ class CutlassBackend(ExpertsBackend):
                          else DEFAULT_INT8_BLOCK_SCHEDULE)  # fmt: skip
         self.forced_int8_kernel = None if int8_kernel == "auto" else int8_kernel
         if scheme.name == "int8_block":
-            log.info("cutlass backend, INT8 block kernel: the %s schedule of its consumer warpgroups", self.schedule)
+            log.info("cutlass backend, INT8 block kernel: variant %s (128 x %d tiles; INT8_BLOCK_SCHEDULES)",
+                     self.schedule, INT8_BLOCK_TILE_N[self.schedule])  # fmt: skip
         # Below the measured INT8 crossover the whole pass is the Triton backend's (its GEMMs
         # too), so a Triton backend of the same scheme is held as a composed part for that
         # branch only; the CUTLASS pass calls the shared row-wise stages (stages.py) directly.
