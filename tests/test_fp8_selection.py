@@ -446,6 +446,7 @@ _BAD_OPERANDS = [
     ("fp8", _fp8_operands, lambda o: dict(b_scale=torch.ones(2, 2, 2)), ValueError, "a must be a CUDA tensor"),
     ("fp8", _fp8_operands, lambda o: dict(b_scale=torch.ones(2, 4, 2)), ValueError,
      r"b_scale has shape \(2, 4, 2\); allowed: \(2, 1, 2\) or \(2, 2, 2\)"),
+    ("fp8", _fp8_operands, lambda o: dict(impl="cublas"), ValueError, r"impl='cublas'; allowed: \['auto', 'sgl', 'epmoe'\]"),
     # int8_block: K (and N) in whole 128-wide scale blocks
     ("int8_block", _int8_block_operands, lambda o: dict(a=torch.zeros(256, 200, dtype=torch.int8), a_scale=torch.ones(256, 2),
                                                         b=torch.zeros(2, 128, 200, dtype=torch.int8), b_scale=torch.ones(2, 1, 2)),
@@ -464,6 +465,8 @@ _BAD_OPERANDS = [
     ("int8_block", _int8_block_operands, lambda o: dict(b_scale=torch.ones(2, 2, 2), schedule="split_n"), ValueError,
      "a must be a CUDA tensor"),
     ("int8_block", _int8_block_operands, lambda o: dict(b_scale=torch.ones(2, 2, 2), schedule="n256_quarters"),
+     ValueError, r"b_scale has shape \(2, 2, 2\); allowed: \(2, 1, 2\) \("),
+    ("int8_block_masked", _int8_block_masked_operands, lambda o: dict(b_scale=torch.ones(2, 2, 2), schedule="n128_split_n"),
      ValueError, r"b_scale has shape \(2, 2, 2\); allowed: \(2, 1, 2\) \("),
     ("int8_block", _int8_block_operands, lambda o: dict(expert_offsets=torch.tensor([0, 100, 256], dtype=torch.int32)),
      ValueError, "non-decreasing multiples of 128"),
@@ -616,11 +619,13 @@ def test_cutlass_act_scales_pass_through_when_mn_major():
     assert not is_mn_major(other) and kernel_act_scale(other).is_contiguous()
 
 
-def _fake_grouped_gemm(a, a_scale, b, b_scale, expert_offsets, out=None):
-    from epmoe.experts.cutlass_backend import check_block_offsets
+def _fake_grouped_gemm(a, a_scale, b, b_scale, expert_offsets, out=None, *, impl="auto"):
+    from epmoe.experts.cutlass_backend import FP8_IMPLS, check_block_offsets
     from epmoe.quant.reference import dequantize_weight
 
     check_block_offsets(expert_offsets, a.shape[0])  # what the real kernel needs of its layout
+    # The backend passes the implementation it resolved when it was built (no environment read per call).
+    assert impl in FP8_IMPLS and impl != "auto", impl
 
     x = _dequant(a, a_scale)
     if b_scale.shape[1] * cb_group_n() == b.shape[1]:  # prepare_weights' repeated grid: one per 128 back
@@ -672,6 +677,9 @@ def test_backend_plumbing_contiguous(monkeypatch, name):
     backend = (dgb.DeepGemmBackend if name == "deepgemm" else cb.CutlassBackend)(weights.scheme)
     assert backend.alignment == 128
     weights = backend.prepare_weights(weights)
+    # EPMOE_CUTLASS_IMPL is resolved when the backend is built: a forward that read it again
+    # would raise on this value.
+    monkeypatch.setenv("EPMOE_CUTLASS_IMPL", "read-per-call")
     ref = moe_reference(x, ids, w, w13, w2, "fp8_block")
     for payload in ("float", "fp8"):
         xs = None
