@@ -1,27 +1,28 @@
-"""The CUTLASS INT8 block kernel's schedules against INT8 channel, Triton and BF16 on one GPU.
+"""The CUTLASS INT8 block kernel's variants against INT8 channel and BF16 on one GPU.
 
 One run of ``epmoe bench experts`` (DeepSeek-V3 experts: E_loc = 128, H = 7168, I = 2048 by
 default; ``--turns`` rounds of the whole passes taking turns) with these rows:
 
-* ``torch_bf16`` (BF16 ``torch._grouped_mm``, the baseline), ``triton_int8_channel_int32`` and
-  ``triton_int8_block`` (the Triton backend);
-* ``cutlass_int8_channel_int32_cutlass`` and ``cutlass_int8_block_<schedule>_cutlass`` for every
-  schedule of the INT8 block kernel (``epmoe.experts.cutlass_backend.INT8_BLOCK_SCHEDULES``), the
-  CUTLASS kernels at every size (``int8_kernel=cutlass``: no switch to Triton below the
-  crossover);
-* unless ``--no-masked``, the same CUTLASS and Triton INT8 rows on the masked layout
-  (``_masked``: every expert's rows in a slab of ``m`` rounded up to 128, as low-latency dispatch
-  delivers them).
+* ``torch_bf16`` (BF16 ``torch._grouped_mm``, the baseline);
+* ``cutlass_int8_channel_int32_cutlass`` and ``cutlass_int8_block_<variant>_cutlass`` for every
+  variant of the INT8 block kernel (``epmoe.experts.cutlass_backend.INT8_BLOCK_SCHEDULES``: the
+  consumer schedule and the tile width), the CUTLASS kernels at every size
+  (``int8_kernel=cutlass``: no switch to Triton below the crossover);
+* with ``--triton``, the Triton backend's ``triton_int8_channel_int32`` and ``triton_int8_block``;
+* with ``--masked``, the same CUTLASS INT8 rows on the masked layout (``_masked``: every expert's
+  rows in a slab of ``m`` rounded up to 128, as low-latency dispatch delivers them).
 
 Needs ``SGLANG_CUTLASS_MOE=1`` and the CUTLASS headers (the first run compiles the kernels, in
-this process, before anything is timed). Each schedule is first run once in a child process with a
-time limit (``--smoke-s``) on a small problem and checked against float64; a schedule that fails
-or hangs there is left out of the timing and named in the JSON (``smoke``), so one broken
-schedule cannot stall the run.
+this process, before anything is timed). Each variant is first run in a child process of its own
+(all at once) with a time limit (``--smoke-s``) on a small problem and checked against float64; a
+variant that fails or hangs there is left out of the timing and named in the JSON (``smoke``),
+so one broken variant cannot stall the run.
 Prints the bench's table, then a summary: per ``m`` the in-turns whole-pass ms of each row, the
 block rows' speed-up over BF16 and time over CUTLASS INT8 channel, the issue's targets (at 512 and
-2048 rows per expert: >= 1.6x BF16 and within 15 % of channel) and the fastest schedule. Writes
-the bench's JSON with ``summary``, ``commit``, ``gpu`` and the versions added to ``--out``.
+2048 rows per expert: >= 1.6x BF16 and within 15 % of channel), the fastest variant per ``m``
+and the one the runtime should run (least total time from 128 rows per expert). Writes the
+bench's JSON with ``summary``, ``commit``, ``gpu`` and the versions added to ``--out``, and with
+``--schedule-out`` the entry of ``epmoe/configs/int8_block_schedule.json`` for this GPU.
 
 ``--tiny`` is a CPU dry run of the plumbing (tiny shapes; the CUTLASS rows then fail, which the
 summary reports).
@@ -35,6 +36,7 @@ import math
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks.provenance, epmoe of this checkout
@@ -53,13 +55,14 @@ TARGET_VS_CHANNEL = 1.15
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="benchmarks/int8_block_schedules.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="write the JSON here")
-    p.add_argument("--m", default="8,32,128,512,2048", help="rows per expert, comma separated")
-    p.add_argument("--turns", type=int, default=3, help="rounds of the whole passes taking turns (>= 1)")
-    p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time per measurement")
-    p.add_argument("--no-masked", dest="masked", action="store_false", help="leave out the masked-layout rows")
+    p.add_argument("--m", default="128,512,2048", help="rows per expert, comma separated")
+    p.add_argument("--turns", type=int, default=2, help="rounds of the whole passes taking turns (>= 1)")
+    p.add_argument("--rep-ms", type=float, default=60.0, help="do_bench repetition time per measurement")
+    p.add_argument("--masked", action="store_true", help="also time the CUTLASS INT8 rows on the masked layout")
+    p.add_argument("--triton", action="store_true", help="also time the Triton backend's INT8 rows")
     p.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
     p.add_argument("--tiny", action="store_true", help="CPU dry run at tiny sizes (the CUTLASS rows fail)")
-    p.add_argument("--smoke-s", type=float, default=90.0, help="time limit of each schedule's child-process check")
+    p.add_argument("--smoke-s", type=float, default=90.0, help="time limit of the variants' child-process checks")
     p.add_argument("--schedule-out", default=None,
                    help="also write the winner in the format of epmoe/configs/int8_block_schedule.json here")
     args = p.parse_args(argv)
@@ -105,24 +108,29 @@ sys.exit(0 if worst < 2.0**-7 else 1)
 
 
 def smoke(schedules, limit_s: float) -> dict:
-    """``{schedule: "ok" | why not}``: each schedule run once in a child process (a hang there
-    is killed, not inherited), checked against float64 (a generous bound: a wrong tile or row
-    block is off by far more)."""
+    """``{variant: "ok" | why not}``: each variant run once in a child process of its own, all
+    at once (a hang there is killed, not inherited), checked against float64 (a generous bound:
+    a wrong tile or row block is off by far more)."""
+    children = {s: subprocess.Popen([sys.executable, "-c", SMOKE, s], stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True) for s in schedules}  # fmt: skip
     result = {}
-    for s in schedules:
+    for s, child in children.items():
         try:
-            run = subprocess.run([sys.executable, "-c", SMOKE, s], capture_output=True, text=True, timeout=limit_s)
-            tail = (run.stdout + run.stderr).strip().splitlines()[-1:] or [""]
-            result[s] = "ok" if run.returncode == 0 else f"failed (exit {run.returncode}): {tail[0]}"
+            output, _ = child.communicate(timeout=limit_s)
+            tail = output.strip().splitlines()[-1:] or [""]
+            result[s] = "ok" if child.returncode == 0 else f"failed (exit {child.returncode}): {tail[0]}"
         except subprocess.TimeoutExpired:
+            child.kill()
+            child.communicate()
             result[s] = f"did not finish within {limit_s:.0f} s (hang?)"
         print(f"smoke check {s}: {result[s]}", flush=True)
     return result
 
 
 def bench_argv(args, json_path: str, schedules) -> list[str]:
+    backends = "torch_bf16,triton_int8_channel_int32,triton_int8_block" if args.triton else "torch_bf16"
     argv = ["--m", args.m, "--turns", str(args.turns), "--rep-ms", str(args.rep_ms), "--json", json_path,
-            "--backends", "torch_bf16,triton_int8_channel_int32,triton_int8_block"]  # fmt: skip
+            "--backends", backends]  # fmt: skip
     for spec in extras(schedules):
         argv += ["--extra", spec]
     if args.masked:
@@ -206,14 +214,18 @@ def fmt(v, spec=".2f") -> str:
 
 
 def table(summary: dict) -> str:
-    labels = ["torch_bf16", "cutlass_int8_channel_int32_cutlass", "triton_int8_block"]
+    """In-turns whole-pass ms, one line per row and one column per ``m``; the fastest variant per
+    ``m``; then each block variant's ratios and whether it meets the targets."""
+    sizes = list(summary)
+    labels = ["torch_bf16", "cutlass_int8_channel_int32_cutlass", "triton_int8_channel_int32", "triton_int8_block"]
     labels += [f"cutlass_int8_block_{s}_cutlass" for s in INT8_BLOCK_SCHEDULES]
-    lines = [f"{'m':>5} " + " ".join(f"{label.replace('cutlass_int8_', 'c_').replace('_cutlass', ''):>22}"
-                                     for label in labels) + "  fastest"]  # fmt: skip
-    for m, e in summary.items():
-        cells = [fmt(e["ms"].get(label), ".3f") for label in labels]
-        lines.append(f"{m:>5} " + " ".join(f"{c:>22}" for c in cells) + f"  {e['fastest'].get('contiguous', '-')}")
-    lines.append("block schedules (contiguous, masked): ms, x BF16, / channel, targets at 512 and 2048")
+    labels = [label for label in labels if any(summary[m]["ms"].get(label) is not None for m in sizes)]
+    lines = [f"{'ms, whole pass (m = rows per expert)':<40}" + "".join(f"{m:>10}" for m in sizes)]
+    for label in labels:
+        lines.append(f"{label:<40}" + "".join(f"{fmt(summary[m]['ms'].get(label), '.3f'):>10}" for m in sizes))
+    lines.append(f"{'fastest block variant':<40}" + "".join(f"{summary[m]['fastest'].get('contiguous', '-'):>10}"
+                                                           for m in sizes))  # fmt: skip
+    lines.append("block variants (contiguous, masked): ms, x BF16, / channel, targets at 512 and 2048")
     for m, e in summary.items():
         for name, b in e["block"].items():
             met = {None: "", True: " MET", False: " not met"}[b["meets_targets"]]
@@ -226,10 +238,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     checks = {}
     schedules = list(INT8_BLOCK_SCHEDULES)
+    started = time.perf_counter()
+    build_s = None
     if torch.cuda.is_available():
         from epmoe.experts.cutlass_backend import load_extension
 
         load_extension()  # the build, here: the children and the bench find it in the cache
+        build_s = time.perf_counter() - started
+        print(f"extension ready after {build_s:.0f} s", flush=True)
         checks = smoke(schedules, args.smoke_s)
         schedules = [s for s in schedules if checks[s] == "ok"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -241,6 +257,8 @@ def main(argv=None) -> int:
         report = json.loads(Path(path).read_text())
     report["summary"] = summarize(report["results"])
     report["smoke"] = checks
+    report["build_s"] = build_s
+    report["run_s"] = time.perf_counter() - started - (build_s or 0.0)
     report["commit"] = commit(args.commit)
     report["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     report["script"] = "benchmarks/int8_block_schedules.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -250,9 +268,10 @@ def main(argv=None) -> int:
     print(table(report["summary"]))
     for s, why in checks.items():
         if why != "ok":
-            print(f"schedule {s} left out: {why}")
+            print(f"variant {s} left out: {why}")
     best, _ = winner(report["summary"])
-    print(f"fastest schedule from {WINNER_FROM_M} rows per expert (contiguous, summed): {best}")
+    print(f"fastest variant from {WINNER_FROM_M} rows per expert (contiguous, summed): {best}; "
+          f"build {fmt(build_s, '.0f')} s, run {report['run_s']:.0f} s")
     if args.schedule_out:
         entry = schedule_entry(report)
         if entry is None:

@@ -18,16 +18,24 @@ rows, as on its own backend: the packing's cost is the difference to ``triton_ms
 for reference; the rule does not use it. Small batches run inside CUDA graphs (launch overhead would
 otherwise hide the kernels).
 
-The CUTLASS INT8 block kernel runs the schedule the backend is built with
-(``EPMOE_INT8_BLOCK_SCHEDULE``, else the default), which ``source`` names.
+The CUTLASS INT8 block kernel runs ``--schedule`` (a variant of
+``epmoe.experts.cutlass_backend.INT8_BLOCK_SCHEDULES``), else the one the backend is built with
+(``EPMOE_INT8_BLOCK_SCHEDULE``, else the one measured for this GPU, else the default); ``source``
+names it.
 
 Run on one GPU with ``SGLANG_CUTLASS_MOE=1`` and the CUTLASS headers (the first run compiles the
 kernels)::
 
     SGLANG_CUTLASS_MOE=1 python benchmarks/int8_crossover.py --out $OUT/int8_crossover.json
 
-then review the file and ship it as ``epmoe/configs/int8_crossover.json`` (merging entries of
-other GPUs by hand).
+then review the file and ship it as ``epmoe/configs/int8_crossover.json``. ``--merge-into FILE``
+writes FILE's entries with this run's (this GPU, the measured schemes) in their place, so that
+re-measuring one scheme keeps the others. Re-measuring the block kernel's crossover alone, around
+where it lies, without the unpadded reference branch, is a few tens of seconds after the build::
+
+    SGLANG_CUTLASS_MOE=1 python benchmarks/int8_crossover.py --schemes int8_block \
+        --m 16,32,48,64,96,128,256 --turns 3 --rep-ms 50 --no-unpadded \
+        --merge-into epmoe/configs/int8_crossover.json --out $OUT/int8_crossover.json
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ import torch
 
 from epmoe.bench.experts import GRAPH_MAX_M, build_problem, make_timer, uniform_batch, weights_for
 from epmoe.timing import in_turns
-from epmoe.experts.cutlass_backend import ROW_BLOCK, CutlassBackend
+from epmoe.experts.cutlass_backend import INT8_BLOCK_SCHEDULES, ROW_BLOCK, CutlassBackend
 from epmoe.experts.fp8_selection import crossover_from_measurements
 from epmoe.kernels.configs import mode_and_accumulator
 from epmoe.quant.schemes import get_scheme
@@ -60,6 +68,12 @@ def parse_args(argv):
     p.add_argument("--intermediate", type=int, default=2048)
     p.add_argument("--turns", type=int, default=5, help="rounds of the branches taking turns (medians)")
     p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time per measurement")
+    p.add_argument("--schedule", default=None, choices=INT8_BLOCK_SCHEDULES,
+                   help="the INT8 block kernel's variant (default: the one the backend picks)")
+    p.add_argument("--no-unpadded", dest="unpadded", action="store_false",
+                   help="leave out the Triton branch on unpadded segments (a reference the rule does not use)")
+    p.add_argument("--merge-into", default=None,
+                   help="a crossover file whose entries this run's replace (for this GPU and the measured schemes)")
     args = p.parse_args(argv)
     try:
         args.m = sorted({int(v) for v in args.m.split(",")})
@@ -83,18 +97,19 @@ def measure_scheme(key: str, args, device, problem, timer) -> dict:
                                          accumulator=accumulator)  # fmt: skip
     if not ok:
         raise SystemExit(f"cutlass cannot run {key} here: {reason}")
-    backend = CutlassBackend(scheme, accumulator=accumulator)
+    backend = CutlassBackend(scheme, accumulator=accumulator, schedule=args.schedule if quant == "int8_block" else None)
     weights = backend.prepare_weights(weights_for(problem, quant))
     backend.warmup(weights)  # the first use compiles the kernels: not inside a timing
     rows = []
     for i, m in enumerate(args.m):
         padded = uniform_batch(problem, m, device, torch.bfloat16, seed=2000 + i, alignment=ROW_BLOCK)
-        exact = uniform_batch(problem, m, device, torch.bfloat16, seed=2000 + i)
+        exact = uniform_batch(problem, m, device, torch.bfloat16, seed=2000 + i) if args.unpadded else None
         fns = {
             "triton": lambda: backend.run_kernel(padded, weights, torch.bfloat16, "triton"),
             "cutlass": lambda: backend.run_kernel(padded, weights, torch.bfloat16, "cutlass"),
-            "triton_unpadded": lambda: backend.run_kernel(exact, weights, torch.bfloat16, "triton"),
         }
+        if args.unpadded:
+            fns["triton_unpadded"] = lambda: backend.run_kernel(exact, weights, torch.bfloat16, "triton")
         graph = m <= GRAPH_MAX_M
         try:
             samples = in_turns(fns, args.turns, lambda fn: timer(fn, graph))
@@ -121,6 +136,19 @@ def measure_scheme(key: str, args, device, problem, timer) -> dict:
     }
 
 
+def merged(path: str | None, gpu: str, entries: dict) -> dict:
+    """``{gpu: entries}``, or the crossover file at ``path`` with ``gpu``'s entries for these
+    schemes replaced (every other GPU, scheme and ``_comment`` key kept as it was)."""
+    if path is None:
+        return {gpu: entries}
+    with open(path) as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise SystemExit(f"--merge-into {path}: expected a JSON object keyed by GPU name")
+    data[gpu] = {**data.get(gpu, {}), **entries}
+    return data
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -130,7 +158,7 @@ def main(argv=None) -> int:
     problem = build_problem(args.experts, args.hidden, args.intermediate, device, torch.bfloat16)
     timer = make_timer(device, args.rep_ms)
     entries = {key.removesuffix("_int32"): measure_scheme(key, args, device, problem, timer) for key in args.schemes}
-    data = {torch.cuda.get_device_name(): entries}
+    data = merged(args.merge_into, torch.cuda.get_device_name(), entries)
     with open(args.out, "w") as f:
         json.dump(data, f, indent=1)
         f.write("\n")

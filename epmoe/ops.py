@@ -373,29 +373,33 @@ def _cutlass_fn(kind: str, masked: bool = False):
     return fns[kind]
 
 
-def _with_schedule(kind: str, fn, schedule: str):
-    """``fn`` with the INT8 block kernel's ``schedule`` (the other kernels have one each)."""
-    return functools.partial(fn, schedule=schedule) if kind == "int8_block" else fn
+def _with_schedule(kind: str, fn, schedule: str, impl: str = "auto"):
+    """``fn`` with the INT8 block kernel's ``schedule`` or the FP8 GEMM's ``impl`` (the INT8
+    channel kernel has one of each)."""
+    if kind == "int8_block":
+        return functools.partial(fn, schedule=schedule)
+    return functools.partial(fn, impl=impl) if kind == "fp8_block" else fn
 
 
 @_op("cutlass_grouped_gemm")
 def _cutlass_grouped_gemm(
     kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-    expert_offsets: torch.Tensor, schedule: str,
+    expert_offsets: torch.Tensor, schedule: str, impl: str = "auto",
 ) -> torch.Tensor:  # fmt: skip
-    return _with_schedule(kind, _cutlass_fn(kind), schedule)(a, a_scale, b, b_scale, expert_offsets)
+    return _with_schedule(kind, _cutlass_fn(kind), schedule, impl)(a, a_scale, b, b_scale, expert_offsets)
 
 
 @_cutlass_grouped_gemm.register_fake
-def _(kind, a, a_scale, b, b_scale, expert_offsets, schedule):
+def _(kind, a, a_scale, b, b_scale, expert_offsets, schedule, impl="auto"):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16)
 
 
-def cutlass_grouped_gemm(kind, a, a_scale, b, b_scale, expert_offsets, schedule="lockstep"):
+def cutlass_grouped_gemm(kind, a, a_scale, b, b_scale, expert_offsets, schedule="lockstep", impl="auto"):
     """One of the CUTLASS grouped GEMMs of :mod:`epmoe.experts.cutlass_backend` (``kind`` in
-    :data:`CUTLASS_GEMMS`; ``schedule``: the INT8 block kernel's, ignored by the others);
+    :data:`CUTLASS_GEMMS`; ``schedule``: the INT8 block kernel's, ``impl``: the FP8 GEMM's
+    (:func:`~epmoe.experts.cutlass_backend.grouped_gemm`), each ignored by the others);
     ``[M, N]`` bf16."""
-    return _cutlass_grouped_gemm(kind, a, a_scale, b, b_scale, expert_offsets, schedule)
+    return _cutlass_grouped_gemm(kind, a, a_scale, b, b_scale, expert_offsets, schedule, impl)
 
 
 @_op("cutlass_masked_gemm")

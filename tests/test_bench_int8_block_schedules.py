@@ -21,8 +21,10 @@ def test_every_schedule_is_a_row_with_cutlass_forced():
     extras = [argv[i + 1] for i, a in enumerate(argv) if a == "--extra"]
     assert extras[0].endswith("@int8_channel_int32?int8_kernel=cutlass")
     assert [e.split("schedule=")[1] for e in extras[1:]] == [f"{s}&int8_kernel=cutlass" for s in INT8_BLOCK_SCHEDULES]
-    assert "--masked" in argv and argv[argv.index("--turns") + 1] == "3"
-    assert "--masked" not in ibs.bench_argv(ibs.parse_args(["--out", "x", "--no-masked"]), "b", ["lockstep"])
+    assert "--masked" not in argv and argv[argv.index("--turns") + 1] == "2"
+    assert argv[argv.index("--backends") + 1] == "torch_bf16"  # lean by default: no Triton rows
+    wide = ibs.bench_argv(ibs.parse_args(["--out", "x", "--masked", "--triton"]), "b", ["lockstep"])
+    assert "--masked" in wide and "triton_int8_block" in wide[wide.index("--backends") + 1]
     with pytest.raises(SystemExit):
         ibs.parse_args(["--out", "x", "--turns", "0"])
 

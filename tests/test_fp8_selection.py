@@ -2,6 +2,7 @@
 
 import dataclasses
 import itertools
+import json
 import logging
 import os
 
@@ -445,6 +446,7 @@ _BAD_OPERANDS = [
     ("fp8", _fp8_operands, lambda o: dict(b_scale=torch.ones(2, 2, 2)), ValueError, "a must be a CUDA tensor"),
     ("fp8", _fp8_operands, lambda o: dict(b_scale=torch.ones(2, 4, 2)), ValueError,
      r"b_scale has shape \(2, 4, 2\); allowed: \(2, 1, 2\) or \(2, 2, 2\)"),
+    ("fp8", _fp8_operands, lambda o: dict(impl="cublas"), ValueError, r"impl='cublas'; allowed: \['auto', 'sgl', 'epmoe'\]"),
     # int8_block: K (and N) in whole 128-wide scale blocks
     ("int8_block", _int8_block_operands, lambda o: dict(a=torch.zeros(256, 200, dtype=torch.int8), a_scale=torch.ones(256, 2),
                                                         b=torch.zeros(2, 128, 200, dtype=torch.int8), b_scale=torch.ones(2, 1, 2)),
@@ -459,11 +461,18 @@ _BAD_OPERANDS = [
     ("int8_block", _int8_block_operands, lambda o: dict(b_scale=torch.ones(2, 128, 1)), ValueError,
      r"b_scale has shape \(2, 128, 1\); allowed: \(2, 1, 2\)"),
     ("int8_block", _int8_block_operands, lambda o: dict(a=o["a"].to(torch.float8_e4m3fn)), TypeError, "a must be torch.int8"),
+    # the 64-column weight-scale grid: for the variants of 192-wide tiles only
+    ("int8_block", _int8_block_operands, lambda o: dict(b_scale=torch.ones(2, 2, 2), schedule="split_n"), ValueError,
+     "a must be a CUDA tensor"),
+    ("int8_block", _int8_block_operands, lambda o: dict(b_scale=torch.ones(2, 2, 2), schedule="n256_quarters"),
+     ValueError, r"b_scale has shape \(2, 2, 2\); allowed: \(2, 1, 2\) \("),
+    ("int8_block_masked", _int8_block_masked_operands, lambda o: dict(b_scale=torch.ones(2, 2, 2), schedule="n128_split_n"),
+     ValueError, r"b_scale has shape \(2, 2, 2\); allowed: \(2, 1, 2\) \("),
     ("int8_block", _int8_block_operands, lambda o: dict(expert_offsets=torch.tensor([0, 100, 256], dtype=torch.int32)),
      ValueError, "non-decreasing multiples of 128"),
     ("int8_block", _int8_block_operands, lambda o: {}, ValueError, "a must be a CUDA tensor"),
     ("int8_block", _int8_block_operands, lambda o: dict(schedule="pingpong"), ValueError,
-     r"schedule='pingpong'; allowed: \['lockstep', 'staggered', 'split_n'\]"),
+     r"schedule='pingpong'; allowed: \['lockstep', 'staggered', 'split_n', 'split_n_zero', 'n256_quarters', 'n256_halves', 'n128_split_n'\]"),
     # the masked layout: whole 128-row blocks per expert, masked_m within them, the kind's scales
     ("int8_block_masked", _int8_block_masked_operands,
      lambda o: dict(a=torch.zeros(2, 96, 256, dtype=torch.int8), a_scale=torch.ones(2, 96, 2)), ValueError,
@@ -610,11 +619,13 @@ def test_cutlass_act_scales_pass_through_when_mn_major():
     assert not is_mn_major(other) and kernel_act_scale(other).is_contiguous()
 
 
-def _fake_grouped_gemm(a, a_scale, b, b_scale, expert_offsets, out=None):
-    from epmoe.experts.cutlass_backend import check_block_offsets
+def _fake_grouped_gemm(a, a_scale, b, b_scale, expert_offsets, out=None, *, impl="auto"):
+    from epmoe.experts.cutlass_backend import FP8_IMPLS, check_block_offsets
     from epmoe.quant.reference import dequantize_weight
 
     check_block_offsets(expert_offsets, a.shape[0])  # what the real kernel needs of its layout
+    # The backend passes the implementation it resolved when it was built (no environment read per call).
+    assert impl in FP8_IMPLS and impl != "auto", impl
 
     x = _dequant(a, a_scale)
     if b_scale.shape[1] * cb_group_n() == b.shape[1]:  # prepare_weights' repeated grid: one per 128 back
@@ -666,6 +677,9 @@ def test_backend_plumbing_contiguous(monkeypatch, name):
     backend = (dgb.DeepGemmBackend if name == "deepgemm" else cb.CutlassBackend)(weights.scheme)
     assert backend.alignment == 128
     weights = backend.prepare_weights(weights)
+    # EPMOE_CUTLASS_IMPL is resolved when the backend is built: a forward that read it again
+    # would raise on this value.
+    monkeypatch.setenv("EPMOE_CUTLASS_IMPL", "read-per-call")
     ref = moe_reference(x, ids, w, w13, w2, "fp8_block")
     for payload in ("float", "fp8"):
         xs = None
@@ -888,7 +902,7 @@ def test_int8_block_schedule_choice(monkeypatch, caplog):
     assert cb.DEFAULT_INT8_BLOCK_SCHEDULE in cb.INT8_BLOCK_SCHEDULES
     with caplog.at_level(logging.INFO, logger="epmoe"):
         cb.CutlassBackend(block, schedule="split_n")
-    assert "INT8 block kernel: the split_n schedule" in caplog.text
+    assert "INT8 block kernel: variant split_n (128 x 192 tiles" in caplog.text
     assert cb.CutlassBackend(block).schedule == cb.DEFAULT_INT8_BLOCK_SCHEDULE
     assert cb.CutlassBackend(block, schedule="staggered").schedule == "staggered"
     monkeypatch.setenv(cb.INT8_BLOCK_SCHEDULE_ENV, "split_n")
@@ -897,7 +911,7 @@ def test_int8_block_schedule_choice(monkeypatch, caplog):
     monkeypatch.setenv(cb.INT8_BLOCK_SCHEDULE_ENV, "pingpong")
     with pytest.raises(ValueError, match=r"EPMOE_INT8_BLOCK_SCHEDULE \(from the environment\)='pingpong'; allowed"):
         cb.CutlassBackend(block)
-    with pytest.raises(ValueError, match=r"^schedule='fast'; allowed: \['lockstep', 'staggered', 'split_n'\]"):
+    with pytest.raises(ValueError, match=r"^schedule='fast'; allowed: \['lockstep', 'staggered', 'split_n', 'split_n_zero', 'n256_quarters', 'n256_halves', 'n128_split_n'\]"):
         cb.CutlassBackend(block, schedule="fast")
     # Only int8_block has schedules: the bad environment value does not stop the other schemes.
     assert cb.CutlassBackend(get_scheme("fp8_block")).schedule == cb.DEFAULT_INT8_BLOCK_SCHEDULE
@@ -1201,6 +1215,16 @@ def test_int8_crossover_script_arguments(tmp_path, capsys):
         with pytest.raises(SystemExit):
             script.parse_args(["--out", str(out), *bad])
         assert text in capsys.readouterr().err
+    args = script.parse_args(["--out", str(out), "--schemes", "int8_block", "--schedule", "n256_quarters", "--no-unpadded"])
+    assert args.schedule == "n256_quarters" and not args.unpadded
+    with pytest.raises(SystemExit):
+        script.parse_args(["--out", str(out), "--schedule", "fastest"])
+    assert "invalid choice" in capsys.readouterr().err
+    shipped = tmp_path / "shipped.json"
+    shipped.write_text(json.dumps({"_comment": "c", "GPU A": {"int8_block": 1, "int8_channel": 2}, "GPU B": {"int8_block": 3}}))
+    assert script.merged(str(shipped), "GPU A", {"int8_block": 9}) == {
+        "_comment": "c", "GPU A": {"int8_block": 9, "int8_channel": 2}, "GPU B": {"int8_block": 3}}
+    assert script.merged(None, "GPU C", {"int8_block": 9}) == {"GPU C": {"int8_block": 9}}
     if not torch.cuda.is_available():
         assert script.main(["--out", str(out)]) == 2 and not out.exists()
 

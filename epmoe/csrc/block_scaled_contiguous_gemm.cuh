@@ -33,6 +33,11 @@
 // INT8: the same kernel with int8 x int8 -> int32 warpgroup MMAs. The sum of one 128-wide K block
 // is exact in int32 (|sum| <= 128 * 128 * 128 = 2^21) and is promoted once per K block, as FP8's
 // partial sums are: accum += float(partial) * SFA[row] * SFB[group] (see S32InF32Registers).
+// The INT8 kernel comes in variants (kInt8BlockVariants, one source file each, picked at run
+// time): the consumer warpgroups' schedule (BlockScaledSchedule: how a K block's MMAs overlap the
+// promotion), where each K block's sums start (kZeroStart), and the tile's width (128, 192 or
+// 256; 128 and 256 divide the DeepSeek-V3 N of 4096 and 7168 and read one weight scale per 128
+// columns).
 // Why not CUTLASS's ptr-array grouped kernel: it rewrites and fences the TMA descriptors of A, B
 // and D in global memory whenever a CTA moves to another group, which with many experts is every
 // tile. docs/fp8.md has the measurements (H200, sessions 10 and 11).
@@ -100,11 +105,32 @@ namespace epmoe {
 //    promote together: the tensor cores idle while the two promote.
 //  * kStaggered: the warpgroups take turns to issue (two named barriers, FlashAttention-3's
 //    warp-scheduler barriers at K-block granularity), so one promotes while the other's MMAs run.
-//  * kSplitN: each warpgroup issues its 64 x N MMAs as two 64 x N/2 halves into two partial
-//    accumulators and promotes one half while the other half (or the next K block's first half)
-//    runs: the overlap inside one warpgroup, with as many registers as kLockstep.
-enum BlockScaledSchedule : int { kLockstep = 0, kStaggered = 1, kSplitN = 2 };
-constexpr int kBlockScaledSchedules = 3;
+//  * kSplitN: each warpgroup issues its 64 x N MMAs as two 64 x N/2 chunks into two partial
+//    accumulators and promotes one chunk while the other (or the next K block's first) runs:
+//    the overlap inside one warpgroup, with as many registers as kLockstep.
+//  * kSplitN4: the same with four 64 x N/4 chunks rotating through two partials (half of
+//    kSplitN's partial registers: what lets a 256-wide tile hold its fp32 accumulator too).
+//  * kSerialHalves: two 64 x N/2 chunks through ONE partial, each waited for and promoted before
+//    the next is issued: no overlap inside a warpgroup (the other warpgroup's MMAs fill the
+//    tensor cores meanwhile), a quarter of the accumulator's registers for the partial.
+enum BlockScaledSchedule : int { kLockstep = 0, kStaggered = 1, kSplitN = 2, kSplitN4 = 3, kSerialHalves = 4 };
+// Added to an INT8 schedule: each K block's MMAs start from zero (the first MMA's ScaleOut::Zero,
+// as FP8's) instead of from registers set to the bias, and the promotion adds the bias bits to
+// the int32 sum (an IADD) before the FADD takes the bias off. Nothing runs between two MMA issues
+// then (the bias moves, one per register, are gone), and a partial's registers are read by the
+// next MMA into them, so ptxas keeps one set of registers per partial where with moves it gave
+// each chunk a set of its own (the moves start a new value) and spilled at 256-wide tiles.
+constexpr int kZeroStart = 8;
+constexpr int schedule_kind(int schedule) { return schedule & (kZeroStart - 1); }
+
+// The N chunks a warpgroup's MMAs are issued in and the partial accumulators they rotate through.
+template <int Schedule>
+struct ChunksOf {
+  static constexpr int kKind = schedule_kind(Schedule);
+  static constexpr int kChunks = kKind == kSplitN4 ? 4 : 2;
+  static constexpr int kBuffers = kKind == kSerialHalves ? 1 : 2;
+  static constexpr bool kChunked = kKind == kSplitN || kKind == kSplitN4 || kKind == kSerialHalves;
+};
 
 template <class Base, int Schedule = kLockstep>
 struct Sm90BlockScaledMainloop : Base {
@@ -255,8 +281,8 @@ struct Sm90BlockScaledMainloop : Base {
     static_assert(size(FrgTensorC{}) == kTileN / 2, "64 x N accumulator: N/2 values per thread");
     clear(accum);
     if (k_tile_count <= 0) return;
-    if constexpr (Schedule == kSplitN) {
-      mma_split_n(pipeline, smem_pipe_read, accum, k_tile_count, thread_idx, shared_tensors);
+    if constexpr (ChunksOf<Schedule>::kChunked) {
+      mma_chunked(pipeline, smem_pipe_read, accum, k_tile_count, thread_idx, shared_tensors);
     } else {
       mma_whole(pipeline, smem_pipe_read, accum, k_tile_count, thread_idx, shared_tensors);
     }
@@ -264,7 +290,10 @@ struct Sm90BlockScaledMainloop : Base {
 
   static constexpr int kWarpGroups = size(TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
   static constexpr int kMathThreads = size(TiledMma{});
-  static_assert(Schedule != kStaggered || kWarpGroups == 2, "two warpgroups take turns");
+  static_assert(schedule_kind(Schedule) != kStaggered || kWarpGroups == 2, "two warpgroups take turns");
+  static constexpr bool kZero = (Schedule & kZeroStart) != 0;
+  static_assert(!kZero || (kIntegerMma && ChunksOf<Schedule>::kChunked),
+                "zero-started partials: the INT8 chunked schedules (int32 fragments)");
   // kStaggered's named barriers (user ids, above CUTLASS's reserved ones): warpgroup w waits on
   // kTurnBarrier + w before it issues a K block's MMAs and arrives on the other's after.
   static constexpr uint32_t kTurnBarrier = 0;
@@ -328,10 +357,11 @@ struct Sm90BlockScaledMainloop : Base {
     cute::warpgroup_fence_operand(accum);
   }
 
-  // Where the MMAs start a K block: INT8 sums land on the bias bits; FP8's first MMA zeroes.
+  // Where the MMAs start a K block: INT8 sums land on the bias bits (unless kZeroStart); FP8's
+  // first MMA zeroes.
   template <class Mma, class Partial>
   CUTLASS_DEVICE static void start_partial(Mma& tiled_mma, Partial& partial) {
-    if constexpr (kIntegerMma) {
+    if constexpr (kIntegerMma && !kZero) {
       using Value = typename std::remove_reference_t<Partial>::value_type;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(partial); ++i) {
@@ -370,7 +400,7 @@ struct Sm90BlockScaledMainloop : Base {
   CUTLASS_DEVICE void mma_whole(MainloopPipeline pipeline, PipelineState smem_pipe_read,
                                 FrgTensorC& accum, int k_tile_count, int thread_idx,
                                 TensorStorage& shared_tensors) {
-    constexpr bool kTurns = Schedule == kStaggered;
+    constexpr bool kTurns = schedule_kind(Schedule) == kStaggered;
     auto smem = consumer_smem(shared_tensors);  // not bound: C++17 lambdas cannot capture bindings
     auto sA = get<0>(smem);
     auto sB = get<1>(smem);
@@ -416,71 +446,116 @@ struct Sm90BlockScaledMainloop : Base {
     }
   }
 
-  // kSplitN: the warpgroup's MMAs in two N halves, each into its own 64 x N/2 partial; while one
-  // half's partial is promoted the other half's MMAs (this K block's second, or the next K
-  // block's first) run. Needs k_tile_count >= 1.
+  // The chunked schedules (ChunksOf): the warpgroup's MMAs in kChunks N chunks, each into a
+  // 64 x N/kChunks partial; with two partials, while one chunk's partial is promoted the next
+  // chunk's MMAs (or the next K block's first) run. Needs k_tile_count >= 1.
   static constexpr int kTileM = size<0>(TileShape{});
   static constexpr int kTileK = size<2>(TileShape{});
-  static constexpr int kHalfN = kTileN / 2;
-  static_assert(kHalfN % 8 == 0, "each half is whole 8-column blocks");
+  static constexpr int kChunks = ChunksOf<Schedule>::kChunks;
+  static constexpr int kBuffers = ChunksOf<Schedule>::kBuffers;
+  static constexpr int kChunkN = kTileN / kChunks;
+  static constexpr int kChunkBlocks = kChunkN / 8;
+  static_assert(kTileN % kChunks == 0 && kChunkN % 8 == 0, "each chunk is whole 8-column blocks");
+  static_assert(kBuffers == 1 || kChunks % 2 == 0, "two partials alternate over an even chunk count");
   // Its partials are int32 fragments (the MMA's own register type), not S32InF32Registers'
   // floats: reinterpreting the registers of an MMA in flight moves them through float registers
   // right after the issue, which ptxas answers by waiting for the MMA there (C7514), serializing
-  // the two halves. The bits are read as the biased float after the wait (promote_partial).
-  using HalfMma = decltype(make_tiled_mma(
+  // the chunks. The bits are read as the biased float after the wait (promote_partial).
+  using ChunkMma = decltype(make_tiled_mma(
       decltype(cute::GMMA::ss_op_selector<int8_t, int8_t, int32_t,
-                                          Shape<Int<kTileM>, Int<kHalfN>, Int<kTileK>>,
+                                          Shape<Int<kTileM>, Int<kChunkN>, Int<kTileK>>,
                                           cute::GMMA::Major::K, cute::GMMA::Major::K>()){},
       Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
 
+  // Chunk C's partial (a compile-time choice: the registers are named, never indexed at run time).
+  template <int C, class Partial>
+  CUTLASS_DEVICE static Partial& chunk_partial(Partial& p0, Partial& p1) {
+    if constexpr (kBuffers == 1 || C % 2 == 0) {
+      return p0;
+    } else {
+      return p1;
+    }
+  }
+
   template <class FrgTensorC>
-  CUTLASS_DEVICE void mma_split_n(MainloopPipeline pipeline, PipelineState smem_pipe_read,
+  CUTLASS_DEVICE void mma_chunked(MainloopPipeline pipeline, PipelineState smem_pipe_read,
                                   FrgTensorC& accum, int k_tile_count, int thread_idx,
                                   TensorStorage& shared_tensors) {
-    static_assert(kIntegerMma, "kSplitN is built for the INT8 MMAs");
+    static_assert(kIntegerMma, "the chunked schedules are built for the INT8 MMAs");
     auto smem = consumer_smem(shared_tensors);  // not bound: C++17 lambdas cannot capture bindings
     auto sA = get<0>(smem);
     auto sB = get<1>(smem);
     auto sSFA = get<2>(smem);
     auto sSFB = get<3>(smem);
-    // (N/2, 2 halves) x K x stages: half h of every stage's B tile.
-    Tensor sB_halves = logical_divide(sB, Shape<Int<kHalfN>>{});
+    // (N/kChunks, kChunks) x K x stages: chunk c of every stage's B tile.
+    Tensor sB_chunks = logical_divide(sB, Shape<Int<kChunkN>>{});
     const int warp_group = warp_group_of(thread_idx);
-    HalfMma half_mma;
-    auto thread_mma = half_mma.get_slice(
+    ChunkMma chunk_mma;
+    auto thread_mma = chunk_mma.get_slice(
         make_layout(Int<kWarpGroups>{}, Int<cutlass::NumThreadsPerWarpGroup>{})(warp_group));
     Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));
-    Tensor tCrB0 = thread_mma.make_fragment_B(thread_mma.partition_B(sB_halves(make_coord(_, 0), _, _)));
-    Tensor tCrB1 = thread_mma.make_fragment_B(thread_mma.partition_B(sB_halves(make_coord(_, 1), _, _)));
-    Tensor p0 = partition_fragment_C(half_mma, Shape<Int<kTileM>, Int<kHalfN>>{});
+    auto fragment_b = [&](auto c) {
+      return thread_mma.make_fragment_B(thread_mma.partition_B(sB_chunks(make_coord(_, c), _, _)));
+    };
+    Tensor p0 = partition_fragment_C(chunk_mma, Shape<Int<kTileM>, Int<kChunkN>>{});
     Tensor p1 = make_fragment_like(p0);
-    static_assert(size(decltype(p0){}) * 2 == size(FrgTensorC{}), "two halves make the accumulator");
-    constexpr int kHalfBlocks = kHalfN / 8;
+    static_assert(size(decltype(p0){}) * kChunks == size(FrgTensorC{}), "the chunks make the accumulator");
+    auto partial = [&](auto c) -> decltype(p0)& { return chunk_partial<decltype(c)::value>(p0, p1); };
     const int row = first_row(warp_group, thread_idx);
 
-    // Nothing is in flight where an iteration starts or ends (ptxas serializes the MMAs when
-    // the registers of one in flight are carried around a loop): each K block's half 0 runs while
-    // the previous block's half 1 is promoted, its half 1 while its half 0 is.
-    auto k_block = [&](auto first, KBlockScales const& previous) {
-      pipeline.consumer_wait(smem_pipe_read, pipeline.consumer_try_wait(smem_pipe_read));
-      const int stage = smem_pipe_read.index();
-      const KBlockScales scales = read_scales(sSFA, sSFB, row, stage);
-      issue_k_block(half_mma, tCrA, tCrB0, p0, stage);
-      if constexpr (!decltype(first)::value) promote<kHalfBlocks, kHalfBlocks>(accum, p1, previous);
-      issue_k_block(half_mma, tCrA, tCrB1, p1, stage);
-      cute::warpgroup_wait<1>();
-      cute::warpgroup_fence_operand(p0);
-      promote<0, kHalfBlocks>(accum, p0, scales);
-      cute::warpgroup_wait<0>();
-      cute::warpgroup_fence_operand(p1);
-      pipeline.consumer_release(smem_pipe_read);
-      ++smem_pipe_read;
-      return scales;
-    };
-    KBlockScales previous = k_block(cute::true_type{}, KBlockScales{});
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (--k_tile_count; k_tile_count > 0; --k_tile_count) previous = k_block(cute::false_type{}, previous);
-    promote<kHalfBlocks, kHalfBlocks>(accum, p1, previous);
+    if constexpr (kBuffers == 1) {
+      // Each chunk issued, waited for and promoted before the next is issued into the partial.
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (; k_tile_count > 0; --k_tile_count) {
+        pipeline.consumer_wait(smem_pipe_read, pipeline.consumer_try_wait(smem_pipe_read));
+        const int stage = smem_pipe_read.index();
+        const KBlockScales scales = read_scales(sSFA, sSFB, row, stage);
+        cute::for_each(cute::make_seq<kChunks>{}, [&](auto c) {
+          issue_k_block(chunk_mma, tCrA, fragment_b(c), p0, stage);
+          cute::warpgroup_wait<0>();
+          cute::warpgroup_fence_operand(p0);
+          if constexpr (decltype(c)::value == kChunks - 1) {
+            pipeline.consumer_release(smem_pipe_read);
+            ++smem_pipe_read;
+          }
+          promote<decltype(c)::value * kChunkBlocks, kChunkBlocks>(accum, p0, scales);
+        });
+      }
+      return;
+    } else {
+      // Nothing is in flight where an iteration starts or ends (ptxas serializes the MMAs when
+      // the registers of one in flight are carried around a loop): each chunk's MMAs run while
+      // the chunk before is promoted; the last chunk of a K block is promoted while the next
+      // K block's first chunk runs.
+      auto k_block = [&](auto first, KBlockScales const& previous) {
+        pipeline.consumer_wait(smem_pipe_read, pipeline.consumer_try_wait(smem_pipe_read));
+        const int stage = smem_pipe_read.index();
+        const KBlockScales scales = read_scales(sSFA, sSFB, row, stage);
+        cute::for_each(cute::make_seq<kChunks>{}, [&](auto c) {
+          constexpr int kC = decltype(c)::value;
+          issue_k_block(chunk_mma, tCrA, fragment_b(c), partial(c), stage);
+          if constexpr (kC == 0) {
+            if constexpr (!decltype(first)::value) {
+              promote<(kChunks - 1) * kChunkBlocks, kChunkBlocks>(accum, partial(Int<kChunks - 1>{}),
+                                                                  previous);
+            }
+          } else {
+            cute::warpgroup_wait<1>();
+            cute::warpgroup_fence_operand(partial(Int<kC - 1>{}));
+            promote<(kC - 1) * kChunkBlocks, kChunkBlocks>(accum, partial(Int<kC - 1>{}), scales);
+          }
+        });
+        cute::warpgroup_wait<0>();
+        cute::warpgroup_fence_operand(partial(Int<kChunks - 1>{}));
+        pipeline.consumer_release(smem_pipe_read);
+        ++smem_pipe_read;
+        return scales;
+      };
+      KBlockScales previous = k_block(cute::true_type{}, KBlockScales{});
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (--k_tile_count; k_tile_count > 0; --k_tile_count) previous = k_block(cute::false_type{}, previous);
+      promote<(kChunks - 1) * kChunkBlocks, kChunkBlocks>(accum, partial(Int<kChunks - 1>{}), previous);
+    }
   }
 
   // A partial sum as a float: FP8's is one; INT8's is the exact int32 sum (S32InF32Registers).
@@ -491,8 +566,12 @@ struct Sm90BlockScaledMainloop : Base {
       return v;
     }
   }
-  // The same from an int32 fragment (kSplitN's partials): its bits are the biased float.
-  CUTLASS_DEVICE static float promote_partial(int32_t v) { return __int_as_float(v) - kInt32InFloatBias; }
+  // The same from an int32 fragment (the chunked schedules' partials): its bits are the biased
+  // float, or with kZeroStart the sum itself, which the bias bits turn into that float.
+  CUTLASS_DEVICE static float promote_partial(int32_t v) {
+    if constexpr (kZero) v += kInt32InFloatBiasBits;
+    return __int_as_float(v) - kInt32InFloatBias;
+  }
 
   // mma released every stage it read.
   CUTLASS_DEVICE void mma_tail(MainloopPipeline, PipelineState, int) {}
@@ -843,41 +922,74 @@ int64_t workspace_size_for(at::Tensor& out, const at::Tensor& a, const at::Tenso
   return static_cast<int64_t>(Cfg::Gemm::get_workspace_size(args));
 }
 
-// The configurations built: cooperative 128x192x128 tiles (two consumer warpgroups share a
-// 128-row block), 2x1 clusters (the B tile multicast to two M blocks of one expert), weight
-// scales in 64-column groups (a 192-column tile meets two 128-column weight blocks): DeepGEMM's
-// choice for these shapes (FP8). INT8 takes the same: its MMAs run at FP8's rate and its tile
-// holds as many accumulators (an int32 partial and an fp32 sum per element).
-using BlockScaledTile = Shape<_128, _192, _128>;
+// The configurations built: cooperative 128 x TileN x 128 tiles (two consumer warpgroups share a
+// 128-row block), 2x1 clusters (the B tile multicast to two M blocks of one expert). TileN 192 is
+// DeepGEMM's choice for these shapes (FP8) and the default; its tiles meet two 128-column weight
+// blocks, so the weight scales are read in 64-column groups. INT8 also builds 128 and 256 (both
+// divide N = 4096 and 7168, where 192 leaves a part-empty last tile column), whose tiles each
+// lie on whole 128-column weight blocks: one weight scale per 128 columns, as stored.
+template <int TileN>
+using BlockScaledTile = Shape<_128, Int<TileN>, _128>;
 using BlockScaledCluster = Shape<_2, _1, _1>;
-// Whole-tile epilogue, four mainloop stages: the epilogue's fixed cost per tile weighs most when
-// a tile has few k blocks. CUTLASS's subtiled epilogue, five mainloop stages: a deeper pipeline
-// for long k loops.
-template <class Element, int Schedule>
-using ShortKConfig =
-    BlockScaledContiguousGemmConfig<Element, BlockScaledTile, BlockScaledCluster, 64, true, Schedule>;
-template <class Element, int Schedule>
-using LongKConfig =
-    BlockScaledContiguousGemmConfig<Element, BlockScaledTile, BlockScaledCluster, 64, false, Schedule>;
+template <int TileN>
+constexpr int kWeightScaleGroupN = TileN % 128 == 0 ? 128 : 64;
+// Whole-tile epilogue, four mainloop stages at TileN 192: the epilogue's fixed cost per tile
+// weighs most when a tile has few k blocks. CUTLASS's subtiled epilogue, five mainloop stages: a
+// deeper pipeline for long k loops.
+template <class Element, int Schedule, int TileN = 192>
+using ShortKConfig = BlockScaledContiguousGemmConfig<Element, BlockScaledTile<TileN>, BlockScaledCluster,
+                                                     kWeightScaleGroupN<TileN>, true, Schedule>;
+template <class Element, int Schedule, int TileN = 192>
+using LongKConfig = BlockScaledContiguousGemmConfig<Element, BlockScaledTile<TileN>, BlockScaledCluster,
+                                                    kWeightScaleGroupN<TileN>, false, Schedule>;
 // On the H200 (session 11, docs/fp8.md) the whole-tile epilogue took FP8 GEMM2 (K = 2048) from
 // 1.13 to 1.08-1.10x DeepGEMM's time, and was 0-5 % slower on GEMM1 (K = 7168). The boundary
 // between the two measured K is a choice.
 constexpr int64_t kWholeTileEpilogueMaxK = 4096;
 
-// The GEMM for operands of type Element, in the configuration for b's K and the consumer
-// warpgroups' Schedule. Shapes were checked by the caller; M > 0.
-template <class Element, int Schedule = kLockstep>
+// The GEMM for operands of type Element, in the configuration for b's K, the consumer
+// warpgroups' Schedule and the tile's width TileN. Shapes were checked by the caller; M > 0.
+template <class Element, int Schedule = kLockstep, int TileN = 192>
 void run_block_scaled_by_k(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
                            const at::Tensor& b, const at::Tensor& b_scale,
                            const at::Tensor& block_expert, int64_t raster_along_n,
                            int64_t max_swizzle) {
   if (b.size(2) <= kWholeTileEpilogueMaxK) {
-    run_block_scaled_gemm<ShortKConfig<Element, Schedule>>(out, a, a_scale, b, b_scale, block_expert,
-                                                           raster_along_n, max_swizzle);
+    run_block_scaled_gemm<ShortKConfig<Element, Schedule, TileN>>(out, a, a_scale, b, b_scale,
+                                                                  block_expert, raster_along_n, max_swizzle);
   } else {
-    run_block_scaled_gemm<LongKConfig<Element, Schedule>>(out, a, a_scale, b, b_scale, block_expert,
-                                                          raster_along_n, max_swizzle);
+    run_block_scaled_gemm<LongKConfig<Element, Schedule, TileN>>(out, a, a_scale, b, b_scale,
+                                                                 block_expert, raster_along_n, max_swizzle);
   }
+}
+
+// The INT8 block kernel's variants, in the order of the op's `schedule` index (named by
+// epmoe.experts.cutlass_backend.INT8_BLOCK_SCHEDULES): the consumer warpgroups' schedule and the
+// tile's width. int8_block_contiguous_gemm.cu picks one at run time; each is instantiated in its
+// own source file (int8_block_*_gemm.cu) so that they compile in parallel.
+struct Int8BlockVariant {
+  int schedule;
+  int tile_n;
+};
+constexpr Int8BlockVariant kInt8BlockVariants[] = {
+    {kLockstep, 192},
+    {kStaggered, 192},
+    {kSplitN, 192},
+    {kSplitN + kZeroStart, 192},
+    {kSplitN4 + kZeroStart, 256},
+    {kSerialHalves + kZeroStart, 256},
+    {kSplitN + kZeroStart, 128},
+};
+constexpr int kNumInt8BlockVariants = sizeof(kInt8BlockVariants) / sizeof(kInt8BlockVariants[0]);
+
+template <int V>
+void int8_block_gemm_variant(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
+                             const at::Tensor& b, const at::Tensor& b_scale,
+                             const at::Tensor& block_expert, int64_t raster_along_n,
+                             int64_t max_swizzle) {
+  static_assert(V >= 0 && V < kNumInt8BlockVariants);
+  run_block_scaled_by_k<int8_t, kInt8BlockVariants[V].schedule, kInt8BlockVariants[V].tile_n>(
+      out, a, a_scale, b, b_scale, block_expert, raster_along_n, max_swizzle);
 }
 
 template <class Element>

@@ -26,7 +26,7 @@ void int8_block_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a,
 void int8_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
                                const at::Tensor& b, const at::Tensor& b_scale,
                                const at::Tensor& segments, int64_t masked_max_m);
-constexpr int64_t kBlockScaledSchedules = 3;  // BlockScaledSchedule in block_scaled_contiguous_gemm.cuh
+constexpr int64_t kInt8BlockVariants = 7;  // kNumInt8BlockVariants in block_scaled_contiguous_gemm.cuh
 constexpr int64_t kRowBlock = 128;
 }  // namespace epmoe
 
@@ -101,13 +101,14 @@ void fp8_contiguous_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& 
 }
 
 void check_schedule(const char* op, int64_t schedule) {
-  TORCH_CHECK(schedule >= 0 && schedule < epmoe::kBlockScaledSchedules, op, ": schedule=", schedule,
-              " (allowed 0 to ", epmoe::kBlockScaledSchedules - 1, ")");
+  TORCH_CHECK(schedule >= 0 && schedule < epmoe::kInt8BlockVariants, op, ": schedule=", schedule,
+              " (allowed 0 to ", epmoe::kInt8BlockVariants - 1, ")");
 }
 
 // The same contract with int8 operands: each 128-wide K block summed exactly in int32, promoted
-// to fp32 with a_scale[row, kb] * b_scale[e, nb, kb]; schedule: how the consumer warpgroups
-// overlap the MMAs and the promotion (BlockScaledSchedule).
+// to fp32 with a_scale[row, kb] * b_scale[e, nb, kb]; schedule: the kernel's variant (an index of
+// kInt8BlockVariants: how the consumer warpgroups overlap the MMAs and the promotion, and the tile
+// width).
 void int8_block_contiguous_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& a_scale,
                                 const at::Tensor& b, const at::Tensor& b_scale,
                                 const at::Tensor& offsets, int64_t raster_along_n,

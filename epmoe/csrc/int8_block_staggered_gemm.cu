@@ -1,15 +1,9 @@
-// The INT8 block-scaled GEMM with the kStaggered schedule of its consumer warpgroups
-// (block_scaled_contiguous_gemm.cuh, BlockScaledSchedule); int8_block_contiguous_gemm.cu picks it.
+// The INT8 block-scaled GEMM's variant 1 (kInt8BlockVariants in block_scaled_contiguous_gemm.cuh:
+// the kStaggered schedule, 128 x 192 tiles); int8_block_contiguous_gemm.cu picks it at run time.
 #include "block_scaled_contiguous_gemm.cuh"
 
 namespace epmoe {
-
-void int8_block_gemm_staggered(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
-                               const at::Tensor& b, const at::Tensor& b_scale,
-                               const at::Tensor& block_expert, int64_t raster_along_n,
-                               int64_t max_swizzle) {
-  run_block_scaled_by_k<int8_t, kStaggered>(out, a, a_scale, b, b_scale, block_expert,
-                                            raster_along_n, max_swizzle);
-}
-
+template void int8_block_gemm_variant<1>(at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                          const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                          int64_t, int64_t);
 }  // namespace epmoe

@@ -37,8 +37,10 @@ without rows has an empty segment and gets no tiles. The masked layout (``[E, ca
 ``masked_m``) is the same problem over ``E * cap`` rows with the table built from ``masked_m``
 (:func:`int8_block_masked_gemm`, :func:`int8_masked_gemm`; ``cap`` padded to 128 by the backend).
 
-The INT8 block kernel has three schedules of its consumer warpgroups (:data:`INT8_BLOCK_SCHEDULES`),
-each its own instantiation in the one extension; a backend runs the one named when it is built.
+The INT8 block kernel has variants (:data:`INT8_BLOCK_SCHEDULES`: its consumer warpgroups'
+schedule and its tile width), each its own instantiation in the one extension; a backend runs the
+one named when it is built (the argument, ``EPMOE_INT8_BLOCK_SCHEDULE``, else the one measured
+fastest on its GPU, :data:`SCHEDULE_FILE`).
 """
 
 from __future__ import annotations
@@ -85,17 +87,37 @@ SOURCES = (
     "int8_block_contiguous_gemm.cu",
     "int8_block_staggered_gemm.cu",
     "int8_block_split_n_gemm.cu",
+    "int8_block_split_n_zero_gemm.cu",
+    "int8_block_n256_quarters_gemm.cu",
+    "int8_block_n256_halves_gemm.cu",
+    "int8_block_n128_split_n_gemm.cu",
     "int8_channel_contiguous_gemm.cu",
 )
 HEADERS = ("contiguous_gemm_common.cuh", "block_scaled_contiguous_gemm.cuh")
 ROW_BLOCK = 128
 """Rows of a tile of the project's kernel: every expert segment starts and ends on a multiple."""
-INT8_BLOCK_SCHEDULES = ("lockstep", "staggered", "split_n")
-"""How the INT8 block kernel's two consumer warpgroups overlap a K block's MMAs with the promotion
-of the one before (``BlockScaledSchedule`` in ``block_scaled_contiguous_gemm.cuh``; the op takes
-the index): ``lockstep`` (both issue, wait and promote together: the tensor cores idle during the
-promotion), ``staggered`` (they take turns to issue, so one promotes while the other's MMAs run),
-``split_n`` (each issues its MMAs in two N halves and promotes one while the other runs)."""
+INT8_BLOCK_SCHEDULES = (
+    "lockstep", "staggered", "split_n", "split_n_zero", "n256_quarters", "n256_halves", "n128_split_n",
+)  # fmt: skip
+"""The INT8 block kernel's variants (``kInt8BlockVariants`` in ``block_scaled_contiguous_gemm.cuh``,
+in this order: the op takes the index): how its two consumer warpgroups overlap a K block's MMAs
+with the promotion of the one before, where each K block's int32 sums start, and the tile's
+width. On 128 x 192 tiles: ``lockstep`` (both issue, wait and promote together: the tensor cores
+idle during the promotion), ``staggered`` (they take turns to issue, so one promotes while the
+other's MMAs run), ``split_n`` (each issues its MMAs in two N halves and promotes one while the
+other runs). Those three start each K block's sums from registers set to the float bias; the
+others start from zero (``kZeroStart``: no register moves between MMA issues, the bias added in
+the promotion): ``split_n_zero`` (``split_n`` so); on 128 x 256 tiles (N = 4096 and 7168 are
+whole multiples, where 192 leaves a part-empty last tile column) ``n256_quarters`` (four N chunks
+through two partials, each promoted while the next runs) and ``n256_halves`` (two N halves
+through one partial, each promoted before the next is issued); on 128 x 128 tiles
+``n128_split_n`` (``split_n``'s halves)."""
+INT8_BLOCK_TILE_N = {name: 192 for name in ("lockstep", "staggered", "split_n", "split_n_zero")} | {
+    "n256_quarters": 256, "n256_halves": 256, "n128_split_n": 128,
+}  # fmt: skip
+"""Tile width of each INT8 block variant: a 192-wide tile reads the weight scales on a 64-column
+grid (:func:`kernel_weight_scale`, repeated per call from the stored ``[E, N/128, K/128]``), the
+128- and 256-wide ones as stored."""
 INT8_BLOCK_SCHEDULE_ENV = "EPMOE_INT8_BLOCK_SCHEDULE"
 """Environment variable naming the INT8 block kernel's schedule (one of
 :data:`INT8_BLOCK_SCHEDULES`), read when a :class:`CutlassBackend` is built."""
@@ -360,11 +382,21 @@ CUTLASS_IMPLS = ("auto", "epmoe")
 """``EPMOE_CUTLASS_IMPL``: ``auto`` uses sgl-kernel's FP8 op when importable, ``epmoe`` the package's."""
 
 
+FP8_IMPLS = ("auto", "sgl", "epmoe")
+"""``impl`` of :func:`grouped_gemm`: resolved from the environment now, or one of the two FP8 GEMMs."""
+
+
 def _use_sgl() -> bool:
     impl = os.environ.get("EPMOE_CUTLASS_IMPL", "auto")
     if impl not in CUTLASS_IMPLS:
         raise ValueError(f"EPMOE_CUTLASS_IMPL={impl!r} (from the environment) is not one of {list(CUTLASS_IMPLS)}")
     return impl == "auto" and sgl_kernel_op() is not None
+
+
+def fp8_impl() -> str:
+    """``"sgl"`` or ``"epmoe"``: the FP8 GEMM ``EPMOE_CUTLASS_IMPL`` and the installed sgl-kernel
+    give now (:data:`CUTLASS_IMPLS`)."""
+    return "sgl" if _use_sgl() else "epmoe"
 
 
 MAX_ROWS = 1 << 30
@@ -401,6 +433,8 @@ def grouped_gemm(
     b_scale: torch.Tensor,
     expert_offsets: torch.Tensor,
     out: torch.Tensor | None = None,
+    *,
+    impl: str = "auto",
 ) -> torch.Tensor:
     """``out[offsets[e]:offsets[e+1]] = (a * a_scale)[rows] @ (b[e] * b_scale[e])^T`` in bf16.
 
@@ -413,21 +447,27 @@ def grouped_gemm(
             device, on the GPU the kernel checks them (sgl-kernel's op, when used, takes any).
         out: optional ``[M, N]`` bf16 output; rows outside ``offsets[0]:offsets[E]`` are left
             unwritten.
+        impl: ``"sgl"`` (sgl-kernel's op), ``"epmoe"`` (the project's kernel), or ``"auto"``:
+            ``EPMOE_CUTLASS_IMPL`` read now (:func:`fp8_impl`). A :class:`CutlassBackend` passes
+            the one it resolved when it was built.
 
     Raises:
         TypeError, ValueError: what :func:`check_operands` refuses (K and N positive multiples of
-            128), ``a`` with ``MAX_ROWS`` rows or more; all before the extension is loaded.
+            128), ``a`` with ``MAX_ROWS`` rows or more, an unknown ``impl``; all before the
+            extension is loaded.
 
     Returns:
         ``out``, ``[M, N]`` bf16.
     """
+    if impl not in FP8_IMPLS:
+        raise ValueError(f"impl={impl!r}; allowed: {list(FP8_IMPLS)}")
     _check_block_scaled("grouped_gemm", torch.float8_e4m3fn, a, a_scale, b, b_scale, expert_offsets, out)
     out = _output(a, b, out)
     m = a.shape[0]
     if m == 0 or b.shape[0] == 0:
         return out
     offsets = expert_offsets.to(device=a.device, dtype=torch.int32).contiguous()
-    if _use_sgl():
+    if (fp8_impl() if impl == "auto" else impl) == "sgl":
         _refuse_repeated_for_sgl(b, b_scale)
         _sgl_grouped_gemm(out, a, a_scale.contiguous(), b, b_scale, offsets)
         return out
@@ -482,7 +522,8 @@ def check_operands(
         a_scale, b_scale: fp32; their allowed shapes are ``a_scale_shapes(m, k)`` and
             ``b_scale_shapes(e, n, k)`` (lists of shape tuples).
         expert_offsets: ``[E+1]`` integer row offsets (checked by :func:`check_block_offsets` on
-            the host).
+            the host), or ``None`` for the masked layout (its slabs are whole row blocks:
+            :func:`_check_masked`).
         out: ``None`` or a contiguous bf16 ``[M, N]`` tensor.
         k_multiple, n_multiple: what K and N must be positive multiples of.
         devices: check the devices too (the masked wrappers check them on their own shapes).
@@ -492,8 +533,10 @@ def check_operands(
         ValueError: a wrong shape, a size of 0 or not a multiple, a bad host offset, an operand
             not on ``a``'s CUDA device.
     """
-    for name, t, want in (("a", a, dtype), ("b", b, dtype), ("a_scale", a_scale, torch.float32),
-                          ("b_scale", b_scale, torch.float32), ("expert_offsets", expert_offsets, None)):  # fmt: skip
+    named = [("a", a, dtype), ("b", b, dtype), ("a_scale", a_scale, torch.float32), ("b_scale", b_scale, torch.float32)]
+    if expert_offsets is not None:
+        named.append(("expert_offsets", expert_offsets, None))
+    for name, t, want in named:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a tensor; got {t!r}")
         if want is not None and t.dtype != want:
@@ -515,13 +558,14 @@ def check_operands(
         if tuple(t.shape) not in allowed:
             raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}; allowed: {' or '.join(map(str, allowed))} "
                              f"(a {tuple(a.shape)}, b {tuple(b.shape)})")  # fmt: skip
-    if expert_offsets.dtype.is_floating_point or expert_offsets.dtype.is_complex or expert_offsets.dtype == torch.bool:
-        raise TypeError(f"{op}: expert_offsets must be an integer tensor; got {_shape(expert_offsets)}")
-    if tuple(expert_offsets.shape) != (e + 1,):
-        raise ValueError(f"{op}: expert_offsets must be [E+1] = [{e + 1}]; got {_shape(expert_offsets)}")
     if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (m, n) or not out.is_contiguous()):
         raise ValueError(f"{op}: out must be a contiguous bf16 [M, N] = [{m}, {n}] tensor; got {_shape(out)}")
-    check_block_offsets(expert_offsets, m)
+    if expert_offsets is not None:
+        if expert_offsets.dtype.is_floating_point or expert_offsets.dtype.is_complex or expert_offsets.dtype == torch.bool:
+            raise TypeError(f"{op}: expert_offsets must be an integer tensor; got {_shape(expert_offsets)}")
+        if tuple(expert_offsets.shape) != (e + 1,):
+            raise ValueError(f"{op}: expert_offsets must be [E+1] = [{e + 1}]; got {_shape(expert_offsets)}")
+        check_block_offsets(expert_offsets, m)
     if not devices:
         return
     if a.device.type != "cuda":
@@ -531,16 +575,16 @@ def check_operands(
             raise ValueError(f"{op}: {name} must be on a's device {a.device}; got {_shape(t)}")
 
 
-def _check_block_scaled(op, dtype, a, a_scale, b, b_scale, expert_offsets, out, devices=True) -> None:
+def _check_block_scaled(op, dtype, a, a_scale, b, b_scale, expert_offsets, out, devices=True, tile_n=192) -> None:
     """The block-scaled kernels' operands (FP8 or INT8): K and N positive multiples of 128 (the
     kernels step K in whole 128-wide scale blocks and read one weight scale per 128 columns),
-    ``a_scale [M, K/128]``, ``b_scale [E, N/128, K/128]`` or :func:`kernel_weight_scale`'s
-    ``[E, N/64, K/128]``."""
+    ``a_scale [M, K/128]``, ``b_scale [E, N/128, K/128]`` or, for the kernels of 192-wide tiles
+    (``tile_n``), :func:`kernel_weight_scale`'s ``[E, N/64, K/128]``."""
     _check_rows(a)
+    groups = (BLOCK, WEIGHT_SCALE_GROUP_N) if tile_n % BLOCK else (BLOCK,)
     check_operands(op, a, a_scale, b, b_scale, expert_offsets, out, dtype=dtype, k_multiple=BLOCK,
                    n_multiple=BLOCK, a_scale_shapes=lambda m, k: [(m, k // BLOCK)],
-                   b_scale_shapes=lambda e, n, k: [(e, n // BLOCK, k // BLOCK),
-                                                   (e, n // WEIGHT_SCALE_GROUP_N, k // BLOCK)],
+                   b_scale_shapes=lambda e, n, k: [(e, n // g, k // BLOCK) for g in groups],
                    devices=devices)  # fmt: skip
 
 
@@ -579,6 +623,16 @@ def _check_rows(a) -> None:
         raise ValueError(f"a has {m} rows; the CUTLASS kernel takes fewer than {MAX_ROWS}")
 
 
+def _check_channel_scaled(op, a, a_scale, b, b_scale, expert_offsets, out, devices=True) -> None:
+    """The INT8 channel-scaled kernel's operands: K a positive multiple of 16 (16-byte TMA rows of
+    A and B), N of 8 (of the bf16 output), ``a_scale [M, 1]`` or ``[M]``, ``b_scale [E, N, 1]`` or
+    ``[E, N]``."""
+    _check_rows(a)
+    check_operands(op, a, a_scale, b, b_scale, expert_offsets, out, dtype=torch.int8, k_multiple=16, n_multiple=8,
+                   a_scale_shapes=lambda m, k: [(m, 1), (m,)], b_scale_shapes=lambda e, n, k: [(e, n, 1), (e, n)],
+                   devices=devices)  # fmt: skip
+
+
 def int8_grouped_gemm(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -606,10 +660,7 @@ def int8_grouped_gemm(
     Returns:
         ``out``, ``[M, N]`` bf16.
     """
-    _check_rows(a)
-    check_operands("int8_grouped_gemm", a, a_scale, b, b_scale, expert_offsets, out, dtype=torch.int8,
-                   k_multiple=16, n_multiple=8, a_scale_shapes=lambda m, k: [(m, 1), (m,)],
-                   b_scale_shapes=lambda e, n, k: [(e, n, 1), (e, n)])  # fmt: skip
+    _check_channel_scaled("int8_grouped_gemm", a, a_scale, b, b_scale, expert_offsets, out)
     out = _output(a, b, out)
     m = a.shape[0]
     if m == 0 or b.shape[0] == 0:
@@ -654,7 +705,8 @@ def int8_block_grouped_gemm(
         ``out``, ``[M, N]`` bf16.
     """
     index = _schedule_index(schedule)
-    _check_block_scaled("int8_block_grouped_gemm", torch.int8, a, a_scale, b, b_scale, expert_offsets, out)
+    _check_block_scaled("int8_block_grouped_gemm", torch.int8, a, a_scale, b, b_scale, expert_offsets, out,
+                        tile_n=INT8_BLOCK_TILE_N[schedule])  # fmt: skip
     out = _output(a, b, out)
     if a.shape[0] == 0 or b.shape[0] == 0:
         return out
@@ -713,14 +765,39 @@ def _check_masked_devices(op, a, a_scale, b, b_scale, masked_m, out) -> None:
         raise ValueError(f"{op}: masked_m must be on the host or on a's device {a.device}; got {_shape(masked_m)}")
 
 
-def _masked_segments(e: int, max_m: int) -> torch.Tensor:
-    """The offsets of ``e`` full slabs of ``max_m`` rows: the masked layout's rows as the
-    contiguous checks see them."""
-    return torch.arange(e + 1, dtype=torch.int32) * max_m
-
-
 def _masked_output(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     return torch.empty((*a.shape[:2], b.shape[1]), dtype=torch.bfloat16, device=a.device) if out is None else out
+
+
+def _masked_gemm(kind: str, a, a_scale, b, b_scale, masked_m, out, schedule: str | None) -> torch.Tensor:
+    """The INT8 GEMM ``kind`` (``int8_block`` or ``int8_channel``) on the masked layout: its own
+    conditions (:func:`_check_masked`), then the kernel's operand rule on the ``E * max_m`` rows
+    (no offsets: the slabs are whole row blocks), the devices, and the op."""
+    block = kind == "int8_block"
+    op = "int8_block_masked_gemm" if block else "int8_masked_gemm"
+    index = _schedule_index(schedule) if block else None
+    per_row = isinstance(a_scale, torch.Tensor) and a_scale.dim() == 2  # channel: [E, max_m] or [E, max_m, 1]
+    _check_masked(op, a, a_scale, b, masked_m, out, (lambda k: (k // BLOCK,)) if block else
+                  (lambda k: () if per_row else (1,)))  # fmt: skip
+    a, a_scale = a.contiguous(), a_scale.contiguous()
+    e, max_m, k = a.shape
+    rows, row_scales = a.reshape(e * max_m, k), a_scale.reshape(e * max_m, -1)
+    if block:
+        _check_block_scaled(op, torch.int8, rows, row_scales, b, b_scale, None, None, devices=False,
+                            tile_n=INT8_BLOCK_TILE_N[schedule])  # fmt: skip
+    else:
+        _check_channel_scaled(op, rows, row_scales, b, b_scale, None, None, devices=False)
+    _check_masked_devices(op, a, a_scale, b, b_scale, masked_m, out)
+    out = _masked_output(a, b, out)
+    if out.numel() == 0:
+        return out
+    masked_m = masked_m.to(device=a.device, dtype=torch.int32).contiguous()
+    ext = load_extension()
+    if block:
+        ext.int8_block_masked_gemm(out, a, a_scale, b, b_scale.contiguous(), masked_m, *TILE_ORDER, index)
+    else:
+        ext.int8_masked_gemm(out, a, a_scale, b, b_scale.contiguous(), masked_m)
+    return out
 
 
 def int8_block_masked_gemm(
@@ -754,20 +831,7 @@ def int8_block_masked_gemm(
     Returns:
         ``out``, ``[E, max_m, N]`` bf16.
     """
-    op = "int8_block_masked_gemm"
-    index = _schedule_index(schedule)
-    _check_masked(op, a, a_scale, b, masked_m, out, lambda k: (k // BLOCK,))
-    a, a_scale = a.contiguous(), a_scale.contiguous()
-    e, max_m, k = a.shape
-    _check_block_scaled(op, torch.int8, a.reshape(e * max_m, k), a_scale.reshape(e * max_m, -1), b, b_scale,
-                        _masked_segments(e, max_m), None, devices=False)  # fmt: skip
-    _check_masked_devices(op, a, a_scale, b, b_scale, masked_m, out)
-    out = _masked_output(a, b, out)
-    if out.numel() == 0:
-        return out
-    masked_m = masked_m.to(device=a.device, dtype=torch.int32).contiguous()
-    load_extension().int8_block_masked_gemm(out, a, a_scale, b, b_scale.contiguous(), masked_m, *TILE_ORDER, index)
-    return out
+    return _masked_gemm("int8_block", a, a_scale, b, b_scale, masked_m, out, schedule)
 
 
 def int8_masked_gemm(
@@ -788,23 +852,7 @@ def int8_masked_gemm(
         TypeError, ValueError: what :func:`_check_masked` and :func:`check_operands` refuse; all
             before the extension is loaded.
     """
-    op = "int8_masked_gemm"
-    per_row = isinstance(a_scale, torch.Tensor) and a_scale.dim() == 2  # [E, max_m] or [E, max_m, 1]
-    _check_masked(op, a, a_scale, b, masked_m, out, lambda k: () if per_row else (1,))
-    a, a_scale = a.contiguous(), a_scale.contiguous()
-    e, max_m, k = a.shape
-    _check_rows(a.reshape(e * max_m, k))
-    check_operands(op, a.reshape(e * max_m, k), a_scale.reshape(e * max_m, -1), b, b_scale,
-                   _masked_segments(e, max_m), None, dtype=torch.int8, k_multiple=16, n_multiple=8,
-                   a_scale_shapes=lambda m, k: [(m, 1)], b_scale_shapes=lambda e, n, k: [(e, n, 1), (e, n)],
-                   devices=False)  # fmt: skip
-    _check_masked_devices(op, a, a_scale, b, b_scale, masked_m, out)
-    out = _masked_output(a, b, out)
-    if out.numel() == 0:
-        return out
-    masked_m = masked_m.to(device=a.device, dtype=torch.int32).contiguous()
-    load_extension().int8_masked_gemm(out, a, a_scale, b, b_scale.contiguous(), masked_m)
-    return out
+    return _masked_gemm("int8_channel", a, a_scale, b, b_scale, masked_m, out, None)
 
 
 def pad_capacity(t: torch.Tensor | None, rows: int) -> torch.Tensor | None:
@@ -984,7 +1032,8 @@ class CutlassBackend(ExpertsBackend):
                          else DEFAULT_INT8_BLOCK_SCHEDULE)  # fmt: skip
         self.forced_int8_kernel = None if int8_kernel == "auto" else int8_kernel
         if scheme.name == "int8_block":
-            log.info("cutlass backend, INT8 block kernel: the %s schedule of its consumer warpgroups", self.schedule)
+            log.info("cutlass backend, INT8 block kernel: variant %s (128 x %d tiles; INT8_BLOCK_SCHEDULES)",
+                     self.schedule, INT8_BLOCK_TILE_N[self.schedule])  # fmt: skip
         # Below the measured INT8 crossover the whole pass is the Triton backend's (its GEMMs
         # too), so a Triton backend of the same scheme is held as a composed part for that
         # branch only; the CUTLASS pass calls the shared row-wise stages (stages.py) directly.
@@ -992,6 +1041,7 @@ class CutlassBackend(ExpertsBackend):
         # Decided once: the forward reads it (alignment) and torch.compile cannot trace the
         # package lookup behind it (importlib's find_spec).
         self._sgl_fp8 = not self.int8 and _use_sgl()
+        self._fp8_impl = "sgl" if self._sgl_fp8 else "epmoe"
 
     @property
     def int8(self) -> bool:
@@ -1095,7 +1145,7 @@ class CutlassBackend(ExpertsBackend):
 
     def warmup(self, weights: ExpertWeights, max_m: int = 0) -> None:
         """Build the extension (first use) so no compile happens inside a timed or captured region."""
-        if self.int8 or not _use_sgl():
+        if not self._sgl_fp8:
             load_extension()
 
     def int8_kernel(self, batch: ContiguousBatch) -> str:
@@ -1157,7 +1207,7 @@ class CutlassBackend(ExpertsBackend):
             return torch.empty((0, hidden), dtype=torch.bfloat16, device=batch.x.device)
         offsets = batch.expert_offsets
         bound, lift, drop = spare_row_slab(batch)
-        gemm = functools.partial(ops.cutlass_grouped_gemm, "fp8_block")
+        gemm = functools.partial(ops.cutlass_grouped_gemm, "fp8_block", impl=self._fp8_impl)
         with phase("epmoe.quantize"):
             a, a_scale = fp8_gemm_input(lift(batch.x), lift(batch.x_scale), hidden, *bound)
         with phase("epmoe.gemm1"):

@@ -21,6 +21,7 @@ import os
 import pytest
 import torch
 
+from epmoe.experts.cutlass_backend import INT8_BLOCK_SCHEDULES
 from epmoe.quant import get_scheme
 from epmoe.quant.reference import dequantize_rows, dequantize_weight, quantize_rows, quantize_weight
 
@@ -622,20 +623,21 @@ def int8_block_reference(a, sa, b, sb, lo, hi, x):
 
 
 @needs_cutlass
+@pytest.mark.parametrize("schedule", INT8_BLOCK_SCHEDULES)
 @pytest.mark.parametrize(
     "counts,n,k,spare",
     [([128, 0, 384, 256], 256, 256, 64), ([256] * 6 + [0, 128], 4096, 512, 0), ([0, 0, 128], 128, 128, 128),
      ([640, 128, 0, 1024], 7168, 2048, 256), ([0, 0, 0], 128, 128, 128),
-     ([384, 256, 0, 128], 512, 7168, 128)],  # K > 4096: the long-K configuration; 6 blocks, 3 tiles of N
+     ([384, 256, 0, 128], 384, 7168, 128)],  # K > 4096: the long-K configuration; 6 blocks; 1.5 256-wide tiles of N
 )  # fmt: skip
-def test_cutlass_int8_block_gemm(counts, n, k, spare):
+def test_cutlass_int8_block_gemm(counts, n, k, spare, schedule):
     """Every element against float64: each 128-wide K block's int32 sum is exact, so what remains
     is the fp32 promotion and sum over the K blocks (at most (K/128 + 2) fp32 roundings of the
     terms' magnitudes) and one bf16 rounding (2^-8 relative). Empty experts, N not a multiple of
-    the 192-wide tile, odd block counts (a cluster partner parked past M), spare rows left
-    unwritten; every tile order gives the same output; every schedule of the consumer
-    warpgroups meets the same bound."""
-    from epmoe.experts.cutlass_backend import INT8_BLOCK_SCHEDULES, int8_block_grouped_gemm, load_extension
+    the tile's width (192 or 256; N = 128 below the tile), odd block counts (a cluster partner
+    parked past M), spare rows left unwritten; every tile order gives the same output; every
+    variant of the kernel (consumer schedule, tile width) meets the same bound."""
+    from epmoe.experts.cutlass_backend import int8_block_grouped_gemm, load_extension
 
     g = torch.Generator(device="cuda").manual_seed(n + k)
     offsets = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
@@ -656,18 +658,15 @@ def test_cutlass_int8_block_gemm(counts, n, k, spare):
         assert torch.isnan(out[used:]).all(), f"{what}: spare rows must stay unwritten"
 
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    int8_block_grouped_gemm(a, sa, b, sb, offsets, out=out)
-    check(out, "default schedule")
+    int8_block_grouped_gemm(a, sa, b, sb, offsets, out=out, schedule=schedule)
+    check(out, schedule)
     ext = load_extension()
     for raster, swizzle in {(0, 1), (1, 1), (1, 4)}:
         out2 = torch.full_like(out, float("nan"))
-        ext.int8_block_contiguous_gemm(out2, a, sa, b, sb, offsets, raster, swizzle)
+        ext.int8_block_contiguous_gemm(out2, a, sa, b, sb, offsets, raster, swizzle,
+                                       INT8_BLOCK_SCHEDULES.index(schedule))  # fmt: skip
         torch.testing.assert_close(out2[:used], out[:used], rtol=0, atol=0)
         assert torch.isnan(out2[used:]).all()
-    for schedule in INT8_BLOCK_SCHEDULES:
-        out2 = torch.full_like(out, float("nan"))
-        int8_block_grouped_gemm(a, sa, b, sb, offsets, out=out2, schedule=schedule)
-        check(out2, schedule)
 
 
 def _masked_operands(kind, masked_m, max_m, n, k, seed):
