@@ -586,6 +586,9 @@ def int8_grouped_gemm(
     b_scale: torch.Tensor,
     expert_offsets: torch.Tensor,
     out: torch.Tensor | None = None,
+    *,
+    raster_along_n: bool = True,
+    max_swizzle: int = 1,
 ) -> torch.Tensor:
     """``out[offsets[e]:offsets[e+1]] = (a[rows] @ b[e]^T) * a_scale[rows] * b_scale[e]^T`` in bf16,
     the K sum exact in int32 (the project's INT8 kernel; sgl-kernel has no such grouped op).
@@ -598,10 +601,15 @@ def int8_grouped_gemm(
         expert_offsets: ``[E+1]`` int32 row offsets, multiples of 128, as in :func:`grouped_gemm`.
         out: optional ``[M, N]`` bf16 output; rows outside ``offsets[0]:offsets[E]`` are left
             unwritten.
+        raster_along_n: the persistent tiles walk every N tile of a 128-row block before the next
+            block (``True``, the default) or every block of an N tile first (``False``: a weight
+            wider than L2 is then read from HBM once per wave instead of once per row block).
+        max_swizzle: tiles of the other dimension taken together (1, 2, 4 or 8).
 
     Raises:
         TypeError, ValueError: what :func:`check_operands` refuses (K a positive multiple of 16, N
-            of 8), ``a`` with ``MAX_ROWS`` rows or more; all before the extension is loaded.
+            of 8), ``a`` with ``MAX_ROWS`` rows or more, ``max_swizzle`` not 1, 2, 4 or 8; all
+            before the extension is loaded.
 
     Returns:
         ``out``, ``[M, N]`` bf16.
@@ -610,12 +618,15 @@ def int8_grouped_gemm(
     check_operands("int8_grouped_gemm", a, a_scale, b, b_scale, expert_offsets, out, dtype=torch.int8,
                    k_multiple=16, n_multiple=8, a_scale_shapes=lambda m, k: [(m, 1), (m,)],
                    b_scale_shapes=lambda e, n, k: [(e, n, 1), (e, n)])  # fmt: skip
+    if max_swizzle not in (1, 2, 4, 8):
+        raise ValueError(f"int8_grouped_gemm: max_swizzle={max_swizzle!r}; allowed: 1, 2, 4 or 8")
     out = _output(a, b, out)
     m = a.shape[0]
     if m == 0 or b.shape[0] == 0:
         return out
     offsets = expert_offsets.to(device=a.device, dtype=torch.int32).contiguous()
-    load_extension().int8_contiguous_gemm(out, a.contiguous(), a_scale.contiguous(), b, b_scale.contiguous(), offsets)
+    load_extension().int8_contiguous_gemm(out, a.contiguous(), a_scale.contiguous(), b, b_scale.contiguous(), offsets,
+                                          int(bool(raster_along_n)), int(max_swizzle))  # fmt: skip
     return out
 
 
