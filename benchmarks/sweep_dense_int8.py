@@ -18,7 +18,8 @@ layer's forward calls, activation quantization included):
   activation quantization fused or not (channel scheme up to 8 rows; elsewhere fusion never won
   on the H200); from 256 rows, unfused 64- and 128-row tiles with and without a K split;
 * above :data:`~epmoe.kernels.dense_configs.SMALL_M_MAX` rows (below, the tiled GEMMs lost to the
-  small-batch kernel in every cell on the H200): the Triton tiled GEMM (its tile config), and with
+  small-batch kernel in every cell on the H200): the Triton tiled GEMM (its own tile config, and on
+  the GPU persistent TMA tiles of 128 x 128 and 128 x 64, for the narrow layers), and with
   ``SGLANG_CUTLASS_MOE=1`` the CUTLASS INT8 kernel walking its tiles along N and along M with
   swizzles of 1, 2, 4 and 8 (one walk when the batch is one 128-row block);
 
@@ -109,14 +110,32 @@ def cutlass_launches(m: int) -> list:
     return [CutlassLaunch(along_n, s) for along_n in (True, False) for s in SWIZZLES]
 
 
-def cell_candidates(m: int, n: int, k: int, scheme: str, sms: int, kernels: tuple[str, ...]) -> list:
-    """``[(kernel, launch)]`` timed in one cell by a backend that runs ``kernels``."""
+TRITON_TILES = ((128, 128, 8, 4), (128, 64, 4, 4))
+"""(BLOCK_M, BLOCK_N, warps, stages) of the persistent TMA tiles timed beside the Triton GEMM's own
+config on the GPU (BLOCK_K 128): narrower than its large-batch 128 x 256 default, for layers
+whose N gives that tile too few programs (kv_a: 3 N tiles, one of them a quarter full)."""
+
+
+def triton_launches(tma: bool) -> list:
+    """The Triton tiled GEMM's configs worth timing: its own lookup (``None``), and with ``tma``
+    (a GPU; the interpreter has no TMA) the tiles of :data:`TRITON_TILES`."""
+    from epmoe.kernels.configs import GemmConfig
+
+    out = [None]
+    if tma:
+        out += [GemmConfig(bm, bn, 128, 8, False, warps, stages, True, True) for bm, bn, warps, stages in TRITON_TILES]
+    return out
+
+
+def cell_candidates(m: int, n: int, k: int, scheme: str, sms: int, kernels: tuple[str, ...], tma: bool = False) -> list:
+    """``[(kernel, launch)]`` timed in one cell by a backend that runs ``kernels`` (``tma``: see
+    :func:`triton_launches`)."""
     from epmoe.kernels.dense_configs import SMALL_M_MAX
 
     out = [("small_m", cfg) for cfg in candidates(m, n, k, scheme, sms)]
     if m > SMALL_M_MAX:
         if "triton" in kernels:
-            out.append(("triton", None))
+            out.extend(("triton", launch) for launch in triton_launches(tma))
         if "cutlass" in kernels:
             out.extend(("cutlass", launch) for launch in cutlass_launches(m))
     return out
@@ -181,7 +200,8 @@ def sweep(args) -> dict:
     gen = torch.Generator(device=dev).manual_seed(0)
     t0 = time.perf_counter()
     table, measured, skipped, failures, kernels_of = {}, {}, [], [], {}
-    shapes = TINY_SHAPES if args.tiny else [s for s in SHAPES if not args.shapes or s[0] in args.shapes]
+    named = {s[0]: s for s in SHAPES}
+    shapes = TINY_SHAPES if args.tiny else [named[x] for x in args.shapes] if args.shapes else SHAPES
     ms = args.m or (TINY_MS if args.tiny else SWEEP_MS)
     for mode in args.modes:
         scheme, acc = _mode(mode)
@@ -211,7 +231,7 @@ def sweep(args) -> dict:
                 timer = time_graph if cuda else _wall_clock
                 times = {}
                 with torch.no_grad():
-                    for kernel, launch in cell_candidates(m, n, k, scheme, sms, impl.kernels):
+                    for kernel, launch in cell_candidates(m, n, k, scheme, sms, impl.kernels, tma=cuda):
                         fns = [lambda mod=mod, kernel=kernel, launch=launch: run_kernel(mod._impl, mod, x, kernel, launch)
                                for mod in mods]  # fmt: skip
                         try:
@@ -269,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="table path (default: the package's epmoe/configs/dense_int8_<device>.json)")
     p.add_argument("--report", default=None, help="also write every candidate's time to this JSON path")
     p.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES, help="scheme_accumulator modes, in order")
-    p.add_argument("--shapes", nargs="*", default=None, help=f"subset of {[s[0] for s in SHAPES]}")
+    p.add_argument("--shapes", nargs="*", default=None, choices=[s[0] for s in SHAPES],
+                   help="subset, swept in the order given (the budget may end before the last)")
     p.add_argument("--m", type=int, nargs="*", default=None, help=f"batch sizes (default {SWEEP_MS})")
     p.add_argument("--budget-s", type=float, default=200.0, help="stop starting new cells after this many seconds")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")

@@ -124,6 +124,13 @@ def test_sweep_cell_entry_and_cutlass_walks():
     assert len(set(walks)) == 8 and {w.raster_along_n for w in walks} == {True, False}
     kinds = [k for k, _ in sweep.cell_candidates(4096, 576, 7168, "int8_channel", 132, ("small_m", "cutlass", "triton"))]
     assert kinds.count("cutlass") == 8 and kinds.count("triton") == 1 and "small_m" in kinds
+    tiles = [c for k, c in sweep.cell_candidates(4096, 576, 7168, "int8_channel", 132, ("small_m", "triton"), tma=True)
+             if k == "triton"]  # fmt: skip
+    assert tiles[0] is None and [(c.block_n, c.tma, c.persistent) for c in tiles[1:]] == [(128, True, True), (64, True, True)]
+    entry = sweep.cell_entry({("triton", tiles[2]): 5.0, ("triton", None): 6.0})
+    assert entry == [{"kernel": "triton", "config": tiles[2].to_dict(), "us": 5.0}]
+    _, plans = parse_table({"configs": {"m": {"N=1,K=16": {"4096": entry}}}})["m"]["N=1,K=16"]
+    assert plans[0] == (("triton", tiles[2]),)
     assert {k for k, _ in sweep.cell_candidates(64, 576, 7168, "int8_channel", 132, ("small_m", "cutlass"))} == {"small_m"}
 
 

@@ -17,7 +17,8 @@ A bucket lists the kernels the sweep timed there, fastest first, each with its b
   included); every GPU backend runs it;
 * ``cutlass``: the project's CUTLASS INT8 kernel with that rasterization (:class:`CutlassLaunch`),
   on the ``cutlass`` backend when it runs the project's kernel;
-* ``triton``: the Triton tiled grouped GEMM (its own tile config), on ``triton`` and ``cutlass``;
+* ``triton``: the Triton tiled grouped GEMM with that tile config (a
+  :class:`~epmoe.kernels.configs.GemmConfig`; none: its own lookup), on ``triton`` and ``cutlass``;
 * ``tiled`` (tables written before the tiled kernels were told apart): the backend's own tiled
   GEMM at its default launch.
 
@@ -37,7 +38,7 @@ from typing import NamedTuple
 
 import torch
 
-from .configs import PACKAGE_DIR, _bucket_index, config_filename, device_name, find_config_file, shape_key
+from .configs import PACKAGE_DIR, GemmConfig, _bucket_index, config_filename, device_name, find_config_file, shape_key
 from .dense_int8 import SmallMConfig, _sms, small_m_config
 
 KERNELS = ("small_m", "cutlass", "triton", "tiled")
@@ -76,6 +77,8 @@ def _launch(kernel: str, entry: dict):
         return SmallMConfig.from_dict(entry["config"])
     if kernel == "cutlass":
         return CutlassLaunch.from_dict(entry.get("config", {}))
+    if kernel == "triton" and "config" in entry:
+        return GemmConfig.from_dict(entry["config"])
     return None
 
 
@@ -118,7 +121,7 @@ def parse_table(data: dict, where: str = "table") -> dict:
                     except (KeyError, TypeError, ValueError, AttributeError) as exc:
                         raise ValueError(f"{at}: {type(exc).__name__}: {exc} (a small_m entry has a 'config' "
                                          "object of SmallMConfig fields, a cutlass entry one of CutlassLaunch "
-                                         "fields)") from exc  # fmt: skip
+                                         "fields, a triton entry's optional one GemmConfig keys)") from exc  # fmt: skip
                 if not choices:
                     raise ValueError(f"{at}: an empty list; allowed: one entry or more")
                 try:

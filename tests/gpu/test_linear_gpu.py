@@ -260,8 +260,8 @@ def test_cutlass_walks_agree_bit_for_bit(monkeypatch):
 @pytest.mark.parametrize("m", [300, 1000])
 def test_every_planned_kernel_of_the_cutlass_backend(m, monkeypatch):
     """What the plan may send a cutlass-backend call to (run_kernel, the forward's own path): the
-    CUTLASS kernel along M with a swizzle, the Triton tiled GEMM on the CUTLASS quantizer's padded
-    rows, the small-batch kernel on 128-row tiles; each against float64 (bias included), and the
+    CUTLASS kernel along M with a swizzle, the Triton tiled GEMM (its own config and a persistent
+    TMA tile the sweep times) on the CUTLASS quantizer's padded rows, the small-batch kernel on 128-row tiles; each against float64 (bias included), and the
     forward and the MLP following a plan that says CUTLASS along M."""
     from epmoe.kernels import dense_configs as dc
     from epmoe.kernels.dense_int8 import small_m_config
@@ -270,7 +270,10 @@ def test_every_planned_kernel_of_the_cutlass_backend(m, monkeypatch):
     mod, lin = _module("cutlass", "int8_channel", "int32", 1024, 576, True, monkeypatch)
     own = mod._impl.impl == "epmoe"
     x = torch.randn(m, 1024, device=DEV, dtype=torch.bfloat16)
-    plans = [("triton", None), ("small_m", small_m_config(m, 576, 1024, "int8_channel", _sms(), False, block_m=128))]
+    from epmoe.kernels.configs import GemmConfig
+
+    plans = [("triton", None), ("triton", GemmConfig(128, 64, 128, 8, False, 4, 4, True, True)),
+             ("small_m", small_m_config(m, 576, 1024, "int8_channel", _sms(), False, block_m=128))]
     if own:
         plans += [("cutlass", dc.CutlassLaunch(False, 4)), ("cutlass", dc.CutlassLaunch(True, 2))]
     with torch.no_grad():
