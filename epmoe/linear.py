@@ -14,10 +14,10 @@ raises :class:`~epmoe.experts.select.BackendUnavailableError`):
 
 * ``cutlass`` (``int8_channel`` with the int32 accumulator, only with ``SGLANG_CUTLASS_MOE=1`` as
   for the experts): sgl-kernel's ``int8_scaled_mm`` when it imports (sm_8x / sm_9x), else the
-  project's CUTLASS INT8 kernel (:func:`epmoe.experts.cutlass_backend.int8_grouped_gemm`, sm_90a)
-  run as one expert whose rows are padded to whole 128-row blocks. The activations are quantized by
-  the Triton per-token kernel straight into the padded buffer; the scales are applied in the
-  kernel's epilogue.
+  project's CUTLASS INT8 kernel (:func:`epmoe.experts.cutlass_backend.int8_dense_gemm`, sm_90a, one
+  launch) over rows padded to whole 128-row blocks, its tiles' walk from the dense plan. The
+  activations are quantized by the Triton per-token kernel straight into the padded buffer; the
+  scales are applied in the kernel's epilogue.
 * ``triton``: the per-token / per-group quantizer of :mod:`epmoe.kernels.quantize`, then the
   grouped GEMM of :mod:`epmoe.kernels.grouped_gemm` as one expert (the masked layout with a row
   count that clamps to the batch, so no per-call offsets are built); both scales in its epilogue
@@ -500,15 +500,14 @@ class _CutlassGemm(_Impl):
             bias = None if lin.bias is None else lin.bias.to(sgl_dtype)
             out = _sgl_int8_mm()(q, lin.weight.t(), s.view(-1), lin.weight_scale.view(-1), sgl_dtype, bias)
             return out if out.dtype == out_dtype else out.to(out_dtype)
-        from .experts.cutlass_backend import int8_grouped_gemm
+        from .experts.cutlass_backend import int8_dense_gemm
 
         if m % ROW_BLOCK:  # rows that did not come from this backend's quantizer
             pad = -(-m // ROW_BLOCK) * ROW_BLOCK - m
             q, s = F.pad(q, (0, 0, 0, pad)), F.pad(s, (0, 0, 0, pad), value=1.0)
-        rows = q.shape[0]
-        offsets = torch.arange(0, rows + 1, rows, dtype=torch.int32, device=q.device)  # [0, rows], no copy
         raster = {} if launch is None else dict(raster_along_n=launch.raster_along_n, max_swizzle=launch.max_swizzle)
-        out = int8_grouped_gemm(q, s, lin.weight.unsqueeze(0), lin.weight_scale.unsqueeze(0), offsets, **raster)[:m]
+        # One launch: the dense op needs neither expert offsets nor the row-block table.
+        out = int8_dense_gemm(q, s, lin.weight, lin.weight_scale, **raster)[:m]
         if lin.bias is not None:
             out += lin.bias.to(out.dtype)
         return out if out.dtype == out_dtype else out.to(out_dtype)

@@ -208,3 +208,50 @@ def test_int8_linear_unfuses_tall_fused_launches_on_unaligned_rows(monkeypatch):
         for x in (base[:, :256].contiguous(), base[:, 1:257]):  # aligned rows; a 4-byte offset
             assert rel(mod(x), ref_linear(mod, x)) <= TIGHT[torch.float32]
     assert seen == [True, False]
+
+
+def test_cutlass_dense_path_wiring(monkeypatch):
+    """The cutlass backend's CUTLASS call on CPU, the kernel stood in for by float64 math of what
+    it is given: the quantizer's codes padded to whole 128-row blocks, the plan's walk, one
+    weight; the sliced output against the independent float64 reference (bias included)."""
+    from epmoe import linear
+    from epmoe.experts import cutlass_backend as cb
+    from test_linear import make, ref_linear, rel
+
+    seen = []
+
+    def fake(a, a_scale, b, b_scale, out=None, *, raster_along_n=True, max_swizzle=1):
+        seen.append((a.shape[0], raster_along_n, max_swizzle, tuple(b.shape)))
+        return ((a.double() @ b.double().t()) * a_scale.double() * b_scale.double().view(1, -1)).to(torch.bfloat16)
+
+    monkeypatch.setattr(cb, "int8_dense_gemm", fake)
+    _, mod = make(256, 48, "int8_channel", "int32", True, "triton", seed=7)
+    impl = linear._CutlassImpl("epmoe")
+    x = torch.randn(130, 256, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        y = linear.run_kernel(impl, mod, x, "cutlass", dc.CutlassLaunch(False, 4))[:130]
+        y2 = impl.tiled_gemm(mod, *linear._TorchImpl().quantize(x[:5], "int8_channel"), torch.float32)
+    assert seen == [(256, False, 4, (48, 256)), (128, True, 1, (48, 256))]  # padded; default walk
+    assert y.shape == (130, 48) and y2.shape == (5, 48) and y2.dtype == torch.float32
+    assert rel(y, ref_linear(mod, x)) <= 5e-3  # bf16 output
+    assert rel(y2, ref_linear(mod, x[:5])) <= 5e-3
+
+
+def test_int8_dense_gemm_refuses_before_loading(monkeypatch):
+    """Every refusal of the CUTLASS dense op happens in Python, naming the value, before the
+    extension is loaded."""
+    from epmoe.experts import cutlass_backend as cb
+
+    monkeypatch.setattr(cb, "load_extension", lambda *a, **k: pytest.fail("the extension was loaded"))
+    a, sa = torch.zeros(256, 32, dtype=torch.int8), torch.ones(256, 1)
+    b, sb = torch.zeros(16, 32, dtype=torch.int8), torch.ones(16, 1)
+    for change, error, words in (
+        (dict(a=a[:200], a_scale=sa[:200]), ValueError, "200 rows; allowed: a multiple of 128"),
+        (dict(b=torch.zeros(2, 16, 32, dtype=torch.int8), b_scale=torch.ones(2, 16, 1)), ValueError, "one weight"),
+        (dict(b_scale=torch.ones(8, 1)), ValueError, "b_scale has shape"),
+        (dict(max_swizzle=3), ValueError, "max_swizzle=3; allowed"),
+        (dict(a=a.float()), TypeError, "a must be torch.int8"),
+        ({}, ValueError, "a must be a CUDA tensor"),
+    ):  # fmt: skip
+        with pytest.raises(error, match=words):
+            cb.int8_dense_gemm(**{**dict(a=a, a_scale=sa, b=b, b_scale=sb), **change})

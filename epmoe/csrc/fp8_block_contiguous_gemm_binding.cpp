@@ -27,6 +27,9 @@ void int8_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a, const at::T
                                const at::Tensor& b, const at::Tensor& b_scale,
                                const at::Tensor& segments, int64_t masked_max_m,
                                int64_t raster_along_n, int64_t max_swizzle);
+void int8_dense_gemm_coop(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
+                          const at::Tensor& b, const at::Tensor& b_scale, int64_t raster_along_n,
+                          int64_t max_swizzle);
 constexpr int64_t kBlockScaledSchedules = 3;  // BlockScaledSchedule in block_scaled_contiguous_gemm.cuh
 constexpr int64_t kRowBlock = 128;
 }  // namespace epmoe
@@ -213,6 +216,21 @@ void int8_contiguous_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor&
                                    max_swizzle);
 }
 
+// out = (a @ b[0]^T) * a_scale * b_scale[0] for one weight (b [1, N, K]) over every row of a, whose
+// rows are a multiple of 128 (a dense linear's, padded): no offsets, no block table.
+void int8_dense_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& a_scale,
+                     const at::Tensor& b, const at::Tensor& b_scale, int64_t raster_along_n,
+                     int64_t max_swizzle) {
+  check_int8_channel("int8_dense_gemm", out, a, a_scale, b, b_scale);
+  TORCH_CHECK(b.size(0) == 1, "int8_dense_gemm: b must hold one weight, [1, N, K]; got ", b.sizes());
+  TORCH_CHECK(a.size(0) % epmoe::kRowBlock == 0, "int8_dense_gemm: the rows of a (", a.size(0),
+              ") must be a multiple of ", epmoe::kRowBlock);
+  TORCH_CHECK(max_swizzle >= 1, "int8_dense_gemm: max_swizzle=", max_swizzle, " (allowed >= 1)");
+  if (a.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(a.device());
+  epmoe::int8_dense_gemm_coop(out, a, a_scale, b, b_scale, raster_along_n, max_swizzle);
+}
+
 // out[e, :masked_m[e]] = (a[e] @ b[e]^T) * a_scale[e] * b_scale[e] over the masked layout
 // (a [E, max_m, K], a_scale [E, max_m, 1] or [E, max_m]); rows past masked_m[e] hold anything.
 void int8_masked_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& a_scale,
@@ -261,6 +279,9 @@ EPMOE_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def(
       "int8_masked_gemm(Tensor(a!) out, Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, "
       "Tensor masked_m) -> ()");
+  m.def(
+      "int8_dense_gemm(Tensor(a!) out, Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, "
+      "int raster_along_n=1, int max_swizzle=1) -> ()");
 }
 
 EPMOE_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CUDA, m) {
@@ -270,4 +291,5 @@ EPMOE_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CUDA, m) {
   m.impl("int8_block_contiguous_gemm", &int8_block_contiguous_gemm);
   m.impl("int8_block_masked_gemm", &int8_block_masked_gemm);
   m.impl("int8_masked_gemm", &int8_masked_gemm);
+  m.impl("int8_dense_gemm", &int8_dense_gemm);
 }

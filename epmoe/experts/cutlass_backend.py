@@ -459,7 +459,7 @@ def check_operands(
     a_scale: torch.Tensor,
     b: torch.Tensor,
     b_scale: torch.Tensor,
-    expert_offsets: torch.Tensor,
+    expert_offsets: torch.Tensor | None,
     out: torch.Tensor | None,
     *,
     dtype: torch.dtype,
@@ -482,7 +482,7 @@ def check_operands(
         a_scale, b_scale: fp32; their allowed shapes are ``a_scale_shapes(m, k)`` and
             ``b_scale_shapes(e, n, k)`` (lists of shape tuples).
         expert_offsets: ``[E+1]`` integer row offsets (checked by :func:`check_block_offsets` on
-            the host).
+            the host), or ``None`` for a call without them (:func:`int8_dense_gemm`).
         out: ``None`` or a contiguous bf16 ``[M, N]`` tensor.
         k_multiple, n_multiple: what K and N must be positive multiples of.
         devices: check the devices too (the masked wrappers check them on their own shapes).
@@ -494,6 +494,8 @@ def check_operands(
     """
     for name, t, want in (("a", a, dtype), ("b", b, dtype), ("a_scale", a_scale, torch.float32),
                           ("b_scale", b_scale, torch.float32), ("expert_offsets", expert_offsets, None)):  # fmt: skip
+        if t is None and name == "expert_offsets":
+            continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a tensor; got {t!r}")
         if want is not None and t.dtype != want:
@@ -515,13 +517,16 @@ def check_operands(
         if tuple(t.shape) not in allowed:
             raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}; allowed: {' or '.join(map(str, allowed))} "
                              f"(a {tuple(a.shape)}, b {tuple(b.shape)})")  # fmt: skip
-    if expert_offsets.dtype.is_floating_point or expert_offsets.dtype.is_complex or expert_offsets.dtype == torch.bool:
-        raise TypeError(f"{op}: expert_offsets must be an integer tensor; got {_shape(expert_offsets)}")
-    if tuple(expert_offsets.shape) != (e + 1,):
-        raise ValueError(f"{op}: expert_offsets must be [E+1] = [{e + 1}]; got {_shape(expert_offsets)}")
+    if expert_offsets is not None:
+        o = expert_offsets
+        if o.dtype.is_floating_point or o.dtype.is_complex or o.dtype == torch.bool:
+            raise TypeError(f"{op}: expert_offsets must be an integer tensor; got {_shape(o)}")
+        if tuple(o.shape) != (e + 1,):
+            raise ValueError(f"{op}: expert_offsets must be [E+1] = [{e + 1}]; got {_shape(o)}")
     if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (m, n) or not out.is_contiguous()):
         raise ValueError(f"{op}: out must be a contiguous bf16 [M, N] = [{m}, {n}] tensor; got {_shape(out)}")
-    check_block_offsets(expert_offsets, m)
+    if expert_offsets is not None:
+        check_block_offsets(expert_offsets, m)
     if not devices:
         return
     if a.device.type != "cuda":
@@ -579,6 +584,11 @@ def _check_rows(a) -> None:
         raise ValueError(f"a has {m} rows; the CUTLASS kernel takes fewer than {MAX_ROWS}")
 
 
+def _check_swizzle(op: str, max_swizzle) -> None:
+    if max_swizzle not in (1, 2, 4, 8):
+        raise ValueError(f"{op}: max_swizzle={max_swizzle!r}; allowed: 1, 2, 4 or 8")
+
+
 def int8_grouped_gemm(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -618,8 +628,7 @@ def int8_grouped_gemm(
     check_operands("int8_grouped_gemm", a, a_scale, b, b_scale, expert_offsets, out, dtype=torch.int8,
                    k_multiple=16, n_multiple=8, a_scale_shapes=lambda m, k: [(m, 1), (m,)],
                    b_scale_shapes=lambda e, n, k: [(e, n, 1), (e, n)])  # fmt: skip
-    if max_swizzle not in (1, 2, 4, 8):
-        raise ValueError(f"int8_grouped_gemm: max_swizzle={max_swizzle!r}; allowed: 1, 2, 4 or 8")
+    _check_swizzle("int8_grouped_gemm", max_swizzle)
     out = _output(a, b, out)
     m = a.shape[0]
     if m == 0 or b.shape[0] == 0:
@@ -627,6 +636,60 @@ def int8_grouped_gemm(
     offsets = expert_offsets.to(device=a.device, dtype=torch.int32).contiguous()
     load_extension().int8_contiguous_gemm(out, a.contiguous(), a_scale.contiguous(), b, b_scale.contiguous(), offsets,
                                           int(bool(raster_along_n)), int(max_swizzle))  # fmt: skip
+    return out
+
+
+def int8_dense_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    raster_along_n: bool = True,
+    max_swizzle: int = 1,
+) -> torch.Tensor:
+    """``out = (a @ b^T) * a_scale * b_scale^T`` in bf16 for one weight, the K sum exact in int32:
+    the kernel of :func:`int8_grouped_gemm` over every row of ``a`` as one expert, without the
+    offsets tensor and the row-block table that call builds on the GPU (two launches fewer; a
+    dense linear's call).
+
+    Args:
+        a: ``[M, K]`` int8, contiguous; ``M`` a multiple of 128 (pad the rows: the padding rows are
+            computed, their outputs are the caller's to drop), ``K`` of 16.
+        a_scale: ``[M, 1]`` (or ``[M]``) fp32 per-row multipliers.
+        b: ``[N, K]`` (or ``[1, N, K]``) int8 contiguous; ``N`` a multiple of 8.
+        b_scale: ``[N, 1]`` (or ``[N]``, ``[1, N, 1]``, ``[1, N]``) fp32 per-output-channel multipliers.
+        out: optional contiguous ``[M, N]`` bf16 output.
+        raster_along_n, max_swizzle: the tiles' walk, as in :func:`int8_grouped_gemm`.
+
+    Raises:
+        TypeError, ValueError: what :func:`check_operands` refuses, ``M`` not a multiple of 128 or
+            ``MAX_ROWS`` or more, ``max_swizzle`` not 1, 2, 4 or 8; all before the extension is
+            loaded.
+
+    Returns:
+        ``out``, ``[M, N]`` bf16.
+    """
+    _check_rows(a)
+    op = "int8_dense_gemm"
+    if isinstance(b, torch.Tensor) and b.dim() == 2:
+        b = b.unsqueeze(0)
+    if isinstance(b_scale, torch.Tensor) and b_scale.dim() in (1, 2) and b_scale.shape[0] != 1:
+        b_scale = b_scale.unsqueeze(0)
+    # What only this op refuses first (a wrong device would otherwise be named before it).
+    if isinstance(b, torch.Tensor) and b.dim() == 3 and b.shape[0] != 1:
+        raise ValueError(f"{op}: b must be one weight, [N, K] or [1, N, K]; got {tuple(b.shape)}")
+    if isinstance(a, torch.Tensor) and a.dim() == 2 and a.shape[0] % ROW_BLOCK:
+        raise ValueError(f"{op}: a has {a.shape[0]} rows; allowed: a multiple of {ROW_BLOCK} (pad the rows)")
+    _check_swizzle(op, max_swizzle)
+    check_operands(op, a, a_scale, b, b_scale, None, out, dtype=torch.int8, k_multiple=16, n_multiple=8,
+                   a_scale_shapes=lambda m, k: [(m, 1), (m,)], b_scale_shapes=lambda e, n, k: [(1, n, 1), (1, n)])
+    out = _output(a, b, out)
+    if a.shape[0] == 0:
+        return out
+    load_extension().int8_dense_gemm(out, a.contiguous(), a_scale.contiguous(), b, b_scale.contiguous(),
+                                     int(bool(raster_along_n)), int(max_swizzle))  # fmt: skip
     return out
 
 

@@ -236,25 +236,27 @@ def _cutlass_walks():
 
 
 def test_cutlass_walks_agree_bit_for_bit(monkeypatch):
-    """Every walk of the CUTLASS INT8 kernel the sweep times (along N / M, swizzle 1-8) gives the
-    default walk's output bit for bit (a tile's sums do not depend on when it runs), and each
-    element is within one bf16 rounding plus the fp32 epilogue's error of the float64 product.
+    """Every walk of the CUTLASS INT8 kernel the sweep times (along N / M, swizzle 1-8), through
+    the grouped op and the dense op the layer calls, gives the grouped default walk's output bit
+    for bit (a tile's sums do not depend on when it runs or on the block table), and that output
+    is within one bf16 rounding plus the fp32 epilogue's error of the float64 product per element.
     1000 rows (8 row blocks, the last short) x 2176 outputs (8.5 N tiles of 256)."""
     mod, _ = _module("cutlass", "int8_channel", "int32", 1024, 2176, False, monkeypatch)
     if mod._impl.impl != "epmoe":
         pytest.skip("sgl-kernel's int8_scaled_mm runs; the walks are the project's kernel's")
-    from epmoe.experts.cutlass_backend import int8_grouped_gemm
+    from epmoe.experts.cutlass_backend import int8_dense_gemm, int8_grouped_gemm
 
     m, n, k = 1000, 2176, 1024
     x, w, ws, _ = _small_inputs(m, n, k, "int8_channel", torch.bfloat16)
     q, s = mod._impl.quantize(x, "int8_channel")
     offsets = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=DEV)
-    outs = {walk: int8_grouped_gemm(q, s, w[None], ws[None], offsets, raster_along_n=walk.raster_along_n,
-                                    max_swizzle=walk.max_swizzle)[:m] for walk in _cutlass_walks()}  # fmt: skip
-    first = next(iter(outs.values()))
-    for walk, out in outs.items():
-        assert torch.equal(out, first), walk
+    first = int8_grouped_gemm(q, s, w[None], ws[None], offsets)[:m]
     _check_every_element(first, x, w, ws, None, "int8_channel")
+    for walk in _cutlass_walks():
+        kw = dict(raster_along_n=walk.raster_along_n, max_swizzle=walk.max_swizzle)
+        assert torch.equal(int8_grouped_gemm(q, s, w[None], ws[None], offsets, **kw)[:m], first), walk
+        # The dense op (no offsets, no block table): the same sums over the same rows.
+        assert torch.equal(int8_dense_gemm(q, s, w, ws, **kw)[:m], first), walk
 
 
 @pytest.mark.parametrize("m", [300, 1000])
