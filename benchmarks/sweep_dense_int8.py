@@ -25,6 +25,10 @@ layer's forward calls, activation quantization included):
 
 at M = 1, 4, 16, 32, 64, 256, 1024, 4096 and 16384 (the table's row buckets).
 
+Before it is timed, each candidate's output is checked against a float64 product of the same
+quantized operands (:func:`output_error`): a launch that is fast because it skips tiles is
+reported under ``failures`` and never enters the table.
+
 A cell's entry lists each kernel's fastest launch, fastest first (the plan takes the first one the
 layer's backend runs); ``--report`` also keeps every candidate's time. Cells left when
 ``--budget-s`` runs out keep the default rule and are listed under ``skipped`` (``--update`` keeps
@@ -158,6 +162,32 @@ def cell_entry(times: dict) -> list:
     return out
 
 
+OUTPUT_TOLERANCE = 1e-2
+"""Largest relative (Frobenius) difference a candidate's output may have from the float64
+reference of the same quantized operands: every kernel multiplies the same codes exactly, so
+they differ by output rounding (~2^-9); a tile a launch skipped or wrote twice is far above."""
+
+
+def reference_output(mod, x: torch.Tensor, scheme: str) -> torch.Tensor:
+    """float64 ``x W^T`` with ``x`` quantized by the reference quantizer (plain torch, not the
+    kernels under test) and the dequantized weight."""
+    from epmoe.quant.reference import dequantize_rows, dequantize_weight, quantize_rows
+
+    q, s = quantize_rows(x, torch.int8, 127.0, None if scheme == "int8_channel" else 128)
+    w = dequantize_weight(mod.weight.unsqueeze(0), mod.weight_scale.unsqueeze(0))[0].double()
+    return dequantize_rows(q, s).double() @ w.t()
+
+
+def output_error(out: torch.Tensor, ref: torch.Tensor) -> str | None:
+    """Why ``out`` is not the product (non-finite, or further than :data:`OUTPUT_TOLERANCE` from
+    ``ref``), or ``None``."""
+    o = out.double()
+    if not bool(torch.isfinite(o).all()):
+        return "non-finite output"
+    err = float((o - ref).norm() / ref.norm().clamp(min=1e-30))
+    return None if err <= OUTPUT_TOLERANCE else f"output differs from the float64 reference by {err:.3g} (relative)"
+
+
 def _label(kernel: str, launch) -> str:
     return kernel if launch is None else f"{kernel} {json.dumps(launch.to_dict())}"
 
@@ -231,10 +261,14 @@ def sweep(args) -> dict:
                 timer = time_graph if cuda else _wall_clock
                 times = {}
                 with torch.no_grad():
+                    ref = reference_output(mods[0], x, scheme)
                     for kernel, launch in cell_candidates(m, n, k, scheme, sms, impl.kernels, tma=cuda):
                         fns = [lambda mod=mod, kernel=kernel, launch=launch: run_kernel(mod._impl, mod, x, kernel, launch)
                                for mod in mods]  # fmt: skip
                         try:
+                            wrong = output_error(fns[0]()[:m], ref)
+                            if wrong:  # a launch that is fast because it skips work must not win
+                                raise ValueError(wrong)
                             times[(kernel, launch)] = timer(fns, calls)
                         except Exception as exc:  # a launch the SM cannot take: reported, not fatal
                             failures.append(f"{mode} {name} M={m} {_label(kernel, launch)}: "

@@ -104,6 +104,31 @@ def test_sweep_dry_run_writes_a_table_the_plan_reads(tmp_path):
         assert "triton" in ms["80"]["all_us"]
 
 
+def test_sweep_refuses_a_launch_with_a_wrong_output(tmp_path, monkeypatch):
+    """A candidate whose output is not the product (here: the Triton tiled GEMM with a tile
+    skipped, as a broken walk would) is reported and never enters the table, however fast."""
+    pytest.importorskip("triton")
+    from benchmarks import sweep_dense_int8 as sweep
+    from epmoe import linear
+
+    real = linear.run_kernel
+
+    def skips_a_tile(impl, lin, x2, kernel, launch):
+        out = real(impl, lin, x2, kernel, launch)
+        if kernel == "triton":
+            out[:16] = 0
+        return out
+
+    monkeypatch.setattr(linear, "run_kernel", skips_a_tile)
+    out = tmp_path / "table.json"
+    assert sweep.main(["--device", "cpu", "--tiny", "--m", "80", "--modes", "int8_channel_int32", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert len(data["failures"]) == len(bench.TINY_SHAPES)
+    assert all("triton: ValueError: output differs from the float64 reference" in f for f in data["failures"])
+    for cells in data["configs"]["int8_channel_int32"].values():
+        assert {e["kernel"] for e in cells["80"]} == {"small_m"}
+
+
 def test_sweep_cell_entry_and_cutlass_walks():
     """A bucket keeps each kernel's fastest launch, fastest first; the CUTLASS walks timed are the
     default alone for one row block, both orders with every swizzle above."""
