@@ -247,8 +247,8 @@ def select_dense_backend(
             impl = _CutlassImpl(_cutlass_decision(scheme, accumulator, device, k, n, os.environ)[0])
         else:
             impl = _TritonImpl() if name == "triton" else _TorchImpl()
-        small = "; small batches run the Triton small-batch kernel (per-shape crossover from the device's dense table, "\
-            f"else <= {SMALL_M_MAX} rows)" if name != "torch" else ""
+        small = (f"; each call runs the kernel the dense plan picks among {list(impl.kernels)} (the device's measured "
+                 f"table, else the small-batch kernel up to {SMALL_M_MAX} rows)") if name != "torch" else ""
         lines.append(f"dense backend {impl.label!r} chosen for scheme={scheme!r}, accumulator={accumulator!r}, "
                      f"[{n}, {k}] on {device}: {reason}{small}")  # fmt: skip
         return impl, lines
