@@ -26,11 +26,15 @@ Three times per cell, because they answer different questions:
   start. An earlier version of this script reported only this number and read it as GPU time:
   every multi-launch path, ``torch._int_mm`` with its plain-torch quantization included, then
   showed the GPU machine's host cost (170-440 us) against a single cuBLAS launch.
-* ``graph_us`` (M <= 1024): per call of a CUDA graph that replays the call back to back: GPU time
-  without host cost, what a CUDA-graph decode sees.
+* ``graph_us`` (every M): per call of a CUDA graph that replays the call back to back: GPU time
+  without host cost, what a CUDA-graph step sees. The ratios the targets are judged by use it.
+  (An earlier version timed graphs only up to 1024 rows and judged larger batches by ``us``: on
+  the H200 machine, whose host takes 150-350 us to enqueue one epmoe call, the 4096-row cells of
+  the narrow layers were then host time, and two backends running the same kernels differed by
+  2x from one run to the next.)
 * ``eager_us`` / ``host_us`` (M <= 4096): per call of back-to-back eager calls (events around the
-  loop) and the host's enqueue time per call: eager decode is host-bound wherever ``host_us`` is
-  the larger.
+  loop) and the host's enqueue time per call: eager calls are host-bound wherever ``host_us`` is
+  the larger (``host_bound`` on the row; the summary counts them).
 
 The graph and eager loops rotate over several copies of the weights (enough copies to span 256
 MiB, at most 32) so that L2 (50 MB) never holds the weight a call reads; do_bench's flush does
@@ -72,7 +76,8 @@ SHAPES = [  # (name, N, K)
 MS = [1, 16, 64, 256, 1024, 4096, 16384]
 TINY_SHAPES = [("tiny_a", 192, 256), ("tiny_b", 64, 384)]
 TINY_MS = [1, 7, 80]
-GRAPH_MAX_M = 1024
+GRAPH_MAX_M = None
+"""Largest batch timed as a CUDA graph (``None``: every batch; see the module doc)."""
 EAGER_MAX_M = 4096
 ROTATE_BYTES = 256 * 2**20
 MAX_COPIES = 32
@@ -192,7 +197,7 @@ def run(args) -> dict:
     import epmoe
     from epmoe.experts.select import BackendUnavailableError
     from epmoe.kernels.configs import device_name
-    from epmoe.kernels.dense_configs import dense_plan, load_dense_table
+    from epmoe.kernels.dense_configs import load_dense_table
     from epmoe.linear import SMALL_M_MAX, Int8Linear, _cached_gemm_config
     from epmoe.quant.reference import dequantize_weight, quantize_weight
     from epmoe.quant.schemes import SCHEMES
@@ -252,7 +257,7 @@ def run(args) -> dict:
                     del out
                     # do_bench median on CUDA (a wall-clock median on CPU, the dry run).
                     row["us"] = round(kernel_ms(group[0], rep_ms=args.rep, warmup_ms=args.warmup, device=dev) * 1e3, 2)
-                    if cuda and m <= GRAPH_MAX_M and not args.no_graph:
+                    if cuda and (GRAPH_MAX_M is None or m <= GRAPH_MAX_M) and not args.no_graph:
                         try:
                             row["graph_us"] = round(time_graph(group, max(2 * copies, 8)), 2)
                         except Exception as exc:  # reported per cell, the run goes on
@@ -260,6 +265,8 @@ def run(args) -> dict:
                     if cuda and m <= EAGER_MAX_M:
                         eager, host = time_eager(group, max(2 * copies, 8))
                         row["eager_us"], row["host_us"] = round(eager, 2), round(host, 2)
+                        if "graph_us" in row:
+                            row["host_bound"] = host > row["graph_us"]
                     weight_floor = floor_int8 * (2 if label == "bf16" else 1)
                     for key in ("us", "graph_us", "eager_us"):
                         if key in row:
@@ -270,16 +277,7 @@ def run(args) -> dict:
                     best = min(row.get("graph_us", row["us"]), row["us"])
                     row["int8_peak_fraction"] = round(2 * m * n * k / (best * 1e-6) / INT8_PEAK, 3)
                     if label.startswith("epmoe"):
-                        mod = mods[label][0]
-                        kernel, small_cfg = (dense_plan(mod.scheme, mod.accumulator, n, k, m, dev)
-                                             if mod.backend_name != "torch" else ("tiled", None))  # fmt: skip
-                        if kernel == "small_m":
-                            row["path"] = "small-batch kernel"
-                            row["config"] = small_cfg.to_dict()
-                        else:
-                            row["path"] = mod.backend_name
-                            if mod.backend_name == "triton":
-                                row["config"] = _cached_gemm_config(mod.scheme, mod.accumulator, n, k, m, dev).to_dict()
+                        row.update(path_of(mods[label][0], m, _cached_gemm_config))
                     cell.append(row)
             rows.extend(cell)
             show = {r["variant"]: r.get("graph_us", r["us"]) for r in cell}
@@ -304,9 +302,27 @@ def run(args) -> dict:
     )  # fmt: skip
 
 
+PATHS = {"small_m": "small-batch kernel", "triton": "triton tiled", "cutlass": "cutlass", "tiled": None}
+
+
+def path_of(mod, m: int, gemm_config) -> dict:
+    """``{"path", "config"}`` of what ``mod`` runs at ``m`` rows (:meth:`Int8Linear.plan`, the
+    forward's own answer): the kernel, and its launch where it has one."""
+    kernel, launch = mod.plan(m)
+    out = {"path": PATHS.get(kernel) or mod.backend_name}
+    if launch is not None:
+        out["config"] = launch.to_dict()
+    elif kernel == "triton" or (kernel == "tiled" and mod.backend_name == "triton"):
+        dev = mod.weight.device
+        out["config"] = gemm_config(mod.scheme, mod.accumulator, mod.out_features, mod.in_features, m, dev).to_dict()
+    return out
+
+
 def summary(rows: list[dict]) -> dict:
-    """Per variant: median and worst ratio to bf16 for M <= 64 (graph and do_bench) and M >= 1024
-    (do_bench), and in how many cells it is slower than int_mm+quant (graph time where measured)."""
+    """Per variant: median and worst ratio to bf16 for M <= 64 and M >= 1024 (graph time, and
+    do_bench for reference), in how many cells it is slower than int_mm+quant (graph time where
+    measured) and in how many its eager calls are host-bound. The targets are judged on the
+    graph-time medians (``target_*_met``) and on every cell (``every_cell_*_met``)."""
     out = {}
     cells = [r for r in rows if "us" in r]
 
@@ -328,12 +344,13 @@ def summary(rows: list[dict]) -> dict:
                 d[f"min_ratio_{key}"] = round(min(vals), 3)
         if v != "int_mm+quant" and ref:
             d["slower_than_int_mm_quant"] = sum(t(r) > ref[(r["shape"], r["M"])] for r in rs if (r["shape"], r["M"]) in ref)
+        d["host_bound_cells"] = sum(bool(r.get("host_bound")) for r in rs)
         if v.startswith("epmoe"):
-            # The issue's targets, every cell: graph time at M <= 64, do_bench at M >= 1024.
-            if "min_ratio_graph_m_le_64" in d:
-                d["target_m_le_64_met"] = d["min_ratio_graph_m_le_64"] >= 1.6
-            if "min_ratio_do_bench_m_ge_1024" in d:
-                d["target_m_ge_1024_met"] = d["min_ratio_do_bench_m_ge_1024"] >= 1.7
+            # The issue's targets on GPU time (graph replays): medians, and every cell.
+            for key, bar in (("m_le_64", 1.6), ("m_ge_1024", 1.7)):
+                if f"median_ratio_graph_{key}" in d:
+                    d[f"target_{key}_met"] = d[f"median_ratio_graph_{key}"] >= bar
+                    d[f"every_cell_{key}_met"] = d[f"min_ratio_graph_{key}"] >= bar
             if "slower_than_int_mm_quant" in d:
                 d["target_never_slower_than_int_mm_quant_met"] = d["slower_than_int_mm_quant"] == 0
         d["cells"] = len(rs)
@@ -399,8 +416,9 @@ def table(result: dict) -> str:
             line += (f" | {'':12s} {t(b) / t(r) if b else float('nan'):6.2f} {t(i) / t(r) if i else float('nan'):6.2f}"
                      f" {floor:6.2f}")  # fmt: skip
         lines.append(line)
-    lines.append("(us per call: CUDA-graph replay for M <= %d, do_bench median above; x bf16 / x i_mm: speed-up "
-                 "over bf16 and over int_mm+quant; floor: INT8 weight-read floor / time)" % GRAPH_MAX_M)
+    graphs = "every M" if GRAPH_MAX_M is None else f"M <= {GRAPH_MAX_M}, do_bench median above"
+    lines.append(f"(us per call: CUDA-graph replay for {graphs} (do_bench where no graph ran); x bf16 / x i_mm: "
+                 "speed-up over bf16 and over int_mm+quant; floor: INT8 weight-read floor / time)")
     return "\n".join(lines)
 
 

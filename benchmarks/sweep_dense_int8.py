@@ -4,27 +4,37 @@ read by :mod:`epmoe.kernels.dense_configs`). This script is the table's only sou
 few minutes on one H200) and commit the file it writes.
 
     python benchmarks/sweep_dense_int8.py                       # writes the package's table
-    SGLANG_CUTLASS_MOE=1 python benchmarks/sweep_dense_int8.py  # "tiled" timed on the CUTLASS path
+    SGLANG_CUTLASS_MOE=1 python benchmarks/sweep_dense_int8.py  # the CUTLASS kernel timed too
     python benchmarks/sweep_dense_int8.py --out /tmp/t.json --report sweep.json --budget-s 200
 
 For every (mode, shape, M) cell it times, as CUDA-graph replays over enough weight copies that L2
-never holds the weight a call reads (GPU time, what a graph-captured step sees):
+never holds the weight a call reads (GPU time, what a graph-captured step sees), every kernel the
+``auto`` backend can run there, each call through :func:`epmoe.linear.run_kernel` (the function the
+layer's forward calls, activation quantization included):
 
-* ``tiled``: the backend's own quantizer and tiled GEMM (``auto``'s backend: CUTLASS with
-  ``SGLANG_CUTLASS_MOE=1`` where it runs, else the Triton grouped GEMM);
 * the small-batch kernel's default launch for the batch (the rule of
   :func:`epmoe.kernels.dense_int8.small_m_config`) and its neighbours: every N tile (16 to 128)
   at the rule's K split, half and twice that split (and none) at the rule's N tile, the
   activation quantization fused or not (channel scheme up to 8 rows; elsewhere fusion never won
   on the H200); from 256 rows, unfused 64- and 128-row tiles with and without a K split;
+* above :data:`~epmoe.kernels.dense_configs.SMALL_M_MAX` rows (below, the tiled GEMMs lost to the
+  small-batch kernel in every cell on the H200): the Triton tiled GEMM (its own tile config, and on
+  the GPU persistent TMA tiles of 128 x 128 and 128 x 64, for the narrow layers), and with
+  ``SGLANG_CUTLASS_MOE=1`` the CUTLASS INT8 kernel walking its tiles along N and along M with
+  swizzles of 1, 2, 4 and 8 (one walk when the batch is one 128-row block);
 
 at M = 1, 4, 16, 32, 64, 256, 1024, 4096 and 16384 (the table's row buckets).
 
-The fastest candidate becomes the cell's entry (``tiled`` or ``small_m`` with its launch);
-``--report`` also keeps every candidate's time. Cells left when ``--budget-s`` runs out keep the
-default rule and are listed under ``skipped`` (``--update`` keeps the table's earlier entries for
-them and for modes not swept, e.g. one run per mode). Modes: ``int8_channel_int32`` (``auto``'s
-default) first, then ``int8_block_fp32``.
+Before it is timed, each candidate's output is checked against a float64 product of the same
+quantized operands (:func:`output_error`): a launch that is fast because it skips tiles is
+reported under ``failures`` and never enters the table.
+
+A cell's entry lists each kernel's fastest launch, fastest first (the plan takes the first one the
+layer's backend runs); ``--report`` also keeps every candidate's time. Cells left when
+``--budget-s`` runs out keep the default rule and are listed under ``skipped`` (``--update`` keeps
+the table's earlier entries for them and for modes, row buckets and shapes not swept, e.g. one run
+per mode). Modes: ``int8_channel_int32`` (``auto``'s default) first, then ``int8_block_fp32``. The
+CUTLASS extension is built (first use) before the budget's clock starts.
 """
 
 from __future__ import annotations
@@ -93,6 +103,95 @@ def candidates(m: int, n: int, k: int, scheme: str, sms: int) -> list:
     return out
 
 
+def cutlass_launches(m: int) -> list:
+    """The CUTLASS kernel's walks worth timing for ``m`` rows: both orders with swizzles 1 to 8,
+    or only the default where the batch is one 128-row block (every walk is then the same)."""
+    from epmoe.kernels.dense_configs import SWIZZLES, CutlassLaunch
+    from epmoe.linear import ROW_BLOCK
+
+    if m <= ROW_BLOCK:
+        return [CutlassLaunch()]
+    return [CutlassLaunch(along_n, s) for along_n in (True, False) for s in SWIZZLES]
+
+
+TRITON_TILES = ((128, 128, 8, 4), (128, 64, 4, 4))
+"""(BLOCK_M, BLOCK_N, warps, stages) of the persistent TMA tiles timed beside the Triton GEMM's own
+config on the GPU (BLOCK_K 128): narrower than its large-batch 128 x 256 default, for layers
+whose N gives that tile too few programs (kv_a: 3 N tiles, one of them a quarter full)."""
+
+
+def triton_launches(tma: bool) -> list:
+    """The Triton tiled GEMM's configs worth timing: its own lookup (``None``), and with ``tma``
+    (a GPU; the interpreter has no TMA) the tiles of :data:`TRITON_TILES`."""
+    from epmoe.kernels.configs import GemmConfig
+
+    out = [None]
+    if tma:
+        out += [GemmConfig(bm, bn, 128, 8, False, warps, stages, True, True) for bm, bn, warps, stages in TRITON_TILES]
+    return out
+
+
+def cell_candidates(m: int, n: int, k: int, scheme: str, sms: int, kernels: tuple[str, ...], tma: bool = False) -> list:
+    """``[(kernel, launch)]`` timed in one cell by a backend that runs ``kernels`` (``tma``: see
+    :func:`triton_launches`)."""
+    from epmoe.kernels.dense_configs import SMALL_M_MAX
+
+    out = [("small_m", cfg) for cfg in candidates(m, n, k, scheme, sms)]
+    if m > SMALL_M_MAX:
+        if "triton" in kernels:
+            out.extend(("triton", launch) for launch in triton_launches(tma))
+        if "cutlass" in kernels:
+            out.extend(("cutlass", launch) for launch in cutlass_launches(m))
+    return out
+
+
+def cell_entry(times: dict) -> list:
+    """A bucket of the table from ``{(kernel, launch): us}``: each kernel's fastest launch,
+    fastest first."""
+    best: dict = {}
+    for (kernel, launch), us in times.items():
+        if kernel not in best or us < best[kernel][1]:
+            best[kernel] = (launch, us)
+    out = []
+    for kernel, (launch, us) in sorted(best.items(), key=lambda kv: kv[1][1]):
+        entry = {"kernel": kernel}
+        if launch is not None:
+            entry["config"] = launch.to_dict()
+        entry["us"] = round(us, 2)
+        out.append(entry)
+    return out
+
+
+OUTPUT_TOLERANCE = 1e-2
+"""Largest relative (Frobenius) difference a candidate's output may have from the float64
+reference of the same quantized operands: every kernel multiplies the same codes exactly, so
+they differ by output rounding (~2^-9); a tile a launch skipped or wrote twice is far above."""
+
+
+def reference_output(mod, x: torch.Tensor, scheme: str) -> torch.Tensor:
+    """float64 ``x W^T`` with ``x`` quantized by the reference quantizer (plain torch, not the
+    kernels under test) and the dequantized weight."""
+    from epmoe.quant.reference import dequantize_rows, dequantize_weight, quantize_rows
+
+    q, s = quantize_rows(x, torch.int8, 127.0, None if scheme == "int8_channel" else 128)
+    w = dequantize_weight(mod.weight.unsqueeze(0), mod.weight_scale.unsqueeze(0))[0].double()
+    return dequantize_rows(q, s).double() @ w.t()
+
+
+def output_error(out: torch.Tensor, ref: torch.Tensor) -> str | None:
+    """Why ``out`` is not the product (non-finite, or further than :data:`OUTPUT_TOLERANCE` from
+    ``ref``), or ``None``."""
+    o = out.double()
+    if not bool(torch.isfinite(o).all()):
+        return "non-finite output"
+    err = float((o - ref).norm() / ref.norm().clamp(min=1e-30))
+    return None if err <= OUTPUT_TOLERANCE else f"output differs from the float64 reference by {err:.3g} (relative)"
+
+
+def _label(kernel: str, launch) -> str:
+    return kernel if launch is None else f"{kernel} {json.dumps(launch.to_dict())}"
+
+
 def _wall_clock(fns: list, calls: int) -> float:
     """The CPU dry run's stand-in for :func:`time_graph`: us per call, wall clock, one pass."""
     t = time.perf_counter()
@@ -101,22 +200,38 @@ def _wall_clock(fns: list, calls: int) -> float:
     return (time.perf_counter() - t) * 1e6 / min(calls, 2)
 
 
+def _build_cutlass(cuda: bool) -> float | None:
+    """Seconds to load (or build, first use) the CUTLASS extension where the sweep will time it."""
+    if not cuda or os.environ.get("SGLANG_CUTLASS_MOE") != "1":
+        return None
+    from epmoe.experts.cutlass_backend import load_extension
+
+    t = time.perf_counter()
+    try:
+        load_extension()
+    except Exception as exc:  # reported; the cells' cutlass candidates then fail one by one
+        print(f"CUTLASS extension unavailable: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    return round(time.perf_counter() - t, 1)
+
+
 def sweep(args) -> dict:
     import triton
 
-    from epmoe.kernels.dense_configs import SMALL_M_MAX, mode_key
-    from epmoe.kernels.dense_int8 import _sms, dense_int8_small_m
-    from epmoe.linear import Int8Linear, _SmallBatch
+    from epmoe.kernels.dense_configs import SMALL_M_MAX, CutlassLaunch, mode_key
+    from epmoe.kernels.dense_int8 import _sms, small_m_config
+    from epmoe.linear import Int8Linear, run_kernel
     from epmoe.quant.reference import quantize_weight
     from epmoe.quant.schemes import SCHEMES
 
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     sms = _sms(dev)
+    build_s = _build_cutlass(cuda)
     gen = torch.Generator(device=dev).manual_seed(0)
     t0 = time.perf_counter()
-    table, measured, skipped, failures = {}, {}, [], []
-    shapes = TINY_SHAPES if args.tiny else [s for s in SHAPES if not args.shapes or s[0] in args.shapes]
+    table, measured, skipped, failures, kernels_of = {}, {}, [], [], {}
+    named = {s[0]: s for s in SHAPES}
+    shapes = TINY_SHAPES if args.tiny else [named[x] for x in args.shapes] if args.shapes else SHAPES
     ms = args.m or (TINY_MS if args.tiny else SWEEP_MS)
     for mode in args.modes:
         scheme, acc = _mode(mode)
@@ -136,7 +251,7 @@ def sweep(args) -> dict:
                     mod.weight_scale.copy_(s[0])
                 mods.append(mod)
             impl = mods[0]._impl
-            tiled_label = impl.label
+            kernels_of[mode] = dict(backend=impl.label, kernels=list(impl.kernels))
             for m in ms:
                 if time.perf_counter() - t0 > args.budget_s:
                     skipped.append(f"{mode} {name} M={m}")
@@ -144,45 +259,39 @@ def sweep(args) -> dict:
                 x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
                 calls = max(2 * copies, 8)
                 timer = time_graph if cuda else _wall_clock
-
-                def tiled(mod, x=x, m=m):
-                    qx, sx = impl.quantize(x, scheme)
-                    return super(_SmallBatch, impl).gemm(mod, qx, sx, x.dtype)[:m]
-
                 times = {}
                 with torch.no_grad():
-                    try:
-                        times["tiled"] = timer([lambda mod=mod: tiled(mod) for mod in mods], calls)
-                    except Exception as exc:  # reported, the cell goes on with the other candidates
-                        failures.append(f"{mode} {name} M={m} tiled: {type(exc).__name__}: {str(exc)[:200]}")
-                    for cfg in candidates(m, n, k, scheme, sms):
-                        fns = [lambda mod=mod, cfg=cfg: dense_int8_small_m(
-                            x, mod.weight, mod.weight_scale, None, scheme=scheme, accumulator=acc, config=cfg)
-                            for mod in mods]  # fmt: skip
+                    ref = reference_output(mods[0], x, scheme)
+                    for kernel, launch in cell_candidates(m, n, k, scheme, sms, impl.kernels, tma=cuda):
+                        fns = [lambda mod=mod, kernel=kernel, launch=launch: run_kernel(mod._impl, mod, x, kernel, launch)
+                               for mod in mods]  # fmt: skip
                         try:
-                            times[json.dumps(cfg.to_dict())] = timer(fns, calls)
+                            wrong = output_error(fns[0]()[:m], ref)
+                            if wrong:  # a launch that is fast because it skips work must not win
+                                raise ValueError(wrong)
+                            times[(kernel, launch)] = timer(fns, calls)
                         except Exception as exc:  # a launch the SM cannot take: reported, not fatal
-                            failures.append(f"{mode} {name} M={m} {cfg.to_dict()}: {type(exc).__name__}: {str(exc)[:200]}")
+                            failures.append(f"{mode} {name} M={m} {_label(kernel, launch)}: "
+                                            f"{type(exc).__name__}: {str(exc)[:200]}")  # fmt: skip
                 if not times:
                     skipped.append(f"{mode} {name} M={m}")
                     continue
-                best = min(times, key=times.get)
-                entry = {"kernel": "tiled"} if best == "tiled" else {"kernel": "small_m", "config": json.loads(best)}
+                entry = cell_entry(times)
                 table.setdefault(mode_key(scheme, acc), {}).setdefault(f"N={n},K={k}", {})[str(m)] = entry
-                default = "tiled" if m > SMALL_M_MAX else None
-                if default is None:
-                    from epmoe.kernels.dense_int8 import small_m_config
-
-                    default = json.dumps(small_m_config(m, n, k, scheme, sms).to_dict())
-                cell = dict(best_us=round(times[best], 2), kernel=entry["kernel"], default_us=round(times[default], 2)
-                            if default in times else None, tiled_us=round(times["tiled"], 2) if "tiled" in times else None,
-                            tried=len(times))  # fmt: skip
+                # What the rule without a table runs: the small-batch default, else the backend's own tiled GEMM.
+                default = (("small_m", small_m_config(m, n, k, scheme, sms)) if m <= SMALL_M_MAX
+                           else ("cutlass", CutlassLaunch()) if "cutlass" in impl.kernels else ("triton", None))  # fmt: skip
+                cell = dict(best_us=entry[0]["us"], kernel=entry[0]["kernel"],
+                            default_us=round(times[default], 2) if default in times else None,
+                            **{f"{e['kernel']}_us": e["us"] for e in entry}, tried=len(times))  # fmt: skip
                 if args.report:
-                    cell["all_us"] = {key: round(v, 2) for key, v in sorted(times.items(), key=lambda kv: kv[1])}
+                    cell["all_us"] = {_label(*key): round(v, 2) for key, v in sorted(times.items(), key=lambda kv: kv[1])}
                 measured.setdefault(mode, {}).setdefault(name, {})[str(m)] = cell
-                print(f"{mode:20s} {name:15s} M={m:6d} best={cell['best_us']:9.2f} us ({entry['kernel']}"
-                      f"{'' if best == 'tiled' else ' ' + best}) default={cell['default_us']} tiled={cell['tiled_us']} "
-                      f"[{time.perf_counter() - t0:.0f} s]", flush=True)  # fmt: skip
+                best = entry[0]
+                print(f"{mode:20s} {name:15s} M={m:6d} best={best['us']:9.2f} us ({best['kernel']}"
+                      f"{' ' + json.dumps(best['config']) if 'config' in best else ''}) default={cell['default_us']} "
+                      + " ".join(f"{e['kernel']}={e['us']}" for e in entry[1:])
+                      + f" [{time.perf_counter() - t0:.0f} s]", flush=True)  # fmt: skip
                 del x
             del mods, w, q, s
             if cuda:
@@ -192,8 +301,8 @@ def sweep(args) -> dict:
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=_commit(args.commit),
         source="benchmarks/sweep_dense_int8.py (the only source of this file; rerun it to regenerate)",
         command=" ".join([os.path.basename(sys.executable), *sys.argv]),
-        sglang_cutlass_moe=os.environ.get("SGLANG_CUTLASS_MOE"), tiled_backend=tiled_label, sms=sms,
-        seconds=round(time.perf_counter() - t0, 1), skipped=skipped, failures=failures,
+        sglang_cutlass_moe=os.environ.get("SGLANG_CUTLASS_MOE"), backends=kernels_of, sms=sms,
+        cutlass_build_s=build_s, seconds=round(time.perf_counter() - t0, 1), skipped=skipped, failures=failures,
         configs=table, measured=measured,
     )  # fmt: skip
 
@@ -214,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="table path (default: the package's epmoe/configs/dense_int8_<device>.json)")
     p.add_argument("--report", default=None, help="also write every candidate's time to this JSON path")
     p.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES, help="scheme_accumulator modes, in order")
-    p.add_argument("--shapes", nargs="*", default=None, help=f"subset of {[s[0] for s in SHAPES]}")
+    p.add_argument("--shapes", nargs="*", default=None, choices=[s[0] for s in SHAPES],
+                   help="subset, swept in the order given (the budget may end before the last)")
     p.add_argument("--m", type=int, nargs="*", default=None, help=f"batch sizes (default {SWEEP_MS})")
     p.add_argument("--budget-s", type=float, default=200.0, help="stop starting new cells after this many seconds")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")

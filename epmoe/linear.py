@@ -14,10 +14,10 @@ raises :class:`~epmoe.experts.select.BackendUnavailableError`):
 
 * ``cutlass`` (``int8_channel`` with the int32 accumulator, only with ``SGLANG_CUTLASS_MOE=1`` as
   for the experts): sgl-kernel's ``int8_scaled_mm`` when it imports (sm_8x / sm_9x), else the
-  project's CUTLASS INT8 kernel (:func:`epmoe.experts.cutlass_backend.int8_grouped_gemm`, sm_90a)
-  run as one expert whose rows are padded to whole 128-row blocks. The activations are quantized by
-  the Triton per-token kernel straight into the padded buffer; the scales are applied in the
-  kernel's epilogue.
+  project's CUTLASS INT8 kernel (:func:`epmoe.experts.cutlass_backend.int8_dense_gemm`, sm_90a, one
+  launch) over rows padded to whole 128-row blocks, its tiles' walk from the dense plan. The
+  activations are quantized by the Triton per-token kernel straight into the padded buffer; the
+  scales are applied in the kernel's epilogue.
 * ``triton``: the per-token / per-group quantizer of :mod:`epmoe.kernels.quantize`, then the
   grouped GEMM of :mod:`epmoe.kernels.grouped_gemm` as one expert (the masked layout with a row
   count that clamps to the batch, so no per-call offsets are built); both scales in its epilogue
@@ -247,8 +247,8 @@ def select_dense_backend(
             impl = _CutlassImpl(_cutlass_decision(scheme, accumulator, device, k, n, os.environ)[0])
         else:
             impl = _TritonImpl() if name == "triton" else _TorchImpl()
-        small = "; small batches run the Triton small-batch kernel (per-shape crossover from the device's dense table, "\
-            f"else <= {SMALL_M_MAX} rows)" if name != "torch" else ""
+        small = (f"; each call runs the kernel the dense plan picks among {list(impl.kernels)} (the device's measured "
+                 f"table, else the small-batch kernel up to {SMALL_M_MAX} rows)") if name != "torch" else ""
         lines.append(f"dense backend {impl.label!r} chosen for scheme={scheme!r}, accumulator={accumulator!r}, "
                      f"[{n}, {k}] on {device}: {reason}{small}")  # fmt: skip
         return impl, lines
@@ -292,8 +292,8 @@ _cached_gemm_config = functools.lru_cache(maxsize=4096)(dense_gemm_config)
 
 # ------------------------------------------------------------------------------ implementations
 class _Impl:
-    """One backend's three stages. ``quantize`` may return more rows than it was given (whole row
-    blocks for a kernel that wants them); ``gemm`` returns as many rows as its input has."""
+    """One backend's stages. ``quantize`` may return more rows than it was given (whole row
+    blocks for a kernel that wants them); ``tiled_gemm`` returns as many rows as its input has."""
 
     name = ""
     label = ""
@@ -305,41 +305,65 @@ class _Impl:
     def silu_quantize(self, gate_up: torch.Tensor, scheme: str):
         raise NotImplementedError
 
-    def gemm(self, lin: "Int8Linear", q, s, out_dtype: torch.dtype) -> torch.Tensor:
+    def tiled_gemm(self, lin: "Int8Linear", q, s, out_dtype: torch.dtype, launch=None) -> torch.Tensor:
         raise NotImplementedError
+
+    def gemm(self, lin: "Int8Linear", q, s, out_dtype: torch.dtype) -> torch.Tensor:
+        """The GEMM of int8 codes ``q`` with their scales ``s`` (the MLP's down projection)."""
+        return self.tiled_gemm(lin, q, s, out_dtype)
 
     def linear(self, lin: "Int8Linear", x2: torch.Tensor) -> torch.Tensor:
         """Quantize and multiply ``x2 [M, K]``; may return more than ``M`` rows (see ``quantize``)."""
         q, s = self.quantize(x2, lin.scheme)
         return self.gemm(lin, q, s, x2.dtype)
 
+    def plan(self, lin: "Int8Linear", m: int):
+        """``(kernel, launch)`` that a call of ``m`` rows runs (see :func:`run_kernel`)."""
+        return "tiled", None
 
-class _SmallBatch:
-    """Batches that the dense plan (:func:`epmoe.kernels.dense_configs.dense_plan`: the device's
-    measured table, else up to ``SMALL_M_MAX`` rows) gives to the small-batch kernel run
-    :func:`epmoe.kernels.dense_int8.dense_int8_small_m` (one launch, or two with split-K: the
-    weight read by programs on every SM, the activations quantized inside the GEMM while they
-    are few); the others the backend's own quantizer and GEMM. Mixed into the GPU backends ahead
-    of their class."""
+
+class _Planned:
+    """The GPU backends' calls go where the dense plan (:func:`epmoe.kernels.dense_configs.dense_plan`:
+    the device's measured table, else the small-batch kernel up to ``SMALL_M_MAX`` rows and the
+    backend's tiled GEMM above) sends them, among the kernels the backend runs (``kernels``):
+    the small-batch kernel :func:`epmoe.kernels.dense_int8.dense_int8_small_m` (one launch, or two
+    with split-K; the activations quantized inside the GEMM while they are few), the Triton tiled
+    GEMM, or the CUTLASS kernel with a measured rasterization. Mixed into the GPU backends ahead of
+    their class."""
+
+    kernels: tuple[str, ...] = ()
+
+    def plan(self, lin, m):
+        return _dense_kernels().dense_plan(lin.scheme, lin.accumulator, lin.out_features, lin.in_features, m,
+                                           lin.weight.device, self.kernels)  # fmt: skip
+
+    def tiled(self, kernel: str) -> _Impl:
+        """The implementation of tiled kernel ``kernel`` (``"tiled"``: this backend's own)."""
+        return _TRITON_GEMM if kernel == "triton" else self
 
     def linear(self, lin, x2):
-        kernel, cfg = _plan(lin, x2)
+        return run_kernel(self, lin, x2, *self.plan(lin, x2.shape[0]))
+
+    def gemm(self, lin, q, s, out_dtype):
+        kernel, launch = self.plan(lin, q.shape[0])
         if kernel == "small_m":
-            return _small_m(lin, x2, None, x2.dtype, cfg)
-        return super().linear(lin, x2)
-
-    def gemm(self, lin, q, s, out_dtype, **kw):
-        if not kw:
-            kernel, cfg = _plan(lin, q)
-            if kernel == "small_m":
-                # Codes with their scales: the same launch without the fused quantization.
-                return _small_m(lin, q, s, out_dtype, cfg._replace(fused=False))
-        return super().gemm(lin, q, s, out_dtype, **kw)
+            # Codes with their scales: the same launch without the fused quantization.
+            return _small_m(lin, q, s, out_dtype, launch._replace(fused=False))
+        return self.tiled(kernel).tiled_gemm(lin, q, s, out_dtype, launch)
 
 
-def _plan(lin, x2):
-    return _dense_kernels().dense_plan(lin.scheme, lin.accumulator, lin.out_features, lin.in_features,
-                                       x2.shape[0], x2.device)  # fmt: skip
+def run_kernel(impl: _Impl, lin: "Int8Linear", x2: torch.Tensor, kernel: str, launch) -> torch.Tensor:
+    """``lin(x2)`` on one dense kernel and launch: what the forward runs for its plan, and what
+    ``benchmarks/sweep_dense_int8.py`` times for every candidate (so the table's times are those
+    of the launches the layer makes, quantization included). May return more rows than ``x2``
+    has (whole row blocks of the CUTLASS kernel)."""
+    if kernel == "small_m":
+        return _small_m(lin, x2, None, x2.dtype, launch)
+    if kernel == "tiled" and not isinstance(impl, _Planned):
+        return impl.linear(lin, x2)
+    tiled = impl.tiled(kernel)
+    q, s = tiled.quantize(x2, lin.scheme)
+    return tiled.tiled_gemm(lin, q, s, x2.dtype, launch)
 
 
 def _small_m(lin, x2, s, out_dtype, cfg):
@@ -371,7 +395,7 @@ class _TorchImpl(_Impl):
         g, u = gate_up.float().chunk(2, dim=-1)
         return self.quantize(F.silu(g) * u, scheme)
 
-    def gemm(self, lin, q, s, out_dtype):
+    def tiled_gemm(self, lin, q, s, out_dtype, launch=None):
         w, ws = lin.weight, lin.weight_scale
         if lin.scheme == "int8_channel" and _int_mm_applies(q, w):
             acc = torch._int_mm(q, w.t())
@@ -408,12 +432,13 @@ class _TritonGemm(_Impl):
 
         return silu_and_mul_quant(gate_up, "token" if scheme == "int8_channel" else "group", BLOCK, torch.int8)
 
-    def gemm(self, lin, q, s, out_dtype, config=None):
+    def tiled_gemm(self, lin, q, s, out_dtype, launch=None):
+        """``launch``: a grouped-GEMM tile config, or ``None`` for :func:`dense_gemm_config`'s."""
         from .kernels.grouped_gemm import grouped_gemm_masked
 
         m, k = q.shape
         n = lin.out_features
-        cfg = config if config is not None else _cached_gemm_config(lin.scheme, lin.accumulator, n, k, m, q.device)
+        cfg = launch if launch is not None else _cached_gemm_config(lin.scheme, lin.accumulator, n, k, m, q.device)
         out = grouped_gemm_masked(
             q.view(1, m, k), lin.weight.unsqueeze(0), lin._all_rows, mode=lin.scheme,
             a_scale=s.view(1, m, s.shape[-1]), b_scale=lin.weight_scale.unsqueeze(0),
@@ -424,14 +449,18 @@ class _TritonGemm(_Impl):
         return out
 
 
-class _TritonImpl(_SmallBatch, _TritonGemm):
-    pass
+_TRITON_GEMM = _TritonGemm()
+"""The Triton tiled GEMM where the cutlass backend's plan chooses it (the object holds no state)."""
+
+
+class _TritonImpl(_Planned, _TritonGemm):
+    kernels = ("small_m", "triton", "tiled")
 
 
 class _CutlassGemm(_Impl):
     """``impl="epmoe"``: the project's kernel, rows padded to 128-row blocks (the padding rows'
-    codes and scales are left uninitialised: they are computed and never returned). ``"sgl"``:
-    sgl-kernel's ``int8_scaled_mm`` (any rows, bias fused)."""
+    codes and scales are left uninitialised: they are computed and never returned), with the
+    plan's rasterization. ``"sgl"``: sgl-kernel's ``int8_scaled_mm`` (any rows, bias fused)."""
 
     name = "cutlass"
 
@@ -439,6 +468,8 @@ class _CutlassGemm(_Impl):
         self.impl = impl
         self.label = "cutlass (sgl-kernel int8_scaled_mm)" if impl == "sgl" else "cutlass (epmoe INT8 kernel)"
         self.row_block = ROW_BLOCK if impl == "epmoe" else 1
+        own = ("cutlass",) if impl == "epmoe" else ()
+        self.kernels = ("small_m", *own, "triton", "tiled")
 
     def quantize(self, x2, scheme):
         from .kernels.common import row_plan
@@ -460,27 +491,29 @@ class _CutlassGemm(_Impl):
 
         return silu_and_mul_quant(gate_up, "token", BLOCK, torch.int8)
 
-    def gemm(self, lin, q, s, out_dtype):
+    def tiled_gemm(self, lin, q, s, out_dtype, launch=None):
+        """``launch``: a :class:`~epmoe.kernels.dense_configs.CutlassLaunch` (the project's
+        kernel), or ``None`` for the kernel's default walk (along N, no swizzle)."""
         m = q.shape[0]
         if self.impl == "sgl":
             sgl_dtype = out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
             bias = None if lin.bias is None else lin.bias.to(sgl_dtype)
             out = _sgl_int8_mm()(q, lin.weight.t(), s.view(-1), lin.weight_scale.view(-1), sgl_dtype, bias)
             return out if out.dtype == out_dtype else out.to(out_dtype)
-        from .experts.cutlass_backend import int8_grouped_gemm
+        from .experts.cutlass_backend import int8_dense_gemm
 
         if m % ROW_BLOCK:  # rows that did not come from this backend's quantizer
             pad = -(-m // ROW_BLOCK) * ROW_BLOCK - m
             q, s = F.pad(q, (0, 0, 0, pad)), F.pad(s, (0, 0, 0, pad), value=1.0)
-        rows = q.shape[0]
-        offsets = torch.arange(0, rows + 1, rows, dtype=torch.int32, device=q.device)  # [0, rows], no copy
-        out = int8_grouped_gemm(q, s, lin.weight.unsqueeze(0), lin.weight_scale.unsqueeze(0), offsets)[:m]
+        raster = {} if launch is None else dict(raster_along_n=launch.raster_along_n, max_swizzle=launch.max_swizzle)
+        # One launch: the dense op needs neither expert offsets nor the row-block table.
+        out = int8_dense_gemm(q, s, lin.weight, lin.weight_scale, **raster)[:m]
         if lin.bias is not None:
             out += lin.bias.to(out.dtype)
         return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
-class _CutlassImpl(_SmallBatch, _CutlassGemm):
+class _CutlassImpl(_Planned, _CutlassGemm):
     pass
 
 
@@ -557,6 +590,16 @@ class Int8Linear(nn.Module):
     def backend_name(self) -> str | None:
         """The backend that runs this module (``None`` on the meta device)."""
         return None if self._impl is None else self._impl.name
+
+    def plan(self, rows: int) -> tuple[str, object]:
+        """``(kernel, launch)`` a forward of ``rows`` rows runs: ``"small_m"`` with its
+        :class:`~epmoe.kernels.dense_int8.SmallMConfig`, ``"cutlass"`` with its
+        :class:`~epmoe.kernels.dense_configs.CutlassLaunch`, ``"triton"`` (the Triton tiled GEMM)
+        or ``"tiled"`` (the backend's own tiled GEMM; the torch backend's only path)."""
+        if self._impl is None:
+            raise RuntimeError("Int8Linear is on the meta device; move it to a real device (to_empty) first")
+        check_positive_int("rows", rows)
+        return self._impl.plan(self, rows)
 
     def _apply(self, fn, recurse=True):
         before = self.weight.device

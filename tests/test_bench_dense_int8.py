@@ -24,6 +24,27 @@ def test_plain_torch_int_mm_path_against_float64():
     assert float((out.double() - ref).norm() / ref.norm()) < 1e-5
 
 
+def _row(variant, m, us, graph_us, host_us):
+    return dict(shape="kv_a", M=m, variant=variant, us=us, graph_us=graph_us, host_us=host_us,
+                host_bound=host_us > graph_us)
+
+
+def test_large_batches_are_judged_on_gpu_time():
+    """Every batch of the bench is timed as a CUDA graph, and the summary judges M >= 1024 on
+    those times. (The 4096-row cells were once judged by do_bench alone: on a host that takes
+    ~200 us to enqueue an epmoe call, kv_a's 73 us kernel read as 272 us and the same kernels under
+    two backend names differed by 2x.)"""
+    assert bench.GRAPH_MAX_M is None or bench.GRAPH_MAX_M >= max(bench.MS)
+    rows = [_row("bf16", 4096, 46.7, 46.0, 25.6), _row("int_mm+quant", 4096, 576.7, 100.0, 257.7),
+            _row("epmoe auto", 4096, 272.2, 40.0, 212.4), _row("epmoe cutlass", 4096, 207.5, 40.5, 225.9)]
+    for r in rows:
+        r["ratio_us"], r["ratio_graph_us"] = round(46.7 / r["us"], 3), round(46.0 / r["graph_us"], 3)
+    s = bench.summary(rows)
+    assert s["epmoe auto"]["median_ratio_graph_m_ge_1024"] == 1.15 and s["epmoe auto"]["target_m_ge_1024_met"] is False
+    assert s["epmoe auto"]["median_ratio_graph_m_ge_1024"] - s["epmoe cutlass"]["median_ratio_graph_m_ge_1024"] < 0.02
+    assert s["epmoe auto"]["host_bound_cells"] == 1 and s["epmoe auto"]["slower_than_int_mm_quant"] == 0
+
+
 def test_dry_run_writes_rows_for_every_variant(tmp_path, monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.delenv("SGLANG_CUTLASS_MOE", raising=False)
@@ -52,7 +73,8 @@ def test_dry_run_writes_rows_for_every_variant(tmp_path, monkeypatch):
 def test_sweep_dry_run_writes_a_table_the_plan_reads(tmp_path):
     """benchmarks/sweep_dense_int8.py on CPU (--device cpu --tiny): every cell gets an entry that
     :mod:`epmoe.kernels.dense_configs` parses, each candidate's time lands in the report, and no
-    candidate fails; a 65+ row cell has only tiled and 64/128-row unfused launches."""
+    candidate fails; a 65+ row cell has the Triton tiled GEMM and 64/128-row unfused launches, each
+    kernel once in its bucket, fastest first."""
     pytest.importorskip("triton")
     from benchmarks import sweep_dense_int8 as sweep
     from epmoe.kernels.dense_configs import parse_table
@@ -63,15 +85,78 @@ def test_sweep_dry_run_writes_a_table_the_plan_reads(tmp_path):
     assert sweep.main(args) == 0
     data = json.loads(out.read_text())
     assert data["failures"] == [] and data["skipped"] == []
+    assert data["backends"]["int8_channel_int32"]["kernels"] == ["small_m", "triton", "tiled"]
     plans = parse_table(data)["int8_channel_int32"]
     assert set(plans) == {f"N={n},K={k}" for _, n, k in bench.TINY_SHAPES}
-    for bounds, _ in plans.values():
+    for bounds, buckets in plans.values():
         assert bounds == (1, 80)
+        assert [k for k, _ in buckets[0]] == ["small_m"]
+        assert sorted(k for k, _ in buckets[1]) == ["small_m", "triton"]
+    for cells in data["configs"]["int8_channel_int32"].values():
+        times = [e["us"] for e in cells["80"]]
+        assert times == sorted(times)
     cells = json.loads(report.read_text())["measured"]["int8_channel_int32"]
     for shape, ms in cells.items():
-        assert ms["1"]["default_us"] is not None and ms["1"]["tiled_us"] is not None
-        big = [json.loads(key) for key in ms["80"]["all_us"] if key != "tiled"]
+        assert ms["1"]["default_us"] is not None and "triton_us" not in ms["1"]
+        assert ms["80"]["default_us"] == ms["80"]["triton_us"]
+        big = [json.loads(key.split(" ", 1)[1]) for key in ms["80"]["all_us"] if key.startswith("small_m")]
         assert big and all(c["block_m"] in (64, 128) and not c["fused"] for c in big)
+        assert "triton" in ms["80"]["all_us"]
+
+
+def test_sweep_refuses_a_launch_with_a_wrong_output(tmp_path, monkeypatch):
+    """A candidate whose output is not the product (here: the Triton tiled GEMM with a tile
+    skipped, as a broken walk would) is reported and never enters the table, however fast."""
+    pytest.importorskip("triton")
+    from benchmarks import sweep_dense_int8 as sweep
+    from epmoe import linear
+
+    real = linear.run_kernel
+
+    def skips_a_tile(impl, lin, x2, kernel, launch):
+        out = real(impl, lin, x2, kernel, launch)
+        if kernel == "triton":
+            out[:16] = 0
+        return out
+
+    monkeypatch.setattr(linear, "run_kernel", skips_a_tile)
+    out = tmp_path / "table.json"
+    assert sweep.main(["--device", "cpu", "--tiny", "--m", "80", "--modes", "int8_channel_int32", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert len(data["failures"]) == len(bench.TINY_SHAPES)
+    assert all("triton: ValueError: output differs from the float64 reference" in f for f in data["failures"])
+    for cells in data["configs"]["int8_channel_int32"].values():
+        assert {e["kernel"] for e in cells["80"]} == {"small_m"}
+
+
+def test_sweep_cell_entry_and_cutlass_walks():
+    """A bucket keeps each kernel's fastest launch, fastest first; the CUTLASS walks timed are the
+    default alone for one row block, both orders with every swizzle above."""
+    from benchmarks import sweep_dense_int8 as sweep
+    from epmoe.kernels.dense_configs import CutlassLaunch, parse_table
+    from epmoe.kernels.dense_int8 import SmallMConfig
+
+    a, b = SmallMConfig(64, 64, 128, 4, 4, False), SmallMConfig(128, 128, 128, 8, 5, False)
+    times = {("small_m", a): 80.0, ("small_m", b): 70.0, ("triton", None): 90.0,
+             ("cutlass", CutlassLaunch()): 95.0, ("cutlass", CutlassLaunch(False, 4)): 60.0}  # fmt: skip
+    entry = sweep.cell_entry(times)
+    assert entry == [{"kernel": "cutlass", "config": {"raster_along_n": False, "max_swizzle": 4}, "us": 60.0},
+                     {"kernel": "small_m", "config": b.to_dict(), "us": 70.0}, {"kernel": "triton", "us": 90.0}]
+    _, plans = parse_table({"configs": {"m": {"N=1,K=16": {"4096": entry}}}})["m"]["N=1,K=16"]
+    assert plans[0] == (("cutlass", CutlassLaunch(False, 4)), ("small_m", b), ("triton", None))
+    assert sweep.cutlass_launches(128) == [CutlassLaunch()]
+    walks = sweep.cutlass_launches(129)
+    assert len(set(walks)) == 8 and {w.raster_along_n for w in walks} == {True, False}
+    kinds = [k for k, _ in sweep.cell_candidates(4096, 576, 7168, "int8_channel", 132, ("small_m", "cutlass", "triton"))]
+    assert kinds.count("cutlass") == 8 and kinds.count("triton") == 1 and "small_m" in kinds
+    tiles = [c for k, c in sweep.cell_candidates(4096, 576, 7168, "int8_channel", 132, ("small_m", "triton"), tma=True)
+             if k == "triton"]  # fmt: skip
+    assert tiles[0] is None and [(c.block_n, c.tma, c.persistent) for c in tiles[1:]] == [(128, True, True), (64, True, True)]
+    entry = sweep.cell_entry({("triton", tiles[2]): 5.0, ("triton", None): 6.0})
+    assert entry == [{"kernel": "triton", "config": tiles[2].to_dict(), "us": 5.0}]
+    _, plans = parse_table({"configs": {"m": {"N=1,K=16": {"4096": entry}}}})["m"]["N=1,K=16"]
+    assert plans[0] == (("triton", tiles[2]),)
+    assert {k for k, _ in sweep.cell_candidates(64, 576, 7168, "int8_channel", 132, ("small_m", "cutlass"))} == {"small_m"}
 
 
 def test_sweep_update_keeps_what_it_did_not_measure(tmp_path):

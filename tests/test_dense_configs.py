@@ -12,11 +12,17 @@ from epmoe.kernels import dense_configs as dc
 from epmoe.kernels.dense_int8 import SmallMConfig, small_m_config
 
 CFG = SmallMConfig(16, 16, 512, 4, 5, True, 8)
+ALONG_M = dc.CutlassLaunch(False, 4)
 TABLE = {"int8_channel_int32": {"N=576,K=7168": {
-    "1": {"kernel": "small_m", "config": CFG.to_dict()},
-    "64": {"kernel": "small_m", "config": CFG._replace(block_m=64, fused=False).to_dict()},
-    "1024": {"kernel": "tiled"},
+    "1": {"kernel": "small_m", "config": CFG.to_dict()},  # one entry (tables before the kernels were told apart)
+    "64": [{"kernel": "small_m", "config": CFG._replace(block_m=64, fused=False).to_dict(), "us": 9.0}],
+    "1024": [{"kernel": "cutlass", "config": ALONG_M.to_dict(), "us": 40.0}, {"kernel": "triton", "us": 50.0},
+             {"kernel": "small_m", "config": CFG._replace(block_m=64, fused=False).to_dict(), "us": 60.0}],
+    "4096": [{"kernel": "small_m", "config": CFG._replace(block_m=128, fused=False).to_dict(), "us": 73.0},
+             {"kernel": "cutlass", "config": {"raster_along_n": True, "max_swizzle": 1}, "us": 93.0}],
+    "16384": {"kernel": "tiled"},
 }}}  # fmt: skip
+CUTLASS = ("small_m", "cutlass", "triton", "tiled")
 
 
 def test_table_round_trip_and_buckets(tmp_path):
@@ -26,15 +32,17 @@ def test_table_round_trip_and_buckets(tmp_path):
     data = json.loads(path.read_text())
     assert data["device"] == "Some GPU" and data["configs"] == TABLE
     bounds, plans = dc.parse_table(data)["int8_channel_int32"]["N=576,K=7168"]
-    assert bounds == (1, 64, 1024)
-    assert plans == (("small_m", CFG), ("small_m", CFG._replace(block_m=64, fused=False)), ("tiled", None))
+    assert bounds == (1, 64, 1024, 4096, 16384)
+    tall = CFG._replace(block_m=64, fused=False)
+    assert plans[:3] == ((("small_m", CFG),), (("small_m", tall),),
+                         (("cutlass", ALONG_M), ("triton", None), ("small_m", tall)))  # fmt: skip
+    assert plans[3][1] == ("cutlass", dc.CutlassLaunch()) and plans[4] == (("tiled", None),)
 
 
-def test_plan_reads_the_device_table(tmp_path, monkeypatch):
-    """A CUDA device whose name has a table: the smallest bucket >= M; past a shape's largest
-    measured bucket, and for other shapes and modes, the default rule (a shape the sweep measured
-    only at one row is not stretched to large batches). (No GPU needed: the device facts are
-    stubbed.)"""
+@pytest.fixture
+def some_gpu(tmp_path, monkeypatch):
+    """A CUDA device named "Some GPU" (132 SMs) whose table is TABLE plus a partial block-scheme
+    shape. (No GPU needed: the device facts are stubbed.)"""
     from epmoe import devices
     from epmoe.kernels import configs
 
@@ -46,22 +54,65 @@ def test_plan_reads_the_device_table(tmp_path, monkeypatch):
     monkeypatch.setattr(devices, "sm_count", lambda device=None: 132)
     dc.load_dense_table.cache_clear()
     dc.dense_plan.cache_clear()
-    try:
-        dev = torch.device("cuda", 0)
-        assert dc.dense_plan("int8_channel", "int32", 576, 7168, 1, dev) == ("small_m", CFG)
-        assert dc.dense_plan("int8_channel", "int32", 576, 7168, 2, dev)[1].block_m == 64
-        assert dc.dense_plan("int8_channel", "int32", 576, 7168, 300, dev) == ("tiled", None)
-        assert dc.dense_plan("int8_channel", "int32", 576, 7168, 99999, dev) == ("tiled", None)
-        # No entry: the default rule.
-        assert dc.dense_plan("int8_block", "fp32", 576, 7168, 1, dev) == (
-            "small_m", small_m_config(1, 576, 7168, "int8_block", 132))
-        assert dc.dense_plan("int8_channel", "int32", 1536, 7168, 65, dev) == ("tiled", None)
-        assert dc.dense_plan("int8_block", "fp32", 24576, 1536, 1, dev) == ("small_m", CFG._replace(fused=False))
-        for m in (2, 4096):
-            assert dc.dense_plan("int8_block", "fp32", 24576, 1536, m, dev) == dc.default_plan("int8_block", 24576, 1536, m, 132)
-    finally:
-        dc.load_dense_table.cache_clear()
-        dc.dense_plan.cache_clear()
+    yield torch.device("cuda", 0)
+    dc.load_dense_table.cache_clear()
+    dc.dense_plan.cache_clear()
+
+
+def test_plan_reads_the_device_table(some_gpu):
+    """The smallest bucket >= M; past a shape's largest measured bucket, and for other shapes and
+    modes, the default rule (a shape the sweep measured only at one row is not stretched to large
+    batches)."""
+    dev = some_gpu
+    assert dc.dense_plan("int8_channel", "int32", 576, 7168, 1, dev) == ("small_m", CFG)
+    assert dc.dense_plan("int8_channel", "int32", 576, 7168, 2, dev)[1].block_m == 64
+    assert dc.dense_plan("int8_channel", "int32", 576, 7168, 16384, dev) == ("tiled", None)
+    assert dc.dense_plan("int8_channel", "int32", 576, 7168, 99999, dev) == ("tiled", None)
+    # No entry: the default rule.
+    assert dc.dense_plan("int8_block", "fp32", 576, 7168, 1, dev) == (
+        "small_m", small_m_config(1, 576, 7168, "int8_block", 132))
+    assert dc.dense_plan("int8_channel", "int32", 1536, 7168, 65, dev) == ("tiled", None)
+    assert dc.dense_plan("int8_block", "fp32", 24576, 1536, 1, dev) == ("small_m", CFG._replace(fused=False))
+    for m in (2, 4096):
+        assert dc.dense_plan("int8_block", "fp32", 24576, 1536, m, dev) == dc.default_plan("int8_block", 24576, 1536, m, 132)
+
+
+def test_plan_takes_the_fastest_kernel_the_backend_runs(some_gpu):
+    """A bucket lists kernels fastest first: the cutlass backend takes CUTLASS with its measured
+    walk, the triton backend (no CUTLASS) the next one it runs; a bucket where the small-batch
+    kernel was fastest (kv_a-like at 4096 rows) gives it to both."""
+    dev = some_gpu
+    tall = CFG._replace(block_m=64, fused=False)
+    for m in (300, 1024):
+        assert dc.dense_plan("int8_channel", "int32", 576, 7168, m, dev, CUTLASS) == ("cutlass", ALONG_M)
+        assert dc.dense_plan("int8_channel", "int32", 576, 7168, m, dev) == ("triton", None)
+        assert dc.dense_plan("int8_channel", "int32", 576, 7168, m, dev, ("small_m",)) == ("small_m", tall)
+    for kernels in (CUTLASS, dc.TRITON_KERNELS):
+        assert dc.dense_plan("int8_channel", "int32", 576, 7168, 4096, dev, kernels) == (
+            "small_m", CFG._replace(block_m=128, fused=False))
+    # Nothing runnable in the bucket: the default rule, not a neighbour's entry.
+    assert dc.dense_plan("int8_channel", "int32", 576, 7168, 1024, dev, ("tiled",)) == ("tiled", None)
+
+
+def test_int8_linear_plan_per_backend(some_gpu, monkeypatch):
+    """Int8Linear.plan (what the forward runs) consults the table with its backend's kernels:
+    cutlass on the project's kernel, on sgl-kernel (no CUTLASS walk to choose), and triton."""
+    from epmoe import linear
+
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: some_gpu))
+    mod = linear.Int8Linear.__new__(linear.Int8Linear)
+    torch.nn.Module.__init__(mod)
+    mod.scheme, mod.accumulator, mod.in_features, mod.out_features = "int8_channel", "int32", 7168, 576
+    mod.weight = torch.nn.Parameter(torch.zeros(1, dtype=torch.int8), requires_grad=False)
+    for impl, want in ((linear._CutlassImpl("epmoe"), ("cutlass", ALONG_M)),
+                       (linear._CutlassImpl("sgl"), ("triton", None)), (linear._TritonImpl(), ("triton", None))):  # fmt: skip
+        mod._impl = impl
+        assert mod.plan(1024) == want
+        assert mod.plan(1) == ("small_m", CFG)
+    mod._impl = linear._TorchImpl()
+    assert mod.plan(1024) == ("tiled", None)
+    with pytest.raises(ValueError, match="rows"):
+        mod.plan(0)
 
 
 def test_default_rule():
@@ -91,9 +142,15 @@ def test_malformed_tables_are_refused(tmp_path):
             dc.parse_table({"configs": {"int8_channel_int32": {"N=1,K=1": {"1": entry}}}})
     with pytest.raises(ValueError, match="bucket one: ValueError"):
         dc.parse_table({"configs": {"m": {"N=1,K=1": {"one": {"kernel": "tiled"}}}}})
+    with pytest.raises(ValueError, match="max_swizzle=3; allowed"):
+        dc.parse_table({"configs": {"m": {"N=1,K=1": {"1": [{"kernel": "cutlass", "config": {"max_swizzle": 3}}]}}}})
+    with pytest.raises(ValueError, match="unknown keys"):
+        dc.parse_table({"configs": {"m": {"N=1,K=1": {"1": [{"kernel": "cutlass", "config": {"raster": 0}}]}}}})
+    with pytest.raises(ValueError, match="an empty list"):
+        dc.parse_table({"configs": {"m": {"N=1,K=1": {"1": []}}}})
 
 
-@pytest.mark.parametrize("plan", ["small_m-split", "tiled"])
+@pytest.mark.parametrize("plan", ["small_m-split", "tiled", "triton"])
 def test_int8_linear_follows_the_plan(plan, monkeypatch):
     """Int8Linear (triton under the interpreter) runs what the plan says: a split small-batch
     launch at 128 rows, the tiled GEMM at 7 rows; both against the float64 reference, and the MLP's
@@ -106,9 +163,9 @@ def test_int8_linear_follows_the_plan(plan, monkeypatch):
     real = ns.dense_int8_small_m
     cfg = SmallMConfig(64, 16, 128, 4, 2, True, 2)
 
-    def fake_plan(scheme, accumulator, n, k, m, device):
+    def fake_plan(scheme, accumulator, n, k, m, device, kernels):
         calls.append(m)
-        return ("small_m", cfg) if plan == "small_m-split" else ("tiled", None)
+        return ("small_m", cfg) if plan == "small_m-split" else (plan, None)
 
     def spy(*args, config=None, **kw):
         calls.append(config)
@@ -122,7 +179,7 @@ def test_int8_linear_follows_the_plan(plan, monkeypatch):
     with torch.no_grad():
         y = mod(x)
     assert rel(y, ref_linear(mod, x)) <= TIGHT[torch.float32]
-    assert calls == ([m, cfg] if plan == "small_m-split" else [m, m])  # tiled: the linear, then its GEMM asks
+    assert calls == ([m, cfg] if plan == "small_m-split" else [m])  # one plan lookup a call
     calls.clear()
     lins = [torch.nn.Linear(a, b, bias=False) for a, b in ((256, 128), (256, 128), (128, 256))]
     mlp = linear.Int8MLP.from_float(*lins, backend="triton")
@@ -151,3 +208,50 @@ def test_int8_linear_unfuses_tall_fused_launches_on_unaligned_rows(monkeypatch):
         for x in (base[:, :256].contiguous(), base[:, 1:257]):  # aligned rows; a 4-byte offset
             assert rel(mod(x), ref_linear(mod, x)) <= TIGHT[torch.float32]
     assert seen == [True, False]
+
+
+def test_cutlass_dense_path_wiring(monkeypatch):
+    """The cutlass backend's CUTLASS call on CPU, the kernel stood in for by float64 math of what
+    it is given: the quantizer's codes padded to whole 128-row blocks, the plan's walk, one
+    weight; the sliced output against the independent float64 reference (bias included)."""
+    from epmoe import linear
+    from epmoe.experts import cutlass_backend as cb
+    from test_linear import make, ref_linear, rel
+
+    seen = []
+
+    def fake(a, a_scale, b, b_scale, out=None, *, raster_along_n=True, max_swizzle=1):
+        seen.append((a.shape[0], raster_along_n, max_swizzle, tuple(b.shape)))
+        return ((a.double() @ b.double().t()) * a_scale.double() * b_scale.double().view(1, -1)).to(torch.bfloat16)
+
+    monkeypatch.setattr(cb, "int8_dense_gemm", fake)
+    _, mod = make(256, 48, "int8_channel", "int32", True, "triton", seed=7)
+    impl = linear._CutlassImpl("epmoe")
+    x = torch.randn(130, 256, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        y = linear.run_kernel(impl, mod, x, "cutlass", dc.CutlassLaunch(False, 4))[:130]
+        y2 = impl.tiled_gemm(mod, *linear._TorchImpl().quantize(x[:5], "int8_channel"), torch.float32)
+    assert seen == [(256, False, 4, (48, 256)), (128, True, 1, (48, 256))]  # padded; default walk
+    assert y.shape == (130, 48) and y2.shape == (5, 48) and y2.dtype == torch.float32
+    assert rel(y, ref_linear(mod, x)) <= 5e-3  # bf16 output
+    assert rel(y2, ref_linear(mod, x[:5])) <= 5e-3
+
+
+def test_int8_dense_gemm_refuses_before_loading(monkeypatch):
+    """Every refusal of the CUTLASS dense op happens in Python, naming the value, before the
+    extension is loaded."""
+    from epmoe.experts import cutlass_backend as cb
+
+    monkeypatch.setattr(cb, "load_extension", lambda *a, **k: pytest.fail("the extension was loaded"))
+    a, sa = torch.zeros(256, 32, dtype=torch.int8), torch.ones(256, 1)
+    b, sb = torch.zeros(16, 32, dtype=torch.int8), torch.ones(16, 1)
+    for change, error, words in (
+        (dict(a=a[:200], a_scale=sa[:200]), ValueError, "200 rows; allowed: a multiple of 128"),
+        (dict(b=torch.zeros(2, 16, 32, dtype=torch.int8), b_scale=torch.ones(2, 16, 1)), ValueError, "one weight"),
+        (dict(b_scale=torch.ones(8, 1)), ValueError, "b_scale has shape"),
+        (dict(max_swizzle=3), ValueError, "max_swizzle=3; allowed"),
+        (dict(a=a.float()), TypeError, "a must be torch.int8"),
+        ({}, ValueError, "a must be a CUDA tensor"),
+    ):  # fmt: skip
+        with pytest.raises(error, match=words):
+            cb.int8_dense_gemm(**{**dict(a=a, a_scale=sa, b=b, b_scale=sb), **change})

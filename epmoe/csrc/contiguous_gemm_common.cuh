@@ -31,9 +31,10 @@ constexpr int kRowBlock = 128;  // segment alignment = the tile's M
 
 struct ExpertBlockSchedulerTag {};
 
-// The expert of 128-row block m (block_expert[m]), or -1 past the last segment.
+// The expert of 128-row block m (block_expert[m]), or -1 past the last segment. Without a table
+// (nullptr: a dense GEMM, one weight over every row) every block is expert 0's.
 CUTLASS_DEVICE int32_t expert_of_block(const int32_t* block_expert, int num_blocks, int m) {
-  return m < num_blocks ? block_expert[m] : -1;
+  return m < num_blocks ? (block_expert != nullptr ? block_expert[m] : 0) : -1;
 }
 
 // With clusters of two M blocks (2 x 1), a block of no expert whose partner has one still runs, so

@@ -25,7 +25,11 @@ void int8_block_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a,
                                      int64_t max_swizzle, int64_t schedule);
 void int8_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
                                const at::Tensor& b, const at::Tensor& b_scale,
-                               const at::Tensor& segments, int64_t masked_max_m);
+                               const at::Tensor& segments, int64_t masked_max_m,
+                               int64_t raster_along_n, int64_t max_swizzle);
+void int8_dense_gemm_coop(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
+                          const at::Tensor& b, const at::Tensor& b_scale, int64_t raster_along_n,
+                          int64_t max_swizzle);
 constexpr int64_t kInt8BlockVariants = 7;  // kNumInt8BlockVariants in block_scaled_contiguous_gemm.cuh
 constexpr int64_t kRowBlock = 128;
 }  // namespace epmoe
@@ -194,11 +198,13 @@ void check_int8_channel(const char* op, const at::Tensor& out, const at::Tensor&
 }
 
 // out[offsets[e]:offsets[e+1]] = (a rows @ b[e]^T) * a_scale[rows] * b_scale[e], bf16, int32 K sum;
-// offsets as in fp8_contiguous_gemm (checked on the device).
+// offsets as in fp8_contiguous_gemm (checked on the device); raster_along_n, max_swizzle: the
+// persistent tiles' walk (the same sums whichever).
 void int8_contiguous_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& a_scale,
                           const at::Tensor& b, const at::Tensor& b_scale,
-                          const at::Tensor& offsets) {
+                          const at::Tensor& offsets, int64_t raster_along_n, int64_t max_swizzle) {
   check_int8_channel("int8_contiguous_gemm", out, a, a_scale, b, b_scale);
+  TORCH_CHECK(max_swizzle >= 1, "int8_contiguous_gemm: max_swizzle=", max_swizzle, " (allowed >= 1)");
   TORCH_CHECK(offsets.is_cuda() && offsets.device() == a.device(),
               "int8_contiguous_gemm: expert_offsets must be on a's device");
   const int64_t m = a.size(0), e = b.size(0);
@@ -207,7 +213,23 @@ void int8_contiguous_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor&
               "int8_contiguous_gemm: expert_offsets must be a contiguous int32 [E+1] tensor");
   if (m == 0 || e == 0) return;
   const c10::cuda::CUDAGuard guard(a.device());
-  epmoe::int8_contiguous_gemm_coop(out, a, a_scale, b, b_scale, offsets, 0);
+  epmoe::int8_contiguous_gemm_coop(out, a, a_scale, b, b_scale, offsets, 0, raster_along_n,
+                                   max_swizzle);
+}
+
+// out = (a @ b[0]^T) * a_scale * b_scale[0] for one weight (b [1, N, K]) over every row of a, whose
+// rows are a multiple of 128 (a dense linear's, padded): no offsets, no block table.
+void int8_dense_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& a_scale,
+                     const at::Tensor& b, const at::Tensor& b_scale, int64_t raster_along_n,
+                     int64_t max_swizzle) {
+  check_int8_channel("int8_dense_gemm", out, a, a_scale, b, b_scale);
+  TORCH_CHECK(b.size(0) == 1, "int8_dense_gemm: b must hold one weight, [1, N, K]; got ", b.sizes());
+  TORCH_CHECK(a.size(0) % epmoe::kRowBlock == 0, "int8_dense_gemm: the rows of a (", a.size(0),
+              ") must be a multiple of ", epmoe::kRowBlock);
+  TORCH_CHECK(max_swizzle >= 1, "int8_dense_gemm: max_swizzle=", max_swizzle, " (allowed >= 1)");
+  if (a.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(a.device());
+  epmoe::int8_dense_gemm_coop(out, a, a_scale, b, b_scale, raster_along_n, max_swizzle);
 }
 
 // out[e, :masked_m[e]] = (a[e] @ b[e]^T) * a_scale[e] * b_scale[e] over the masked layout
@@ -218,7 +240,8 @@ void int8_masked_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& a_s
   check_int8_channel("int8_masked_gemm", rows.out, rows.a, rows.a_scale, b, b_scale);
   if (rows.a.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(a.device());
-  epmoe::int8_contiguous_gemm_coop(rows.out, rows.a, rows.a_scale, b, b_scale, masked_m, rows.max_m);
+  epmoe::int8_contiguous_gemm_coop(rows.out, rows.a, rows.a_scale, b, b_scale, masked_m, rows.max_m,
+                                   1, 1);
 }
 
 // Bytes of workspace GemmKernel::get_workspace_size asks for on this problem and SM count.
@@ -245,7 +268,7 @@ EPMOE_LIBRARY(TORCH_EXTENSION_NAME, m) {
       "int sm_count) -> int");
   m.def(
       "int8_contiguous_gemm(Tensor(a!) out, Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, "
-      "Tensor expert_offsets) -> ()");
+      "Tensor expert_offsets, int raster_along_n=1, int max_swizzle=1) -> ()");
   m.def(
       "int8_block_contiguous_gemm(Tensor(a!) out, Tensor a, Tensor a_scale, Tensor b, "
       "Tensor b_scale, Tensor expert_offsets, int raster_along_n=1, int max_swizzle=1, "
@@ -257,6 +280,9 @@ EPMOE_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def(
       "int8_masked_gemm(Tensor(a!) out, Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, "
       "Tensor masked_m) -> ()");
+  m.def(
+      "int8_dense_gemm(Tensor(a!) out, Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, "
+      "int raster_along_n=1, int max_swizzle=1) -> ()");
 }
 
 EPMOE_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CUDA, m) {
@@ -266,4 +292,5 @@ EPMOE_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CUDA, m) {
   m.impl("int8_block_contiguous_gemm", &int8_block_contiguous_gemm);
   m.impl("int8_block_masked_gemm", &int8_block_masked_gemm);
   m.impl("int8_masked_gemm", &int8_masked_gemm);
+  m.impl("int8_dense_gemm", &int8_dense_gemm);
 }

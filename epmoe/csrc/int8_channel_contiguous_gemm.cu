@@ -90,7 +90,8 @@ template <class Cfg>
 typename Cfg::Gemm::Arguments make_int8_arguments(at::Tensor& out, const at::Tensor& a,
                                                   const at::Tensor& a_scale, const at::Tensor& b,
                                                   const at::Tensor& b_scale,
-                                                  const int32_t* block_expert, int sm_count) {
+                                                  const int32_t* block_expert, int sm_count,
+                                                  int64_t raster_along_n, int64_t max_swizzle) {
   const int num_experts = static_cast<int>(b.size(0));
   const int n = static_cast<int>(b.size(1));
   const int k = static_cast<int>(b.size(2));
@@ -110,8 +111,10 @@ typename Cfg::Gemm::Arguments make_int8_arguments(at::Tensor& out, const at::Ten
       {{b_scale.data_ptr<float>(), 0.0f, {cute::_0{}, cute::_1{}, static_cast<int64_t>(n)}}, {}, {}},
       {}};
   using RasterOrder = decltype(args.scheduler.raster_order);
-  args.scheduler.raster_order = RasterOrder::AlongN;
-  args.scheduler.max_swizzle_size = 1;
+  // Along N a weight wider than L2 is re-read from HBM for every 128-row block; along M (with a
+  // swizzle) once per wave of blocks. The dense plan measures which wins per shape.
+  args.scheduler.raster_order = raster_along_n ? RasterOrder::AlongN : RasterOrder::AlongM;
+  args.scheduler.max_swizzle_size = static_cast<int>(max_swizzle);
   set_block_table(args.scheduler, block_expert, m);
   return args;
 }
@@ -120,11 +123,24 @@ typename Cfg::Gemm::Arguments make_int8_arguments(at::Tensor& out, const at::Ten
 // rows per expert (expert_block_table).
 void int8_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
                                const at::Tensor& b, const at::Tensor& b_scale,
-                               const at::Tensor& segments, int64_t masked_max_m) {
+                               const at::Tensor& segments, int64_t masked_max_m,
+                               int64_t raster_along_n, int64_t max_swizzle) {
   auto block_expert = expert_block_table(a, segments, masked_max_m);
   const int sm_count = at::cuda::getDeviceProperties(a.get_device())->multiProcessorCount;
   auto args = make_int8_arguments<Int8Config>(out, a, a_scale, b, b_scale,
-                                              block_expert.data_ptr<int32_t>(), sm_count);
+                                              block_expert.data_ptr<int32_t>(), sm_count,
+                                              raster_along_n, max_swizzle);
+  run_gemm<Int8Config::Gemm>(args, a);
+}
+
+// One weight over every row of a (a dense linear, b [1, N, K], rows a multiple of 128): the same
+// kernel with no block table, so no offsets tensor and no table-building launch per call.
+void int8_dense_gemm_coop(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
+                          const at::Tensor& b, const at::Tensor& b_scale, int64_t raster_along_n,
+                          int64_t max_swizzle) {
+  const int sm_count = at::cuda::getDeviceProperties(a.get_device())->multiProcessorCount;
+  auto args = make_int8_arguments<Int8Config>(out, a, a_scale, b, b_scale, nullptr, sm_count,
+                                              raster_along_n, max_swizzle);
   run_gemm<Int8Config::Gemm>(args, a);
 }
 

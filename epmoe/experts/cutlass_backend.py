@@ -499,7 +499,7 @@ def check_operands(
     a_scale: torch.Tensor,
     b: torch.Tensor,
     b_scale: torch.Tensor,
-    expert_offsets: torch.Tensor,
+    expert_offsets: torch.Tensor | None,
     out: torch.Tensor | None,
     *,
     dtype: torch.dtype,
@@ -523,7 +523,8 @@ def check_operands(
             ``b_scale_shapes(e, n, k)`` (lists of shape tuples).
         expert_offsets: ``[E+1]`` integer row offsets (checked by :func:`check_block_offsets` on
             the host), or ``None`` for the masked layout (its slabs are whole row blocks:
-            :func:`_check_masked`).
+            :func:`_check_masked`), or for a call without them
+            (:func:`int8_dense_gemm`).
         out: ``None`` or a contiguous bf16 ``[M, N]`` tensor.
         k_multiple, n_multiple: what K and N must be positive multiples of.
         devices: check the devices too (the masked wrappers check them on their own shapes).
@@ -633,6 +634,11 @@ def _check_channel_scaled(op, a, a_scale, b, b_scale, expert_offsets, out, devic
                    devices=devices)  # fmt: skip
 
 
+def _check_swizzle(op: str, max_swizzle) -> None:
+    if max_swizzle not in (1, 2, 4, 8):
+        raise ValueError(f"{op}: max_swizzle={max_swizzle!r}; allowed: 1, 2, 4 or 8")
+
+
 def int8_grouped_gemm(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -640,6 +646,9 @@ def int8_grouped_gemm(
     b_scale: torch.Tensor,
     expert_offsets: torch.Tensor,
     out: torch.Tensor | None = None,
+    *,
+    raster_along_n: bool = True,
+    max_swizzle: int = 1,
 ) -> torch.Tensor:
     """``out[offsets[e]:offsets[e+1]] = (a[rows] @ b[e]^T) * a_scale[rows] * b_scale[e]^T`` in bf16,
     the K sum exact in int32 (the project's INT8 kernel; sgl-kernel has no such grouped op).
@@ -652,21 +661,81 @@ def int8_grouped_gemm(
         expert_offsets: ``[E+1]`` int32 row offsets, multiples of 128, as in :func:`grouped_gemm`.
         out: optional ``[M, N]`` bf16 output; rows outside ``offsets[0]:offsets[E]`` are left
             unwritten.
+        raster_along_n: the persistent tiles walk every N tile of a 128-row block before the next
+            block (``True``, the default) or every block of an N tile first (``False``: a weight
+            wider than L2 is then read from HBM once per wave instead of once per row block).
+        max_swizzle: tiles of the other dimension taken together (1, 2, 4 or 8).
 
     Raises:
         TypeError, ValueError: what :func:`check_operands` refuses (K a positive multiple of 16, N
-            of 8), ``a`` with ``MAX_ROWS`` rows or more; all before the extension is loaded.
+            of 8), ``a`` with ``MAX_ROWS`` rows or more, ``max_swizzle`` not 1, 2, 4 or 8; all
+            before the extension is loaded.
 
     Returns:
         ``out``, ``[M, N]`` bf16.
     """
     _check_channel_scaled("int8_grouped_gemm", a, a_scale, b, b_scale, expert_offsets, out)
+    _check_swizzle("int8_grouped_gemm", max_swizzle)
     out = _output(a, b, out)
     m = a.shape[0]
     if m == 0 or b.shape[0] == 0:
         return out
     offsets = expert_offsets.to(device=a.device, dtype=torch.int32).contiguous()
-    load_extension().int8_contiguous_gemm(out, a.contiguous(), a_scale.contiguous(), b, b_scale.contiguous(), offsets)
+    load_extension().int8_contiguous_gemm(out, a.contiguous(), a_scale.contiguous(), b, b_scale.contiguous(), offsets,
+                                          int(bool(raster_along_n)), int(max_swizzle))  # fmt: skip
+    return out
+
+
+def int8_dense_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    raster_along_n: bool = True,
+    max_swizzle: int = 1,
+) -> torch.Tensor:
+    """``out = (a @ b^T) * a_scale * b_scale^T`` in bf16 for one weight, the K sum exact in int32:
+    the kernel of :func:`int8_grouped_gemm` over every row of ``a`` as one expert, without the
+    offsets tensor and the row-block table that call builds on the GPU (two launches fewer; a
+    dense linear's call).
+
+    Args:
+        a: ``[M, K]`` int8, contiguous; ``M`` a multiple of 128 (pad the rows: the padding rows are
+            computed, their outputs are the caller's to drop), ``K`` of 16.
+        a_scale: ``[M, 1]`` (or ``[M]``) fp32 per-row multipliers.
+        b: ``[N, K]`` (or ``[1, N, K]``) int8 contiguous; ``N`` a multiple of 8.
+        b_scale: ``[N, 1]`` (or ``[N]``, ``[1, N, 1]``, ``[1, N]``) fp32 per-output-channel multipliers.
+        out: optional contiguous ``[M, N]`` bf16 output.
+        raster_along_n, max_swizzle: the tiles' walk, as in :func:`int8_grouped_gemm`.
+
+    Raises:
+        TypeError, ValueError: what :func:`check_operands` refuses, ``M`` not a multiple of 128 or
+            ``MAX_ROWS`` or more, ``max_swizzle`` not 1, 2, 4 or 8; all before the extension is
+            loaded.
+
+    Returns:
+        ``out``, ``[M, N]`` bf16.
+    """
+    _check_rows(a)
+    op = "int8_dense_gemm"
+    if isinstance(b, torch.Tensor) and b.dim() == 2:
+        b = b.unsqueeze(0)
+    if isinstance(b_scale, torch.Tensor) and b_scale.dim() in (1, 2) and b_scale.shape[0] != 1:
+        b_scale = b_scale.unsqueeze(0)
+    # What only this op refuses first (a wrong device would otherwise be named before it).
+    if isinstance(b, torch.Tensor) and b.dim() == 3 and b.shape[0] != 1:
+        raise ValueError(f"{op}: b must be one weight, [N, K] or [1, N, K]; got {tuple(b.shape)}")
+    if isinstance(a, torch.Tensor) and a.dim() == 2 and a.shape[0] % ROW_BLOCK:
+        raise ValueError(f"{op}: a has {a.shape[0]} rows; allowed: a multiple of {ROW_BLOCK} (pad the rows)")
+    _check_swizzle(op, max_swizzle)
+    _check_channel_scaled(op, a, a_scale, b, b_scale, None, out)  # b is [1, N, K] here: E = 1
+    out = _output(a, b, out)
+    if a.shape[0] == 0:
+        return out
+    load_extension().int8_dense_gemm(out, a.contiguous(), a_scale.contiguous(), b, b_scale.contiguous(),
+                                     int(bool(raster_along_n)), int(max_swizzle))  # fmt: skip
     return out
 
 

@@ -226,3 +226,69 @@ def test_fused_equals_unfused_bit_for_bit(m, dtype, k):
     assert not bool(bad.any()), (
         f"{int(bad.sum())} elements differ in rows {rows[:20]} (of {m}); max diff "
         f"{float((diff / scale).max()):.3g} of the row max; fused config {cfg._replace(fused=True)}")
+
+
+# ------------------------------------------------------------------ the large-batch kernels of the plan
+def _cutlass_walks():
+    from epmoe.kernels.dense_configs import SWIZZLES, CutlassLaunch
+
+    return [CutlassLaunch(along_n, s) for along_n in (True, False) for s in SWIZZLES]
+
+
+def test_cutlass_walks_agree_bit_for_bit(monkeypatch):
+    """Every walk of the CUTLASS INT8 kernel the sweep times (along N / M, swizzle 1-8), through
+    the grouped op and the dense op the layer calls, gives the grouped default walk's output bit
+    for bit (a tile's sums do not depend on when it runs or on the block table), and that output
+    is within one bf16 rounding plus the fp32 epilogue's error of the float64 product per element.
+    1000 rows (8 row blocks, the last short) x 2176 outputs (8.5 N tiles of 256)."""
+    mod, _ = _module("cutlass", "int8_channel", "int32", 1024, 2176, False, monkeypatch)
+    if mod._impl.impl != "epmoe":
+        pytest.skip("sgl-kernel's int8_scaled_mm runs; the walks are the project's kernel's")
+    from epmoe.experts.cutlass_backend import int8_dense_gemm, int8_grouped_gemm
+
+    m, n, k = 1000, 2176, 1024
+    x, w, ws, _ = _small_inputs(m, n, k, "int8_channel", torch.bfloat16)
+    q, s = mod._impl.quantize(x, "int8_channel")
+    offsets = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=DEV)
+    first = int8_grouped_gemm(q, s, w[None], ws[None], offsets)[:m]
+    _check_every_element(first, x, w, ws, None, "int8_channel")
+    for walk in _cutlass_walks():
+        kw = dict(raster_along_n=walk.raster_along_n, max_swizzle=walk.max_swizzle)
+        assert torch.equal(int8_grouped_gemm(q, s, w[None], ws[None], offsets, **kw)[:m], first), walk
+        # The dense op (no offsets, no block table): the same sums over the same rows.
+        assert torch.equal(int8_dense_gemm(q, s, w, ws, **kw)[:m], first), walk
+
+
+@pytest.mark.parametrize("m", [300, 1000])
+def test_every_planned_kernel_of_the_cutlass_backend(m, monkeypatch):
+    """What the plan may send a cutlass-backend call to (run_kernel, the forward's own path): the
+    CUTLASS kernel along M with a swizzle, the Triton tiled GEMM (its own config and a persistent
+    TMA tile the sweep times) on the CUTLASS quantizer's padded rows, the small-batch kernel on 128-row tiles; each against float64 (bias included), and the
+    forward and the MLP following a plan that says CUTLASS along M."""
+    from epmoe.kernels import dense_configs as dc
+    from epmoe.kernels.dense_int8 import small_m_config
+    from epmoe.linear import _dense_kernels, run_kernel
+
+    mod, lin = _module("cutlass", "int8_channel", "int32", 1024, 576, True, monkeypatch)
+    own = mod._impl.impl == "epmoe"
+    x = torch.randn(m, 1024, device=DEV, dtype=torch.bfloat16)
+    from epmoe.kernels.configs import GemmConfig
+
+    plans = [("triton", None), ("triton", GemmConfig(128, 64, 128, 8, False, 4, 4, True, True)),
+             ("small_m", small_m_config(m, 576, 1024, "int8_channel", _sms(), False, block_m=128))]
+    if own:
+        plans += [("cutlass", dc.CutlassLaunch(False, 4)), ("cutlass", dc.CutlassLaunch(True, 2))]
+    with torch.no_grad():
+        for kernel, launch in plans:
+            y = run_kernel(mod._impl, mod, x, kernel, launch)[:m]
+            assert y.dtype == torch.bfloat16 and y.shape == (m, 576)
+            assert rel(y, ref_linear(mod, x)) <= TIGHT, (kernel, launch)
+        if not own:
+            return
+        along_m = ("cutlass", dc.CutlassLaunch(False, 8))
+        monkeypatch.setattr(_dense_kernels(), "dense_plan", lambda *a: along_m)
+        assert mod.plan(m) == along_m
+        assert rel(mod(x), ref_linear(mod, x)) <= TIGHT
+        lins = [torch.nn.Linear(a, b, bias=False, device=DEV) for a, b in ((1024, 256), (1024, 256), (256, 1024))]
+        mlp = Int8MLP.from_float(*lins, backend="cutlass")
+        assert rel(mlp(x), ref_mlp(mlp, x)) <= 1e-2
