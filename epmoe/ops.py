@@ -24,6 +24,7 @@ import torch
 from torch.compiler import is_compiling
 
 from .kernels.common import max_rows, mn_major_scales  # Triton-free: importing this module must not need Triton
+from .quant.payload import PAYLOAD_FORMATS
 
 NAMESPACE = "epmoe"
 
@@ -55,14 +56,14 @@ _KERNELS: tuple = ()
 
 
 def _kernels():
-    """``(activation, grouped_gemm, permute, quantize, topk)``, imported on first use (Triton is
+    """``(activation, grouped_gemm, permute, quantize, topk, prep)``, imported on first use (Triton is
     needed only where they run) and kept: an import statement per call costs microseconds of host
     time."""
     global _KERNELS
     if not _KERNELS:
-        from .kernels import activation, grouped_gemm, permute, quantize, topk
+        from .kernels import activation, grouped_gemm, permute, prep, quantize, topk
 
-        _KERNELS = (activation, grouped_gemm, permute, quantize, topk)
+        _KERNELS = (activation, grouped_gemm, permute, quantize, topk, prep)
     return _KERNELS
 
 
@@ -354,6 +355,47 @@ def scatter_rows(x, slot_pos, num_out_rows, x_scale=None, *, fill_unused=True, s
 def gather_weighted(expert_out, slot_pos, topk_weights, out_dtype=torch.float32):
     """:func:`epmoe.kernels.permute.gather_weighted`."""
     return _gather_weighted(expert_out, slot_pos, topk_weights, out_dtype)
+
+
+# ------------------------------------------------------------------------------- decode prep
+@_op("decode_prep")
+def _decode_prep(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring_func: str, num_expert_group: int | None,
+    topk_group: int | None, correction_bias: torch.Tensor | None, routed_scaling_factor: float, x: torch.Tensor,
+    alignment: int, payload: str, scale_mn_major: bool,
+) -> list[torch.Tensor]:  # fmt: skip
+    out = _kernels()[5].decode_prep(router_logits, top_k, renormalize, scoring_func, num_expert_group, topk_group,
+                                    correction_bias, routed_scaling_factor, x, alignment, payload, scale_mn_major)  # fmt: skip
+    return list(out[:7]) if out[7] is None else list(out)
+
+
+@_decode_prep.register_fake
+def _(router_logits, top_k, renormalize, scoring_func, num_expert_group, topk_group, correction_bias,
+      routed_scaling_factor, x, alignment, payload, scale_mn_major):  # fmt: skip
+    t, e = router_logits.shape
+    rows = max_rows(t, top_k, e, alignment)
+    i32 = dict(dtype=torch.int32)
+    i64 = dict(dtype=torch.int64)
+    out = [
+        x.new_empty((t, top_k), **i64), x.new_empty((t, top_k), dtype=torch.float32),
+        x.new_empty((e + 1,), **i32), x.new_empty((t, top_k), **i64), x.new_empty((rows,), **i32),
+        x.new_empty((e,), **i32),
+    ]  # fmt: skip
+    if payload == "float":
+        return [*out, x.new_empty((rows, x.shape[1]))]
+    dtype, _, group = PAYLOAD_FORMATS[payload]
+    scales = x.new_empty((1, 1 if group is None else x.shape[1] // group), dtype=torch.float32)
+    return [*out, x.new_empty((rows, x.shape[1]), dtype=dtype), _fake_scales(rows, scales, scale_mn_major)]
+
+
+def decode_prep(router_logits, top_k, x, *, alignment, payload, renormalize=True, scoring_func="softmax",
+                num_expert_group=None, topk_group=None, correction_bias=None, routed_scaling_factor=1.0,
+                scale_mn_major=False):  # fmt: skip
+    """:func:`epmoe.kernels.prep.decode_prep`: ``(topk_ids, topk_weights, expert_offsets, slot_pos,
+    m_indices, counts, out, out_scale or None)``."""
+    out = _decode_prep(router_logits, top_k, renormalize, scoring_func, num_expert_group, topk_group,
+                       correction_bias, float(routed_scaling_factor), x, alignment, payload, scale_mn_major)  # fmt: skip
+    return (*out[:7], out[7] if len(out) > 7 else None)
 
 
 # ------------------------------------------------------------------------ CUTLASS and DeepGEMM

@@ -86,6 +86,14 @@ def _op_cases():
         "epmoe::scatter_rows": ((q8[:3], slot_pos, 6, q8_scale[:3], True, False), {}),
         "epmoe::scatter_rows[mn_major]": ((q8[:3], slot_pos, 6, torch.rand(3, 2, generator=g), True, True), {}),
         "epmoe::gather_weighted": ((x, slot_pos, torch.rand(3, 2, generator=g), torch.float32), {}),
+        # Alignment 1 and every slot local: every row of the layout is written.
+        "epmoe::decode_prep": ((torch.randn(3, 16, generator=g), 2, True, "softmax", None, None, None, 1.0, x[:3], 1,
+                                "int8_token", False), {}),  # fmt: skip
+        "epmoe::decode_prep[grouped_mn_major]": (
+            (torch.randn(3, 16, generator=g), 2, True, "sigmoid", 4, 2, torch.randn(16, generator=g) * 0.1, 2.5, x[:3],
+             1, "int8_group", True), {}),  # fmt: skip
+        "epmoe::decode_prep[float]": ((torch.randn(3, 16, generator=g), 2, False, "softmax", None, None, None, 1.0,
+                                       x[:3], 1, "float", False), {}),  # fmt: skip
         "epmoe::fused_topk": ((torch.randn(5, 16, generator=g), 4, True, "softmax", None, None, None, 1.0), {}),
         "epmoe::fused_topk[grouped]": (
             (torch.randn(5, 16, generator=g), 4, True, "sigmoid", 4, 2, torch.randn(16, generator=g) * 0.1, 2.5),

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ..tensors import as_contiguous, check_positive_int
-from .common import max_rows, mn_major_scales, next_pow2
+from .common import COPY_MAX_SLOTS, max_rows, mn_major_scales, next_pow2
 
 SLOT_STEP = 512
 """Slots a program sorts at once: a power of two >= 128, so that each of the 4 warps' threads
@@ -401,9 +401,6 @@ def _step(n: int) -> int:
     return min(SLOT_STEP, max(128, next_pow2(n)))
 
 
-COPY_MAX_SLOTS = 128
-"""Most slots whose rows :func:`slot_layout_scatter` copies in the layout's own launch (16 tokens
-of top-8): every program then sorts them all, and holds a ``[128, BLOCK_H]`` tile of rows."""
 COPY_TILE = 4096
 """Elements of that tile on a GPU (32 columns a program for 128 slots: 224 programs for H=7168)."""
 INTERPRETER_TILE = 65536

@@ -207,11 +207,16 @@ def codes(x, scale, rcp, ok, QMAX: tl.constexpr, TO_E4M3: tl.constexpr):
 
 
 @triton.jit
+def codes_for(x, scale, QMAX: tl.constexpr, TO_E4M3: tl.constexpr):
+    """:func:`codes` of ``x`` for ``scale`` (broadcast to it), with one exact reciprocal per scale."""
+    return codes(x, scale, tl.div_rn(1.0, scale), scale < float("inf"), QMAX, TO_E4M3)
+
+
+@triton.jit
 def store_codes(Q, rows, cols, mask, x, scale, stride_qm, QMAX: tl.constexpr, TO_E4M3: tl.constexpr):
     """Quantize the ``[BLOCK_M, NG, GROUP]`` tile ``x`` with ``scale`` (broadcast to it: one per
-    row or per group) and store the codes; one exact reciprocal per scale."""
-    rcp = tl.div_rn(1.0, scale)
-    q = codes(x, scale, rcp, scale < float("inf"), QMAX, TO_E4M3)
+    row or per group) and store the codes."""
+    q = codes_for(x, scale, QMAX, TO_E4M3)
     tl.store(Q + rows[:, None, None] * stride_qm + cols, q.to(Q.dtype.element_ty), mask=mask)
 
 
