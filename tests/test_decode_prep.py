@@ -34,20 +34,27 @@ PAYLOADS = {
 HIDDEN = 256
 
 
-def _inputs(t: int, route: str, seed: int, dtype=torch.bfloat16):
+def _inputs(t: int, route: str, seed: int, dtype=torch.bfloat16, hidden: int = HIDDEN):
     e = ROUTES[route][0]
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(t, e, generator=g) * 2
     bias = torch.randn(e, generator=g) * 0.1 if ROUTES[route][5] else None
-    x = (torch.randn(t, HIDDEN, generator=g) * torch.rand(t, 1, generator=g) * 4).to(dtype)
+    x = (torch.randn(t, hidden, generator=g) * torch.rand(t, 1, generator=g) * 4).to(dtype)
     x[0, :128] = 0  # an all-zero group (the amax floor) in the first token
     return logits, bias, x
 
 
-def _run(logits, bias, x, route, payload):
+def _run(logits, bias, x, route, payload, device="cpu"):
+    """The prep on ``device``."""
     e, k, scoring, ng, tg, _, renorm, scale = ROUTES[route]
     alignment, mn_major = PAYLOADS[payload]
-    return prep.decode_prep(logits, k, renorm, scoring, ng, tg, bias, scale, x, alignment, payload, mn_major)
+    bias = None if bias is None else bias.to(device)
+    return prep.decode_prep(logits.to(device), k, renorm, scoring, ng, tg, bias, scale, x.to(device), alignment,
+                            payload, mn_major)  # fmt: skip
+
+
+def _cpu(tensors):
+    return [None if t is None else t.cpu() for t in tensors]
 
 
 def _codes_reference(x: torch.Tensor, payload: str):
@@ -68,10 +75,19 @@ def _codes_reference(x: torch.Tensor, payload: str):
 @pytest.mark.parametrize("route", list(ROUTES))
 @pytest.mark.parametrize("t", [1, 7, 16])
 def test_prep_matches_an_independent_reference(t, route, payload):
-    logits, bias, x = _inputs(t, route, seed=t * 31 + len(route) + len(payload))
+    check_against_reference(t, route, payload, "cpu", HIDDEN)
+
+
+def check_against_reference(t: int, route: str, payload: str, device, hidden: int) -> None:
+    """The prep on ``device`` against the float64 / float32 reference (tests/gpu reuse it)."""
+    logits, bias, x = _inputs(t, route, seed=t * 31 + len(route) + len(payload), hidden=hidden)
     e, k, scoring, ng, tg, _, renorm, rscale = ROUTES[route]
     alignment, mn_major = PAYLOADS[payload]
-    ids, w, offsets, slot_pos, m_indices, counts, out, out_scale = _run(logits, bias, x, route, payload)
+    got = _run(logits, bias, x, route, payload, device)
+    rows = max_rows(t, k, e, alignment)
+    if mn_major:
+        assert got[7].stride() == (1, -(-rows // 4) * 4)
+    ids, w, offsets, slot_pos, m_indices, counts, out, out_scale = _cpu(got)
 
     near = []
     ref_ids, ref_w = reference_route(logits, k, scoring, ng, tg, None if bias is None else bias.tolist(), renorm,
@@ -82,8 +98,7 @@ def test_prep_matches_an_independent_reference(t, route, payload):
 
     # The layout from its definition: experts in order, each segment its slots in token order,
     # padded to the alignment; rows past the last segment and padding rows belong to no expert.
-    rows = max_rows(t, k, e, alignment)
-    assert m_indices.shape == (rows,) and out.shape == (rows, HIDDEN)
+    assert m_indices.shape == (rows,) and out.shape == (rows, hidden)
     want_counts = torch.bincount(ref_ids.reshape(-1), minlength=e)
     assert torch.equal(counts, want_counts.to(torch.int32))
     room = (want_counts + alignment - 1) // alignment * alignment
@@ -111,19 +126,23 @@ def test_prep_matches_an_independent_reference(t, route, payload):
     assert out.dtype == (torch.float8_e4m3fn if payload == "fp8_group" else torch.int8)
     assert torch.equal(out[dst].double(), codes[src])
     assert torch.equal(out_scale[dst], scales[src])
-    if mn_major:
-        assert out_scale.stride() == (1, -(-rows // 4) * 4)
 
 
 @pytest.mark.parametrize("payload", list(PAYLOADS))
 @pytest.mark.parametrize("t, route", [(1, "E256_grouped"), (9, "E128_flat")])
 def test_prep_writes_what_the_separate_kernels_write(t, route, payload):
+    check_against_separate_kernels(t, route, payload, "cpu", HIDDEN)
+
+
+def check_against_separate_kernels(t: int, route: str, payload: str, device, hidden: int) -> None:
     """Bit for bit the fused routing, the payload's quantizer and the one-launch layout and scatter
-    (fp32 activations: every bit of the input reaches the quantizers)."""
-    logits, bias, x = _inputs(t, route, seed=5 + t, dtype=torch.float32)
+    (fp32 activations: every bit of the input reaches the quantizers), all on ``device``."""
+    logits, bias, x = _inputs(t, route, seed=5 + t, dtype=torch.float32, hidden=hidden)
     e, k, scoring, ng, tg, _, renorm, rscale = ROUTES[route]
     alignment, mn_major = PAYLOADS[payload]
-    got = _run(logits, bias, x, route, payload)
+    got = _cpu(_run(logits, bias, x, route, payload, device))
+    logits, x = logits.to(device), x.to(device)
+    bias = None if bias is None else bias.to(device)
     ids, w = topk.fused_topk(logits, k, renorm, scoring, ng, tg, bias, rscale)
     if payload == "float":
         xq, xs = x, None
@@ -131,7 +150,8 @@ def test_prep_writes_what_the_separate_kernels_write(t, route, payload):
         xq, xs = quantize.per_token_quant_int8(x)
     else:
         xq, xs = quantize.per_group_quant(x, 128, torch.float8_e4m3fn if payload == "fp8_group" else torch.int8)
-    want = permute.slot_layout_scatter(ids, e, alignment, xq, xs, scale_mn_major=mn_major)
+    want = _cpu(permute.slot_layout_scatter(ids, e, alignment, xq, xs, scale_mn_major=mn_major))
+    ids, w = ids.cpu(), w.cpu()
     assert torch.equal(got[0], ids) and torch.equal(got[1], w)
     for a, b in zip(got[2:6], want[:4]):
         assert torch.equal(a, b)
@@ -139,7 +159,7 @@ def test_prep_writes_what_the_separate_kernels_write(t, route, payload):
     bits = (lambda q: q.view(torch.uint8)) if payload == "fp8_group" else (lambda q: q)  # noqa: E731
     assert torch.equal(bits(got[6][dst]), bits(want[4][dst]))
     if xs is not None:
-        assert torch.equal(got[7][dst], want[5][dst]) and got[7].stride() == want[5].stride()
+        assert torch.equal(got[7][dst], want[5][dst])
 
 
 def test_prep_with_a_top_k_that_is_no_power_of_two_and_nan_logits():
