@@ -232,6 +232,15 @@ def test_layer_takes_the_separate_kernels_where_the_prep_does_not_apply(monkeypa
     assert not _layer("int8_channel", "triton", None)._uses_prep(x[:2], logits[:2])  # on CPU: off by default
 
 
+def test_layer_with_the_prep_refuses_a_bias_never_loaded():
+    layer = DeepEPMoELayer(16, 4, 128, 128, quant="bf16", backend="triton", dispatch="local", device="cpu",
+                           scoring_func="sigmoid", use_correction_bias=True, decode_prep=True)  # fmt: skip
+    x, logits = torch.randn(2, 128), torch.randn(2, 16)
+    assert layer._uses_prep(x, logits)
+    with pytest.raises(ValueError, match="e_score_correction_bias holds NaN"):
+        layer(x, logits)
+
+
 def test_layer_refuses_a_bad_decode_prep_value():
     with pytest.raises(ValueError, match="decode_prep='yes'"):
         DeepEPMoELayer(8, 2, 128, 128, device="cpu", decode_prep="yes")

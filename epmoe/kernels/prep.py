@@ -37,6 +37,9 @@ PREP_PROGRAMS = 128
 past one wave more programs add that work again instead of spreading the copy."""
 PREP_MAX_BLOCK_H = 1024
 """Most columns one program quantizes and copies (it stores them to each of the token's rows)."""
+ROW_BLOCK_MAX = 16384
+"""Most columns of a token's row one load takes for its amax (per-token payloads): a row of
+DeepSeek-V3 (7168) in one load, held in registers (as the per-token quantizer's single pass)."""
 INTERPRETER_BLOCK_H = 8192
 """The same on CPU, where Triton's interpreter pays per program."""
 
@@ -66,6 +69,7 @@ def _decode_prep_kernel(
     TOPK_GROUP: tl.constexpr,
     LE_PAD: tl.constexpr, STEP: tl.constexpr, ALIGN: tl.constexpr, TILE_ROWS: tl.constexpr, ROW_STEP: tl.constexpr,
     QUANT: tl.constexpr, QMAX: tl.constexpr, TO_E4M3: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
 ):  # fmt: skip
     c = tl.program_id(0)
     t = tl.program_id(1)
@@ -76,6 +80,21 @@ def _decode_prep_kernel(
     # This program's scratch: STEP slot entries (their experts, then their rows), LE_PAD shifts.
     lanes = SCRATCH + pid * (STEP + LE_PAD)
 
+    # Token t's columns of this program (and, per token, its whole row for the amax) are loaded
+    # first: their latency hides behind the routing and the layout, which need none of them.
+    NG: tl.constexpr = BLOCK_H // GROUP
+    col0 = c * BLOCK_H
+    src = tl.full([1], 0, tl.int64) + t
+    src_ok = src >= 0
+    if QUANT == 0:
+        cols = col0 + tl.arange(0, BLOCK_H)
+        mask = cols < H
+        x = tl.load(X + t.to(tl.int64) * stride_xm + cols, mask=mask)
+    else:
+        x, cols, mask = load_tile(X, X, src, src_ok, col0, H, stride_xm, 0, False, 1, False, GROUP, NG)
+        if QUANT == 1:
+            whole = load_tile(X, X, src, src_ok, 0, H, stride_xm, 0, False, 1, False, GROUP, ROW_BLOCK // GROUP)[0]
+
     # Routing of the whole batch; its ids reach the layout's lanes (slot t * K + j) through the
     # scratch, which also takes a K that is no power of two.
     rows = tl.arange(0, BLOCK_T)
@@ -84,9 +103,9 @@ def _decode_prep_kernel(
         LOGITS, BIAS, rows, row_ok, stride_l, scaling, E, E_PAD, K, K_PAD, BLOCK_T, SIGMOID, HAS_BIAS, RENORM,
         GROUPED, GROUPS, G_PAD, PER_GROUP, TOPK_GROUP,
     )  # fmt: skip
-    j = tl.arange(0, K_PAD)[None, :]
-    slot = rows[:, None] * K + j
-    in_batch = row_ok[:, None] & (j < K)
+    j = tl.arange(0, K_PAD)
+    slot = rows[:, None] * K + j[None, :]
+    in_batch = row_ok[:, None] & (j[None, :] < K)
     tl.store(IDS + slot, ids.to(tl.int64), mask=in_batch & owner)
     tl.store(WEIGHTS + slot, weights, mask=in_batch & owner)
     tl.store(lanes + slot, ids, mask=in_batch)
@@ -108,42 +127,34 @@ def _decode_prep_kernel(
     tl.store(MIDX + row, e, mask=fits & owner)
     tl.store(lanes + lane_of, placed, mask=lane_of < n_slots)  # every thread read its ids in sorted_rows
     tl.debug_barrier()
+    # Token t's K rows, read at once (one latency); each is taken out of the vector below.
+    dsts = tl.load(lanes + t * K + j, mask=j < K, other=-1)
     mark_unused_rows(MIDX, starts, total, ends, used, M_ROWS, E, pid, nprog, LE_PAD, TILE_ROWS, ROW_STEP)
 
-    # Token t's columns of this program, in the scheme's format, to each of its K rows.
-    NG: tl.constexpr = BLOCK_H // GROUP
-    col0 = c * BLOCK_H
-    src = tl.full([1], 0, tl.int64) + t
-    src_ok = src >= 0
-    g = col0 // GROUP + tl.arange(0, NG)
+    # The columns in the scheme's format, to each of the token's rows.
     if QUANT == 0:
-        cols = col0 + tl.arange(0, BLOCK_H)
-        x = tl.load(X + t.to(tl.int64) * stride_xm + cols, mask=cols < H)
-        for s in tl.static_range(K):
-            dst = tl.load(lanes + t * K + s).to(tl.int64)
-            tl.store(Y + dst * stride_ym + cols, x, mask=(cols < H) & (dst >= 0))
+        q = x
+    elif QUANT == 1:
+        # The row's amax (the per-token quantizer's, chunk by chunk past ROW_BLOCK columns: a max
+        # is exact in any order), its scale, then this program's columns.
+        amax = tl.max(amax_bits(whole, 2), 1)
+        for h0 in range(ROW_BLOCK, H, ROW_BLOCK):
+            part = load_tile(X, X, src, src_ok, h0, H, stride_xm, 0, False, 1, False, GROUP, ROW_BLOCK // GROUP)[0]
+            amax = tl.maximum(amax, tl.max(amax_bits(part, 2), 1))
+        scale = scale_of(amax, QMAX)  # [1]
+        q = codes_for(x, scale[:, None, None], QMAX, False).to(Y.dtype.element_ty)
+        scale_at = tl.zeros([1], dtype=tl.int64)
+        scale_ok = (scale_at == 0) & (c == 0)
     else:
-        x, cols, mask = load_tile(X, X, src, src_ok, col0, H, stride_xm, 0, False, 1, False, GROUP, NG)
-        if QUANT == 1:
-            # The row's amax over every column (the per-token quantizer's, chunk by chunk: a max is
-            # exact in any order), its scale, then this program's columns.
-            amax = tl.zeros([1], dtype=tl.int32)
-            for h0 in range(0, H, BLOCK_H):
-                part = load_tile(X, X, src, src_ok, h0, H, stride_xm, 0, False, 1, False, GROUP, NG)[0]
-                amax = tl.maximum(amax, tl.max(amax_bits(part, 2), 1))
-            scale = scale_of(amax, QMAX)  # [1]
-            q = codes_for(x, scale[:, None, None], QMAX, False)
-            scale_at = tl.zeros([1], dtype=tl.int64)
-            scale_ok = (scale_at == 0) & (c == 0)
-        else:
-            scale = scale_of(amax_bits(x, 2), QMAX)  # [1, NG]
-            q = codes_for(x, scale[:, :, None], QMAX, TO_E4M3)
-            scale_at = g[None, :].to(tl.int64) * stride_ysc
-            scale_ok = g[None, :] * GROUP < H
-        q = q.to(Y.dtype.element_ty)
-        for s in tl.static_range(K):
-            dst = tl.load(lanes + t * K + s).to(tl.int64)
-            tl.store(Y + dst * stride_ym + cols, q, mask=mask & (dst >= 0))
+        scale = scale_of(amax_bits(x, 2), QMAX)  # [1, NG]
+        q = codes_for(x, scale[:, :, None], QMAX, TO_E4M3).to(Y.dtype.element_ty)
+        g = col0 // GROUP + tl.arange(0, NG)
+        scale_at = g[None, :].to(tl.int64) * stride_ysc
+        scale_ok = g[None, :] * GROUP < H
+    for s in tl.static_range(K):
+        dst = tl.sum(tl.where(j == s, dsts, 0), 0).to(tl.int64)
+        tl.store(Y + dst * stride_ym + cols, q, mask=mask & (dst >= 0))
+        if QUANT != 0:
             tl.store(YS + dst * stride_ysm + scale_at, scale, mask=scale_ok & (dst >= 0))
 
 
@@ -240,6 +251,7 @@ def decode_prep(
         float(routed_scaling_factor), BLOCK_T=next_pow2(t),
         LE_PAD=le_pad, STEP=step, ALIGN=alignment, TILE_ROWS=max(1, SLOT_TILE // le_pad), ROW_STEP=SLOT_ROWS,
         QUANT=quant, QMAX=qmax, TO_E4M3=qdtype == torch.float8_e4m3fn, GROUP=GROUP, BLOCK_H=block_h,
+        ROW_BLOCK=max(GROUP, min(next_pow2(h), ROW_BLOCK_MAX)),
         num_warps=4, **consts,
     )  # fmt: skip
     return ids, weights, offsets, slot_pos, m_indices, counts, out, out_scale
