@@ -236,24 +236,6 @@ def grouped_gemm_masked(a, b, masked_m, **kwargs):
 
 
 # ------------------------------------------------------------------------------- row movement
-@_op("slot_layout")
-def _slot_layout(
-    topk_ids: torch.Tensor, num_experts: int, alignment: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _kernels()[2].slot_layout(topk_ids, num_experts, alignment)
-
-
-@_slot_layout.register_fake
-def _(topk_ids, num_experts, alignment):
-    r, k = topk_ids.shape
-    rows = max_rows(r, k, num_experts, alignment)
-    i32 = dict(dtype=torch.int32)
-    return (
-        topk_ids.new_empty((num_experts + 1,), **i32), topk_ids.new_empty((r, k), dtype=torch.int64),
-        topk_ids.new_empty((rows,), **i32), topk_ids.new_empty((num_experts,), **i32),
-    )  # fmt: skip
-
-
 @_op("slot_layout_scatter")
 def _slot_layout_scatter(
     topk_ids: torch.Tensor, num_experts: int, alignment: int, x: torch.Tensor, x_scale: torch.Tensor | None,
@@ -328,11 +310,6 @@ def _gather_weighted(
 @_gather_weighted.register_fake
 def _(expert_out, slot_pos, topk_weights, out_dtype):
     return expert_out.new_empty((slot_pos.shape[0], expert_out.shape[1]), dtype=out_dtype)
-
-
-def slot_layout(topk_ids, num_experts, alignment=1):
-    """:func:`epmoe.kernels.permute.slot_layout`."""
-    return _slot_layout(topk_ids, num_experts, alignment)
 
 
 def slot_layout_scatter(topk_ids, num_experts, alignment, x, x_scale=None, *, scale_mn_major=False):

@@ -78,7 +78,6 @@ def _op_cases():
             (q8[:4].reshape(e, 2, k_dim), torch.randint(-127, 128, (e, n, k_dim), generator=g, dtype=torch.int8),
              torch.full((e,), 2, dtype=torch.int32), True, "int8_channel", q8_scale[:4].reshape(e, 2, 1),
              torch.rand(e, n, 1, generator=g) + 0.1, "int32", torch.float32, 1), {}),  # fmt: skip
-        "epmoe::slot_layout": ((ids, 4, 2), {}),
         "epmoe::slot_layout_scatter": ((ids, 4, 1, q8[:3], q8_scale[:3], False), {}),  # every row written
         "epmoe::slot_layout_scatter[mn_major]": ((ids, 4, 1, q8[:3], torch.rand(3, 3, generator=g), True), {}),
         "epmoe::slot_layout_scatter[no_scale]": ((_ids(3, 2, 3, g), 3, 1, x[:3], None, False), {}),
