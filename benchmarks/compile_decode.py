@@ -174,6 +174,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile-backend", default=None, help="torch.compile backend (default: inductor on CUDA, aot_eager on CPU)")
     p.add_argument("--commit", default=None, help="commit to record when git is not available")
     p.add_argument("--plot", default=None, help="also draw the table into this image (matplotlib)")
+    p.add_argument("--prep-warps", default="",
+                   help="also time layer_graph with the decode prep's kernel on each of these warp counts "
+                        "(comma-separated; epmoe.kernels.prep.PREP_WARPS), into the JSON's 'prep_warps'")
     p.add_argument("--kernels-batch", type=int, default=None,
                    help="also list the GPU kernels of the MoE layer's eager forward at this batch (torch.profiler, "
                         "per step: count and device us per kernel name), per scheme, into the JSON's 'kernels'")
@@ -181,6 +184,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.schemes = [s for s in args.schemes.split(",") if s]
     args.batches = [int(b) for b in args.batches.split(",") if b]
     args.modes = [m for m in args.modes.split(",") if m]
+    args.prep_warps = [int(w) for w in args.prep_warps.split(",") if w]
+    if any(w < 1 or w & (w - 1) or w > 16 for w in args.prep_warps):
+        p.error(f"--prep-warps: {args.prep_warps}; each must be a power of two in [1, 16]")
     for name, got, allowed in (("--schemes", args.schemes, SCHEMES), ("--modes", args.modes, MODES)):
         bad = [v for v in got if v not in allowed]
         if bad:
@@ -206,6 +212,7 @@ class Runner:
         self.compiler = args.compile_backend or ("inductor" if self.cuda else "aot_eager")
         self.compiled: dict[str, object] = {}
         self.rows: list[dict] = []
+        self.warps_rows: list[dict] = []
 
     def row(self, batch, mode, ms=None, skipped=None, **extra):
         r = dict(scheme=self.scheme, backend=self.block.experts.backend.name, batch=batch, mode=mode, ms=ms,
@@ -271,6 +278,9 @@ class Runner:
                         layer.decode_prep = kept
 
                 self.guarded(t, mode, layer_mode)
+        if self.cuda and a.prep_warps and layer._uses_prep(y, logits):
+            for warps in a.prep_warps:
+                self.guarded(t, f"layer_graph prep_warps={warps}", lambda w=warps: self.prep_warps_row(t, w, y, logits))
         if "experts_graph" in a.modes:
 
             def experts_mode():
@@ -281,6 +291,19 @@ class Runner:
                     self.row(t, "experts_graph", self.time(fn), rows=int(batch.x.shape[0]), note="eager on CPU")
 
             self.guarded(t, "experts_graph", experts_mode)
+
+    def prep_warps_row(self, t: int, warps: int, y: torch.Tensor, logits: torch.Tensor) -> None:
+        """``layer_graph`` with the decode prep launched on ``warps`` warps (a graph captures the
+        launch as it was configured then)."""
+        from epmoe.kernels import prep
+
+        kept, prep.PREP_WARPS = prep.PREP_WARPS, warps
+        try:
+            ms = self.time(captured(lambda: self.block.experts(y, logits), self.device)[0].replay)
+        finally:
+            prep.PREP_WARPS = kept
+        self.warps_rows.append(dict(scheme=self.scheme, batch=t, prep_warps=warps, ms=ms))
+        print(f"{self.scheme:13s} T={t:4d} layer_graph prep_warps={warps:<2d} {ms:9.4f} ms", flush=True)
 
     @torch.no_grad()
     def compiled_mode(self, t: int, mode: str, deadline: float) -> None:
@@ -440,6 +463,7 @@ def main(argv=None) -> dict:
                 for t in args.batches:
                     runner.compiled_mode(t, mode, deadline)
         rows += runner.rows
+        result.setdefault("prep_warps", []).extend(runner.warps_rows)
         del block, runner
         torch._dynamo.reset()
         if device.type == "cuda":
@@ -459,6 +483,8 @@ def main(argv=None) -> dict:
         print(f"{s['scheme']:13s}{s['batch']:4d} {cell('eager')} {cell('compiled')} {cell('reduce_overhead')} "
               f"{cell('graph')} {cell('layer_graph')} {cell('layer_graph_separate')}  {cell('experts_graph')}   "
               f"{ratios}")  # fmt: skip
+    for r in result.get("prep_warps", []):
+        print(f"{r['scheme']:13s}{r['batch']:4d}  layer_graph with the prep on {r['prep_warps']} warps: {r['ms']:.4f} ms")
     print(f"wall {result['wall_s']} s -> {args.out}")
     return result
 

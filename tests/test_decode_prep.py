@@ -162,6 +162,13 @@ def check_against_separate_kernels(t: int, route: str, payload: str, device, hid
         assert torch.equal(got[7][dst], want[5][dst])
 
 
+@pytest.mark.parametrize("warps", [1, 8])
+def test_prep_on_other_warp_counts_writes_the_same(warps, monkeypatch):
+    """Eight warps sort 256 lanes (a lane per thread), one warp reads a long row in chunks."""
+    monkeypatch.setattr(prep, "PREP_WARPS", warps)
+    check_against_separate_kernels(2, "E256_grouped", "int8_token", "cpu", 2560 if warps == 1 else HIDDEN)
+
+
 def test_prep_with_a_top_k_that_is_no_power_of_two_and_nan_logits():
     """Slots t * k + j with k = 6 reach the layout in order; a NaN row routes to k distinct
     experts (as the routing kernel) and its weights are NaN while the other tokens are untouched."""

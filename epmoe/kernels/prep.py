@@ -37,9 +37,13 @@ PREP_PROGRAMS = 128
 past one wave more programs add that work again instead of spreading the copy."""
 PREP_MAX_BLOCK_H = 1024
 """Most columns one program quantizes and copies (it stores them to each of the token's rows)."""
-ROW_BLOCK_MAX = 16384
-"""Most columns of a token's row one load takes for its amax (per-token payloads): a row of
-DeepSeek-V3 (7168) in one load, held in registers (as the per-token quantizer's single pass)."""
+PREP_WARPS = 4
+"""Warps of a prep program. Read at each call (benchmarks/compile_decode.py ``--prep-warps``
+times others): the routing and the layout are chains of tiny reductions, which fewer warps do
+with fewer shared-memory round trips, while the copy and a token's amax want more threads."""
+ROW_VALUES_PER_THREAD = 64
+"""Most values of a token's row each thread holds for its amax (per-token payloads): with 4 warps
+a row of up to 8192 (DeepSeek-V3's 7168) is one load; longer rows are read in chunks of that."""
 INTERPRETER_BLOCK_H = 8192
 """The same on CPU, where Triton's interpreter pays per program."""
 
@@ -242,7 +246,10 @@ def decode_prep(
     block_h = _block_h(t, h, device)
     programs = (triton.cdiv(h, block_h), t)
     le_pad = max(32, next_pow2(e))  # as the slot kernels: at least a bin per lane of a warp
-    step = _step(t * top_k)
+    warps = PREP_WARPS
+    # Every thread holds its own lanes (tl.histogram of older Tritons counts a value once per
+    # thread holding it).
+    step = max(_step(t * top_k), 32 * warps)
     scratch = torch.empty((programs[0] * programs[1], step + le_pad), **i32)
     ys = out_scale if out_scale is not None else scratch  # never written without scales
     _decode_prep_kernel[programs](
@@ -251,7 +258,7 @@ def decode_prep(
         float(routed_scaling_factor), BLOCK_T=next_pow2(t),
         LE_PAD=le_pad, STEP=step, ALIGN=alignment, TILE_ROWS=max(1, SLOT_TILE // le_pad), ROW_STEP=SLOT_ROWS,
         QUANT=quant, QMAX=qmax, TO_E4M3=qdtype == torch.float8_e4m3fn, GROUP=GROUP, BLOCK_H=block_h,
-        ROW_BLOCK=max(GROUP, min(next_pow2(h), ROW_BLOCK_MAX)),
-        num_warps=4, **consts,
+        ROW_BLOCK=max(GROUP, min(next_pow2(h), ROW_VALUES_PER_THREAD * 32 * warps)),
+        num_warps=warps, **consts,
     )  # fmt: skip
     return ids, weights, offsets, slot_pos, m_indices, counts, out, out_scale
