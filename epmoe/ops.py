@@ -101,13 +101,15 @@ def fused_topk(router_logits, top_k, *, renormalize=True, scoring_func="softmax"
 # ------------------------------------------------------------------------------------- quantize
 @_op("per_token_quant_int8")
 def _per_token_quant_int8(
-    x: torch.Tensor, x_scale: torch.Tensor | None, masked_m: torch.Tensor | None, expected_m: int | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _kernels()[3].per_token_quant_int8(x, x_scale, masked_m=masked_m, expected_m=expected_m)
+    x: torch.Tensor, x_scale: torch.Tensor | None, masked_m: torch.Tensor | None, expected_m: int | None,
+    row_expert: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    return _kernels()[3].per_token_quant_int8(x, x_scale, masked_m=masked_m, expected_m=expected_m,
+                                              row_expert=row_expert)  # fmt: skip
 
 
 @_per_token_quant_int8.register_fake
-def _(x, x_scale, masked_m, expected_m):
+def _(x, x_scale, masked_m, expected_m, row_expert):
     return x.new_empty(x.shape, dtype=torch.int8), x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
 
 
@@ -119,24 +121,27 @@ def _per_group_quant(
     x_scale: torch.Tensor | None,
     masked_m: torch.Tensor | None,
     expected_m: int | None,
+    row_expert: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _kernels()[3].per_group_quant(x, group_size, dtype, x_scale, masked_m=masked_m, expected_m=expected_m)
+    return _kernels()[3].per_group_quant(x, group_size, dtype, x_scale, masked_m=masked_m, expected_m=expected_m,
+                                         row_expert=row_expert)  # fmt: skip
 
 
 @_per_group_quant.register_fake
-def _(x, group_size, dtype, x_scale, masked_m, expected_m):
+def _(x, group_size, dtype, x_scale, masked_m, expected_m, row_expert):
     groups = x.shape[-1] // group_size
     return x.new_empty(x.shape, dtype=dtype), x.new_empty((*x.shape[:-1], groups), dtype=torch.float32)
 
 
-def per_token_quant_int8(x, x_scale=None, *, masked_m=None, expected_m=None):
+def per_token_quant_int8(x, x_scale=None, *, masked_m=None, expected_m=None, row_expert=None):
     """:func:`epmoe.kernels.quantize.per_token_quant_int8`."""
-    return _per_token_quant_int8(x, x_scale, masked_m, expected_m)
+    return _per_token_quant_int8(x, x_scale, masked_m, expected_m, row_expert)
 
 
-def per_group_quant(x, group_size=128, dtype=torch.int8, x_scale=None, *, masked_m=None, expected_m=None):
+def per_group_quant(x, group_size=128, dtype=torch.int8, x_scale=None, *, masked_m=None, expected_m=None,
+                    row_expert=None):  # fmt: skip
     """:func:`epmoe.kernels.quantize.per_group_quant`."""
-    return _per_group_quant(x, group_size, dtype, x_scale, masked_m, expected_m)
+    return _per_group_quant(x, group_size, dtype, x_scale, masked_m, expected_m, row_expert)
 
 
 # ----------------------------------------------------------------------------------- activation

@@ -43,13 +43,15 @@ def gemm1_input(
     weights: ExpertWeights,
     masked_m: torch.Tensor | None,
     expected_m: int | None = None,
+    row_expert: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """GEMM1's operand in ``scheme``'s format (quantize, pass through, or requantize).
 
     ``x``: ``[M, H]``, or ``[E, cap, H]`` with ``masked_m``; floating, in the scheme's format, or
     quantized in another (``x_scale`` then its scales). ``masked_m``: ``[E]`` valid rows per
     segment of an ``[E, cap, H]`` ``x``; ``expected_m``: the rows per segment the row-wise kernels'
-    grid is sized for. Returns the operand and its fp32 scales (``None`` for BF16)."""
+    grid is sized for; ``row_expert``: skip the rows of expert -1 when quantizing (see
+    :func:`padding_rows`). Returns the operand and its fp32 scales (``None`` for BF16)."""
     hidden = x.shape[-1]
     if hidden != weights.hidden_size:
         raise ValueError(f"x has hidden size {hidden} but w13 {tuple(weights.w13.shape)} expects {weights.hidden_size}")
@@ -67,8 +69,8 @@ def gemm1_input(
         return x, x_scale.float()
     rows = row_args(masked_m, expected_m)
     if scheme.act_granularity == "token":
-        return ops.per_token_quant_int8(x, x_scale, **rows)
-    return ops.per_group_quant(x, BLOCK, torch.int8, x_scale, **rows)
+        return ops.per_token_quant_int8(x, x_scale, row_expert=row_expert, **rows)
+    return ops.per_group_quant(x, BLOCK, torch.int8, x_scale, row_expert=row_expert, **rows)
 
 
 def activation(
