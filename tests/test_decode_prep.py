@@ -135,8 +135,9 @@ def test_prep_writes_what_the_separate_kernels_write(t, route, payload):
 
 
 def check_against_separate_kernels(t: int, route: str, payload: str, device, hidden: int) -> None:
-    """Bit for bit the fused routing, the payload's quantizer and the one-launch layout and scatter
-    (fp32 activations: every bit of the input reaches the quantizers), all on ``device``."""
+    """Bit for bit the fused routing's ids, the payload's quantizer and the one-launch layout and
+    scatter (fp32 activations: every bit of the input reaches the quantizers), all on ``device``;
+    the routing weights to a few ulps."""
     logits, bias, x = _inputs(t, route, seed=5 + t, dtype=torch.float32, hidden=hidden)
     e, k, scoring, ng, tg, _, renorm, rscale = ROUTES[route]
     alignment, mn_major = PAYLOADS[payload]
@@ -152,7 +153,10 @@ def check_against_separate_kernels(t: int, route: str, payload: str, device, hid
         xq, xs = quantize.per_group_quant(x, 128, torch.float8_e4m3fn if payload == "fp8_group" else torch.int8)
     want = _cpu(permute.slot_layout_scatter(ids, e, alignment, xq, xs, scale_mn_major=mn_major))
     ids, w = ids.cpu(), w.cpu()
-    assert torch.equal(got[0], ids) and torch.equal(got[1], w)
+    assert torch.equal(got[0], ids)
+    # On a GPU the softmax and renormalizing sums reduce in an order that follows each kernel's
+    # tile and warps: the weights may differ in their last bits (the interpreter: equal).
+    torch.testing.assert_close(got[1], w, rtol=1e-6, atol=1e-9)
     for a, b in zip(got[2:6], want[:4]):
         assert torch.equal(a, b)
     dst = got[3].reshape(-1)

@@ -16,7 +16,8 @@ routing and the layout; all programs share marking the padding rows.
 
 The pieces are the ones the separate launches use (:func:`~epmoe.kernels.topk.route_rows`, the
 slot placement of :mod:`epmoe.kernels.permute`, the quantizers' :func:`~epmoe.kernels.quantize.codes`),
-so the outputs are bit for bit theirs.
+so the outputs are bit for bit theirs, but for the last bits of the routing weights: their fp32
+sums (softmax, renormalizing) are reduced in the order each kernel's tile and warps give.
 """
 
 from __future__ import annotations

@@ -79,8 +79,10 @@ def test_layer_with_the_prep_matches_the_layer_without(quant, backend, t, monkey
         got, want = fused(x, logits), separate(x, logits)
     assert calls == [1]
     assert torch.isfinite(want).all() and want.float().abs().max() > 0
-    # The same kernels' arithmetic on the same rows: equal up to the bf16 output rounding.
-    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2 * float(want.float().abs().max()))
+    # The same batch reaches the experts pass (rows, scales, layout bit for bit); the routing
+    # weights may differ in their last bit (fp32 sums reduced in another order), so the bf16
+    # outputs may differ by a rounding.
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-3 * float(want.float().abs().max()))
 
 
 @pytest.mark.parametrize("quant,backend", CASES)
