@@ -69,16 +69,17 @@ def route_rows(
         for g in range(GROUPS):
             in_g = (group == g)[None, :]
             v = tl.where(in_g, choice, float("-inf"))
-            best = tl.max(v, 1)
             if HAS_BIAS and PER_GROUP > 1:
-                first = tl.min(tl.where(in_g & (v == best[:, None]), e[None, :], E_PAD), 1)
+                best, first = tl.max(v, 1, return_indices=True, return_indices_tie_break_left=True)
                 best = best + tl.max(tl.where(e[None, :] == first[:, None], float("-inf"), v), 1)
+            else:
+                best = tl.max(v, 1)
             g_score = tl.where(g_idx == g, best[:, None], g_score)
         g_left = (g_idx < GROUPS) & row_ok[:, None]  # [BLOCK_T, G_PAD], as the loop keeps it
         kept = tl.zeros([BLOCK_T, G_PAD], dtype=tl.int32)
         for _ in range(TOPK_GROUP):
-            top = tl.max(tl.where(g_left, g_score, float("-inf")), 1)
-            pick = tl.min(tl.where(g_left & (g_score == top[:, None]), g_idx, G_PAD), 1)
+            pick = tl.max(tl.where(g_left, g_score, float("-inf")), 1, return_indices=True,
+                          return_indices_tie_break_left=True)[1]  # fmt: skip
             hit = g_idx == pick[:, None]
             kept = tl.where(hit, 1, kept)
             g_left = g_left & (g_idx != pick[:, None])
@@ -93,11 +94,16 @@ def route_rows(
     ids = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int32)
     weights = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
     for j in range(K):
-        top = tl.max(tl.where(left, choice, float("-inf")), 1)
-        pick = tl.min(tl.where(left & (choice == top[:, None]), e[None, :], E_PAD), 1)
-        hit = e[None, :] == pick[:, None]
+        # One reduction for the best value and its lowest index (ties: the lower id).
+        top, pick = tl.max(tl.where(left, choice, float("-inf")), 1, return_indices=True,
+                           return_indices_tie_break_left=True)  # fmt: skip
+        if HAS_BIAS:
+            w = tl.sum(tl.where(e[None, :] == pick[:, None], scores, 0.0), 1)  # the unbiased score
+        else:
+            # The choice is the score itself, but where a NaN score was ranked as +inf.
+            w = tl.where(top == float("inf"), float("nan"), top)
         ids = tl.where(slot == j, pick[:, None], ids)
-        weights = tl.where(slot == j, tl.sum(tl.where(hit, scores, 0.0), 1)[:, None], weights)
+        weights = tl.where(slot == j, w[:, None], weights)
         left = left & (e[None, :] != pick[:, None])
     if RENORM:
         total = tl.sum(weights, 1)  # the padding slots hold zeros
