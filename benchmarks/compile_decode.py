@@ -15,7 +15,11 @@ timed by replaying it):
 * ``compiled``: ``torch.compile(block, fullgraph=True, dynamic=False)`` (one compile per batch size);
 * ``reduce_overhead``: the same with ``mode="reduce-overhead"`` (Inductor's CUDA graphs);
 * ``graph``: the eager forward captured in a ``torch.CUDAGraph`` and replayed;
-* ``layer_graph``: the MoE layer's forward alone (routing, scatter, experts, gather) captured;
+* ``layer_graph``: the MoE layer's forward alone (routing, scatter, experts, gather) captured; a
+  decode step of at most 128 (token, slot) pairs takes the one-launch decode prep (routing, layout,
+  scatter and quantization together, ``DeepEPMoELayer(decode_prep=...)``);
+* ``layer_graph_separate``: the same with ``decode_prep=False``: the separate routing, quantizer
+  and layout-and-scatter launches, for the prep's gain in the same run;
 * ``experts_graph``: ``layer.backend.run_contiguous`` alone on the prepared batch, captured.
 
 Ratios: each graphed / compiled step against ``experts_graph`` (the target: glue and host add at most
@@ -24,11 +28,16 @@ eager against the best graphed step at batch 1 (target >= 1.3x).
 
 The MoE layers run with ``validate=False`` (an engine's decode step reads nothing back for checks).
 
-Run (one H200, at most about 4 minutes: ``--budget-s`` (default 200) bounds the whole run's compiles;
-each scheme gets an equal share of what is left, CUDA-graph mode and small batches first, and a
-compile that would start past its share is skipped, its row saying so):
+Run (one H200, about 2.5 minutes: ``--budget-s`` (default 40) bounds each scheme's compiles on
+its own, so a slow scheme cannot spend a later one's share; CUDA-graph mode first, batches in the
+order given, and a compile that would start past its scheme's budget is skipped, its row saying so):
 
     SGLANG_CUTLASS_MOE=1 python benchmarks/compile_decode.py results.json --plot results.png
+
+The glue alone (no compiles; well under a minute):
+
+    SGLANG_CUTLASS_MOE=1 python benchmarks/compile_decode.py glue.json --schemes int8_channel,fp8_block,bf16 \
+        --batches 1,8 --modes layer_graph,layer_graph_separate,experts_graph --rep-ms 50
 
 ``--kernels-batch 1`` also lists the layer's GPU kernels per step (names, launches, device us): what
 the glue is made of.
@@ -61,7 +70,7 @@ from epmoe.timing import kernel_ms
 SCHEMES = ("bf16", "int8_channel", "fp8_block")
 BACKENDS = {"bf16": "triton", "int8_channel": "triton", "fp8_block": "cutlass"}
 BATCHES = (1, 8, 32, 128)
-MODES = ("eager", "compiled", "reduce_overhead", "graph", "layer_graph", "experts_graph")
+MODES = ("eager", "compiled", "reduce_overhead", "graph", "layer_graph", "layer_graph_separate", "experts_graph")
 FULL = dict(hidden=7168, inter=2048, experts=128, top_k=8, shared_inter=2048)
 TINY = dict(hidden=256, inter=128, experts=8, top_k=2, shared_inter=128)
 
@@ -133,11 +142,15 @@ def captured(fn, device):
 
 def experts_pass(layer: DeepEPMoELayer, y: torch.Tensor, logits: torch.Tensor):
     """``(fn, batch)``: the backend's experts pass alone on the batch the layer's forward would
-    build for ``y`` (routed, dispatched, scattered here, outside what is timed)."""
-    ids, w = layer.route(logits)
-    d = layer.dispatcher.dispatch(y, ids, w)
+    build for ``y`` (by the decode prep, or routed, dispatched and scattered, here, outside what is
+    timed)."""
     backend = layer.backend
-    batch = layer._contiguous_batch(d)  # the layer's own layout: sizes, alignment, scale layout
+    # The layer's own layout: sizes, alignment, scale layout.
+    if layer._uses_prep(y, logits):
+        batch = layer._prep_batch(y, logits)[0]
+    else:
+        ids, w = layer.route(logits)
+        batch = layer._contiguous_batch(layer.dispatcher.dispatch(y, ids, w))
     weights = layer.backend.prepare_weights(layer.expert_weights())
     return (lambda: backend.run_contiguous(batch, weights, y.dtype)), batch
 
@@ -155,12 +168,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--tiny", action="store_true", help=f"tiny sizes {TINY} (a dry run)")
     p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time per measurement")
-    p.add_argument("--budget-s", type=float, default=200.0,
-                   help="seconds for the whole run: each scheme gets an equal share of what is left for its compiles; "
-                        "a compile that would start past its share is skipped (its row says so)")
+    p.add_argument("--budget-s", type=float, default=40.0,
+                   help="seconds of compiles per scheme (reduce-overhead first, then default mode; batches in the "
+                        "order given): a compile that would start past its scheme's budget is skipped (its row says so)")
     p.add_argument("--compile-backend", default=None, help="torch.compile backend (default: inductor on CUDA, aot_eager on CPU)")
     p.add_argument("--commit", default=None, help="commit to record when git is not available")
     p.add_argument("--plot", default=None, help="also draw the table into this image (matplotlib)")
+    p.add_argument("--prep-warps", default="",
+                   help="also time layer_graph with the decode prep's kernel on each of these warp counts "
+                        "(comma-separated; epmoe.kernels.prep.PREP_WARPS), into the JSON's 'prep_warps'")
     p.add_argument("--kernels-batch", type=int, default=None,
                    help="also list the GPU kernels of the MoE layer's eager forward at this batch (torch.profiler, "
                         "per step: count and device us per kernel name), per scheme, into the JSON's 'kernels'")
@@ -168,6 +184,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.schemes = [s for s in args.schemes.split(",") if s]
     args.batches = [int(b) for b in args.batches.split(",") if b]
     args.modes = [m for m in args.modes.split(",") if m]
+    args.prep_warps = [int(w) for w in args.prep_warps.split(",") if w]
+    if any(w < 1 or w & (w - 1) or w > 16 for w in args.prep_warps):
+        p.error(f"--prep-warps: {args.prep_warps}; each must be a power of two in [1, 16]")
     for name, got, allowed in (("--schemes", args.schemes, SCHEMES), ("--modes", args.modes, MODES)):
         bad = [v for v in got if v not in allowed]
         if bad:
@@ -193,6 +212,7 @@ class Runner:
         self.compiler = args.compile_backend or ("inductor" if self.cuda else "aot_eager")
         self.compiled: dict[str, object] = {}
         self.rows: list[dict] = []
+        self.warps_rows: list[dict] = []
 
     def row(self, batch, mode, ms=None, skipped=None, **extra):
         r = dict(scheme=self.scheme, backend=self.block.experts.backend.name, batch=batch, mode=mode, ms=ms,
@@ -232,7 +252,7 @@ class Runner:
         ref = block(x)
         if "eager" in a.modes:
             self.guarded(t, "eager", lambda: self.row(t, "eager", self.time(lambda: block(x))))
-        for mode in ("graph", "layer_graph"):
+        for mode in ("graph", "layer_graph", "layer_graph_separate"):
             if mode in a.modes and not self.cuda:
                 self.row(t, mode, skipped="needs CUDA (CUDA graphs)")
         if self.cuda and "graph" in a.modes:
@@ -245,9 +265,22 @@ class Runner:
             self.guarded(t, "graph", graph_mode)
         y = block.norm2(x)
         logits = block.gate(y.float())
-        if self.cuda and "layer_graph" in a.modes:
-            self.guarded(t, "layer_graph", lambda: self.row(t, "layer_graph", self.time(
-                captured(lambda: block.experts(y, logits), dev)[0].replay)))  # fmt: skip
+        layer = block.experts
+        for mode, prep in (("layer_graph", layer.decode_prep), ("layer_graph_separate", False)):
+            if self.cuda and mode in a.modes:
+
+                def layer_mode(mode=mode, prep=prep):
+                    kept, layer.decode_prep = layer.decode_prep, prep
+                    try:
+                        fused = layer._uses_prep(y, logits)
+                        self.row(t, mode, self.time(captured(lambda: layer(y, logits), dev)[0].replay), decode_prep=fused)
+                    finally:
+                        layer.decode_prep = kept
+
+                self.guarded(t, mode, layer_mode)
+        if self.cuda and a.prep_warps and layer._uses_prep(y, logits):
+            for warps in a.prep_warps:
+                self.guarded(t, f"layer_graph prep_warps={warps}", lambda w=warps: self.prep_warps_row(t, w, y, logits))
         if "experts_graph" in a.modes:
 
             def experts_mode():
@@ -259,6 +292,19 @@ class Runner:
 
             self.guarded(t, "experts_graph", experts_mode)
 
+    def prep_warps_row(self, t: int, warps: int, y: torch.Tensor, logits: torch.Tensor) -> None:
+        """``layer_graph`` with the decode prep launched on ``warps`` warps (a graph captures the
+        launch as it was configured then)."""
+        from epmoe.kernels import prep
+
+        kept, prep.PREP_WARPS = prep.PREP_WARPS, warps
+        try:
+            ms = self.time(captured(lambda: self.block.experts(y, logits), self.device)[0].replay)
+        finally:
+            prep.PREP_WARPS = kept
+        self.warps_rows.append(dict(scheme=self.scheme, batch=t, prep_warps=warps, ms=ms))
+        print(f"{self.scheme:13s} T={t:4d} layer_graph prep_warps={warps:<2d} {ms:9.4f} ms", flush=True)
+
     @torch.no_grad()
     def compiled_mode(self, t: int, mode: str, deadline: float) -> None:
         """``mode`` (``compiled`` / ``reduce_overhead``) at batch ``t``, unless ``deadline`` (a
@@ -267,7 +313,7 @@ class Runner:
             self.row(t, mode, skipped="needs CUDA (CUDA graphs)")
             return
         if time.perf_counter() > deadline:
-            self.row(t, mode, skipped=f"time budget (--budget-s {self.args.budget_s:g}) spent before this compile")
+            self.row(t, mode, skipped=f"this scheme's compile budget (--budget-s {self.args.budget_s:g}) spent before this compile")
             return
         x = self.inputs(t)
         ref = self.block(x)
@@ -328,7 +374,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     for scheme, t in keys:
         ms = {r["mode"]: r["ms"] for r in rows if r["scheme"] == scheme and r["batch"] == t and r["ms"] is not None}
         s = dict(scheme=scheme, batch=t)
-        for mode in ("compiled", "reduce_overhead", "graph", "layer_graph"):
+        for mode in ("compiled", "reduce_overhead", "graph", "layer_graph", "layer_graph_separate"):
             if mode in ms and "experts_graph" in ms:
                 s[f"{mode}_vs_experts_graph"] = round(ms[mode] / ms["experts_graph"], 4)
             if mode in ms and "eager" in ms:
@@ -409,15 +455,15 @@ def main(argv=None) -> dict:
         runner = Runner(args, block, scheme, started)
         for t in args.batches:
             runner.cheap_modes(t)
-        # Compiling takes most of the run: this scheme gets an equal share of what is left of the
-        # budget, batch 1 and the CUDA-graph mode first (what the targets are about).
-        left = len(args.schemes) - args.schemes.index(scheme)
-        deadline = time.perf_counter() + max(0.0, args.budget_s - (time.perf_counter() - started)) / left
+        # Compiling takes most of the run: each scheme has its own budget, the CUDA-graph mode
+        # first (what the targets are about).
+        deadline = time.perf_counter() + args.budget_s
         for mode in ("reduce_overhead", "compiled"):
             if mode in args.modes:
                 for t in args.batches:
                     runner.compiled_mode(t, mode, deadline)
         rows += runner.rows
+        result.setdefault("prep_warps", []).extend(runner.warps_rows)
         del block, runner
         torch._dynamo.reset()
         if device.type == "cuda":
@@ -429,13 +475,16 @@ def main(argv=None) -> dict:
         json.dump(result, f, indent=1)
     if args.plot:
         plot(rows, args.plot)
-    print("\nscheme        T    eager  compiled  red-ovh    graph  layer_g  experts_g  ratios")
+    print("\nscheme        T    eager  compiled  red-ovh    graph  layer_g  layer_sep experts_g  ratios")
     for s in result["summary"]:
         ms = {r["mode"]: r["ms"] for r in rows if r["scheme"] == s["scheme"] and r["batch"] == s["batch"]}
         cell = lambda m: f"{ms[m]:8.3f}" if ms.get(m) is not None else "       -"  # noqa: E731
         ratios = {k: v for k, v in s.items() if k not in ("scheme", "batch")}
         print(f"{s['scheme']:13s}{s['batch']:4d} {cell('eager')} {cell('compiled')} {cell('reduce_overhead')} "
-              f"{cell('graph')} {cell('layer_graph')} {cell('experts_graph')}   {ratios}")  # fmt: skip
+              f"{cell('graph')} {cell('layer_graph')} {cell('layer_graph_separate')}  {cell('experts_graph')}   "
+              f"{ratios}")  # fmt: skip
+    for r in result.get("prep_warps", []):
+        print(f"{r['scheme']:13s}{r['batch']:4d}  layer_graph with the prep on {r['prep_warps']} warps: {r['ms']:.4f} ms")
     print(f"wall {result['wall_s']} s -> {args.out}")
     return result
 

@@ -25,11 +25,13 @@ from .dispatch.select import select_dispatcher
 from .experts.base import ExpertWeights
 from .environment import requested
 from .experts.select import select_backend
+from . import ops
 from .inputs import INPUT_DTYPES, check_forward_inputs, check_forward_values
 from .layouts import ContiguousBatch, MaskedBatch, gather_weighted, to_contiguous
 from .quant.payload import choose_payloads
 from .quant.schemes import BLOCK, get_scheme
-from .routing import check_routing_config, select_experts
+from .kernels.common import prep_refusal
+from .routing import check_routing_config, fused_refusal, select_experts
 from .tensors import as_contiguous, check_positive_int, host_reads_allowed, keeping_dtypes
 from .timing import phase
 
@@ -111,6 +113,13 @@ class DeepEPMoELayer(nn.Module):
         validate: check inputs (shapes, dtypes, expert-id range, finite router logits); range and
             finiteness checks cost a host sync and are skipped during CUDA-graph capture and while
             ``torch.compile`` traces (docs/compile.md).
+        decode_prep: a small batch given with router logits on a dispatcher that moves nothing
+            (``local``) has its routing, layout, scatter and activation quantization done by one
+            kernel (:func:`epmoe.ops.decode_prep`) instead of three or four (a CUDA-graphed decode
+            step pays a launch gap for each): ``None`` on CUDA, ``True`` on any device (on CPU
+            under Triton's interpreter, as the tests run it), ``False`` never. It applies up to
+            :data:`~epmoe.kernels.common.COPY_MAX_SLOTS` (token, slot) pairs with a backend that
+            takes device-sized segments; other batches take the separate kernels.
     """
 
     def __init__(
@@ -139,6 +148,7 @@ class DeepEPMoELayer(nn.Module):
         deepep_buffer=None,
         low_latency_int8_payload: str = "float",
         validate: bool = True,
+        decode_prep: bool | None = None,
     ) -> None:
         super().__init__()
         self.scheme = get_scheme(quant)
@@ -189,7 +199,10 @@ class DeepEPMoELayer(nn.Module):
             topk_group=topk_group,
             routed_scaling_factor=routed_scaling_factor,
         )
+        if decode_prep not in (None, True, False):
+            raise ValueError(f"decode_prep={decode_prep!r}; allowed: None (on CUDA), True, False")
         self.validate = validate
+        self.decode_prep = decode_prep
         self.low_latency_int8_payload = low_latency_int8_payload
         self._create_parameters(use_correction_bias)
 
@@ -447,6 +460,11 @@ class DeepEPMoELayer(nn.Module):
             )  # fmt: skip
         if not self._agreed:
             self._agree(hidden_states.device)
+        if router_logits is not None and self._uses_prep(hidden_states, router_logits):
+            with phase("epmoe.prep"):
+                batch, weights = self._prep_batch(hidden_states, router_logits)
+            # The dispatcher keeps the rows where they are: nothing to send, nothing to combine.
+            return self._experts_and_gather(batch, weights, hidden_states.dtype)
         if router_logits is not None:
             with phase("epmoe.route"):
                 topk_ids, topk_weights = self.route(router_logits)
@@ -528,13 +546,43 @@ class DeepEPMoELayer(nn.Module):
                 return self.backend.run_masked(batch, self._weights(), dtype)
         with phase("epmoe.scatter"):
             batch = self._contiguous_batch(d)
-        with phase("epmoe.experts"):
-            out = self.backend.run_contiguous(batch, self._weights(), dtype)
         weights = d.topk_weights
         if d.combine_applies_weights:
             weights = torch.ones_like(weights)
+        return self._experts_and_gather(batch, weights, dtype)
+
+    def _experts_and_gather(self, batch: ContiguousBatch, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The experts on a contiguous batch, then each token's weighted sum of its rows."""
+        with phase("epmoe.experts"):
+            out = self.backend.run_contiguous(batch, self._weights(), dtype)
         with phase("epmoe.gather"):
             return gather_weighted(out, batch.slot_pos, weights, dtype)
+
+    def _uses_prep(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> bool:
+        """Whether this batch runs its glue before the experts as one decode-prep launch (see
+        ``decode_prep``): decided from the configuration and the shapes only (traceable)."""
+        if self.decode_prep is False or not self.dispatcher.keeps_rows:
+            return False
+        if not (hidden_states.is_cuda or self.decode_prep):
+            return False
+        b = self.backend
+        if not (b.device_segments or (torch.compiler.is_compiling() and b.compile_segments)):
+            return False
+        t, e = router_logits.shape
+        return fused_refusal(e, self.top_k) is None and prep_refusal(t, self.top_k, e) is None
+
+    def _prep_batch(self, hidden_states: torch.Tensor, router_logits: torch.Tensor):
+        """``(ContiguousBatch, topk_weights)`` of a batch from one decode-prep launch: what routing,
+        the payload's quantizer and the device-sized scatter give (:meth:`_contiguous_batch`'s
+        layout for the local dispatcher's hint), every expert local."""
+        self._check_bias()
+        hint = expected_rows_per_expert(hidden_states.shape[0], 1, self.top_k, self.num_local_experts)
+        align = self.backend.alignment_for(hint, self.device)
+        _, weights, offsets, slot_pos, m_indices, counts, x, x_scale = ops.decode_prep(
+            router_logits, self.top_k, hidden_states, alignment=align, payload=self.dispatcher.cfg.payload,
+            correction_bias=self.e_score_correction_bias, scale_mn_major=self.backend.mn_major_scales, **self.routing,
+        )  # fmt: skip
+        return ContiguousBatch(x, x_scale, offsets, m_indices, slot_pos, counts, hint, align), weights
 
     def _segment_hint(self, d: Dispatched) -> int | None:
         """``expected_m`` for the scatter: a rows-per-expert hint when the segment sizes are to

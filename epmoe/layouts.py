@@ -24,16 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
+from . import ops  # the Triton row-movement kernels as registered ops (Triton imported where they run)
 from .kernels.common import max_rows
 from .tensors import check_positive_int
-
-
-def kernel_permute():
-    """The Triton row-movement kernels (as :mod:`epmoe.ops` registers them for ``torch.compile``),
-    imported only where a GPU runs them."""
-    from . import ops
-
-    return ops
 
 
 @dataclass
@@ -218,10 +211,9 @@ def _to_contiguous_kernels(
 ) -> ContiguousBatch:
     """The Triton scatter (the CUDA path of :func:`to_contiguous`; on CPU it runs under Triton's
     interpreter, which is how the CPU tests reach it)."""
-    permute = kernel_permute()
     if padded_rows is None and expected_m is not None:
         # One launch for a decode step's few slots (layout and row copies), two beyond.
-        offsets, slot_pos, m_indices, counts, out_x, out_scale = permute.slot_layout_scatter(
+        offsets, slot_pos, m_indices, counts, out_x, out_scale = ops.slot_layout_scatter(
             topk_ids, num_experts, alignment, x, x_scale, scale_mn_major=scale_mn_major
         )
         return ContiguousBatch(out_x, out_scale, offsets, m_indices, slot_pos, counts, expected_m, alignment)
@@ -243,11 +235,11 @@ def _to_contiguous_kernels(
     # launches the next kernels.
     host = torch.tensor(offsets_list, dtype=torch.int32, pin_memory=device.type == "cuda")
     offsets = host.to(device, non_blocking=True)
-    slot_pos, m_indices, counts = permute.slot_positions(topk_ids, offsets, m)
+    slot_pos, m_indices, counts = ops.slot_positions(topk_ids, offsets, m)
     if num_rows is None:
         num_rows = counts
     # Padding rows are never read by a valid output (ContiguousBatch): no memset.
-    out_x, out_scale = permute.scatter_rows(x, slot_pos, m, x_scale, fill_unused=False, scale_mn_major=scale_mn_major)
+    out_x, out_scale = ops.scatter_rows(x, slot_pos, m, x_scale, fill_unused=False, scale_mn_major=scale_mn_major)
     return ContiguousBatch(out_x, out_scale, offsets, m_indices, slot_pos, num_rows, alignment=alignment)
 
 
@@ -325,7 +317,7 @@ def gather_weighted(
         ``[R, H]`` of ``out_dtype``. Tokens with no local slot get zeros.
     """
     if expert_out.is_cuda:
-        return kernel_permute().gather_weighted(expert_out, slot_pos, topk_weights.float(), out_dtype)
+        return ops.gather_weighted(expert_out, slot_pos, topk_weights.float(), out_dtype)
     r, k = slot_pos.shape
     out = torch.zeros(r, expert_out.shape[1], dtype=torch.float32, device=expert_out.device)
     if expert_out.shape[0] == 0:  # no slot of the batch is local (every id -1, or other ranks')

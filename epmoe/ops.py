@@ -24,6 +24,7 @@ import torch
 from torch.compiler import is_compiling
 
 from .kernels.common import max_rows, mn_major_scales  # Triton-free: importing this module must not need Triton
+from .quant.payload import PAYLOAD_FORMATS
 
 NAMESPACE = "epmoe"
 
@@ -55,14 +56,14 @@ _KERNELS: tuple = ()
 
 
 def _kernels():
-    """``(activation, grouped_gemm, permute, quantize, topk)``, imported on first use (Triton is
+    """``(activation, grouped_gemm, permute, quantize, topk, prep)``, imported on first use (Triton is
     needed only where they run) and kept: an import statement per call costs microseconds of host
     time."""
     global _KERNELS
     if not _KERNELS:
-        from .kernels import activation, grouped_gemm, permute, quantize, topk
+        from .kernels import activation, grouped_gemm, permute, prep, quantize, topk
 
-        _KERNELS = (activation, grouped_gemm, permute, quantize, topk)
+        _KERNELS = (activation, grouped_gemm, permute, quantize, topk, prep)
     return _KERNELS
 
 
@@ -100,13 +101,15 @@ def fused_topk(router_logits, top_k, *, renormalize=True, scoring_func="softmax"
 # ------------------------------------------------------------------------------------- quantize
 @_op("per_token_quant_int8")
 def _per_token_quant_int8(
-    x: torch.Tensor, x_scale: torch.Tensor | None, masked_m: torch.Tensor | None, expected_m: int | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _kernels()[3].per_token_quant_int8(x, x_scale, masked_m=masked_m, expected_m=expected_m)
+    x: torch.Tensor, x_scale: torch.Tensor | None, masked_m: torch.Tensor | None, expected_m: int | None,
+    row_expert: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    return _kernels()[3].per_token_quant_int8(x, x_scale, masked_m=masked_m, expected_m=expected_m,
+                                              row_expert=row_expert)  # fmt: skip
 
 
 @_per_token_quant_int8.register_fake
-def _(x, x_scale, masked_m, expected_m):
+def _(x, x_scale, masked_m, expected_m, row_expert):
     return x.new_empty(x.shape, dtype=torch.int8), x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
 
 
@@ -118,24 +121,27 @@ def _per_group_quant(
     x_scale: torch.Tensor | None,
     masked_m: torch.Tensor | None,
     expected_m: int | None,
+    row_expert: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _kernels()[3].per_group_quant(x, group_size, dtype, x_scale, masked_m=masked_m, expected_m=expected_m)
+    return _kernels()[3].per_group_quant(x, group_size, dtype, x_scale, masked_m=masked_m, expected_m=expected_m,
+                                         row_expert=row_expert)  # fmt: skip
 
 
 @_per_group_quant.register_fake
-def _(x, group_size, dtype, x_scale, masked_m, expected_m):
+def _(x, group_size, dtype, x_scale, masked_m, expected_m, row_expert):
     groups = x.shape[-1] // group_size
     return x.new_empty(x.shape, dtype=dtype), x.new_empty((*x.shape[:-1], groups), dtype=torch.float32)
 
 
-def per_token_quant_int8(x, x_scale=None, *, masked_m=None, expected_m=None):
+def per_token_quant_int8(x, x_scale=None, *, masked_m=None, expected_m=None, row_expert=None):
     """:func:`epmoe.kernels.quantize.per_token_quant_int8`."""
-    return _per_token_quant_int8(x, x_scale, masked_m, expected_m)
+    return _per_token_quant_int8(x, x_scale, masked_m, expected_m, row_expert)
 
 
-def per_group_quant(x, group_size=128, dtype=torch.int8, x_scale=None, *, masked_m=None, expected_m=None):
+def per_group_quant(x, group_size=128, dtype=torch.int8, x_scale=None, *, masked_m=None, expected_m=None,
+                    row_expert=None):  # fmt: skip
     """:func:`epmoe.kernels.quantize.per_group_quant`."""
-    return _per_group_quant(x, group_size, dtype, x_scale, masked_m, expected_m)
+    return _per_group_quant(x, group_size, dtype, x_scale, masked_m, expected_m, row_expert)
 
 
 # ----------------------------------------------------------------------------------- activation
@@ -235,24 +241,6 @@ def grouped_gemm_masked(a, b, masked_m, **kwargs):
 
 
 # ------------------------------------------------------------------------------- row movement
-@_op("slot_layout")
-def _slot_layout(
-    topk_ids: torch.Tensor, num_experts: int, alignment: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _kernels()[2].slot_layout(topk_ids, num_experts, alignment)
-
-
-@_slot_layout.register_fake
-def _(topk_ids, num_experts, alignment):
-    r, k = topk_ids.shape
-    rows = max_rows(r, k, num_experts, alignment)
-    i32 = dict(dtype=torch.int32)
-    return (
-        topk_ids.new_empty((num_experts + 1,), **i32), topk_ids.new_empty((r, k), dtype=torch.int64),
-        topk_ids.new_empty((rows,), **i32), topk_ids.new_empty((num_experts,), **i32),
-    )  # fmt: skip
-
-
 @_op("slot_layout_scatter")
 def _slot_layout_scatter(
     topk_ids: torch.Tensor, num_experts: int, alignment: int, x: torch.Tensor, x_scale: torch.Tensor | None,
@@ -329,11 +317,6 @@ def _(expert_out, slot_pos, topk_weights, out_dtype):
     return expert_out.new_empty((slot_pos.shape[0], expert_out.shape[1]), dtype=out_dtype)
 
 
-def slot_layout(topk_ids, num_experts, alignment=1):
-    """:func:`epmoe.kernels.permute.slot_layout`."""
-    return _slot_layout(topk_ids, num_experts, alignment)
-
-
 def slot_layout_scatter(topk_ids, num_experts, alignment, x, x_scale=None, *, scale_mn_major=False):
     """:func:`epmoe.kernels.permute.slot_layout_scatter`."""
     out = _slot_layout_scatter(topk_ids, num_experts, alignment, x, x_scale, scale_mn_major)
@@ -354,6 +337,47 @@ def scatter_rows(x, slot_pos, num_out_rows, x_scale=None, *, fill_unused=True, s
 def gather_weighted(expert_out, slot_pos, topk_weights, out_dtype=torch.float32):
     """:func:`epmoe.kernels.permute.gather_weighted`."""
     return _gather_weighted(expert_out, slot_pos, topk_weights, out_dtype)
+
+
+# ------------------------------------------------------------------------------- decode prep
+@_op("decode_prep")
+def _decode_prep(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring_func: str, num_expert_group: int | None,
+    topk_group: int | None, correction_bias: torch.Tensor | None, routed_scaling_factor: float, x: torch.Tensor,
+    alignment: int, payload: str, scale_mn_major: bool,
+) -> list[torch.Tensor]:  # fmt: skip
+    out = _kernels()[5].decode_prep(router_logits, top_k, renormalize, scoring_func, num_expert_group, topk_group,
+                                    correction_bias, routed_scaling_factor, x, alignment, payload, scale_mn_major)  # fmt: skip
+    return list(out[:7]) if out[7] is None else list(out)
+
+
+@_decode_prep.register_fake
+def _(router_logits, top_k, renormalize, scoring_func, num_expert_group, topk_group, correction_bias,
+      routed_scaling_factor, x, alignment, payload, scale_mn_major):  # fmt: skip
+    t, e = router_logits.shape
+    rows = max_rows(t, top_k, e, alignment)
+    i32 = dict(dtype=torch.int32)
+    i64 = dict(dtype=torch.int64)
+    out = [
+        x.new_empty((t, top_k), **i64), x.new_empty((t, top_k), dtype=torch.float32),
+        x.new_empty((e + 1,), **i32), x.new_empty((t, top_k), **i64), x.new_empty((rows,), **i32),
+        x.new_empty((e,), **i32),
+    ]  # fmt: skip
+    if payload == "float":
+        return [*out, x.new_empty((rows, x.shape[1]))]
+    dtype, _, group = PAYLOAD_FORMATS[payload]
+    scales = x.new_empty((1, 1 if group is None else x.shape[1] // group), dtype=torch.float32)
+    return [*out, x.new_empty((rows, x.shape[1]), dtype=dtype), _fake_scales(rows, scales, scale_mn_major)]
+
+
+def decode_prep(router_logits, top_k, x, *, alignment, payload, renormalize=True, scoring_func="softmax",
+                num_expert_group=None, topk_group=None, correction_bias=None, routed_scaling_factor=1.0,
+                scale_mn_major=False):  # fmt: skip
+    """:func:`epmoe.kernels.prep.decode_prep`: ``(topk_ids, topk_weights, expert_offsets, slot_pos,
+    m_indices, counts, out, out_scale or None)``."""
+    out = _decode_prep(router_logits, top_k, renormalize, scoring_func, num_expert_group, topk_group,
+                       correction_bias, float(routed_scaling_factor), x, alignment, payload, scale_mn_major)  # fmt: skip
+    return (*out[:7], out[7] if len(out) > 7 else None)
 
 
 # ------------------------------------------------------------------------ CUTLASS and DeepGEMM

@@ -66,8 +66,8 @@ def _op_cases():
     ids = _ids(3, 2, 4, g)
     slot_pos = torch.tensor([[0, 3], [1, -1], [2, 4]], dtype=torch.int64)
     return {
-        "epmoe::per_token_quant_int8": ((x, None, None, None), {}),
-        "epmoe::per_group_quant": ((q8.float(), 16, torch.int8, None, None, None), {}),
+        "epmoe::per_token_quant_int8": ((x, None, None, None, None), {}),
+        "epmoe::per_group_quant": ((q8.float(), 16, torch.int8, None, None, None, None), {}),
         "epmoe::silu_and_mul": ((gate_up, torch.float32, full, 2), {}),
         "epmoe::silu_and_mul_quant": ((gate_up.reshape(-1, 2 * k_dim), "group", 16, torch.int8, None, None, None, False),
                                       {}),
@@ -78,7 +78,6 @@ def _op_cases():
             (q8[:4].reshape(e, 2, k_dim), torch.randint(-127, 128, (e, n, k_dim), generator=g, dtype=torch.int8),
              torch.full((e,), 2, dtype=torch.int32), True, "int8_channel", q8_scale[:4].reshape(e, 2, 1),
              torch.rand(e, n, 1, generator=g) + 0.1, "int32", torch.float32, 1), {}),  # fmt: skip
-        "epmoe::slot_layout": ((ids, 4, 2), {}),
         "epmoe::slot_layout_scatter": ((ids, 4, 1, q8[:3], q8_scale[:3], False), {}),  # every row written
         "epmoe::slot_layout_scatter[mn_major]": ((ids, 4, 1, q8[:3], torch.rand(3, 3, generator=g), True), {}),
         "epmoe::slot_layout_scatter[no_scale]": ((_ids(3, 2, 3, g), 3, 1, x[:3], None, False), {}),
@@ -86,6 +85,14 @@ def _op_cases():
         "epmoe::scatter_rows": ((q8[:3], slot_pos, 6, q8_scale[:3], True, False), {}),
         "epmoe::scatter_rows[mn_major]": ((q8[:3], slot_pos, 6, torch.rand(3, 2, generator=g), True, True), {}),
         "epmoe::gather_weighted": ((x, slot_pos, torch.rand(3, 2, generator=g), torch.float32), {}),
+        # Alignment 1 and every slot local: every row of the layout is written.
+        "epmoe::decode_prep": ((torch.randn(3, 16, generator=g), 2, True, "softmax", None, None, None, 1.0, x[:3], 1,
+                                "int8_token", False), {}),  # fmt: skip
+        "epmoe::decode_prep[grouped_mn_major]": (
+            (torch.randn(3, 16, generator=g), 2, True, "sigmoid", 4, 2, torch.randn(16, generator=g) * 0.1, 2.5, x[:3],
+             1, "int8_group", True), {}),  # fmt: skip
+        "epmoe::decode_prep[float]": ((torch.randn(3, 16, generator=g), 2, False, "softmax", None, None, None, 1.0,
+                                       x[:3], 1, "float", False), {}),  # fmt: skip
         "epmoe::fused_topk": ((torch.randn(5, 16, generator=g), 4, True, "softmax", None, None, None, 1.0), {}),
         "epmoe::fused_topk[grouped]": (
             (torch.randn(5, 16, generator=g), 4, True, "sigmoid", 4, 2, torch.randn(16, generator=g) * 0.1, 2.5),

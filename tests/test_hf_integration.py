@@ -304,13 +304,14 @@ def test_enabled_experts_forward_reads_nothing_back(monkeypatch):
     reference path, which reads counts back); they are pointed at the Triton kernels the GPU runs,
     under the interpreter. validate=True reads its checks back once per forward: counted too."""
     import epmoe.layer as layer_module
-    from epmoe.layouts import _to_contiguous_kernels, kernel_permute
+    from epmoe import ops
+    from epmoe.layouts import _to_contiguous_kernels
 
     def scatter(x, x_scale, ids, e, alignment, padded_rows, *, expected_m=None, scale_mn_major=False):
         return _to_contiguous_kernels(x, x_scale, ids, e, alignment, padded_rows, expected_m, scale_mn_major)
 
     monkeypatch.setattr(layer_module, "to_contiguous", scatter)
-    monkeypatch.setattr(layer_module, "gather_weighted", lambda out, pos, w, dtype: kernel_permute().gather_weighted(out, pos, w.float(), dtype))
+    monkeypatch.setattr(layer_module, "gather_weighted", lambda out, pos, w, dtype: ops.gather_weighted(out, pos, w.float(), dtype))
     counts = {}
     for validate in (None, True):
         model, ids = _model("qwen3_moe"), _ids(batch=3, seq=1)  # a decode-sized step

@@ -153,6 +153,25 @@ def test_quant_masked_rows_only():
         assert torch.equal(q[e, :n], full_q[e, :n]) and torch.equal(s[e, :n], full_s[e, :n])
 
 
+@pytest.mark.parametrize("granularity", ["token", "group"])
+def test_quant_skips_padding_rows_of_a_contiguous_layout(granularity):
+    """row_expert -1 rows (padding, here poisoned with NaN) are skipped; the others come out as
+    without it (what GEMM1's input quantizer gets over a padded layout: stages.padding_rows)."""
+    x = torch.randn(6, 256)
+    experts = torch.tensor([0, 0, -1, 1, -1, -1], dtype=torch.int32)
+    x[experts < 0] = float("nan")
+    x, experts = x.to(DEVICE), experts.to(DEVICE)
+    quant = (quantize.per_token_quant_int8 if granularity == "token"
+             else lambda t, **kw: quantize.per_group_quant(t, 128, torch.float8_e4m3fn, **kw))  # fmt: skip
+    q, s = quant(x, row_expert=experts)
+    full_q, full_s = quant(x)
+    keep = (experts >= 0).cpu()
+    assert torch.equal(q.cpu()[keep].view(torch.uint8), full_q.cpu()[keep].view(torch.uint8))
+    assert torch.equal(s.cpu()[keep], full_s.cpu()[keep]) and torch.isfinite(s.cpu()[keep]).all()
+    with pytest.raises(ValueError, match="row_expert must be an int32 \\[6\\]"):
+        quant(x, row_expert=experts[:5])
+
+
 def test_quant_argument_errors():
     with pytest.raises(ValueError, match="group_size=128"):
         quantize.per_group_quant(torch.randn(2, 200, device=DEVICE), 128)

@@ -12,6 +12,10 @@ Each dispatcher declares:
 * ``payloads``: the activation formats it can carry (see :data:`PAYLOADS`); it quantizes into
   ``cfg.payload`` itself, so a mode that casts inside the collective (DeepEP low-latency) needs no
   quantize-dequantize round trip;
+* ``keeps_rows``: ``dispatch`` moves nothing (every expert is local, the received rows are the
+  sent ones and the ids are local ids) and ``combine`` returns what it is given; the layer may
+  then route, lay out and quantize a small batch itself in one launch (the decode prep) instead
+  of calling ``dispatch`` and ``combine``;
 * per batch, :attr:`Dispatched.combine_applies_weights`: whether ``combine`` multiplies by the
   top-k weights itself. When it does not, the layer applies them in the weighted gather before
   ``combine``; either way exactly once.
@@ -139,6 +143,7 @@ class Dispatcher(ABC):
     name: ClassVar[str]
     layouts: ClassVar[frozenset[str]]
     payloads: ClassVar[frozenset[str]]
+    keeps_rows: ClassVar[bool] = False
 
     def __init__(self, cfg: DispatchConfig) -> None:
         self.cfg = cfg

@@ -18,6 +18,7 @@ class LocalDispatcher(Dispatcher):
     name = "local"
     layouts = frozenset({"contiguous"})
     payloads = frozenset(PAYLOADS)
+    keeps_rows = True
 
     @classmethod
     def available(cls, cfg: DispatchConfig) -> tuple[bool, str]:

@@ -1278,7 +1278,7 @@ class CutlassBackend(ExpertsBackend):
         bound, lift, drop = spare_row_slab(batch)
         gemm = functools.partial(ops.cutlass_grouped_gemm, "fp8_block", impl=self._fp8_impl)
         with phase("epmoe.quantize"):
-            a, a_scale = fp8_gemm_input(lift(batch.x), lift(batch.x_scale), hidden, *bound)
+            a, a_scale = fp8_gemm_input(lift(batch.x), lift(batch.x_scale), hidden, *bound, stages.padding_rows(batch))
         with phase("epmoe.gemm1"):
             gate_up = gemm(drop(a), drop(a_scale), weights.w13, weights.w13_scale, offsets)
         with phase("epmoe.activation"):
@@ -1305,7 +1305,8 @@ class CutlassBackend(ExpertsBackend):
         offsets = batch.expert_offsets
         bound, lift, drop = spare_row_slab(batch)
         with phase("epmoe.quantize"):
-            a, a_scale = stages.gemm1_input(scheme, lift(batch.x), lift(batch.x_scale), weights, *bound)
+            a, a_scale = stages.gemm1_input(scheme, lift(batch.x), lift(batch.x_scale), weights, *bound,
+                                            stages.padding_rows(batch))  # fmt: skip
         with phase("epmoe.gemm1"):
             gate_up = gemm(drop(a), drop(a_scale), weights.w13, weights.w13_scale, offsets)
         with phase("epmoe.activation"):

@@ -256,7 +256,8 @@ class DeepGemmBackend(ExpertsBackend):
             return torch.empty((0, weights.hidden_size), dtype=out_dtype, device=batch.x.device)
         m_indices = batch.m_indices.to(torch.int32).contiguous()
         with phase("epmoe.quantize"):
-            a, a_scale = fp8_gemm_input(batch.x, batch.x_scale, weights.hidden_size)
+            a, a_scale = fp8_gemm_input(batch.x, batch.x_scale, weights.hidden_size,
+                                        row_expert=stages.padding_rows(batch))  # fmt: skip
         with phase("epmoe.gemm1"):
             gate_up = ops.deepgemm_contiguous(a, a_scale, weights.w13, weights.w13_scale, m_indices)
         with phase("epmoe.activation"):

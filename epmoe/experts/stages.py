@@ -10,19 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from .. import ops  # the Triton kernels as registered ops (Triton imported where they run)
 from ..layouts import ContiguousBatch
 from ..quant.reference import dequantize_rows
 from ..quant.schemes import BLOCK, QuantScheme
 from ..tensors import as_contiguous
 from .base import ExpertWeights
-
-
-def kernels():
-    """The Triton kernels' entry points, as :mod:`epmoe.ops` registers them for ``torch.compile``
-    (it imports the kernels lazily: importing the backends must not need Triton)."""
-    from .. import ops
-
-    return ops
 
 
 def spare_row_slab(batch: ContiguousBatch):
@@ -50,14 +43,15 @@ def gemm1_input(
     weights: ExpertWeights,
     masked_m: torch.Tensor | None,
     expected_m: int | None = None,
+    row_expert: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """GEMM1's operand in ``scheme``'s format (quantize, pass through, or requantize).
 
     ``x``: ``[M, H]``, or ``[E, cap, H]`` with ``masked_m``; floating, in the scheme's format, or
     quantized in another (``x_scale`` then its scales). ``masked_m``: ``[E]`` valid rows per
     segment of an ``[E, cap, H]`` ``x``; ``expected_m``: the rows per segment the row-wise kernels'
-    grid is sized for. Returns the operand and its fp32 scales (``None`` for BF16)."""
-    qz = kernels()
+    grid is sized for; ``row_expert``: skip the rows of expert -1 when quantizing (see
+    :func:`padding_rows`). Returns the operand and its fp32 scales (``None`` for BF16)."""
     hidden = x.shape[-1]
     if hidden != weights.hidden_size:
         raise ValueError(f"x has hidden size {hidden} but w13 {tuple(weights.w13.shape)} expects {weights.hidden_size}")
@@ -75,8 +69,8 @@ def gemm1_input(
         return x, x_scale.float()
     rows = row_args(masked_m, expected_m)
     if scheme.act_granularity == "token":
-        return qz.per_token_quant_int8(x, x_scale, **rows)
-    return qz.per_group_quant(x, BLOCK, torch.int8, x_scale, **rows)
+        return ops.per_token_quant_int8(x, x_scale, row_expert=row_expert, **rows)
+    return ops.per_group_quant(x, BLOCK, torch.int8, x_scale, row_expert=row_expert, **rows)
 
 
 def activation(
@@ -91,12 +85,11 @@ def activation(
     quantized ``scheme`` (per token or per 1x128 group, as its activations); rows as in
     :func:`gemm1_input`; ``row_expert`` (quantized schemes): skip the rows of expert -1 (see
     :func:`padding_rows`). Returns GEMM2's operand and its scales (``None`` for BF16)."""
-    act = kernels()
     rows = row_args(masked_m, expected_m)
     if not scheme.quantized:
-        return act.silu_and_mul(gate_up, weights.w2.dtype, **rows), None
+        return ops.silu_and_mul(gate_up, weights.w2.dtype, **rows), None
     granularity = "token" if scheme.act_granularity == "token" else "group"
-    return act.silu_and_mul_quant(gate_up, granularity, BLOCK, torch.int8, row_expert=row_expert, **rows)
+    return ops.silu_and_mul_quant(gate_up, granularity, BLOCK, torch.int8, row_expert=row_expert, **rows)
 
 
 def padding_rows(batch: ContiguousBatch) -> torch.Tensor | None:

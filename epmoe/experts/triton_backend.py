@@ -19,6 +19,7 @@ import os
 
 import torch
 
+from .. import ops
 from ..layouts import ContiguousBatch, MaskedBatch
 from ..timing import phase
 from . import stages
@@ -107,17 +108,16 @@ class TritonBackend(ExpertsBackend):
         """GEMM1 (``which=1``: ``w13``) or GEMM2 (``which=2``: ``w2``), on the contiguous layout
         (``expert_offsets``; ``a`` may be a ``[1, M, K]`` slab with spare rows, ``expected_m``
         then the rows-per-expert hint) or, given ``masked_m``, the masked one."""
-        gg = stages.kernels()
         w, w_scale = (weights.w13, weights.w13_scale) if which == 1 else (weights.w2, weights.w2_scale)
         kw = dict(mode=self.scheme.name, a_scale=a_scale, b_scale=w_scale, accumulator=self.accumulator,
                   out_dtype=out_dtype, expected_m=expected_m)  # fmt: skip
         if masked_m is not None:
-            return gg.grouped_gemm_masked(a, w, masked_m, **kw)
+            return ops.grouped_gemm_masked(a, w, masked_m, **kw)
         if a.dim() == 2:
-            return gg.grouped_gemm_contiguous(a, w, expert_offsets, **kw)
+            return ops.grouped_gemm_contiguous(a, w, expert_offsets, **kw)
         # The [1, M, K] slab of a batch with spare rows: the GEMM runs on its rows.
         flat = (lambda t: None if t is None else t.reshape(-1, t.shape[-1]))  # noqa: E731
-        out = gg.grouped_gemm_contiguous(flat(a), w, expert_offsets, **{**kw, "a_scale": flat(a_scale)})
+        out = ops.grouped_gemm_contiguous(flat(a), w, expert_offsets, **{**kw, "a_scale": flat(a_scale)})
         return out.view(*a.shape[:-1], out.shape[-1])
 
     def gemm1_input(

@@ -35,6 +35,31 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
+COPY_MAX_SLOTS = 128
+"""Most (token, slot) pairs laid out and copied in one launch (:func:`epmoe.kernels.permute.
+slot_layout_scatter`, :func:`epmoe.kernels.prep.decode_prep`): 16 tokens of top-8, one sorting
+step of every program."""
+PREP_ROUTE_TILE = 8192
+"""Most elements of the ``[tokens, experts]`` routing tile every program of the decode prep holds
+(padded to powers of two): 16 tokens of 256 experts (DeepSeek-V3's top-8 at the slot limit) take
+half of it."""
+
+
+def prep_refusal(num_tokens: int, top_k: int, num_experts: int) -> str | None:
+    """Why :func:`epmoe.kernels.prep.decode_prep` does not take a batch of these sizes (``None``
+    when it does); Triton-free, for the layer to decide per batch (from shapes only)."""
+    if num_tokens < 1:
+        return f"num_tokens={num_tokens}: the prep takes batches of at least one token"
+    if num_tokens * top_k > COPY_MAX_SLOTS:
+        return f"{num_tokens} tokens x top_k={top_k} slots are over the prep's {COPY_MAX_SLOTS}"
+    if next_pow2(num_tokens) * next_pow2(num_experts) > PREP_ROUTE_TILE:
+        return (
+            f"{num_tokens} tokens x {num_experts} experts (padded to powers of two) are over the prep's "
+            f"routing tile of {PREP_ROUTE_TILE}"
+        )
+    return None
+
+
 def max_rows(num_tokens: int, top_k: int, num_experts: int, alignment: int) -> int:
     """Most rows a contiguous layout of ``num_tokens x top_k`` slots over ``num_experts`` experts
     can need, every segment padded to a multiple of ``alignment``: the size of a layout whose

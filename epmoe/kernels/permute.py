@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ..tensors import as_contiguous, check_positive_int
-from .common import max_rows, mn_major_scales, next_pow2
+from .common import COPY_MAX_SLOTS, max_rows, mn_major_scales, next_pow2
 
 SLOT_STEP = 512
 """Slots a program sorts at once: a power of two >= 128, so that each of the 4 warps' threads
@@ -115,10 +115,7 @@ def _slot_positions_kernel(
             total += tl.sum(h, 0)
             before += tl.sum(tl.where(blk < b, h, 0), 0)
     if SIZES_ON_DEVICE:
-        room = (total + ALIGN - 1) // ALIGN * ALIGN
-        ends = tl.cumsum(room, 0)
-        starts = ends - room
-        used = tl.sum(room, 0)
+        starts, ends, used = aligned_segments(total, ALIGN)
         if pid == 0:
             tl.store(OFFS + bins, starts, mask=expert)
             tl.store(OFFS + E, used)
@@ -129,29 +126,19 @@ def _slot_positions_kernel(
     if pid == 0:
         tl.store(COUNTS + bins, total, mask=expert)
 
-    # STEP slots at a time, each expert's next free row carried from step to step. Sorted by
-    # (expert, slot), the step's slots of expert e follow one another in slot order after the
-    # `first[e]` slots of smaller experts, so sorted lane p takes row nxt[e] - first[e] + p.
-    # That per-expert shift goes through this program's row of SHIFT, the one way to look up a
-    # vector by a tensor of indices in every supported Triton (tl.gather is newer).
+    # STEP slots at a time (sorted_rows), each expert's next free row carried from step to step.
     nxt = starts + before
     for s in range(b * BLOCK, b * BLOCK + BLOCK, STEP):
-        slot_expert, hist = _local_ids(ids, E, E_PAD)
-        key = tl.sort(slot_expert * STEP + lane)
+        step_ids = ids
         # The next step's ids are loaded now, so their latency hides behind this step's work.
         ids = tl.load(IDS + s + STEP + lane, mask=s + STEP + lane < N_SLOTS, other=-1)
-        tl.debug_barrier()  # every thread has read the previous step's shifts
-        tl.store(SHIFT + pid * E_PAD + bins, nxt + hist - tl.cumsum(hist, 0))
-        tl.debug_barrier()  # and sees these
-        e = key // STEP
-        fits = e < E
-        row = tl.load(SHIFT + pid * E_PAD + e, mask=fits, other=0) + lane
+        e, lane_of, row, fits, hist = sorted_rows(step_ids, nxt, SHIFT + pid * E_PAD, E, E_PAD, STEP)
         # A segment shorter than its slots (inconsistent offsets) must not be written past its
         # end; the slots that do not fit get -1 (not local), so no later kernel follows a stale
         # row. Counted segments always fit.
         if not SIZES_ON_DEVICE:
             fits &= (row < tl.load(OFFS + 1 + e, mask=fits, other=0)) & (row < M_ROWS)
-        slot = s + key % STEP
+        slot = s + lane_of
         tl.store(POS + slot, tl.where(fits, row, -1), mask=(slot < N_SLOTS) & owner)
         tl.store(MIDX + row, e, mask=fits & owner)
         if COPY:
@@ -166,11 +153,51 @@ def _slot_positions_kernel(
                 tl.store(YS + dst * stride_ysm + cols * stride_ysc, scale, mask=take)
         nxt += hist
 
-    # Rows no slot takes belong to no expert: each program marks the padding of experts
-    # b, b + nprog, ... (all of them at once, TILE_ROWS rows each a store) and its share of the
-    # spare rows past the last segment.
+    mark_unused_rows(MIDX, starts, total, ends, used, M_ROWS, E, pid, nprog, E_PAD, TILE_ROWS, ROW_STEP)
+
+
+@triton.jit
+def aligned_segments(total, ALIGN: tl.constexpr):
+    """``(starts, ends, used)`` of the segments of ``total`` slots per expert, each rounded up to
+    a multiple of ``ALIGN`` rows, laid out one after another from row 0."""
+    room = (total + ALIGN - 1) // ALIGN * ALIGN
+    ends = tl.cumsum(room, 0)
+    return ends - room, ends, tl.sum(room, 0)
+
+
+@triton.jit
+def sorted_rows(ids, nxt, SHIFT_ROW, E, E_PAD: tl.constexpr, STEP: tl.constexpr):
+    """One step of ``STEP`` slots placed: ``(expert, lane, row, fits, hist)`` per sorted lane.
+
+    Sorted by (expert, lane), the step's slots of expert e follow one another in lane order after
+    the ``first[e]`` slots of smaller experts, so sorted lane p takes row ``nxt[e] - first[e] + p``
+    (``nxt``: each expert's next free row). That per-expert shift goes through ``SHIFT_ROW``
+    (``E_PAD`` scratch entries of this program), the one way to look up a vector by a tensor of
+    indices in every supported Triton (tl.gather is newer). ``lane``: the unsorted lane of each
+    sorted one; ``fits``: a local expert's slot; ``hist``: the step's slots per expert."""
+    lane = tl.arange(0, STEP)
+    slot_expert, hist = _local_ids(ids, E, E_PAD)
+    key = tl.sort(slot_expert * STEP + lane)
+    tl.debug_barrier()  # every thread has read the previous step's shifts
+    tl.store(SHIFT_ROW + tl.arange(0, E_PAD), nxt + hist - tl.cumsum(hist, 0))
+    tl.debug_barrier()  # and sees these
+    e = key // STEP
+    fits = e < E
+    row = tl.load(SHIFT_ROW + e, mask=fits, other=0) + lane
+    return e, key % STEP, row, fits, hist
+
+
+@triton.jit
+def mark_unused_rows(
+    MIDX, starts, total, ends, used, M_ROWS, E, pid, nprog,
+    E_PAD: tl.constexpr, TILE_ROWS: tl.constexpr, ROW_STEP: tl.constexpr,
+):  # fmt: skip
+    """Rows no slot takes belong to no expert (``m_indices`` -1): program ``pid`` of ``nprog``
+    marks the padding of experts pid, pid + nprog, ... (all of them at once, TILE_ROWS rows each a
+    store) and its share of the spare rows past the last segment (``used``)."""
+    bins = tl.arange(0, E_PAD)
     filled = starts + total
-    pad = tl.where(expert & (bins % nprog == pid), ends - filled, 0)
+    pad = tl.where((bins < E) & (bins % nprog == pid), ends - filled, 0)
     for r0 in range(0, tl.max(pad, 0), TILE_ROWS):
         row = (r0 + tl.arange(0, TILE_ROWS))[None, :]
         row_at = filled[:, None] + row
@@ -374,9 +401,6 @@ def _step(n: int) -> int:
     return min(SLOT_STEP, max(128, next_pow2(n)))
 
 
-COPY_MAX_SLOTS = 128
-"""Most slots whose rows :func:`slot_layout_scatter` copies in the layout's own launch (16 tokens
-of top-8): every program then sorts them all, and holds a ``[128, BLOCK_H]`` tile of rows."""
 COPY_TILE = 4096
 """Elements of that tile on a GPU (32 columns a program for 128 slots: 224 programs for H=7168)."""
 INTERPRETER_TILE = 65536

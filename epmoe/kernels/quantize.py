@@ -207,11 +207,16 @@ def codes(x, scale, rcp, ok, QMAX: tl.constexpr, TO_E4M3: tl.constexpr):
 
 
 @triton.jit
+def codes_for(x, scale, QMAX: tl.constexpr, TO_E4M3: tl.constexpr):
+    """:func:`codes` of ``x`` for ``scale`` (broadcast to it), with one exact reciprocal per scale."""
+    return codes(x, scale, tl.div_rn(1.0, scale), scale < float("inf"), QMAX, TO_E4M3)
+
+
+@triton.jit
 def store_codes(Q, rows, cols, mask, x, scale, stride_qm, QMAX: tl.constexpr, TO_E4M3: tl.constexpr):
     """Quantize the ``[BLOCK_M, NG, GROUP]`` tile ``x`` with ``scale`` (broadcast to it: one per
-    row or per group) and store the codes; one exact reciprocal per scale."""
-    rcp = tl.div_rn(1.0, scale)
-    q = codes(x, scale, rcp, scale < float("inf"), QMAX, TO_E4M3)
+    row or per group) and store the codes."""
+    q = codes_for(x, scale, QMAX, TO_E4M3)
     tl.store(Q + rows[:, None, None] * stride_qm + cols, q.to(Q.dtype.element_ty), mask=mask)
 
 
@@ -387,11 +392,11 @@ def _scale_view(x_scale: torch.Tensor | None, k: int) -> tuple[torch.Tensor | No
     return xs, k // xs.shape[1]
 
 
-def _operands(x, x_scale, masked_m, expected_m):
+def _operands(x, x_scale, masked_m, expected_m, row_expert=None):
     """Checked ``(x2 [M, K], input scales [M, S] or None, columns per input scale, x.shape,
     row plan)`` of a quantizer call."""
     _check_input(x, x_scale)
-    plan = row_plan(masked_m, x.shape, x.device, expected_m)
+    plan = row_plan(masked_m, x.shape, x.device, expected_m, row_expert)
     x2 = _rows_view(x, "x")
     xs2, in_group = _scale_view(x_scale, x2.shape[1])
     return x2, xs2, in_group, x.shape, plan
@@ -403,6 +408,7 @@ def per_token_quant_int8(
     *,
     masked_m: torch.Tensor | None = None,
     expected_m: int | None = None,
+    row_expert: torch.Tensor | None = None,
     launch: Launch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One INT8 scale per row.
@@ -414,12 +420,14 @@ def per_token_quant_int8(
             rows past it are skipped and their outputs left unwritten.
         expected_m: with ``masked_m``, the rows per expert the batch is expected to fill: the
             grid and the launch follow it instead of ``cap`` (any ``masked_m`` is still covered).
+        row_expert: optional int32 expert of every row (leading dims flattened; a contiguous
+            layout's ``m_indices``): rows of -1 (padding) are skipped, their outputs left unwritten.
         launch: tile and warps of the kernel (checked); ``None``: :func:`token_launch`.
 
     Returns:
         ``q [..., K]`` int8 and ``scale [..., 1]`` fp32.
     """
-    return token_quant(*_operands(x, x_scale, masked_m, expected_m), launch, silu=False)
+    return token_quant(*_operands(x, x_scale, masked_m, expected_m, row_expert), launch, silu=False)
 
 
 def token_quant(
@@ -466,6 +474,7 @@ def per_group_quant(
     *,
     masked_m: torch.Tensor | None = None,
     expected_m: int | None = None,
+    row_expert: torch.Tensor | None = None,
     launch: Launch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale per 1 x ``group_size`` group, INT8 (qmax 127) or FP8 e4m3 (qmax 448).
@@ -475,13 +484,13 @@ def per_group_quant(
         group_size: a power of two, at least 16.
         dtype: ``torch.int8`` or ``torch.float8_e4m3fn``.
         x_scale: optional ``[..., S]`` fp32 scales of an already quantized ``x``.
-        masked_m, expected_m: as in :func:`per_token_quant_int8`.
+        masked_m, expected_m, row_expert: as in :func:`per_token_quant_int8`.
         launch: tile and warps of the kernel (checked); ``None``: :func:`group_launch`.
 
     Returns:
         ``q [..., K]`` of ``dtype`` and ``scale [..., K / group_size]`` fp32.
     """
-    x2, xs2, in_group, shape, plan = _operands(x, x_scale, masked_m, expected_m)
+    x2, xs2, in_group, shape, plan = _operands(x, x_scale, masked_m, expected_m, row_expert)
     return group_quant(x2, xs2, in_group, shape, plan, group_size, dtype, launch, silu=False)
 
 

@@ -32,15 +32,16 @@ INTERPRETER_TILE = 65536
 
 
 @triton.jit
-def _fused_topk_kernel(
-    LOGITS, BIAS, IDS, WEIGHTS, T, stride_l, scaling,
+def route_rows(
+    LOGITS, BIAS, rows, row_ok, stride_l, scaling,
     E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
     GROUPED: tl.constexpr, GROUPS: tl.constexpr, G_PAD: tl.constexpr, PER_GROUP: tl.constexpr,
     TOPK_GROUP: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < T
+    """``(ids [BLOCK_T, K_PAD] int32, weights [BLOCK_T, K_PAD] fp32)`` of the logits rows ``rows``
+    (``row_ok``: which exist): the routing of :func:`fused_topk`, shared with the decode prep
+    (:mod:`epmoe.kernels.prep`). Slots ``>= K`` and rows past the batch hold zeros."""
     e = tl.arange(0, E_PAD)
     col_ok = (e < E)[None, :]
     x = tl.load(LOGITS + rows[:, None].to(tl.int64) * stride_l + e[None, :], mask=row_ok[:, None] & col_ok,
@@ -68,16 +69,17 @@ def _fused_topk_kernel(
         for g in range(GROUPS):
             in_g = (group == g)[None, :]
             v = tl.where(in_g, choice, float("-inf"))
-            best = tl.max(v, 1)
             if HAS_BIAS and PER_GROUP > 1:
-                first = tl.min(tl.where(in_g & (v == best[:, None]), e[None, :], E_PAD), 1)
+                best, first = tl.max(v, 1, return_indices=True, return_indices_tie_break_left=True)
                 best = best + tl.max(tl.where(e[None, :] == first[:, None], float("-inf"), v), 1)
+            else:
+                best = tl.max(v, 1)
             g_score = tl.where(g_idx == g, best[:, None], g_score)
         g_left = (g_idx < GROUPS) & row_ok[:, None]  # [BLOCK_T, G_PAD], as the loop keeps it
         kept = tl.zeros([BLOCK_T, G_PAD], dtype=tl.int32)
         for _ in range(TOPK_GROUP):
-            top = tl.max(tl.where(g_left, g_score, float("-inf")), 1)
-            pick = tl.min(tl.where(g_left & (g_score == top[:, None]), g_idx, G_PAD), 1)
+            pick = tl.max(tl.where(g_left, g_score, float("-inf")), 1, return_indices=True,
+                          return_indices_tie_break_left=True)[1]  # fmt: skip
             hit = g_idx == pick[:, None]
             kept = tl.where(hit, 1, kept)
             g_left = g_left & (g_idx != pick[:, None])
@@ -92,17 +94,39 @@ def _fused_topk_kernel(
     ids = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int32)
     weights = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
     for j in range(K):
-        top = tl.max(tl.where(left, choice, float("-inf")), 1)
-        pick = tl.min(tl.where(left & (choice == top[:, None]), e[None, :], E_PAD), 1)
-        hit = e[None, :] == pick[:, None]
+        # One reduction for the best value and its lowest index (ties: the lower id).
+        top, pick = tl.max(tl.where(left, choice, float("-inf")), 1, return_indices=True,
+                           return_indices_tie_break_left=True)  # fmt: skip
+        if HAS_BIAS:
+            w = tl.sum(tl.where(e[None, :] == pick[:, None], scores, 0.0), 1)  # the unbiased score
+        else:
+            # The choice is the score itself, but where a NaN score was ranked as +inf.
+            w = tl.where(top == float("inf"), float("nan"), top)
         ids = tl.where(slot == j, pick[:, None], ids)
-        weights = tl.where(slot == j, tl.sum(tl.where(hit, scores, 0.0), 1)[:, None], weights)
+        weights = tl.where(slot == j, w[:, None], weights)
         left = left & (e[None, :] != pick[:, None])
     if RENORM:
         total = tl.sum(weights, 1)  # the padding slots hold zeros
         # The torch path's clamp(min=1e-20); a NaN total stays NaN.
         weights = weights / tl.where(total < 1e-20, 1e-20, total)[:, None]
-    weights = weights * scaling
+    return ids, weights * scaling
+
+
+@triton.jit
+def _fused_topk_kernel(
+    LOGITS, BIAS, IDS, WEIGHTS, T, stride_l, scaling,
+    E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+    GROUPED: tl.constexpr, GROUPS: tl.constexpr, G_PAD: tl.constexpr, PER_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    ids, weights = route_rows(
+        LOGITS, BIAS, rows, row_ok, stride_l, scaling, E, E_PAD, K, K_PAD, BLOCK_T, SIGMOID, HAS_BIAS, RENORM,
+        GROUPED, GROUPS, G_PAD, PER_GROUP, TOPK_GROUP,
+    )  # fmt: skip
+    slot = tl.arange(0, K_PAD)[None, :]
     out = rows[:, None].to(tl.int64) * K + slot
     mask = row_ok[:, None] & (slot < K)
     tl.store(IDS + out, ids.to(tl.int64), mask=mask)
@@ -126,20 +150,35 @@ def fused_topk(
     weights = torch.empty((t, top_k), dtype=torch.float32, device=device)
     if t == 0:
         return ids, weights
+    logits, bias, consts = route_operands(router_logits, top_k, renormalize, scoring_func, num_expert_group,
+                                          topk_group, correction_bias)  # fmt: skip
+    e_pad = consts["E_PAD"]
+    tile = INTERPRETER_TILE if device.type == "cpu" else GPU_TILE
+    block_t = max(1, min(next_pow2(t), tile // e_pad))
+    _fused_topk_kernel[(triton.cdiv(t, block_t),)](
+        logits, bias, ids, weights, t, logits.stride(0), float(routed_scaling_factor), BLOCK_T=block_t,
+        num_warps=max(1, min(4, block_t * e_pad // 256)), **consts,
+    )  # fmt: skip
+    return ids, weights
+
+
+def route_operands(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring_func: str, num_expert_group: int | None,
+    topk_group: int | None, correction_bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, dict]:  # fmt: skip
+    """``(logits, bias, constexprs)`` of a :func:`route_rows` launch: the logits with unit column
+    stride, the bias as contiguous fp32 (the logits stand in for a missing one: never read), and
+    every routing constexpr but ``BLOCK_T``."""
+    e = router_logits.shape[1]
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     grouped = num_expert_group is not None and topk_group < num_expert_group
     groups = num_expert_group if grouped else 1
     bias = correction_bias
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.float().contiguous()
-    e_pad = next_pow2(e)
-    tile = INTERPRETER_TILE if device.type == "cpu" else GPU_TILE
-    block_t = max(1, min(next_pow2(t), tile // e_pad))
-    _fused_topk_kernel[(triton.cdiv(t, block_t),)](
-        logits, logits if bias is None else bias, ids, weights, t, logits.stride(0), float(routed_scaling_factor),
-        E=e, E_PAD=e_pad, K=top_k, K_PAD=next_pow2(top_k), BLOCK_T=block_t,
-        SIGMOID=scoring_func == "sigmoid", HAS_BIAS=bias is not None, RENORM=bool(renormalize),
-        GROUPED=grouped, GROUPS=groups, G_PAD=next_pow2(groups), PER_GROUP=e // groups,
-        TOPK_GROUP=topk_group if grouped else 1, num_warps=max(1, min(4, block_t * e_pad // 256)),
+    consts = dict(
+        E=e, E_PAD=next_pow2(e), K=top_k, K_PAD=next_pow2(top_k), SIGMOID=scoring_func == "sigmoid",
+        HAS_BIAS=bias is not None, RENORM=bool(renormalize), GROUPED=grouped, GROUPS=groups,
+        G_PAD=next_pow2(groups), PER_GROUP=e // groups, TOPK_GROUP=topk_group if grouped else 1,
     )  # fmt: skip
-    return ids, weights
+    return logits, logits if bias is None else bias, consts

@@ -19,11 +19,12 @@ NATURAL_PAYLOAD = {
 }
 """The payload each scheme's GEMM1 consumes directly."""
 
-_FORMATS = {
+PAYLOAD_FORMATS = {
     "int8_token": (torch.int8, 127.0, None),
     "int8_group": (torch.int8, 127.0, BLOCK),
     "fp8_group": (torch.float8_e4m3fn, 448.0, BLOCK),
 }
+"""``(dtype, qmax, columns per scale or None for one per token)`` of each quantized payload."""
 
 
 def choose_payloads(
@@ -48,7 +49,7 @@ def quantize_payload(x: torch.Tensor, payload: str) -> tuple[torch.Tensor, torch
     """``x [T, H]`` -> ``(q [T, H], scale [T, S] fp32)``, or ``(x, None)`` for ``"float"``."""
     if payload == "float":
         return x, None
-    qdtype, qmax, group = _FORMATS[payload]
+    qdtype, qmax, group = PAYLOAD_FORMATS[payload]
     if x.is_cuda:
         from .. import ops as kq  # Triton is needed only on a GPU
 

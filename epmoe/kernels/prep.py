@@ -1,0 +1,265 @@
+"""A decode step's glue before the experts in one launch: routing, layout, scatter and quantization.
+
+When every expert is local (one rank) and the batch is small, what the layer runs before GEMM1 is
+four tiny launches: the fused routing (:func:`epmoe.kernels.topk.fused_topk`), the activation
+quantizer (:mod:`epmoe.kernels.quantize`, none for BF16), and the one-launch layout and scatter
+(:func:`epmoe.kernels.permute.slot_layout_scatter`). In a CUDA-graphed decode step each costs a
+launch gap of a few microseconds, more than its work. :func:`decode_prep` writes what those
+launches write, in one launch, for up to :data:`~epmoe.kernels.common.COPY_MAX_SLOTS` (token, slot) pairs.
+
+Every program routes the whole batch and lays it out (the same few hundred instructions, the same
+result in each: a program cannot wait for another's), then quantizes and copies its share of the
+rows: program ``(c, t)`` takes columns ``[c * BLOCK_H, (c + 1) * BLOCK_H)`` of token ``t`` to the
+token's ``k`` rows. A per-token scale needs the whole row, so each program reads its token's row
+once for the amax (from L2: every program of the token reads it). Program ``(0, 0)`` stores the
+routing and the layout; all programs share marking the padding rows.
+
+The pieces are the ones the separate launches use (:func:`~epmoe.kernels.topk.route_rows`, the
+slot placement of :mod:`epmoe.kernels.permute`, the quantizers' :func:`~epmoe.kernels.quantize.codes`),
+so the outputs are bit for bit theirs, but for the last bits of the routing weights: their fp32
+sums (softmax, renormalizing) are reduced in the order each kernel's tile and warps give.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import max_rows, mn_major_scales, next_pow2, prep_refusal
+from .permute import SLOT_ROWS, SLOT_TILE, _local_ids, _step, aligned_segments, mark_unused_rows, sorted_rows
+from ..quant.payload import PAYLOAD_FORMATS
+from ..quant.schemes import BLOCK
+from .quantize import amax_bits, codes_for, load_tile, scale_of
+from .topk import route_operands, route_rows
+
+PREP_PROGRAMS = 128
+"""Programs to aim for, about one per SM of an H200: each repeats the routing and the layout, so
+past one wave more programs add that work again instead of spreading the copy."""
+PREP_MAX_BLOCK_H = 1024
+"""Most columns one program quantizes and copies (it stores them to each of the token's rows)."""
+PREP_WARPS = 4
+"""Warps of a prep program. Read at each call (benchmarks/compile_decode.py ``--prep-warps``
+times others): the routing and the layout are chains of tiny reductions, which fewer warps do
+with fewer shared-memory round trips, while the copy and a token's amax want more threads."""
+ROW_VALUES_PER_THREAD = 64
+"""Most values of a token's row each thread holds for its amax (per-token payloads): with 4 warps
+a row of up to 8192 (DeepSeek-V3's 7168) is one load; longer rows are read in chunks of that."""
+INTERPRETER_BLOCK_H = 8192
+"""The same on CPU, where Triton's interpreter pays per program."""
+
+GROUP = BLOCK
+"""Columns per scale of the group payloads (1 x 128)."""
+
+
+def payload_quant(payload: str) -> tuple[int, torch.dtype | None, float]:
+    """``(QUANT, output dtype, qmax)`` of the prep for a payload (:data:`epmoe.dispatch.base.PAYLOADS`:
+    the scheme's GEMM1 input): QUANT 0 copies (the input's dtype: ``None``), 1 quantizes per token,
+    2 per 1 x 128 group."""
+    if payload == "float":
+        return 0, None, 1.0
+    if payload not in PAYLOAD_FORMATS:
+        raise ValueError(f"payload={payload!r}; allowed: {['float', *PAYLOAD_FORMATS]}")
+    dtype, qmax, group = PAYLOAD_FORMATS[payload]
+    return (1 if group is None else 2), dtype, qmax
+
+
+@triton.jit
+def _decode_prep_kernel(
+    LOGITS, BIAS, X, IDS, WEIGHTS, OFFS, POS, MIDX, COUNTS, Y, YS, SCRATCH,
+    T, H, M_ROWS, stride_l, stride_xm, stride_ym, stride_ysm, stride_ysc, scaling,
+    E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+    GROUPED: tl.constexpr, GROUPS: tl.constexpr, G_PAD: tl.constexpr, PER_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    LE_PAD: tl.constexpr, STEP: tl.constexpr, ALIGN: tl.constexpr, TILE_ROWS: tl.constexpr, ROW_STEP: tl.constexpr,
+    QUANT: tl.constexpr, QMAX: tl.constexpr, TO_E4M3: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
+):  # fmt: skip
+    c = tl.program_id(0)
+    t = tl.program_id(1)
+    pid = t * tl.num_programs(0) + c
+    nprog = tl.num_programs(0) * tl.num_programs(1)
+    owner = pid == 0
+    n_slots = T * K
+    # This program's scratch: STEP slot entries (their experts, then their rows), LE_PAD shifts.
+    lanes = SCRATCH + pid * (STEP + LE_PAD)
+
+    # Token t's columns of this program (and, per token, its whole row for the amax) are loaded
+    # first: their latency hides behind the routing and the layout, which need none of them.
+    NG: tl.constexpr = BLOCK_H // GROUP
+    col0 = c * BLOCK_H
+    src = tl.full([1], 0, tl.int64) + t
+    src_ok = src >= 0
+    if QUANT == 0:
+        cols = col0 + tl.arange(0, BLOCK_H)
+        mask = cols < H
+        x = tl.load(X + t.to(tl.int64) * stride_xm + cols, mask=mask)
+    else:
+        x, cols, mask = load_tile(X, X, src, src_ok, col0, H, stride_xm, 0, False, 1, False, GROUP, NG)
+        if QUANT == 1:
+            whole = load_tile(X, X, src, src_ok, 0, H, stride_xm, 0, False, 1, False, GROUP, ROW_BLOCK // GROUP)[0]
+
+    # Routing of the whole batch; its ids reach the layout's lanes (slot t * K + j) through the
+    # scratch, which also takes a K that is no power of two.
+    rows = tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    ids, weights = route_rows(
+        LOGITS, BIAS, rows, row_ok, stride_l, scaling, E, E_PAD, K, K_PAD, BLOCK_T, SIGMOID, HAS_BIAS, RENORM,
+        GROUPED, GROUPS, G_PAD, PER_GROUP, TOPK_GROUP,
+    )  # fmt: skip
+    j = tl.arange(0, K_PAD)
+    slot = rows[:, None] * K + j[None, :]
+    in_batch = row_ok[:, None] & (j[None, :] < K)
+    tl.store(IDS + slot, ids.to(tl.int64), mask=in_batch & owner)
+    tl.store(WEIGHTS + slot, weights, mask=in_batch & owner)
+    tl.store(lanes + slot, ids, mask=in_batch)
+    tl.debug_barrier()
+    lane = tl.arange(0, STEP)
+    lane_ids = tl.load(lanes + lane, mask=lane < n_slots, other=-1)
+
+    # The layout of one step, its sizes counted here (permute's ONE_BLOCK, SIZES_ON_DEVICE path).
+    total = _local_ids(lane_ids, E, LE_PAD)[1]
+    starts, ends, used = aligned_segments(total, ALIGN)
+    bins = tl.arange(0, LE_PAD)
+    if pid == 0:
+        tl.store(OFFS + bins, starts, mask=bins < E)
+        tl.store(OFFS + E, used)
+        tl.store(COUNTS + bins, total, mask=bins < E)
+    e, lane_of, row, fits, _ = sorted_rows(lane_ids, starts, lanes + STEP, E, LE_PAD, STEP)
+    placed = tl.where(fits, row, -1)
+    tl.store(POS + lane_of, placed.to(tl.int64), mask=(lane_of < n_slots) & owner)
+    tl.store(MIDX + row, e, mask=fits & owner)
+    tl.store(lanes + lane_of, placed, mask=lane_of < n_slots)  # every thread read its ids in sorted_rows
+    tl.debug_barrier()
+    # Token t's K rows, read at once (one latency); each is taken out of the vector below.
+    dsts = tl.load(lanes + t * K + j, mask=j < K, other=-1)
+    mark_unused_rows(MIDX, starts, total, ends, used, M_ROWS, E, pid, nprog, LE_PAD, TILE_ROWS, ROW_STEP)
+
+    # The columns in the scheme's format, to each of the token's rows.
+    if QUANT == 0:
+        q = x
+    elif QUANT == 1:
+        # The row's amax (the per-token quantizer's, chunk by chunk past ROW_BLOCK columns: a max
+        # is exact in any order), its scale, then this program's columns.
+        amax = tl.max(amax_bits(whole, 2), 1)
+        for h0 in range(ROW_BLOCK, H, ROW_BLOCK):
+            part = load_tile(X, X, src, src_ok, h0, H, stride_xm, 0, False, 1, False, GROUP, ROW_BLOCK // GROUP)[0]
+            amax = tl.maximum(amax, tl.max(amax_bits(part, 2), 1))
+        scale = scale_of(amax, QMAX)  # [1]
+        q = codes_for(x, scale[:, None, None], QMAX, False).to(Y.dtype.element_ty)
+        scale_at = tl.zeros([1], dtype=tl.int64)
+        scale_ok = (scale_at == 0) & (c == 0)
+    else:
+        scale = scale_of(amax_bits(x, 2), QMAX)  # [1, NG]
+        q = codes_for(x, scale[:, :, None], QMAX, TO_E4M3).to(Y.dtype.element_ty)
+        g = col0 // GROUP + tl.arange(0, NG)
+        scale_at = g[None, :].to(tl.int64) * stride_ysc
+        scale_ok = g[None, :] * GROUP < H
+    for s in tl.static_range(K):
+        dst = tl.sum(tl.where(j == s, dsts, 0), 0).to(tl.int64)
+        tl.store(Y + dst * stride_ym + cols, q, mask=mask & (dst >= 0))
+        if QUANT != 0:
+            tl.store(YS + dst * stride_ysm + scale_at, scale, mask=scale_ok & (dst >= 0))
+
+
+def _block_h(tokens: int, hidden: int, device: torch.device) -> int:
+    """Columns per program: from one group (128) up, doubled while more than
+    :data:`PREP_PROGRAMS` programs would run; on CPU the widest."""
+    if device.type == "cpu":
+        return max(GROUP, min(next_pow2(hidden), INTERPRETER_BLOCK_H))
+    block = GROUP
+    while block < min(next_pow2(hidden), PREP_MAX_BLOCK_H) and tokens * triton.cdiv(hidden, block) > PREP_PROGRAMS:
+        block *= 2
+    return block
+
+
+def decode_prep(
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    scoring_func: str,
+    num_expert_group: int | None,
+    topk_group: int | None,
+    correction_bias: torch.Tensor | None,
+    routed_scaling_factor: float,
+    x: torch.Tensor,
+    alignment: int,
+    payload: str,
+    scale_mn_major: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """:func:`~epmoe.kernels.topk.fused_topk`, the payload's quantizer and
+    :func:`~epmoe.kernels.permute.slot_layout_scatter` in one launch, every expert local.
+
+    Args:
+        router_logits .. routed_scaling_factor: as :func:`~epmoe.kernels.topk.fused_topk` (checked
+            by :func:`epmoe.routing.select_experts`'s rules); ``E`` is the logits' width.
+        x: ``[T, H]`` float activations; ``T x top_k`` within :func:`prep_refusal`'s limits.
+        alignment: segment granularity of the layout (>= 1).
+        payload: GEMM1's input format (:func:`payload_quant`): ``"float"`` copies the rows,
+            ``"int8_token"`` quantizes them per token, ``"int8_group"`` / ``"fp8_group"`` per 1x128
+            group (``H`` a multiple of 128).
+        scale_mn_major: the scales stored MN-major (:func:`~epmoe.kernels.common.mn_major_scales`).
+
+    Returns:
+        ``topk_ids [T, k]`` int64, ``topk_weights [T, k]`` fp32, then what
+        :func:`~epmoe.kernels.permute.slot_layout_scatter` returns: ``expert_offsets [E + 1]``
+        int32, ``slot_pos [T, k]`` int64, ``m_indices [max_rows]`` int32, ``counts [E]`` int32,
+        ``out [max_rows, H]`` (the payload's dtype) and ``out_scale [max_rows, S]`` fp32 or ``None``
+        (``"float"``). Rows no slot points to hold anything.
+    """
+    quant, qdtype, qmax = payload_quant(payload)
+    if router_logits.dim() != 2 or x.dim() != 2 or x.shape[0] != router_logits.shape[0] or not x.is_floating_point():
+        raise ValueError(
+            f"x must be a floating-point [T, H] tensor with the T of router_logits {tuple(router_logits.shape)}; "
+            f"got {x.dtype} {tuple(x.shape)}"
+        )
+    if alignment < 1:
+        raise ValueError(f"alignment={alignment} must be >= 1")
+    if x.shape[1] < 1:
+        raise ValueError(f"x has hidden size {x.shape[1]}; the prep copies rows of at least one column")
+    t, e = router_logits.shape
+    h = x.shape[1]
+    why = prep_refusal(t, top_k, e)
+    if why:
+        raise ValueError(why)
+    if quant == 2 and (h % GROUP or h == 0):
+        raise ValueError(f"payload={payload!r} needs a hidden size that is a multiple of {GROUP}; got {h}")
+    device = x.device
+    logits, bias, consts = route_operands(router_logits, top_k, renormalize, scoring_func, num_expert_group,
+                                          topk_group, correction_bias)  # fmt: skip
+    rows = max_rows(t, top_k, e, alignment)
+    i32 = dict(dtype=torch.int32, device=device)
+    ids = torch.empty((t, top_k), dtype=torch.int64, device=device)
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=device)
+    offsets, counts = torch.empty(e + 1, **i32), torch.empty(e, **i32)
+    slot_pos = torch.empty((t, top_k), dtype=torch.int64, device=device)
+    m_indices = torch.empty(rows, **i32)
+    xc = x if x.stride(1) == 1 else x.contiguous()
+    out = torch.empty((rows, h), dtype=qdtype or x.dtype, device=device)
+    out_scale = None
+    if quant:
+        cols = 1 if quant == 1 else h // GROUP
+        if scale_mn_major:
+            out_scale = mn_major_scales(rows, cols, device)
+        else:
+            out_scale = torch.empty((rows, cols), dtype=torch.float32, device=device)
+    block_h = _block_h(t, h, device)
+    programs = (triton.cdiv(h, block_h), t)
+    le_pad = max(32, next_pow2(e))  # as the slot kernels: at least a bin per lane of a warp
+    warps = PREP_WARPS
+    # Every thread holds its own lanes (tl.histogram of older Tritons counts a value once per
+    # thread holding it).
+    step = max(_step(t * top_k), 32 * warps)
+    scratch = torch.empty((programs[0] * programs[1], step + le_pad), **i32)
+    ys = out_scale if out_scale is not None else scratch  # never written without scales
+    _decode_prep_kernel[programs](
+        logits, bias, xc, ids, weights, offsets, slot_pos, m_indices, counts,
+        out, ys, scratch, t, h, rows, logits.stride(0), xc.stride(0), out.stride(0), ys.stride(0), ys.stride(1),
+        float(routed_scaling_factor), BLOCK_T=next_pow2(t),
+        LE_PAD=le_pad, STEP=step, ALIGN=alignment, TILE_ROWS=max(1, SLOT_TILE // le_pad), ROW_STEP=SLOT_ROWS,
+        QUANT=quant, QMAX=qmax, TO_E4M3=qdtype == torch.float8_e4m3fn, GROUP=GROUP, BLOCK_H=block_h,
+        ROW_BLOCK=max(GROUP, min(next_pow2(h), ROW_VALUES_PER_THREAD * 32 * warps)),
+        num_warps=warps, **consts,
+    )  # fmt: skip
+    return ids, weights, offsets, slot_pos, m_indices, counts, out, out_scale
