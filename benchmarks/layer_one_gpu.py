@@ -2,7 +2,7 @@
 (256 experts top-8, H=7168, I=2048), prefill 4096 tokens and decode 128 tokens, schemes in turns.
 
 FP8 is included with SGLANG_CUTLASS_MOE=1 (the CUTLASS FP8 kernel). Uses only the public API, so the same file times the code before and after the redesign."""
-import argparse, json, os, statistics
+import argparse, datetime, json, os, statistics, sys
 
 import torch
 import triton
@@ -15,6 +15,7 @@ ap.add_argument("--tokens", default="4096,128", help="comma-separated batch size
 ap.add_argument("--schemes", default=None,
                 help="comma-separated quant/accumulator pairs, e.g. bf16/fp32,int8_channel/fp32 "
                      "(default: bf16, int8_channel fp32 and int32, int8_block, and fp8_block with SGLANG_CUTLASS_MOE=1)")
+ap.add_argument("--commit", default=None, help="the commit of the tree that runs, recorded in the JSON")
 ap.add_argument("--rounds", type=int, default=3, help="rounds in which the schemes take turns (default: %(default)s)")
 args = ap.parse_args()
 
@@ -29,7 +30,8 @@ if args.schemes:
 dev = torch.device("cuda")
 g = torch.Generator(device=dev).manual_seed(0)
 import epmoe
-out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "epmoe_path": os.path.dirname(epmoe.__file__), "cases": []}
+out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": args.commit,
+       "command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "epmoe_path": os.path.dirname(epmoe.__file__), "cases": []}
 layers = {}
 for q, acc in schemes:
     try:
