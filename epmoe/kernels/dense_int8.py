@@ -86,8 +86,9 @@ class SmallMConfig(NamedTuple):
     """Programmatic dependent launch (Hopper and newer; :func:`dense_int8_small_m` ignores it
     elsewhere): the GEMM (and the split-K reduction) launch while the kernel before them is still
     finishing, and wait for it (``griddepcontrol.wait``) before their first instruction, so the
-    launch latency of each kernel boundary overlaps the previous kernel. Only a launch's timing
-    changes; every read still follows the previous kernel's writes."""
+    launch latency of each kernel boundary overlaps the previous kernel; a split GEMM lets its
+    reduction launch as soon as it starts. Only a launch's timing changes; every read still
+    follows the previous kernel's writes."""
 
     def to_dict(self) -> dict:
         return self._asdict()
@@ -300,10 +301,13 @@ def dense_small_m_kernel(
     first N tile and K range also store the rows' scales at ``SA_OUT``, which the reduction needs.
 
     ``PDL``: launched as a programmatic dependent: wait for the previous kernel before anything
-    else (it may have written ``X``), then let the split-K reduction launch."""
+    else (it may have written ``X``); with ``SPLIT``, then let the reduction (ours, waiting the
+    same way) launch. Without a split nothing is triggered early: the caller's next kernel is not
+    ours to start."""
     if PDL:
         gdc_wait()
-        gdc_launch_dependents()
+        if SPLIT:
+            gdc_launch_dependents()
     SUB: tl.constexpr = SCALE if BLOCK_SCALES else BLOCK_K
     GROUPS: tl.constexpr = BLOCK_K // SUB
     pid_n, pid_m = _tile_order(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
