@@ -227,12 +227,13 @@ def _build_cutlass(cuda: bool) -> float | None:
 
 
 def prior_launches(prior: dict, mode: str, n: int, k: int, m: int) -> list:
-    """The small-batch launches ``prior`` (a parsed table) has in bucket ``m`` exactly, without
-    the programmatic-dependent ones (their twin is timed anyway)."""
+    """The small-batch launches ``prior`` (a parsed table) has in bucket ``m`` exactly, as plain
+    launches (the sweep times the fastest one's programmatic-dependent twin anyway)."""
     hit = prior.get(mode, {}).get(f"N={n},K={k}")
     if not hit or m not in hit[0]:
         return []
-    return [launch for kernel, launch in hit[1][hit[0].index(m)] if kernel == "small_m" and not launch.pdl]
+    plain = [launch._replace(pdl=False) for kernel, launch in hit[1][hit[0].index(m)] if kernel == "small_m"]
+    return list(dict.fromkeys(plain))
 
 
 def sweep(args, prior: dict | None = None) -> dict:

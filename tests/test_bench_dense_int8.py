@@ -208,3 +208,20 @@ def test_sweep_update_keeps_what_it_did_not_measure(tmp_path):
     assert {s: set(c) for s, c in data["configs"]["int8_channel_int32"].items()} == {
         f"N={n},K={k}": {"80"} for _, n, k in bench.TINY_SHAPES}
     assert set(data["measured"]) == {"int8_block_fp32", "int8_channel_int32"} and "updated_from" in data
+
+
+def test_sweep_prior_launches_are_plain():
+    """A table entry measured as a programmatic dependent launch is re-timed as the plain launch
+    (its twin is timed anyway); other kernels and other buckets give nothing."""
+    from benchmarks import sweep_dense_int8 as sweep
+    from epmoe.kernels.dense_configs import parse_table
+    from epmoe.kernels.dense_int8 import SmallMConfig
+
+    a = SmallMConfig(16, 32, 256, 4, 5, True, 8)
+    prior = parse_table({"configs": {"int8_channel_int32": {"N=576,K=7168": {
+        "1": [{"kernel": "small_m", "config": a._replace(pdl=True).to_dict()}, {"kernel": "small_m", "config": a.to_dict()}],
+        "256": [{"kernel": "triton"}]}}}})  # fmt: skip
+    assert sweep.prior_launches(prior, "int8_channel_int32", 576, 7168, 1) == [a]
+    assert sweep.prior_launches(prior, "int8_channel_int32", 576, 7168, 256) == []
+    assert sweep.prior_launches(prior, "int8_channel_int32", 576, 7168, 16) == []
+    assert sweep.prior_launches(prior, "int8_block_fp32", 576, 7168, 1) == []
