@@ -23,7 +23,12 @@ layer's forward calls, activation quantization included):
   ``SGLANG_CUTLASS_MOE=1`` the CUTLASS INT8 kernel walking its tiles along N and along M with
   swizzles of 1, 2, 4 and 8 (one walk when the batch is one 128-row block);
 
+* on a Hopper GPU, the cell's fastest small-batch launch once more as a programmatic dependent
+  launch (``SmallMConfig.pdl``: its kernel boundaries overlap the kernel before);
+
 at M = 1, 4, 16, 32, 64, 256, 1024, 4096 and 16384 (the table's row buckets).
+``--update --small-from-table`` re-times, at up to 64 rows, only the table's own small-batch
+launch of each bucket (and its PDL twin) instead of searching its neighbours again.
 
 Before it is timed, each candidate's output is checked against a float64 product of the same
 quantized operands (:func:`output_error`): a launch that is fast because it skips tiles is
@@ -162,6 +167,13 @@ def cell_entry(times: dict) -> list:
     return out
 
 
+def pdl_twin(times: dict):
+    """The fastest small-batch launch timed in a cell, as a programmatic dependent launch (see
+    ``SmallMConfig.pdl``), or ``None``: one more candidate a cell instead of a twin of every one."""
+    small = [(us, launch) for (kernel, launch), us in times.items() if kernel == "small_m" and not launch.pdl]
+    return min(small, key=lambda t: t[0])[1]._replace(pdl=True) if small else None
+
+
 OUTPUT_TOLERANCE = 1e-2
 """Largest relative (Frobenius) difference a candidate's output may have from the float64
 reference of the same quantized operands: every kernel multiplies the same codes exactly, so
@@ -214,11 +226,23 @@ def _build_cutlass(cuda: bool) -> float | None:
     return round(time.perf_counter() - t, 1)
 
 
-def sweep(args) -> dict:
+def prior_launches(prior: dict, mode: str, n: int, k: int, m: int) -> list:
+    """The small-batch launches ``prior`` (a parsed table) has in bucket ``m`` exactly, as plain
+    launches (the sweep times the fastest one's programmatic-dependent twin anyway)."""
+    hit = prior.get(mode, {}).get(f"N={n},K={k}")
+    if not hit or m not in hit[0]:
+        return []
+    plain = [launch._replace(pdl=False) for kernel, launch in hit[1][hit[0].index(m)] if kernel == "small_m"]
+    return list(dict.fromkeys(plain))
+
+
+def sweep(args, prior: dict | None = None) -> dict:
+    """The measurement (see the module doc); ``prior``: the parsed table whose small-batch
+    launches ``--small-from-table`` re-times instead of searching."""
     import triton
 
     from epmoe.kernels.dense_configs import SMALL_M_MAX, CutlassLaunch, mode_key
-    from epmoe.kernels.dense_int8 import _sms, small_m_config
+    from epmoe.kernels.dense_int8 import _sms, pdl_supported, small_m_config
     from epmoe.linear import Int8Linear, run_kernel
     from epmoe.quant.reference import quantize_weight
     from epmoe.quant.schemes import SCHEMES
@@ -260,19 +284,30 @@ def sweep(args) -> dict:
                 calls = max(2 * copies, 8)
                 timer = time_graph if cuda else _wall_clock
                 times = {}
+
+                def time_candidate(kernel, launch, x=x, m=m, ref=None):
+                    fns = [lambda mod=mod: run_kernel(mod._impl, mod, x, kernel, launch) for mod in mods]
+                    try:
+                        wrong = output_error(fns[0]()[:m], ref)
+                        if wrong:  # a launch that is fast because it skips work must not win
+                            raise ValueError(wrong)
+                        times[(kernel, launch)] = timer(fns, calls)
+                    except Exception as exc:  # a launch the SM cannot take: reported, not fatal
+                        failures.append(f"{mode} {name} M={m} {_label(kernel, launch)}: "
+                                        f"{type(exc).__name__}: {str(exc)[:200]}")  # fmt: skip
+
+                cands = cell_candidates(m, n, k, scheme, sms, impl.kernels, tma=cuda)
+                if args.small_from_table and m <= SMALL_M_MAX:
+                    # Only the table's launch (and below its PDL twin): no neighbour search, no compiles
+                    # for it; the rule's candidates where the table has none for this bucket.
+                    cands = [("small_m", launch) for launch in prior_launches(prior or {}, mode, n, k, m)] or cands
                 with torch.no_grad():
                     ref = reference_output(mods[0], x, scheme)
-                    for kernel, launch in cell_candidates(m, n, k, scheme, sms, impl.kernels, tma=cuda):
-                        fns = [lambda mod=mod, kernel=kernel, launch=launch: run_kernel(mod._impl, mod, x, kernel, launch)
-                               for mod in mods]  # fmt: skip
-                        try:
-                            wrong = output_error(fns[0]()[:m], ref)
-                            if wrong:  # a launch that is fast because it skips work must not win
-                                raise ValueError(wrong)
-                            times[(kernel, launch)] = timer(fns, calls)
-                        except Exception as exc:  # a launch the SM cannot take: reported, not fatal
-                            failures.append(f"{mode} {name} M={m} {_label(kernel, launch)}: "
-                                            f"{type(exc).__name__}: {str(exc)[:200]}")  # fmt: skip
+                    for kernel, launch in cands:
+                        time_candidate(kernel, launch, ref=ref)
+                    twin = pdl_twin(times) if cuda and pdl_supported(dev) else None
+                    if twin is not None:
+                        time_candidate("small_m", twin, ref=ref)
                 if not times:
                     skipped.append(f"{mode} {name} M={m}")
                     continue
@@ -317,7 +352,7 @@ def _merge(old: dict, new: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from epmoe.kernels.dense_configs import table_path, write_dense_table
+    from epmoe.kernels.dense_configs import SMALL_M_MAX, parse_table, table_path, write_dense_table
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="table path (default: the package's epmoe/configs/dense_int8_<device>.json)")
@@ -333,13 +368,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="cpu: a dry run of the script's logic under TRITON_INTERPRET=1 (with --tiny and --out)")
     p.add_argument("--tiny", action="store_true", help=f"tiny shapes {TINY_SHAPES} and M {TINY_MS} instead")
+    p.add_argument("--small-from-table", action="store_true",
+                   help=f"with --update: at <= {SMALL_M_MAX} rows time the --out table's small-batch launch of the "
+                        "bucket (and its programmatic-dependent twin) instead of searching its neighbours")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA GPU here; the table records this GPU's measurements")
     if args.device == "cpu" and not args.out:
         p.error("--device cpu writes no package table: give --out")
-    result = sweep(args)
-    out = Path(args.out) if args.out else table_path(result["device"])
+    if args.small_from_table and not args.update:
+        p.error("--small-from-table re-times the --out table's launches: give --update")
+    name = torch.cuda.get_device_name(args.device) if args.device == "cuda" else None
+    out = Path(args.out) if args.out else table_path(name)
+    prior = parse_table(json.loads(out.read_text()), str(out)) if args.update and out.is_file() else {}
+    result = sweep(args, prior)
     meta = {key: v for key, v in result.items() if key not in ("configs", "measured")}
     measured = {mode: {shape: {m: {key: v for key, v in cell.items() if key != "all_us"} for m, cell in ms.items()}
                        for shape, ms in shapes.items()} for mode, shapes in result["measured"].items()}  # fmt: skip

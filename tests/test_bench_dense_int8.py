@@ -104,6 +104,29 @@ def test_sweep_dry_run_writes_a_table_the_plan_reads(tmp_path):
         assert "triton" in ms["80"]["all_us"]
 
 
+def test_sweep_small_from_table_retimes_the_tables_launch(tmp_path):
+    """--update --small-from-table: at <= 64 rows the cell times the table's own small-batch launch
+    of that bucket (no neighbour search); a bucket the table lacks gets the full search."""
+    pytest.importorskip("triton")
+    from benchmarks import sweep_dense_int8 as sweep
+    from epmoe.kernels.dense_configs import parse_table, write_dense_table
+    from epmoe.kernels.dense_int8 import SmallMConfig
+
+    out, report = tmp_path / "table.json", tmp_path / "report.json"
+    mine = SmallMConfig(16, 32, 128, 4, 2, False)
+    _, n, k = bench.TINY_SHAPES[0]
+    write_dense_table(out, {"int8_channel_int32": {f"N={n},K={k}": {"1": {"kernel": "small_m", "config": mine.to_dict()}}}})
+    with pytest.raises(SystemExit):
+        sweep.main(["--device", "cpu", "--tiny", "--m", "1", "--out", str(out), "--small-from-table"])
+    args = ["--device", "cpu", "--tiny", "--m", "1", "--modes", "int8_channel_int32", "--out", str(out), "--update",
+            "--small-from-table", "--report", str(report)]  # fmt: skip
+    assert sweep.main(args) == 0
+    cells = json.loads(report.read_text())["measured"]["int8_channel_int32"]
+    assert list(cells[bench.TINY_SHAPES[0][0]]["1"]["all_us"]) == [f"small_m {json.dumps(mine.to_dict())}"]
+    assert len(cells[bench.TINY_SHAPES[1][0]]["1"]["all_us"]) > 1  # no entry in the table: the search
+    assert parse_table(json.loads(out.read_text()))["int8_channel_int32"][f"N={n},K={k}"][1][0] == (("small_m", mine),)
+
+
 def test_sweep_refuses_a_launch_with_a_wrong_output(tmp_path, monkeypatch):
     """A candidate whose output is not the product (here: the Triton tiled GEMM with a tile
     skipped, as a broken walk would) is reported and never enters the table, however fast."""
@@ -127,6 +150,17 @@ def test_sweep_refuses_a_launch_with_a_wrong_output(tmp_path, monkeypatch):
     assert all("triton: ValueError: output differs from the float64 reference" in f for f in data["failures"])
     for cells in data["configs"]["int8_channel_int32"].values():
         assert {e["kernel"] for e in cells["80"]} == {"small_m"}
+
+
+def test_sweep_pdl_twin_is_the_fastest_small_batch_launch():
+    from benchmarks import sweep_dense_int8 as sweep
+    from epmoe.kernels.dense_int8 import SmallMConfig
+
+    a, b = SmallMConfig(16, 64, 512, 4, 4, False), SmallMConfig(16, 32, 256, 4, 5, True, 2)
+    assert sweep.pdl_twin({("small_m", a): 9.0, ("small_m", b): 8.0, ("triton", None): 1.0}) == b._replace(pdl=True)
+    assert sweep.pdl_twin({("triton", None): 1.0}) is None
+    entry = sweep.cell_entry({("small_m", a): 9.0, ("small_m", a._replace(pdl=True)): 7.5})
+    assert entry == [{"kernel": "small_m", "config": {**a.to_dict(), "pdl": True}, "us": 7.5}]
 
 
 def test_sweep_cell_entry_and_cutlass_walks():
@@ -174,3 +208,20 @@ def test_sweep_update_keeps_what_it_did_not_measure(tmp_path):
     assert {s: set(c) for s, c in data["configs"]["int8_channel_int32"].items()} == {
         f"N={n},K={k}": {"80"} for _, n, k in bench.TINY_SHAPES}
     assert set(data["measured"]) == {"int8_block_fp32", "int8_channel_int32"} and "updated_from" in data
+
+
+def test_sweep_prior_launches_are_plain():
+    """A table entry measured as a programmatic dependent launch is re-timed as the plain launch
+    (its twin is timed anyway); other kernels and other buckets give nothing."""
+    from benchmarks import sweep_dense_int8 as sweep
+    from epmoe.kernels.dense_configs import parse_table
+    from epmoe.kernels.dense_int8 import SmallMConfig
+
+    a = SmallMConfig(16, 32, 256, 4, 5, True, 8)
+    prior = parse_table({"configs": {"int8_channel_int32": {"N=576,K=7168": {
+        "1": [{"kernel": "small_m", "config": a._replace(pdl=True).to_dict()}, {"kernel": "small_m", "config": a.to_dict()}],
+        "256": [{"kernel": "triton"}]}}}})  # fmt: skip
+    assert sweep.prior_launches(prior, "int8_channel_int32", 576, 7168, 1) == [a]
+    assert sweep.prior_launches(prior, "int8_channel_int32", 576, 7168, 256) == []
+    assert sweep.prior_launches(prior, "int8_channel_int32", 576, 7168, 16) == []
+    assert sweep.prior_launches(prior, "int8_block_fp32", 576, 7168, 1) == []

@@ -43,6 +43,11 @@ from .. import devices
 from .common import next_pow2, placeholder
 from .quantize import INT8_QMAX, amax_bits, codes, per_group_quant, per_token_quant_int8, scale_of
 
+try:  # Triton >= 3.4 (grid dependency control); never traced unless a launch asks for PDL
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover
+    gdc_launch_dependents = gdc_wait = None
+
 SCHEMES = ("int8_channel", "int8_block")
 SCALE_BLOCK = 128
 PROGRAMS_PER_SM = 2
@@ -77,6 +82,13 @@ class SmallMConfig(NamedTuple):
     group_m: int = 1
     """Row tiles whose programs run next to each other for each N tile (tile order for L2 reuse
     when there are many row tiles); 1: all N tiles of a row tile, then the next row tile."""
+    pdl: bool = False
+    """Programmatic dependent launch (Hopper and newer; :func:`dense_int8_small_m` ignores it
+    elsewhere): the GEMM (and the split-K reduction) launch while the kernel before them is still
+    finishing, and wait for it (``griddepcontrol.wait``) before their first instruction, so the
+    launch latency of each kernel boundary overlaps the previous kernel; a split GEMM lets its
+    reduction launch as soon as it starts. Only a launch's timing changes; every read still
+    follows the previous kernel's writes."""
 
     def to_dict(self) -> dict:
         return self._asdict()
@@ -88,7 +100,7 @@ class SmallMConfig(NamedTuple):
         if unknown or missing:
             raise ValueError(f"small-batch config {d}: unknown keys {sorted(unknown)}, missing {sorted(missing)}; "
                              f"allowed: {list(cls._fields)}")  # fmt: skip
-        cfg = cls(**{k: (bool(v) if k == "fused" else int(v)) for k, v in d.items()})
+        cfg = cls(**{k: (bool(v) if k in ("fused", "pdl") else int(v)) for k, v in d.items()})
         cfg.validate()
         return cfg
 
@@ -272,7 +284,7 @@ def dense_small_m_kernel(
     FUSED: tl.constexpr, BLOCK_SCALES: tl.constexpr, INT_ACC: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     X_ROWS: tl.constexpr, QMAX: tl.constexpr, SCALE: tl.constexpr, SPLIT: tl.constexpr,
-    GROUP_M: tl.constexpr, AMAX_UNROLL: tl.constexpr,
+    GROUP_M: tl.constexpr, AMAX_UNROLL: tl.constexpr, PDL: tl.constexpr,
 ):
     """``OUT[m, n] = sa . sw . sum_k q[m, k] w[n, k] (+ bias[n])`` for one ``[BLOCK_M, BLOCK_N]``
     tile. ``FUSED``: ``X`` is float and quantized here (``XS`` unused), ``X_ROWS`` rows of it at
@@ -286,7 +298,16 @@ def dense_small_m_kernel(
     ``SPLIT``: program ``(.., s)`` takes the K columns ``[s K_SPLIT, (s + 1) K_SPLIT)`` (a
     multiple of ``BLOCK_K``) and stores its raw sums (int32, or fp32 already scaled per K block)
     at ``OUT + s stride_os`` with no epilogue; with ``FUSED`` channel scales, the programs of the
-    first N tile and K range also store the rows' scales at ``SA_OUT``, which the reduction needs."""
+    first N tile and K range also store the rows' scales at ``SA_OUT``, which the reduction needs.
+
+    ``PDL``: launched as a programmatic dependent: wait for the previous kernel before anything
+    else (it may have written ``X``); with ``SPLIT``, then let the reduction (ours, waiting the
+    same way) launch. Without a split nothing is triggered early: the caller's next kernel is not
+    ours to start."""
+    if PDL:
+        gdc_wait()
+        if SPLIT:
+            gdc_launch_dependents()
     SUB: tl.constexpr = SCALE if BLOCK_SCALES else BLOCK_K
     GROUPS: tl.constexpr = BLOCK_K // SUB
     pid_n, pid_m = _tile_order(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -406,10 +427,13 @@ def split_k_reduce_kernel(
     M, N, SPLITS,
     stride_ps, stride_pm, stride_sam, stride_wsn, stride_om,
     BLOCK_SCALES: tl.constexpr, INT_ACC: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
     """``OUT = epilogue(sum_s P[s])``: the split-K partial sums added in split order (int32: exact;
-    fp32: one fixed order, so a result does not depend on which program finished first)."""
+    fp32: one fixed order, so a result does not depend on which program finished first).
+    ``PDL``: wait for the GEMM that wrote ``P`` before anything else."""
+    if PDL:
+        gdc_wait()
     offs_n, n_ok, cols, m_ok, rows = _tile(tl.program_id(0), tl.program_id(1), M, N, BLOCK_M, BLOCK_N)
     p_ptrs = P + rows[:, None] * stride_pm + cols[None, :]
     if INT_ACC:
@@ -424,6 +448,16 @@ def split_k_reduce_kernel(
         sa = tl.load(SA + rows * stride_sam)
     _epilogue(acc, sa, WS, BIAS, OUT, rows, cols, offs_n, m_ok, n_ok, stride_wsn, stride_om,
               BLOCK_SCALES, HAS_BIAS)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=None)
+def pdl_supported(device: torch.device) -> bool:
+    """Whether launches on ``device`` may use programmatic dependent launch: a CUDA GPU of
+    compute capability 9.0 or newer (not the interpreter) and a Triton that has grid dependency
+    control."""
+    if device.type != "cuda" or gdc_wait is None:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _sms(device: torch.device) -> int:
@@ -510,6 +544,8 @@ def dense_int8_small_m(
         part, sa_out = out, unused
     # Plain integer arithmetic: triton.cdiv is a constexpr_function whose call costs host time.
     grid = (-(-n // cfg.block_n) * -(-m // cfg.block_m), splits)
+    pdl = cfg.pdl and pdl_supported(device)
+    launch = {"launch_pdl": True} if pdl else {}
     dense_small_m_kernel[grid](
         x, xs, weight, ws, b, part, sa_out,
         m, n, k, k_split,
@@ -519,7 +555,8 @@ def dense_int8_small_m(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
         X_ROWS=min(next_pow2(m), cfg.block_m) if cfg.fused else cfg.block_m,  # unused unless fused: one compile
         QMAX=INT8_QMAX, SCALE=SCALE_BLOCK, SPLIT=split, GROUP_M=cfg.group_m,
-        AMAX_UNROLL=amax_unroll(cfg, m) if cfg.fused and not block else 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        AMAX_UNROLL=amax_unroll(cfg, m) if cfg.fused and not block else 1, PDL=pdl, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **launch,
     )  # fmt: skip
     if split:
         sa = sa_out if cfg.fused else xs
@@ -528,5 +565,6 @@ def dense_int8_small_m(
             part, sa, ws, b, out, m, n, splits,
             part.stride(0), part.stride(1), sa.stride(0), ws.stride(0), out.stride(0),
             BLOCK_SCALES=block, INT_ACC=int_acc, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=REDUCE_BLOCK_N,
+            PDL=pdl, **launch,
         )  # fmt: skip
     return out

@@ -292,3 +292,45 @@ def test_every_planned_kernel_of_the_cutlass_backend(m, monkeypatch):
         lins = [torch.nn.Linear(a, b, bias=False, device=DEV) for a, b in ((1024, 256), (1024, 256), (256, 1024))]
         mlp = Int8MLP.from_float(*lins, backend="cutlass")
         assert rel(mlp(x), ref_mlp(mlp, x)) <= 1e-2
+
+
+# ------------------------------------------------------------------ programmatic dependent launch
+@pytest.mark.parametrize("m,n,k,kw", [(1, 576, 7168, {}), (16, 576, 7168, dict(fused=False)),
+                                      (64, 1536, 7168, dict(fused=False, split_k=1))],
+                         ids=["fused-split", "unfused-split", "unfused"])  # fmt: skip
+def test_pdl_launch_bit_for_bit_and_ordered(m, n, k, kw):
+    """A launch with ``pdl=True`` gives the plain launch's output bit for bit, eagerly and in a
+    CUDA graph right after the kernel that writes its input (fresh inputs each replay: a read
+    before that kernel finished would see the previous replay's rows), and every element is
+    within the float64 bound."""
+    from epmoe.kernels.dense_int8 import dense_int8_small_m, pdl_supported, small_m_config
+
+    if not pdl_supported(DEV):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0+")
+    x, w, ws, bias = _small_inputs(m, n, k, "int8_channel", torch.bfloat16)
+    cfg = small_m_config(m, n, k, "int8_channel", _sms(), **kw)
+    pdl = cfg._replace(pdl=True)
+
+    def run(inp, launch):
+        return dense_int8_small_m(inp, w, ws, bias, scheme="int8_channel", accumulator="int32", config=launch)
+
+    plain = run(x, cfg)
+    _check_every_element(plain, x, w, ws, bias, "int8_channel")
+    assert torch.equal(run(x, pdl), plain)
+    src, xin = x.clone(), torch.empty_like(x)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.mul(src, 2.0, out=xin)
+        run(xin, pdl)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.mul(src, 2.0, out=xin)  # the kernel right before the dependent launch writes its input
+        out = run(xin, pdl)
+    g = torch.Generator(device=DEV).manual_seed(1)
+    for _ in range(5):
+        src.copy_(torch.randn(m, k, device=DEV, generator=g).to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, run(src * 2.0, cfg))
