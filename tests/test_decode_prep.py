@@ -200,6 +200,12 @@ def test_prep_refuses_what_it_does_not_take():
     with pytest.raises(ValueError, match="T of router_logits"):
         prep.decode_prep(logits[:2], 2, True, "softmax", None, None, None, 1.0, x[:3], 1, "float")
     assert prep_refusal(0, 8, 256) and prep_refusal(16, 8, 1024) and prep_refusal(16, 8, 256) is None
+    # The routing tile bounds tokens x experts, each padded to a power of two, at PREP_ROUTE_TILE.
+    assert prep_refusal(32, 4, 256) is None and prep_refusal(16, 8, 512) is None  # exactly the tile
+    assert "routing tile" in prep_refusal(33, 2, 256) and "routing tile" in prep_refusal(3, 2, 3000)
+    assert "over the prep's 128" in prep_refusal(43, 3, 2)
+    with pytest.raises(ValueError, match="alignment=0 must be >= 1"):
+        prep.decode_prep(logits[:2], 2, True, "softmax", None, None, None, 1.0, x[:2], 0, "float")
 
 
 # ------------------------------------------------------------------------------------ the layer
@@ -241,6 +247,9 @@ def test_layer_takes_the_separate_kernels_where_the_prep_does_not_apply(monkeypa
         ids, w = layer.route(logits[:2])
         layer(x[:2], topk_ids=ids, topk_weights=w)  # no logits: nothing to route
     assert not _layer("int8_channel", "triton", None)._uses_prep(x[:2], logits[:2])  # on CPU: off by default
+    assert _layer("int8_channel", "triton", True)._uses_prep(x[:2], logits[:2])
+    # The torch backend takes host-sized segments (device-sized ones only while torch.compile traces).
+    assert not _layer("int8_channel", "torch", True)._uses_prep(x[:2], logits[:2])
 
 
 def test_layer_with_the_prep_refuses_a_bias_never_loaded():
