@@ -433,6 +433,8 @@ _BAD_OPERANDS = [
     ("int8", _int8_operands, lambda o: dict(expert_offsets=torch.tensor([0, 256], dtype=torch.int32)), ValueError,
      r"expert_offsets must be \[E\+1\] = \[3\]"),
     ("int8", _int8_operands, lambda o: dict(out=torch.empty(256, 64)), ValueError, "out must be a contiguous bf16"),
+    ("int8", _int8_operands, lambda o: dict(max_swizzle=16), ValueError,
+     "int8_grouped_gemm: max_swizzle=16; allowed: 1, 2, 4 or 8"),
     ("int8", _int8_operands, lambda o: {}, ValueError, "a must be a CUDA tensor"),
     ("fp8", _fp8_operands, lambda o: dict(a=o["a"][:, :0], a_scale=o["a_scale"][:, :0], b=o["b"][:, :, :0].contiguous(),
                                           b_scale=o["b_scale"][:, :, :0].contiguous()), ValueError,

@@ -674,8 +674,8 @@ def int8_grouped_gemm(
     Returns:
         ``out``, ``[M, N]`` bf16.
     """
+    _check_swizzle("int8_grouped_gemm", max_swizzle)  # first, as int8_dense_gemm: not hidden by a device refusal
     _check_channel_scaled("int8_grouped_gemm", a, a_scale, b, b_scale, expert_offsets, out)
-    _check_swizzle("int8_grouped_gemm", max_swizzle)
     out = _output(a, b, out)
     m = a.shape[0]
     if m == 0 or b.shape[0] == 0:
