@@ -172,7 +172,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seconds of compiles per scheme (reduce-overhead first, then default mode; batches in the "
                         "order given): a compile that would start past its scheme's budget is skipped (its row says so)")
     p.add_argument("--compile-backend", default=None, help="torch.compile backend (default: inductor on CUDA, aot_eager on CPU)")
-    p.add_argument("--commit", default=None, help="commit to record when git is not available")
+    p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD of this checkout)")
     p.add_argument("--plot", default=None, help="also draw the table into this image (matplotlib)")
     p.add_argument("--prep-warps", default="",
                    help="also time layer_graph with the decode prep's kernel on each of these warp counts "
