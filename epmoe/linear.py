@@ -21,16 +21,20 @@ raises :class:`~epmoe.experts.select.BackendUnavailableError`):
 * ``triton``: the per-token / per-group quantizer of :mod:`epmoe.kernels.quantize`, then the
   grouped GEMM of :mod:`epmoe.kernels.grouped_gemm` as one expert (the masked layout with a row
   count that clamps to the batch, so no per-call offsets are built); both scales in its epilogue
-  (block: per K block). Tile configs come from :func:`dense_gemm_config`.
+  (block: per K block). Tile configs come from the dense plan where the table measured one, else
+  from :func:`dense_gemm_config`.
 * ``torch`` (reference, any device): the reference quantizer, then ``torch._int_mm`` with the
   scales applied afterwards where it applies (``int8_channel``; on CUDA for more than 16 rows and
   K, N multiples of 8), else dequantized fp32 math.
 
-Small batches take one path on both GPU backends: the small-batch kernel of
-:mod:`epmoe.kernels.dense_int8` (the activations quantized inside the GEMM while they are few, a
-grid of narrow N tiles, K split across programs where the layer is too narrow to keep every SM
-reading the weight). Where that path ends, and its launch, come from the device's measured table
-(:mod:`epmoe.kernels.dense_configs`), else from :data:`SMALL_M_MAX` and the kernel's own rule.
+On both GPU backends each call runs the kernel and launch that the dense plan
+(:mod:`epmoe.kernels.dense_configs`, :meth:`Int8Linear.plan`) picks among those the backend runs:
+the small-batch kernel of :mod:`epmoe.kernels.dense_int8` (the activations quantized inside the
+GEMM while they are few, a grid of narrow N tiles, K split across programs where the layer is too
+narrow to keep every SM reading the weight), the Triton tiled GEMM, or (``cutlass`` on the
+project's kernel) the CUTLASS kernel with a measured tile walk. The plan reads the device's
+measured table; without an entry, the small-batch kernel's own rule up to :data:`SMALL_M_MAX`
+rows and above, the backend's tiled GEMM (``int8_block``: the small-batch kernel on 128-row tiles).
 
 ``backend="auto"`` walks cutlass -> triton -> torch (``int8_block``: triton -> torch); ``triton``
 is picked automatically on CUDA only (its CPU interpreter is for tests).
