@@ -154,9 +154,12 @@ def test_meta_device_defers_backend():
     assert mod.backend_name is None
     with pytest.raises(RuntimeError, match="meta"):
         mod(torch.randn(1, 128, device="meta"))
+    with pytest.raises(RuntimeError, match="meta device; move it to a real device"):
+        mod.plan(1)
     mod = mod.to_empty(device="cpu")
     assert mod.backend_name == "torch" and mod.weight.dtype == torch.int8
     assert mod._all_rows.device.type == "cpu"
+    assert mod.plan(1) == ("tiled", None)  # the torch backend's only path
 
 
 # ------------------------------------------------------------------------------------ checkpoints
@@ -326,6 +329,16 @@ def test_backend_decisions_reasons():
     assert d["triton"][0]
     d = dict((n, (ok, r)) for n, ok, r in dense_backend_decisions("int8_channel", "int32", cpu, 128, 64, env={}))
     assert "SGLANG_CUTLASS_MOE=1 is required" in d["cutlass"][1]
+
+
+def test_backend_log_names_the_kernels_its_plan_picks_among():
+    from epmoe.linear import select_dense_backend
+
+    cpu = torch.device("cpu")
+    impl, lines = select_dense_backend("triton", "int8_channel", "int32", cpu, 128, 64)  # TRITON_INTERPRET=1 here
+    assert impl.name == "triton" and "the dense plan picks among ['small_m', 'triton', 'tiled']" in lines[-1]
+    impl, lines = select_dense_backend("torch", "int8_channel", "int32", cpu, 128, 64)
+    assert impl.name == "torch" and "dense plan" not in lines[-1]
 
 
 def test_info_rows_for_dense_backends():
