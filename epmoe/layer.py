@@ -118,8 +118,11 @@ class DeepEPMoELayer(nn.Module):
             kernel (:func:`epmoe.ops.decode_prep`) instead of three or four (a CUDA-graphed decode
             step pays a launch gap for each): ``None`` on CUDA, ``True`` on any device (on CPU
             under Triton's interpreter, as the tests run it), ``False`` never. It applies up to
-            :data:`~epmoe.kernels.common.COPY_MAX_SLOTS` (token, slot) pairs with a backend that
-            takes device-sized segments; other batches take the separate kernels.
+            :data:`~epmoe.kernels.common.COPY_MAX_SLOTS` (token, slot) pairs within the prep's
+            routing tile and the fused routing kernel's limits
+            (:func:`~epmoe.kernels.common.prep_refusal`, :func:`~epmoe.routing.fused_refusal`),
+            with a backend that takes device-sized segments (or, while ``torch.compile`` traces,
+            one with ``compile_segments``); other batches take the separate kernels.
     """
 
     def __init__(
