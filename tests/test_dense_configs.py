@@ -142,6 +142,8 @@ def test_malformed_tables_are_refused(tmp_path):
             dc.parse_table({"configs": {"int8_channel_int32": {"N=1,K=1": {"1": entry}}}})
     with pytest.raises(ValueError, match="bucket one: ValueError"):
         dc.parse_table({"configs": {"m": {"N=1,K=1": {"one": {"kernel": "tiled"}}}}})
+    with pytest.raises(ValueError, match="bucket 0: a bucket of 0 rows; allowed: a row count >= 1"):
+        dc.parse_table({"configs": {"m": {"N=1,K=1": {"0": {"kernel": "tiled"}}}}})
     with pytest.raises(ValueError, match="max_swizzle=3; allowed"):
         dc.parse_table({"configs": {"m": {"N=1,K=1": {"1": [{"kernel": "cutlass", "config": {"max_swizzle": 3}}]}}}})
     with pytest.raises(ValueError, match="unknown keys"):

@@ -125,9 +125,12 @@ def parse_table(data: dict, where: str = "table") -> dict:
                 if not choices:
                     raise ValueError(f"{at}: an empty list; allowed: one entry or more")
                 try:
-                    parsed[int(bucket)] = tuple(choices)
+                    rows = int(bucket)
                 except ValueError as exc:
                     raise ValueError(f"{at}: ValueError: {exc} (a bucket is a row count)") from exc
+                if rows < 1:
+                    raise ValueError(f"{at}: a bucket of {rows} rows; allowed: a row count >= 1")
+                parsed[rows] = tuple(choices)
             order = sorted(parsed)
             out.setdefault(mode, {})[shape] = (tuple(order), tuple(parsed[b] for b in order))
     return out
