@@ -36,9 +36,9 @@ def next_pow2(n: int) -> int:
 
 
 COPY_MAX_SLOTS = 128
-"""Most (token, slot) pairs laid out and copied in one launch (:func:`epmoe.kernels.permute.
-slot_layout_scatter`, :func:`epmoe.kernels.prep.decode_prep`): 16 tokens of top-8, one sorting
-step of every program."""
+"""Most (token, slot) pairs laid out and copied in one launch
+(:func:`epmoe.kernels.permute.slot_layout_scatter`, :func:`epmoe.kernels.prep.decode_prep`): 16
+tokens of top-8, one sorting step of every program."""
 PREP_ROUTE_TILE = 8192
 """Most elements of the ``[tokens, experts]`` routing tile every program of the decode prep holds
 (padded to powers of two): 16 tokens of 256 experts (DeepSeek-V3's top-8 at the slot limit) take
