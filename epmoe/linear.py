@@ -312,8 +312,9 @@ class _Impl:
     def tiled_gemm(self, lin: "Int8Linear", q, s, out_dtype: torch.dtype, launch=None) -> torch.Tensor:
         raise NotImplementedError
 
-    def gemm(self, lin: "Int8Linear", q, s, out_dtype: torch.dtype) -> torch.Tensor:
-        """The GEMM of int8 codes ``q`` with their scales ``s`` (the MLP's down projection)."""
+    def gemm(self, lin: "Int8Linear", q, s, out_dtype: torch.dtype, rows: int | None = None) -> torch.Tensor:
+        """The GEMM of int8 codes ``q`` with their scales ``s`` (the MLP's down projection);
+        ``rows``: the call's real rows when ``q`` carries padding rows (the plan is for those)."""
         return self.tiled_gemm(lin, q, s, out_dtype)
 
     def linear(self, lin: "Int8Linear", x2: torch.Tensor) -> torch.Tensor:
@@ -348,8 +349,8 @@ class _Planned:
     def linear(self, lin, x2):
         return run_kernel(self, lin, x2, *self.plan(lin, x2.shape[0]))
 
-    def gemm(self, lin, q, s, out_dtype):
-        kernel, launch = self.plan(lin, q.shape[0])
+    def gemm(self, lin, q, s, out_dtype, rows=None):
+        kernel, launch = self.plan(lin, q.shape[0] if rows is None else rows)
         if kernel == "small_m":
             # Codes with their scales: the same launch without the fused quantization.
             return _small_m(lin, q, s, out_dtype, launch._replace(fused=False))
@@ -360,7 +361,15 @@ def run_kernel(impl: _Impl, lin: "Int8Linear", x2: torch.Tensor, kernel: str, la
     """``lin(x2)`` on one dense kernel and launch: what the forward runs for its plan, and what
     ``benchmarks/sweep_dense_int8.py`` times for every candidate (so the table's times are those
     of the launches the layer makes, quantization included). May return more rows than ``x2``
-    has (whole row blocks of the CUTLASS kernel)."""
+    has (whole row blocks of the CUTLASS kernel).
+
+    Raises:
+        ValueError: ``kernel`` is not one ``impl`` runs (its ``kernels``; ``"tiled"`` only on a
+            backend without a plan)."""
+    allowed = impl.kernels if isinstance(impl, _Planned) else ("tiled",)
+    if kernel not in allowed:
+        raise ValueError(f"run_kernel: kernel={kernel!r} is not one the {impl.name!r} backend runs; "
+                         f"allowed: {list(allowed)}")  # fmt: skip
     if kernel == "small_m":
         return _small_m(lin, x2, None, x2.dtype, launch)
     if kernel == "tiled" and not isinstance(impl, _Planned):
@@ -841,7 +850,7 @@ class Int8MLP(nn.Module):
         # The padded rows (if any) stay through both GEMMs; they are dropped at the end.
         gate_up = gu._impl.linear(gu, x2)
         h, hs = self.down_proj._impl.silu_quantize(gate_up, gu.scheme)
-        out = self.down_proj._impl.gemm(self.down_proj, h, hs, x.dtype)[:m]
+        out = self.down_proj._impl.gemm(self.down_proj, h, hs, x.dtype, rows=m)[:m]
         return out.reshape(x.shape)
 
 
