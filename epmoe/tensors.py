@@ -31,6 +31,16 @@ def check_positive_int(name: str, value, *, optional: bool = False) -> int | Non
     return int(value)
 
 
+def check_bool(name: str, value) -> bool:
+    """``value`` as a ``bool`` if it is one, or the integer 0 or 1; raises ``ValueError`` naming
+    ``name`` otherwise (a JSON string ``"false"`` would read as true under ``bool()``)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Integral) and value in (0, 1):
+        return bool(value)
+    raise ValueError(f"{name}={value!r}; allowed: true, false, 0 or 1")
+
+
 def as_contiguous(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``t`` as a contiguous tensor of ``dtype`` (default: its own), without a torch call when it
     already is one: each no-op ``.to()`` / ``.contiguous()`` costs microseconds of host time,

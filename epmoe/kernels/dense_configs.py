@@ -38,6 +38,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..tensors import check_bool
 from .configs import PACKAGE_DIR, GemmConfig, _bucket_index, config_filename, device_name, find_config_file, shape_key
 from .dense_int8 import SmallMConfig, _sms, small_m_config
 
@@ -66,7 +67,7 @@ class CutlassLaunch(NamedTuple):
         unknown = set(d) - set(cls._fields)
         if unknown:
             raise ValueError(f"cutlass launch {d}: unknown keys {sorted(unknown)}; allowed: {list(cls._fields)}")
-        cfg = cls(bool(d.get("raster_along_n", True)), int(d.get("max_swizzle", 1)))
+        cfg = cls(check_bool("cutlass launch raster_along_n", d.get("raster_along_n", True)), int(d.get("max_swizzle", 1)))
         if cfg.max_swizzle not in SWIZZLES:
             raise ValueError(f"cutlass launch max_swizzle={cfg.max_swizzle}; allowed: {list(SWIZZLES)}")
         return cfg

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from .. import devices
+from ..tensors import check_bool
 from .common import next_pow2, placeholder
 from .quantize import INT8_QMAX, amax_bits, codes, per_group_quant, per_token_quant_int8, scale_of
 
@@ -100,7 +101,8 @@ class SmallMConfig(NamedTuple):
         if unknown or missing:
             raise ValueError(f"small-batch config {d}: unknown keys {sorted(unknown)}, missing {sorted(missing)}; "
                              f"allowed: {list(cls._fields)}")  # fmt: skip
-        cfg = cls(**{k: (bool(v) if k in ("fused", "pdl") else int(v)) for k, v in d.items()})
+        cfg = cls(**{k: (check_bool(f"small-batch config {k}", v) if k in ("fused", "pdl") else int(v))
+                     for k, v in d.items()})  # fmt: skip
         cfg.validate()
         return cfg
 
