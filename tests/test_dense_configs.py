@@ -257,3 +257,55 @@ def test_int8_dense_gemm_refuses_before_loading(monkeypatch):
     ):  # fmt: skip
         with pytest.raises(error, match=words):
             cb.int8_dense_gemm(**{**dict(a=a, a_scale=sa, b=b, b_scale=sb), **change})
+
+
+def test_mlp_down_projection_is_planned_for_its_real_rows(monkeypatch):
+    """The MLP's down projection takes codes padded to whole 128-row blocks by a CUTLASS gate/up;
+    its plan is looked up for the call's rows, not the padded count (a table entry at a few rows
+    must not be skipped for the 128-row bucket). The CUTLASS kernel is stood in for by float64
+    math of what it is given; the output against the independent float64 reference."""
+    from epmoe import linear
+    from epmoe.experts import cutlass_backend as cb
+    from test_linear import ref_mlp, rel
+
+    def fake(a, a_scale, b, b_scale, out=None, *, raster_along_n=True, max_swizzle=1):
+        return ((a.double() @ b.double().t()) * a_scale.double() * b_scale.double().view(1, -1)).to(torch.bfloat16)
+
+    planned = []
+
+    def fake_plan(scheme, accumulator, n, k, m, device, kernels):
+        planned.append((n, k, m))
+        return "cutlass", dc.CutlassLaunch()
+
+    monkeypatch.setattr(cb, "int8_dense_gemm", fake)
+    monkeypatch.setattr(linear._dense_kernels(), "dense_plan", fake_plan)
+    torch.manual_seed(9)
+    lins = [torch.nn.Linear(a, b, bias=False) for a, b in ((256, 128), (256, 128), (128, 256))]
+    mlp = linear.Int8MLP.from_float(*lins, backend="triton")
+    mlp.gate_up_proj._impl = mlp.down_proj._impl = linear._CutlassImpl("epmoe")
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        out = mlp(x)
+    assert planned == [(256, 256, 5), (256, 128, 5)]
+    assert out.shape == (5, 256) and rel(out, ref_mlp(mlp, x)) <= 2e-2
+
+
+def test_run_kernel_refuses_a_kernel_its_backend_does_not_run():
+    from epmoe import linear
+    from test_linear import make
+
+    _, mod = make(256, 40, "int8_channel", "int32", False, "triton", seed=11)
+    x = torch.randn(3, 256)
+    with pytest.raises(ValueError, match=r"kernel='cutlass' is not one the 'triton' backend runs; allowed: \['small_m', 'triton', 'tiled'\]"):
+        linear.run_kernel(linear._TritonImpl(), mod, x, "cutlass", dc.CutlassLaunch())
+    with pytest.raises(ValueError, match=r"kernel='small_m' is not one the 'torch' backend runs; allowed: \['tiled'\]"):
+        linear.run_kernel(linear._TorchImpl(), mod, x, "small_m", CFG)
+
+
+def test_table_booleans_must_be_booleans():
+    """A JSON string "false" is refused rather than read as true by bool()."""
+    with pytest.raises(ValueError, match="cutlass launch raster_along_n='false'; allowed: true, false, 0 or 1"):
+        dc.CutlassLaunch.from_dict({"raster_along_n": "false"})
+    with pytest.raises(ValueError, match="small-batch config fused='no'; allowed: true, false, 0 or 1"):
+        SmallMConfig.from_dict({**CFG.to_dict(), "fused": "no"})
+    assert dc.CutlassLaunch.from_dict({"raster_along_n": False}).raster_along_n is False
