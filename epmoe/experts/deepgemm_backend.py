@@ -255,14 +255,13 @@ class DeepGemmBackend(ExpertsBackend):
         if m == 0:
             return torch.empty((0, weights.hidden_size), dtype=out_dtype, device=batch.x.device)
         m_indices = batch.m_indices.to(torch.int32).contiguous()
+        padding = stages.padding_rows(batch)
         with phase("epmoe.quantize"):
-            a, a_scale = fp8_gemm_input(batch.x, batch.x_scale, weights.hidden_size,
-                                        row_expert=stages.padding_rows(batch))  # fmt: skip
+            a, a_scale = fp8_gemm_input(batch.x, batch.x_scale, weights.hidden_size, row_expert=padding)
         with phase("epmoe.gemm1"):
             gate_up = ops.deepgemm_contiguous(a, a_scale, weights.w13, weights.w13_scale, m_indices)
         with phase("epmoe.activation"):
-            h, h_scale = ops.silu_and_mul_quant(gate_up, "group", BLOCK, torch.float8_e4m3fn,
-                                                row_expert=stages.padding_rows(batch))  # fmt: skip
+            h, h_scale = ops.silu_and_mul_quant(gate_up, "group", BLOCK, torch.float8_e4m3fn, row_expert=padding)
         with phase("epmoe.gemm2"):
             out = ops.deepgemm_contiguous(h, h_scale, weights.w2, weights.w2_scale, m_indices)
         return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
