@@ -461,6 +461,7 @@ def grouped_gemm(
     """
     if impl not in FP8_IMPLS:
         raise ValueError(f"impl={impl!r}; allowed: {list(FP8_IMPLS)}")
+    _check_rows(a)
     _check_block_scaled("grouped_gemm", torch.float8_e4m3fn, a, a_scale, b, b_scale, expert_offsets, out)
     out = _output(a, b, out)
     m = a.shape[0]
@@ -580,8 +581,8 @@ def _check_block_scaled(op, dtype, a, a_scale, b, b_scale, expert_offsets, out, 
     """The block-scaled kernels' operands (FP8 or INT8): K and N positive multiples of 128 (the
     kernels step K in whole 128-wide scale blocks and read one weight scale per 128 columns),
     ``a_scale [M, K/128]``, ``b_scale [E, N/128, K/128]`` or, for the kernels of 192-wide tiles
-    (``tile_n``), :func:`kernel_weight_scale`'s ``[E, N/64, K/128]``."""
-    _check_rows(a)
+    (``tile_n``), :func:`kernel_weight_scale`'s ``[E, N/64, K/128]``. The caller checks the
+    rows first (:func:`_check_rows`)."""
     groups = (BLOCK, WEIGHT_SCALE_GROUP_N) if tile_n % BLOCK else (BLOCK,)
     check_operands(op, a, a_scale, b, b_scale, expert_offsets, out, dtype=dtype, k_multiple=BLOCK,
                    n_multiple=BLOCK, a_scale_shapes=lambda m, k: [(m, k // BLOCK)],
@@ -627,8 +628,7 @@ def _check_rows(a) -> None:
 def _check_channel_scaled(op, a, a_scale, b, b_scale, expert_offsets, out, devices=True) -> None:
     """The INT8 channel-scaled kernel's operands: K a positive multiple of 16 (16-byte TMA rows of
     A and B), N of 8 (of the bf16 output), ``a_scale [M, 1]`` or ``[M]``, ``b_scale [E, N, 1]`` or
-    ``[E, N]``."""
-    _check_rows(a)
+    ``[E, N]``. The caller checks the rows first (:func:`_check_rows`)."""
     check_operands(op, a, a_scale, b, b_scale, expert_offsets, out, dtype=torch.int8, k_multiple=16, n_multiple=8,
                    a_scale_shapes=lambda m, k: [(m, 1), (m,)], b_scale_shapes=lambda e, n, k: [(e, n, 1), (e, n)],
                    devices=devices)  # fmt: skip
@@ -675,6 +675,7 @@ def int8_grouped_gemm(
         ``out``, ``[M, N]`` bf16.
     """
     _check_swizzle("int8_grouped_gemm", max_swizzle)  # first, as int8_dense_gemm: not hidden by a device refusal
+    _check_rows(a)
     _check_channel_scaled("int8_grouped_gemm", a, a_scale, b, b_scale, expert_offsets, out)
     out = _output(a, b, out)
     m = a.shape[0]
@@ -774,6 +775,7 @@ def int8_block_grouped_gemm(
         ``out``, ``[M, N]`` bf16.
     """
     index = _schedule_index(schedule)
+    _check_rows(a)
     _check_block_scaled("int8_block_grouped_gemm", torch.int8, a, a_scale, b, b_scale, expert_offsets, out,
                         tile_n=INT8_BLOCK_TILE_N[schedule])  # fmt: skip
     out = _output(a, b, out)
@@ -851,6 +853,7 @@ def _masked_gemm(kind: str, a, a_scale, b, b_scale, masked_m, out, schedule: str
     a, a_scale = a.contiguous(), a_scale.contiguous()
     e, max_m, k = a.shape
     rows, row_scales = a.reshape(e * max_m, k), a_scale.reshape(e * max_m, -1)
+    _check_rows(rows)
     if block:
         _check_block_scaled(op, torch.int8, rows, row_scales, b, b_scale, None, None, devices=False,
                             tile_n=INT8_BLOCK_TILE_N[schedule])  # fmt: skip
