@@ -568,8 +568,12 @@ def check_operands(
         if tuple(expert_offsets.shape) != (e + 1,):
             raise ValueError(f"{op}: expert_offsets must be [E+1] = [{e + 1}]; got {_shape(expert_offsets)}")
         check_block_offsets(expert_offsets, m)
-    if not devices:
-        return
+    if devices:
+        _check_devices(op, a, a_scale, b, b_scale, out)
+
+
+def _check_devices(op, a, a_scale, b, b_scale, out) -> None:
+    """``a`` a CUDA tensor and ``b``, the scales and ``out`` (when given) on its device."""
     if a.device.type != "cuda":
         raise ValueError(f"{op}: a must be a CUDA tensor; got {_shape(a)}")
     for name, t in (("b", b), ("a_scale", a_scale), ("b_scale", b_scale), ("out", out)):
@@ -827,11 +831,7 @@ def _check_masked(op, a, a_scale, b, masked_m, out, scale_cols) -> None:
 
 def _check_masked_devices(op, a, a_scale, b, b_scale, masked_m, out) -> None:
     """Every operand on ``a``'s CUDA device (``masked_m`` may also be a host tensor)."""
-    if a.device.type != "cuda":
-        raise ValueError(f"{op}: a must be a CUDA tensor; got {_shape(a)}")
-    for name, t in (("b", b), ("a_scale", a_scale), ("b_scale", b_scale), ("out", out)):
-        if t is not None and t.device != a.device:
-            raise ValueError(f"{op}: {name} must be on a's device {a.device}; got {_shape(t)}")
+    _check_devices(op, a, a_scale, b, b_scale, out)
     if masked_m.device.type not in ("cpu", a.device.type) or (masked_m.is_cuda and masked_m.device != a.device):
         raise ValueError(f"{op}: masked_m must be on the host or on a's device {a.device}; got {_shape(masked_m)}")
 
