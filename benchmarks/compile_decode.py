@@ -442,17 +442,17 @@ def main(argv=None) -> dict:
             print(f"{scheme}: skipped: {exc}", flush=True)
             continue
         fill_random(block)
+        runner = Runner(args, block, scheme, started)
         if args.kernels_batch is not None:
             if device.type == "cuda":
                 with torch.no_grad():
-                    y = block.norm2(Runner(args, block, scheme, started).inputs(args.kernels_batch))
+                    y = block.norm2(runner.inputs(args.kernels_batch))
                     logits = block.gate(y.float())
                     listed = layer_kernels(lambda: block.experts(y, logits))
                 result.setdefault("kernels", {})[scheme] = dict(batch=args.kernels_batch, kernels=listed)
                 print_kernels(scheme, args.kernels_batch, listed)
             else:
                 result.setdefault("kernels", {})[scheme] = "needs CUDA (kernel events)"
-        runner = Runner(args, block, scheme, started)
         for t in args.batches:
             runner.cheap_modes(t)
         # Compiling takes most of the run: each scheme has its own budget, the CUDA-graph mode
