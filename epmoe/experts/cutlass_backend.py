@@ -1113,7 +1113,6 @@ class CutlassBackend(ExpertsBackend):
         # Decided once: the forward reads it (alignment) and torch.compile cannot trace the
         # package lookup behind it (importlib's find_spec).
         self._sgl_fp8 = not self.int8 and _use_sgl()
-        self._fp8_impl = "sgl" if self._sgl_fp8 else "epmoe"
 
     @property
     def int8(self) -> bool:
@@ -1279,7 +1278,7 @@ class CutlassBackend(ExpertsBackend):
             return torch.empty((0, hidden), dtype=torch.bfloat16, device=batch.x.device)
         offsets = batch.expert_offsets
         bound, lift, drop = spare_row_slab(batch)
-        gemm = functools.partial(ops.cutlass_grouped_gemm, "fp8_block", impl=self._fp8_impl)
+        gemm = functools.partial(ops.cutlass_grouped_gemm, "fp8_block", impl="sgl" if self._sgl_fp8 else "epmoe")
         with phase("epmoe.quantize"):
             a, a_scale = fp8_gemm_input(lift(batch.x), lift(batch.x_scale), hidden, *bound, stages.padding_rows(batch))
         with phase("epmoe.gemm1"):
