@@ -155,10 +155,6 @@ def experts_pass(layer: DeepEPMoELayer, y: torch.Tensor, logits: torch.Tensor):
     return (lambda: backend.run_contiguous(batch, weights, y.dtype)), batch
 
 
-def commit_of(arg: str | None) -> str | None:
-    return git_commit(arg, fallback=None)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("out", help="JSON results path")
@@ -426,7 +422,7 @@ def main(argv=None) -> dict:
 
     result = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        commit=commit_of(args.commit), device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        commit=git_commit(args.commit, fallback=None), device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         torch=torch.__version__, triton=triton.__version__, sizes=sizes, batches=args.batches,
         env={k: os.environ.get(k) for k in ("SGLANG_CUTLASS_MOE", "EPMOE_BACKEND")}, rows=[], skipped_schemes={},
     )  # fmt: skip
@@ -442,17 +438,17 @@ def main(argv=None) -> dict:
             print(f"{scheme}: skipped: {exc}", flush=True)
             continue
         fill_random(block)
+        runner = Runner(args, block, scheme, started)
         if args.kernels_batch is not None:
             if device.type == "cuda":
                 with torch.no_grad():
-                    y = block.norm2(Runner(args, block, scheme, started).inputs(args.kernels_batch))
+                    y = block.norm2(runner.inputs(args.kernels_batch))
                     logits = block.gate(y.float())
                     listed = layer_kernels(lambda: block.experts(y, logits))
                 result.setdefault("kernels", {})[scheme] = dict(batch=args.kernels_batch, kernels=listed)
                 print_kernels(scheme, args.kernels_batch, listed)
             else:
                 result.setdefault("kernels", {})[scheme] = "needs CUDA (kernel events)"
-        runner = Runner(args, block, scheme, started)
         for t in args.batches:
             runner.cheap_modes(t)
         # Compiling takes most of the run: each scheme has its own budget, the CUDA-graph mode

@@ -141,10 +141,6 @@ def bench_argv(args, json_path: str, schedules) -> list[str]:
     return argv
 
 
-def commit(given: str | None) -> str | None:
-    return git_commit(given, fallback=None)
-
-
 def turns_ms(rows: dict, label: str):
     r = rows.get(label)
     return None if r is None or r["error"] else r["ms"].get("total_turns")
@@ -259,7 +255,7 @@ def main(argv=None) -> int:
     report["smoke"] = checks
     report["build_s"] = build_s
     report["run_s"] = time.perf_counter() - started - (build_s or 0.0)
-    report["commit"] = commit(args.commit)
+    report["commit"] = git_commit(args.commit, fallback=None)
     report["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     report["script"] = "benchmarks/int8_block_schedules.py " + " ".join(argv if argv is not None else sys.argv[1:])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -61,3 +62,30 @@ def make_weights(num_experts: int, hidden: int, inter: int, scheme: str, seed: i
     q13, s13 = quantize_weight(w13, s)
     q2, s2 = quantize_weight(w2, s)
     return (q13, q2, s13, s2), (dequantize_weight(q13, s13), dequantize_weight(q2, s2))
+
+
+class RankRows:
+    """One rank's results, JSON lines in ``{out_path}.{rank}``: :meth:`emit` adds the rank to a row
+    and flushes it at once (a rank that exits or hangs leaves what it wrote; :func:`read_rank_rows`)."""
+
+    def __init__(self, out_path: str, rank: int) -> None:
+        self.rank = rank
+        self.file = open(f"{out_path}.{rank}", "w")
+
+    def emit(self, row: dict) -> None:
+        row["rank"] = self.rank
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def read_rank_rows(out: str, world: int) -> list[dict]:
+    """Every row the ranks ``0 .. world - 1`` wrote with :class:`RankRows` (a missing file: none)."""
+    rows = []
+    for r in range(world):
+        if os.path.exists(f"{out}.{r}"):
+            with open(f"{out}.{r}") as f:
+                rows += [json.loads(line) for line in f]
+    return rows

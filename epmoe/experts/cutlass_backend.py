@@ -461,6 +461,7 @@ def grouped_gemm(
     """
     if impl not in FP8_IMPLS:
         raise ValueError(f"impl={impl!r}; allowed: {list(FP8_IMPLS)}")
+    _check_rows(a)
     _check_block_scaled("grouped_gemm", torch.float8_e4m3fn, a, a_scale, b, b_scale, expert_offsets, out)
     out = _output(a, b, out)
     m = a.shape[0]
@@ -567,8 +568,12 @@ def check_operands(
         if tuple(expert_offsets.shape) != (e + 1,):
             raise ValueError(f"{op}: expert_offsets must be [E+1] = [{e + 1}]; got {_shape(expert_offsets)}")
         check_block_offsets(expert_offsets, m)
-    if not devices:
-        return
+    if devices:
+        _check_devices(op, a, a_scale, b, b_scale, out)
+
+
+def _check_devices(op, a, a_scale, b, b_scale, out) -> None:
+    """``a`` a CUDA tensor and ``b``, the scales and ``out`` (when given) on its device."""
     if a.device.type != "cuda":
         raise ValueError(f"{op}: a must be a CUDA tensor; got {_shape(a)}")
     for name, t in (("b", b), ("a_scale", a_scale), ("b_scale", b_scale), ("out", out)):
@@ -580,8 +585,8 @@ def _check_block_scaled(op, dtype, a, a_scale, b, b_scale, expert_offsets, out, 
     """The block-scaled kernels' operands (FP8 or INT8): K and N positive multiples of 128 (the
     kernels step K in whole 128-wide scale blocks and read one weight scale per 128 columns),
     ``a_scale [M, K/128]``, ``b_scale [E, N/128, K/128]`` or, for the kernels of 192-wide tiles
-    (``tile_n``), :func:`kernel_weight_scale`'s ``[E, N/64, K/128]``."""
-    _check_rows(a)
+    (``tile_n``), :func:`kernel_weight_scale`'s ``[E, N/64, K/128]``. The caller checks the
+    rows first (:func:`_check_rows`)."""
     groups = (BLOCK, WEIGHT_SCALE_GROUP_N) if tile_n % BLOCK else (BLOCK,)
     check_operands(op, a, a_scale, b, b_scale, expert_offsets, out, dtype=dtype, k_multiple=BLOCK,
                    n_multiple=BLOCK, a_scale_shapes=lambda m, k: [(m, k // BLOCK)],
@@ -627,8 +632,7 @@ def _check_rows(a) -> None:
 def _check_channel_scaled(op, a, a_scale, b, b_scale, expert_offsets, out, devices=True) -> None:
     """The INT8 channel-scaled kernel's operands: K a positive multiple of 16 (16-byte TMA rows of
     A and B), N of 8 (of the bf16 output), ``a_scale [M, 1]`` or ``[M]``, ``b_scale [E, N, 1]`` or
-    ``[E, N]``."""
-    _check_rows(a)
+    ``[E, N]``. The caller checks the rows first (:func:`_check_rows`)."""
     check_operands(op, a, a_scale, b, b_scale, expert_offsets, out, dtype=torch.int8, k_multiple=16, n_multiple=8,
                    a_scale_shapes=lambda m, k: [(m, 1), (m,)], b_scale_shapes=lambda e, n, k: [(e, n, 1), (e, n)],
                    devices=devices)  # fmt: skip
@@ -675,6 +679,7 @@ def int8_grouped_gemm(
         ``out``, ``[M, N]`` bf16.
     """
     _check_swizzle("int8_grouped_gemm", max_swizzle)  # first, as int8_dense_gemm: not hidden by a device refusal
+    _check_rows(a)
     _check_channel_scaled("int8_grouped_gemm", a, a_scale, b, b_scale, expert_offsets, out)
     out = _output(a, b, out)
     m = a.shape[0]
@@ -774,6 +779,7 @@ def int8_block_grouped_gemm(
         ``out``, ``[M, N]`` bf16.
     """
     index = _schedule_index(schedule)
+    _check_rows(a)
     _check_block_scaled("int8_block_grouped_gemm", torch.int8, a, a_scale, b, b_scale, expert_offsets, out,
                         tile_n=INT8_BLOCK_TILE_N[schedule])  # fmt: skip
     out = _output(a, b, out)
@@ -825,11 +831,7 @@ def _check_masked(op, a, a_scale, b, masked_m, out, scale_cols) -> None:
 
 def _check_masked_devices(op, a, a_scale, b, b_scale, masked_m, out) -> None:
     """Every operand on ``a``'s CUDA device (``masked_m`` may also be a host tensor)."""
-    if a.device.type != "cuda":
-        raise ValueError(f"{op}: a must be a CUDA tensor; got {_shape(a)}")
-    for name, t in (("b", b), ("a_scale", a_scale), ("b_scale", b_scale), ("out", out)):
-        if t is not None and t.device != a.device:
-            raise ValueError(f"{op}: {name} must be on a's device {a.device}; got {_shape(t)}")
+    _check_devices(op, a, a_scale, b, b_scale, out)
     if masked_m.device.type not in ("cpu", a.device.type) or (masked_m.is_cuda and masked_m.device != a.device):
         raise ValueError(f"{op}: masked_m must be on the host or on a's device {a.device}; got {_shape(masked_m)}")
 
@@ -851,6 +853,7 @@ def _masked_gemm(kind: str, a, a_scale, b, b_scale, masked_m, out, schedule: str
     a, a_scale = a.contiguous(), a_scale.contiguous()
     e, max_m, k = a.shape
     rows, row_scales = a.reshape(e * max_m, k), a_scale.reshape(e * max_m, -1)
+    _check_rows(rows)
     if block:
         _check_block_scaled(op, torch.int8, rows, row_scales, b, b_scale, None, None, devices=False,
                             tile_n=INT8_BLOCK_TILE_N[schedule])  # fmt: skip
@@ -1110,7 +1113,6 @@ class CutlassBackend(ExpertsBackend):
         # Decided once: the forward reads it (alignment) and torch.compile cannot trace the
         # package lookup behind it (importlib's find_spec).
         self._sgl_fp8 = not self.int8 and _use_sgl()
-        self._fp8_impl = "sgl" if self._sgl_fp8 else "epmoe"
 
     @property
     def int8(self) -> bool:
@@ -1276,7 +1278,7 @@ class CutlassBackend(ExpertsBackend):
             return torch.empty((0, hidden), dtype=torch.bfloat16, device=batch.x.device)
         offsets = batch.expert_offsets
         bound, lift, drop = spare_row_slab(batch)
-        gemm = functools.partial(ops.cutlass_grouped_gemm, "fp8_block", impl=self._fp8_impl)
+        gemm = functools.partial(ops.cutlass_grouped_gemm, "fp8_block", impl="sgl" if self._sgl_fp8 else "epmoe")
         with phase("epmoe.quantize"):
             a, a_scale = fp8_gemm_input(lift(batch.x), lift(batch.x_scale), hidden, *bound, stages.padding_rows(batch))
         with phase("epmoe.gemm1"):

@@ -21,7 +21,6 @@ low-latency kernels always meet. Each result is one JSON line in ``out_path.<ran
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import traceback
@@ -35,7 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/ (helpers, reference)
 sys.path.insert(1, os.path.dirname(os.path.dirname(HERE)))  # the repository (benchmarks/)
 
-from helpers import make_weights  # noqa: E402
+from helpers import RankRows, make_weights  # noqa: E402
 from reference import rel_err  # noqa: E402
 
 from epmoe.dispatch.deepep_dispatch import DeepEPBuffer  # noqa: E402
@@ -209,12 +208,8 @@ def run_compile(rank, world, port, schemes, out_path):
 
     device = init_process_group(rank, world, port, "cuda", timeout_s=120)
     torch._dynamo.config.recompile_limit = 64  # one compile per (block, batch size, mode)
-    f = open(f"{out_path}.{rank}", "w")
-
-    def emit(row):
-        row["rank"] = rank
-        f.write(json.dumps(row) + "\n")
-        f.flush()
+    results = RankRows(out_path, rank)
+    emit = results.emit
 
     buf = DeepEPBuffer()
     buf.register(BufferNeeds(H, E, K, CAP, frozenset({"normal", "low_latency"})), world)
@@ -229,9 +224,9 @@ def run_compile(rank, world, port, schemes, out_path):
         dist.barrier()
     except Exception:
         emit(dict(kind="error", error=traceback.format_exc()))
-        f.close()
+        results.close()
         os._exit(1)  # a peer may be stuck in a collective: do not wait for it
     buf.close()
-    f.close()
+    results.close()
     dist.barrier()
     dist.destroy_process_group()

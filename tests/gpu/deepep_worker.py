@@ -16,7 +16,6 @@ Each result is one JSON line in ``out_path.<rank>``, written as soon as it is kn
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -29,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/ (cases, helpers, reference)
 
 from cases import CASE_NAMES, make_case  # noqa: E402
-from helpers import gpu_world_size, make_weights  # noqa: E402
+from helpers import RankRows, gpu_world_size, make_weights  # noqa: E402
 from reference import moe_reference, rel_err  # noqa: E402
 
 from epmoe.dispatch.deepep_dispatch import DeepEPBuffer  # noqa: E402
@@ -102,12 +101,8 @@ def run_all(rank, world, port, dispatches, schemes, backends, out_path):
         raise ValueError(f"{world} ranks need a low-latency capacity of {_capacity(world)}, this worker has "
                          f"{CAP}: launch it with EPMOE_TEST_GPUS={world}")  # fmt: skip
     device = _init(rank, world, port)
-    f = open(f"{out_path}.{rank}", "w")
-
-    def emit(row):
-        row["rank"] = rank
-        f.write(json.dumps(row) + "\n")
-        f.flush()
+    results = RankRows(out_path, rank)
+    emit = results.emit
 
     counter = _Counter()
     logging.getLogger("epmoe").addHandler(counter)
@@ -127,7 +122,7 @@ def run_all(rank, world, port, dispatches, schemes, backends, out_path):
         dist.barrier()
     except Exception:
         emit(dict(kind="error", error=traceback.format_exc()))
-        f.close()
+        results.close()
         os._exit(1)  # a peer may be stuck in a collective: do not wait for it
     # Every combination over the routing cases. A deterministic failure (both ranks raise at the
     # same point) is recorded and the next combination runs; a one-sided one hangs the peer
@@ -162,7 +157,7 @@ def run_all(rank, world, port, dispatches, schemes, backends, out_path):
                 del layer
     dist.barrier()
     buf.close()
-    f.close()
+    results.close()
     dist.barrier()
     dist.destroy_process_group()
 

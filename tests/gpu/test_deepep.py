@@ -8,7 +8,6 @@ process; each test below reads its part of the results.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -19,7 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from helpers import deepep_gpu_marks, gpu_world_size  # noqa: E402
+from helpers import deepep_gpu_marks, gpu_world_size, read_rank_rows  # noqa: E402
 
 WORLD = gpu_world_size()
 pytestmark = deepep_gpu_marks(WORLD)
@@ -43,11 +42,7 @@ def results(tmp_path_factory):
         failure = f"the DeepEP workers did not finish within {DEADLINE_S:.0f} s"
     except RankError as exc:  # a rank exited with an error; rows tell which
         failure = f"a DeepEP worker failed: {exc}"
-    rows = []
-    for r in range(WORLD):
-        if os.path.exists(f"{out}.{r}"):
-            with open(f"{out}.{r}") as f:
-                rows += [json.loads(line) for line in f]
+    rows = read_rank_rows(out, WORLD)
     errors = [r["error"] for r in rows if r.get("kind") == "error"]
     return dict(rows=rows, failure=failure, errors=errors)
 

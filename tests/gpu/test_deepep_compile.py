@@ -14,7 +14,6 @@ process. Run alone (NVSHMEM once per process, and the ranks need the GPUs to the
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -25,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from helpers import deepep_gpu_marks, gpu_world_size  # noqa: E402
+from helpers import deepep_gpu_marks, gpu_world_size, read_rank_rows  # noqa: E402
 
 WORLD = gpu_world_size()
 pytestmark = deepep_gpu_marks(WORLD)
@@ -51,11 +50,7 @@ def results(tmp_path_factory):
         failure = f"the workers did not finish within {DEADLINE_S:.0f} s"
     except RankError as exc:
         failure = f"a worker failed: {exc}"
-    rows = []
-    for r in range(WORLD):
-        if os.path.exists(f"{out}.{r}"):
-            with open(f"{out}.{r}") as f:
-                rows += [json.loads(line) for line in f]
+    rows = read_rank_rows(out, WORLD)
     for row in rows:  # one GPU run has to tell the whole story
         print(row)
     return dict(rows=rows, failure=failure, errors=[r["error"] for r in rows if r.get("kind") == "error"])
