@@ -35,6 +35,10 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
+INTERPRETER_TILE = 65536
+"""Elements per program on CPU, where Triton's interpreter pays per program, not per element
+(the kernels' GPU tiles are much smaller)."""
+
 COPY_MAX_SLOTS = 128
 """Most (token, slot) pairs laid out and copied in one launch
 (:func:`epmoe.kernels.permute.slot_layout_scatter`, :func:`epmoe.kernels.prep.decode_prep`): 16
