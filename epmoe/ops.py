@@ -23,7 +23,7 @@ import math
 import torch
 from torch.compiler import is_compiling
 
-from .kernels.common import max_rows, mn_major_scales  # Triton-free: importing this module must not need Triton
+from .kernels.common import empty_scales, max_rows, mn_major_scales  # Triton-free: importing this module must not need Triton
 from .quant.payload import PAYLOAD_FORMATS
 
 NAMESPACE = "epmoe"
@@ -366,8 +366,8 @@ def _(router_logits, top_k, renormalize, scoring_func, num_expert_group, topk_gr
     if payload == "float":
         return [*out, x.new_empty((rows, x.shape[1]))]
     dtype, _, group = PAYLOAD_FORMATS[payload]
-    scales = x.new_empty((1, 1 if group is None else x.shape[1] // group), dtype=torch.float32)
-    return [*out, x.new_empty((rows, x.shape[1]), dtype=dtype), _fake_scales(rows, scales, scale_mn_major)]
+    scales = empty_scales(rows, 1 if group is None else x.shape[1] // group, None, scale_mn_major, like=x)
+    return [*out, x.new_empty((rows, x.shape[1]), dtype=dtype), scales]
 
 
 def decode_prep(router_logits, top_k, x, *, alignment, payload, renormalize=True, scoring_func="softmax",

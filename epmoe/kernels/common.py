@@ -92,6 +92,18 @@ def mn_major_scales(rows: int, cols: int, device, like: torch.Tensor | None = No
     return buf.t()[:rows]
 
 
+def empty_scales(
+    rows: int, cols: int, device, mn_major: bool = False, like: torch.Tensor | None = None
+) -> torch.Tensor:
+    """An uninitialised fp32 ``[rows, cols]`` scale tensor, MN-major (:func:`mn_major_scales`) or
+    row-major; ``like`` as there."""
+    if mn_major:
+        return mn_major_scales(rows, cols, device, like)
+    if like is not None:
+        return like.new_empty((rows, cols), dtype=torch.float32)
+    return torch.empty((rows, cols), dtype=torch.float32, device=device)
+
+
 def check_scale_input(x: torch.Tensor, x_scale: torch.Tensor) -> None:
     """``x_scale`` must be fp32-castable ``[..., S]`` matching ``x [..., K]`` with ``S | K``."""
     if not isinstance(x_scale, torch.Tensor) or not x_scale.is_floating_point():

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import max_rows, mn_major_scales, next_pow2, prep_refusal
+from .common import empty_scales, max_rows, next_pow2, prep_refusal
 from .permute import SLOT_ROWS, SLOT_TILE, _local_ids, _step, aligned_segments, mark_unused_rows, sorted_rows
 from ..quant.payload import PAYLOAD_FORMATS
 from ..quant.schemes import BLOCK
@@ -239,11 +239,7 @@ def decode_prep(
     out = torch.empty((rows, h), dtype=qdtype or x.dtype, device=device)
     out_scale = None
     if quant:
-        cols = 1 if quant == 1 else h // GROUP
-        if scale_mn_major:
-            out_scale = mn_major_scales(rows, cols, device)
-        else:
-            out_scale = torch.empty((rows, cols), dtype=torch.float32, device=device)
+        out_scale = empty_scales(rows, 1 if quant == 1 else h // GROUP, device, scale_mn_major)
     block_h = _block_h(t, h, device)
     programs = (triton.cdiv(h, block_h), t)
     le_pad = max(32, next_pow2(e))  # as the slot kernels: at least a bin per lane of a warp
