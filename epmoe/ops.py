@@ -399,7 +399,7 @@ def _cutlass_fn(kind: str, masked: bool = False):
 
 def _with_schedule(kind: str, fn, schedule: str, impl: str = "auto"):
     """``fn`` with the INT8 block kernel's ``schedule`` or the FP8 GEMM's ``impl`` (the INT8
-    channel kernel has one of each)."""
+    channel kernel takes neither)."""
     if kind == "int8_block":
         return functools.partial(fn, schedule=schedule)
     return functools.partial(fn, impl=impl) if kind == "fp8_block" else fn
