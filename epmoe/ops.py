@@ -23,7 +23,7 @@ import math
 import torch
 from torch.compiler import is_compiling
 
-from .kernels.common import max_rows, mn_major_scales  # Triton-free: importing this module must not need Triton
+from .kernels.common import empty_scales, max_rows, mn_major_scales  # Triton-free: importing this module must not need Triton
 from .quant.payload import PAYLOAD_FORMATS
 
 NAMESPACE = "epmoe"
@@ -366,8 +366,8 @@ def _(router_logits, top_k, renormalize, scoring_func, num_expert_group, topk_gr
     if payload == "float":
         return [*out, x.new_empty((rows, x.shape[1]))]
     dtype, _, group = PAYLOAD_FORMATS[payload]
-    scales = x.new_empty((1, 1 if group is None else x.shape[1] // group), dtype=torch.float32)
-    return [*out, x.new_empty((rows, x.shape[1]), dtype=dtype), _fake_scales(rows, scales, scale_mn_major)]
+    scales = empty_scales(rows, 1 if group is None else x.shape[1] // group, None, scale_mn_major, like=x)
+    return [*out, x.new_empty((rows, x.shape[1]), dtype=dtype), scales]
 
 
 def decode_prep(router_logits, top_k, x, *, alignment, payload, renormalize=True, scoring_func="softmax",
@@ -399,7 +399,7 @@ def _cutlass_fn(kind: str, masked: bool = False):
 
 def _with_schedule(kind: str, fn, schedule: str, impl: str = "auto"):
     """``fn`` with the INT8 block kernel's ``schedule`` or the FP8 GEMM's ``impl`` (the INT8
-    channel kernel has one of each)."""
+    channel kernel takes neither)."""
     if kind == "int8_block":
         return functools.partial(fn, schedule=schedule)
     return functools.partial(fn, impl=impl) if kind == "fp8_block" else fn

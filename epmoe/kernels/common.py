@@ -35,6 +35,10 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
+INTERPRETER_TILE = 65536
+"""Elements per program on CPU, where Triton's interpreter pays per program, not per element
+(the kernels' GPU tiles are much smaller)."""
+
 COPY_MAX_SLOTS = 128
 """Most (token, slot) pairs laid out and copied in one launch
 (:func:`epmoe.kernels.permute.slot_layout_scatter`, :func:`epmoe.kernels.prep.decode_prep`): 16
@@ -86,6 +90,18 @@ def mn_major_scales(rows: int, cols: int, device, like: torch.Tensor | None = No
     buf = like.new_empty(shape, dtype=torch.float32) if like is not None else torch.empty(
         shape, dtype=torch.float32, device=device)  # fmt: skip
     return buf.t()[:rows]
+
+
+def empty_scales(
+    rows: int, cols: int, device, mn_major: bool = False, like: torch.Tensor | None = None
+) -> torch.Tensor:
+    """An uninitialised fp32 ``[rows, cols]`` scale tensor, MN-major (:func:`mn_major_scales`) or
+    row-major; ``like`` as there."""
+    if mn_major:
+        return mn_major_scales(rows, cols, device, like)
+    if like is not None:
+        return like.new_empty((rows, cols), dtype=torch.float32)
+    return torch.empty((rows, cols), dtype=torch.float32, device=device)
 
 
 def check_scale_input(x: torch.Tensor, x_scale: torch.Tensor) -> None:

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ..tensors import as_contiguous, check_positive_int
-from .common import COPY_MAX_SLOTS, max_rows, mn_major_scales, next_pow2
+from .common import COPY_MAX_SLOTS, INTERPRETER_TILE, max_rows, mn_major_scales, next_pow2
 
 SLOT_STEP = 512
 """Slots a program sorts at once: a power of two >= 128, so that each of the 4 warps' threads
@@ -402,9 +402,8 @@ def _step(n: int) -> int:
 
 
 COPY_TILE = 4096
-"""Elements of that tile on a GPU (32 columns a program for 128 slots: 224 programs for H=7168)."""
-INTERPRETER_TILE = 65536
-"""The same on CPU, where Triton's interpreter pays per program."""
+"""Elements of a copying slot program's ``[STEP, BLOCK_H]`` tile on a GPU (32 columns a program for
+128 slots: 224 programs for H=7168); on CPU, :data:`~epmoe.kernels.common.INTERPRETER_TILE`."""
 
 
 def fused_copy_step(num_slots: int) -> bool:

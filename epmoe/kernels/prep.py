@@ -26,8 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import max_rows, mn_major_scales, next_pow2, prep_refusal
-from .permute import SLOT_ROWS, SLOT_TILE, _local_ids, _step, aligned_segments, mark_unused_rows, sorted_rows
+from .common import empty_scales, max_rows, next_pow2, prep_refusal
+from .permute import (
+    SLOT_ROWS, SLOT_TILE, _local_ids, _slot_outputs, _step, aligned_segments, mark_unused_rows, sorted_rows,
+)  # fmt: skip
 from ..quant.payload import PAYLOAD_FORMATS
 from ..quant.schemes import BLOCK
 from .quantize import amax_bits, codes_for, load_tile, scale_of
@@ -232,18 +234,13 @@ def decode_prep(
     i32 = dict(dtype=torch.int32, device=device)
     ids = torch.empty((t, top_k), dtype=torch.int64, device=device)
     weights = torch.empty((t, top_k), dtype=torch.float32, device=device)
-    offsets, counts = torch.empty(e + 1, **i32), torch.empty(e, **i32)
-    slot_pos = torch.empty((t, top_k), dtype=torch.int64, device=device)
-    m_indices = torch.empty(rows, **i32)
+    offsets = torch.empty(e + 1, **i32)
+    slot_pos, m_indices, counts = _slot_outputs(ids, e, rows)  # as the slot kernels allocate them
     xc = x if x.stride(1) == 1 else x.contiguous()
     out = torch.empty((rows, h), dtype=qdtype or x.dtype, device=device)
     out_scale = None
     if quant:
-        cols = 1 if quant == 1 else h // GROUP
-        if scale_mn_major:
-            out_scale = mn_major_scales(rows, cols, device)
-        else:
-            out_scale = torch.empty((rows, cols), dtype=torch.float32, device=device)
+        out_scale = empty_scales(rows, 1 if quant == 1 else h // GROUP, device, scale_mn_major)
     block_h = _block_h(t, h, device)
     programs = (triton.cdiv(h, block_h), t)
     le_pad = max(32, next_pow2(e))  # as the slot kernels: at least a bin per lane of a warp

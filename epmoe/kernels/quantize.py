@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from ..tensors import as_contiguous
-from .common import RowPlan, check_scale_input, mn_major_scales, next_pow2, placeholder, row_plan
+from .common import INTERPRETER_TILE, RowPlan, check_scale_input, mn_major_scales, next_pow2, placeholder, row_plan
 
 AMAX_FLOOR = 1e-10
 INT8_QMAX = 127.0
@@ -56,8 +56,6 @@ VALUES_PER_THREAD = 16
 """Elements per thread the default launch aims at (num_warps = tile / (32 * this), 4..16)."""
 MIN_PROGRAMS = 128
 """Below this many row blocks the default launch stops stacking rows (keeps SMs busy)."""
-INTERPRETER_TILE = 65536
-"""Elements per program on CPU, where the interpreter pays per program, not per element."""
 
 
 class Launch(NamedTuple):

@@ -23,12 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import next_pow2
+from .common import INTERPRETER_TILE, next_pow2
 
 GPU_TILE = 1024
 """Elements of a program's ``[BLOCK_T, E]`` tile on a GPU: rows are stacked up to this many."""
-INTERPRETER_TILE = 65536
-"""The same on CPU, where Triton's interpreter pays per program, not per element."""
 
 
 @triton.jit
