@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from .. import devices
+from ..tensors import check_bool
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "configs"
 INT32_ACC_MODE = "int8_channel_int32"
@@ -87,8 +88,9 @@ class GemmConfig:
             raise ValueError(f"config {d} lacks {sorted(missing)}")
         cfg = cls(
             int(d["BLOCK_M"]), int(d["BLOCK_N"]), int(d["BLOCK_K"]), int(d.get("GROUP_M", 8)),
-            bool(d.get("SWAP_AB", False)), int(d.get("num_warps", 4)), int(d.get("num_stages", 3)),
-            bool(d.get("TMA", False)), bool(d.get("PERSISTENT", False)), bool(d.get("FLATTEN", False)),
+            check_bool("SWAP_AB", d.get("SWAP_AB", False)), int(d.get("num_warps", 4)), int(d.get("num_stages", 3)),
+            check_bool("TMA", d.get("TMA", False)), check_bool("PERSISTENT", d.get("PERSISTENT", False)),
+            check_bool("FLATTEN", d.get("FLATTEN", False)),
         )
         cfg.validate()
         return cfg
