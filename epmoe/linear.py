@@ -352,8 +352,9 @@ class _Planned:
     def gemm(self, lin, q, s, out_dtype, rows=None):
         kernel, launch = self.plan(lin, q.shape[0] if rows is None else rows)
         if kernel == "small_m":
-            # Codes with their scales: the same launch without the fused quantization.
-            return _small_m(lin, q, s, out_dtype, launch._replace(fused=False))
+            # Codes with their scales: the same launch without the fused quantization (_replace
+            # costs ~1 us of host time, so only where the plan's launch is fused).
+            return _small_m(lin, q, s, out_dtype, launch._replace(fused=False) if launch.fused else launch)
         return self.tiled(kernel).tiled_gemm(lin, q, s, out_dtype, launch)
 
 
