@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .experts.select import BackendUnavailableError
+from .kernels.configs import DENSE_SMALL_M_MAX
 from .quant.reference import dequantize_rows, dequantize_weight, quantize_rows, quantize_weight
 from .quant.schemes import BLOCK, SCHEMES
 from .tensors import check_positive_int, keeping_dtypes
@@ -67,13 +68,11 @@ AUTO_ORDER = {"int8_channel": ("cutlass", "triton", "torch"), "int8_block": ("tr
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ROW_BLOCK = 128
 """Rows of a tile of the project's CUTLASS kernel: its one segment is padded to a multiple."""
-SMALL_M_MAX = 64
+SMALL_M_MAX = DENSE_SMALL_M_MAX
 """Rows up to which the triton and cutlass backends run the small-batch kernel
 (:mod:`epmoe.kernels.dense_int8`) where the device has no measured table
 (:mod:`epmoe.kernels.dense_configs`, which sets the crossover per shape where it has one): there
-the work is one read of the weight, which the tiled GEMMs' wide tiles spread over too few SMs.
-(The same number as ``dense_configs.SMALL_M_MAX``, which this module cannot import without
-Triton.)"""
+the work is one read of the weight, which the tiled GEMMs' wide tiles spread over too few SMs."""
 _ALL_ROWS = 2**31 - 1
 """``masked_m`` of the Triton path: clamped to the batch's row count inside the kernel."""
 

@@ -29,6 +29,11 @@ from .. import devices
 from ..tensors import check_bool
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "configs"
+DENSE_SMALL_M_MAX = 64
+"""Rows up to which the dense INT8 linear's default rule runs the small-batch kernel
+(:func:`epmoe.kernels.dense_configs.default_plan`, re-exported there and by :mod:`epmoe.linear` as
+``SMALL_M_MAX``): there a dense linear is a read of its weight, which the tiled GEMMs' 128-wide
+tiles spread over too few SMs. Here because this module imports without Triton."""
 INT32_ACC_MODE = "int8_channel_int32"
 """Mode key of the int32-accumulator variant; its buckets override ``int8_channel``'s one by one."""
 
