@@ -518,7 +518,7 @@ class _CutlassGemm(_Impl):
         if m % ROW_BLOCK:  # rows that did not come from this backend's quantizer
             pad = -(-m // ROW_BLOCK) * ROW_BLOCK - m
             q, s = F.pad(q, (0, 0, 0, pad)), F.pad(s, (0, 0, 0, pad), value=1.0)
-        raster = {} if launch is None else dict(raster_along_n=launch.raster_along_n, max_swizzle=launch.max_swizzle)
+        raster = {} if launch is None else launch._asdict()  # CutlassLaunch's fields are the op's keywords
         # One launch: the dense op needs neither expert offsets nor the row-block table.
         out = int8_dense_gemm(q, s, lin.weight, lin.weight_scale, **raster)[:m]
         if lin.bias is not None:
