@@ -140,26 +140,25 @@ def shape_key(n: int, k: int) -> str:
 @functools.lru_cache(maxsize=None)
 def load_table(name: str) -> dict:
     """``{mode: {shape_key: {bucket: config dict}}}`` for a device name (empty when none ships)."""
-    dirs = _config_dirs()
-    missing = [str(d) for d in dirs if not d.is_dir()]
-    if missing:  # a typo would silently fall back to the shipped tables
-        raise ValueError(
-            f"EPMOE_CONFIG_DIR={os.environ['EPMOE_CONFIG_DIR']!r} (from the environment) names "
-            f"{missing}, not a directory"
-        )
     path = find_config_file(config_filename(name))
     return {} if path is None else read_config_file(path)
 
 
-def _config_dirs() -> list[Path]:
-    """The directories ``$EPMOE_CONFIG_DIR`` names, in order."""
-    return [Path(p) for p in os.environ.get("EPMOE_CONFIG_DIR", "").split(os.pathsep) if p]
-
-
 def find_config_file(filename: str) -> Path | None:
     """The first ``filename`` in ``$EPMOE_CONFIG_DIR``'s directories, else in the package's
-    configs, else ``None``."""
-    return next((d / filename for d in _config_dirs() + [PACKAGE_DIR] if (d / filename).is_file()), None)
+    configs, else ``None``.
+
+    Raises:
+        ValueError: ``$EPMOE_CONFIG_DIR`` names something that is not a directory (a typo would
+            silently fall back to the shipped tables)."""
+    dirs = [Path(p) for p in os.environ.get("EPMOE_CONFIG_DIR", "").split(os.pathsep) if p]
+    missing = [str(d) for d in dirs if not d.is_dir()]
+    if missing:
+        raise ValueError(
+            f"EPMOE_CONFIG_DIR={os.environ['EPMOE_CONFIG_DIR']!r} (from the environment) names "
+            f"{missing}, not a directory"
+        )
+    return next((d / filename for d in dirs + [PACKAGE_DIR] if (d / filename).is_file()), None)
 
 
 def read_config_file(path: Path | str) -> dict:
