@@ -86,10 +86,6 @@ INT8_PEAK = 1979e12
 TARGETS = "ratio to bf16 >= 1.7 for M >= 1024, >= 1.6 for M <= 64, never slower than int_mm+quant"
 
 
-def _commit(given: str | None) -> str:
-    return git_commit(given)
-
-
 def _sync():
     torch.cuda.synchronize()
 
@@ -289,7 +285,7 @@ def run(args) -> dict:
             torch.cuda.empty_cache()
     return dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        commit=_commit(args.commit), gpu=torch.cuda.get_device_name(dev) if cuda else "cpu (dry run)",
+        commit=git_commit(args.commit), gpu=torch.cuda.get_device_name(dev) if cuda else "cpu (dry run)",
         torch=torch.__version__,
         triton=triton.__version__, epmoe=getattr(epmoe, "__version__", "unknown"),
         command=" ".join([os.path.basename(sys.executable), *sys.argv]),

@@ -57,8 +57,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_dense_int8 import (  # noqa: E402
-    MAX_COPIES, ROTATE_BYTES, SHAPES, TINY_MS, TINY_SHAPES, _commit, time_graph,
+    MAX_COPIES, ROTATE_BYTES, SHAPES, TINY_MS, TINY_SHAPES, time_graph,
 )
+from benchmarks.provenance import git_commit  # noqa: E402
 
 MODES = ("int8_channel_int32", "int8_block_fp32")
 SWEEP_MS = [1, 4, 16, 32, 64, 256, 1024, 4096, 16384]
@@ -229,7 +230,9 @@ def _build_cutlass(cuda: bool) -> float | None:
 def prior_launches(prior: dict, mode: str, n: int, k: int, m: int) -> list:
     """The small-batch launches ``prior`` (a parsed table) has in bucket ``m`` exactly, as plain
     launches (the sweep times the fastest one's programmatic-dependent twin anyway)."""
-    hit = prior.get(mode, {}).get(f"N={n},K={k}")
+    from epmoe.kernels.configs import shape_key
+
+    hit = prior.get(mode, {}).get(shape_key(n, k))
     if not hit or m not in hit[0]:
         return []
     plain = [launch._replace(pdl=False) for kernel, launch in hit[1][hit[0].index(m)] if kernel == "small_m"]
@@ -241,6 +244,7 @@ def sweep(args, prior: dict | None = None) -> dict:
     launches ``--small-from-table`` re-times instead of searching."""
     import triton
 
+    from epmoe.kernels.configs import shape_key
     from epmoe.kernels.dense_configs import SMALL_M_MAX, CutlassLaunch, mode_key
     from epmoe.kernels.dense_int8 import _sms, pdl_supported, small_m_config
     from epmoe.linear import Int8Linear, run_kernel
@@ -312,7 +316,7 @@ def sweep(args, prior: dict | None = None) -> dict:
                     skipped.append(f"{mode} {name} M={m}")
                     continue
                 entry = cell_entry(times)
-                table.setdefault(mode_key(scheme, acc), {}).setdefault(f"N={n},K={k}", {})[str(m)] = entry
+                table.setdefault(mode_key(scheme, acc), {}).setdefault(shape_key(n, k), {})[str(m)] = entry
                 # What the rule without a table runs: the small-batch default, else the backend's own tiled GEMM.
                 default = (("small_m", small_m_config(m, n, k, scheme, sms)) if m <= SMALL_M_MAX
                            else ("cutlass", CutlassLaunch()) if "cutlass" in impl.kernels else ("triton", None))  # fmt: skip
@@ -333,7 +337,7 @@ def sweep(args, prior: dict | None = None) -> dict:
                 torch.cuda.empty_cache()
     return dict(
         device=torch.cuda.get_device_name(dev) if cuda else "cpu (dry run)", triton=triton.__version__, torch=torch.__version__,
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=_commit(args.commit),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=git_commit(args.commit),
         source="benchmarks/sweep_dense_int8.py (the only source of this file; rerun it to regenerate)",
         command=" ".join([os.path.basename(sys.executable), *sys.argv]),
         sglang_cutlass_moe=os.environ.get("SGLANG_CUTLASS_MOE"), backends=kernels_of, sms=sms,

@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .experts.select import BackendUnavailableError
+from .kernels.configs import DENSE_SMALL_M_MAX
 from .quant.reference import dequantize_rows, dequantize_weight, quantize_rows, quantize_weight
 from .quant.schemes import BLOCK, SCHEMES
 from .tensors import check_positive_int, keeping_dtypes
@@ -67,13 +68,11 @@ AUTO_ORDER = {"int8_channel": ("cutlass", "triton", "torch"), "int8_block": ("tr
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ROW_BLOCK = 128
 """Rows of a tile of the project's CUTLASS kernel: its one segment is padded to a multiple."""
-SMALL_M_MAX = 64
+SMALL_M_MAX = DENSE_SMALL_M_MAX
 """Rows up to which the triton and cutlass backends run the small-batch kernel
 (:mod:`epmoe.kernels.dense_int8`) where the device has no measured table
 (:mod:`epmoe.kernels.dense_configs`, which sets the crossover per shape where it has one): there
-the work is one read of the weight, which the tiled GEMMs' wide tiles spread over too few SMs.
-(The same number as ``dense_configs.SMALL_M_MAX``, which this module cannot import without
-Triton.)"""
+the work is one read of the weight, which the tiled GEMMs' wide tiles spread over too few SMs."""
 _ALL_ROWS = 2**31 - 1
 """``masked_m`` of the Triton path: clamped to the batch's row count inside the kernel."""
 
@@ -352,8 +351,9 @@ class _Planned:
     def gemm(self, lin, q, s, out_dtype, rows=None):
         kernel, launch = self.plan(lin, q.shape[0] if rows is None else rows)
         if kernel == "small_m":
-            # Codes with their scales: the same launch without the fused quantization.
-            return _small_m(lin, q, s, out_dtype, launch._replace(fused=False))
+            # Codes with their scales: the same launch without the fused quantization (_replace
+            # costs ~1 us of host time, so only where the plan's launch is fused).
+            return _small_m(lin, q, s, out_dtype, launch._replace(fused=False) if launch.fused else launch)
         return self.tiled(kernel).tiled_gemm(lin, q, s, out_dtype, launch)
 
 
@@ -518,7 +518,7 @@ class _CutlassGemm(_Impl):
         if m % ROW_BLOCK:  # rows that did not come from this backend's quantizer
             pad = -(-m // ROW_BLOCK) * ROW_BLOCK - m
             q, s = F.pad(q, (0, 0, 0, pad)), F.pad(s, (0, 0, 0, pad), value=1.0)
-        raster = {} if launch is None else dict(raster_along_n=launch.raster_along_n, max_swizzle=launch.max_swizzle)
+        raster = {} if launch is None else launch._asdict()  # CutlassLaunch's fields are the op's keywords
         # One launch: the dense op needs neither expert offsets nor the row-block table.
         out = int8_dense_gemm(q, s, lin.weight, lin.weight_scale, **raster)[:m]
         if lin.bias is not None:

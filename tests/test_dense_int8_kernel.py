@@ -71,15 +71,22 @@ def test_fused_equals_quantize_then_gemm(scheme, acc):
     torch.testing.assert_close(fused, plain, rtol=0, atol=0)
 
 
-def test_uneven_k_and_fp16_output():
-    """Channel K not a multiple of the K tile (masked K loads), fp16 in and out, default config."""
-    gen = torch.Generator().manual_seed(2)
-    n, k = 33, 200
+def _fp16_channel(seed, n, k, m, config=None):
+    """One channel int32 call of fp16 ``[m, k]`` activations, checked (fp16 out, within 2e-3 of
+    the float64 reference); returns the output and the call's device tensors."""
+    gen = torch.Generator().manual_seed(seed)
     w, ws = _weights(n, k, "int8_channel", gen)
-    x = torch.randn(5, k, generator=gen).half()
-    out = dense_int8_small_m(x.to(DEVICE), w.to(DEVICE), ws.to(DEVICE), scheme="int8_channel", accumulator="int32")
+    x = torch.randn(m, k, generator=gen).half()
+    dev = tuple(t.to(DEVICE) for t in (x, w, ws))
+    out = dense_int8_small_m(*dev, scheme="int8_channel", accumulator="int32", config=config)
     assert out.dtype == torch.float16
     assert _rel(out, _ref(x.float(), w, ws, None, "int8_channel")) <= 2e-3
+    return out, dev
+
+
+def test_uneven_k_and_fp16_output():
+    """Channel K not a multiple of the K tile (masked K loads), fp16 in and out, default config."""
+    _fp16_channel(2, 33, 200, 5)
 
 
 def test_refusals():
@@ -160,21 +167,13 @@ def test_split_k_against_float64(scheme, acc, m, fused):
 
 def test_split_k_fp16_output_and_config_checks():
     """A split launch into fp16 (the reduction's one rounding), and the config's own checks."""
-    gen = torch.Generator().manual_seed(9)
-    n, k = 24, 768
-    w, ws = _weights(n, k, "int8_channel", gen)
-    x = torch.randn(3, k, generator=gen).half()
     cfg = SmallMConfig(16, 16, 256, 4, 2, True, 2)
-    out = dense_int8_small_m(x.to(DEVICE), w.to(DEVICE), ws.to(DEVICE), scheme="int8_channel", accumulator="int32",
-                             config=cfg)  # fmt: skip
-    assert out.dtype == torch.float16
-    assert _rel(out, _ref(x.float(), w, ws, None, "int8_channel")) <= 2e-3
+    out, dev = _fp16_channel(9, 24, 768, 3, cfg)
     assert SmallMConfig.from_dict(cfg.to_dict()) == cfg
     # Programmatic dependent launch changes the launch only: off the GPU it runs as a plain one.
     pdl = cfg._replace(pdl=True)
     assert SmallMConfig.from_dict(pdl.to_dict()) == pdl and SmallMConfig.from_dict({**pdl.to_dict(), "pdl": 0}) == cfg
-    out_pdl = dense_int8_small_m(x.to(DEVICE), w.to(DEVICE), ws.to(DEVICE), scheme="int8_channel",
-                                 accumulator="int32", config=pdl)  # fmt: skip
+    out_pdl = dense_int8_small_m(*dev, scheme="int8_channel", accumulator="int32", config=pdl)
     assert torch.equal(out_pdl, out)
     with pytest.raises(ValueError, match="split_k=0"):
         SmallMConfig.from_dict({**cfg.to_dict(), "split_k": 0})

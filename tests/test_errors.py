@@ -93,5 +93,8 @@ def test_bad_cutlass_impl_and_config_dir_are_named_as_the_environment(monkeypatc
     try:
         with pytest.raises(ValueError, match=re.escape(f"EPMOE_CONFIG_DIR={missing!r} (from the environment)")):
             configs.load_table("NVIDIA_H200")
+        # The dense tables look files up the same way, and refuse it the same way.
+        with pytest.raises(ValueError, match=re.escape(f"EPMOE_CONFIG_DIR={missing!r} (from the environment)")):
+            configs.find_config_file("dense_int8_NVIDIA_H200.json")
     finally:
         configs.load_table.cache_clear()

@@ -26,8 +26,14 @@ from pathlib import Path
 import torch
 
 from .. import devices
+from ..tensors import check_bool
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "configs"
+DENSE_SMALL_M_MAX = 64
+"""Rows up to which the dense INT8 linear's default rule runs the small-batch kernel
+(:func:`epmoe.kernels.dense_configs.default_plan`, re-exported there and by :mod:`epmoe.linear` as
+``SMALL_M_MAX``): there a dense linear is a read of its weight, which the tiled GEMMs' 128-wide
+tiles spread over too few SMs. Here because this module imports without Triton."""
 INT32_ACC_MODE = "int8_channel_int32"
 """Mode key of the int32-accumulator variant; its buckets override ``int8_channel``'s one by one."""
 
@@ -87,8 +93,9 @@ class GemmConfig:
             raise ValueError(f"config {d} lacks {sorted(missing)}")
         cfg = cls(
             int(d["BLOCK_M"]), int(d["BLOCK_N"]), int(d["BLOCK_K"]), int(d.get("GROUP_M", 8)),
-            bool(d.get("SWAP_AB", False)), int(d.get("num_warps", 4)), int(d.get("num_stages", 3)),
-            bool(d.get("TMA", False)), bool(d.get("PERSISTENT", False)), bool(d.get("FLATTEN", False)),
+            check_bool("SWAP_AB", d.get("SWAP_AB", False)), int(d.get("num_warps", 4)), int(d.get("num_stages", 3)),
+            check_bool("TMA", d.get("TMA", False)), check_bool("PERSISTENT", d.get("PERSISTENT", False)),
+            check_bool("FLATTEN", d.get("FLATTEN", False)),
         )
         cfg.validate()
         return cfg
@@ -133,21 +140,24 @@ def shape_key(n: int, k: int) -> str:
 @functools.lru_cache(maxsize=None)
 def load_table(name: str) -> dict:
     """``{mode: {shape_key: {bucket: config dict}}}`` for a device name (empty when none ships)."""
-    dirs = [Path(p) for p in os.environ.get("EPMOE_CONFIG_DIR", "").split(os.pathsep) if p]
-    missing = [str(d) for d in dirs if not d.is_dir()]
-    if missing:  # a typo would silently fall back to the shipped tables
-        raise ValueError(
-            f"EPMOE_CONFIG_DIR={os.environ['EPMOE_CONFIG_DIR']!r} (from the environment) names "
-            f"{missing}, not a directory"
-        )
     path = find_config_file(config_filename(name))
     return {} if path is None else read_config_file(path)
 
 
 def find_config_file(filename: str) -> Path | None:
     """The first ``filename`` in ``$EPMOE_CONFIG_DIR``'s directories, else in the package's
-    configs, else ``None``."""
+    configs, else ``None``.
+
+    Raises:
+        ValueError: ``$EPMOE_CONFIG_DIR`` names something that is not a directory (a typo would
+            silently fall back to the shipped tables)."""
     dirs = [Path(p) for p in os.environ.get("EPMOE_CONFIG_DIR", "").split(os.pathsep) if p]
+    missing = [str(d) for d in dirs if not d.is_dir()]
+    if missing:
+        raise ValueError(
+            f"EPMOE_CONFIG_DIR={os.environ['EPMOE_CONFIG_DIR']!r} (from the environment) names "
+            f"{missing}, not a directory"
+        )
     return next((d / filename for d in dirs + [PACKAGE_DIR] if (d / filename).is_file()), None)
 
 

@@ -39,15 +39,17 @@ from typing import NamedTuple
 import torch
 
 from ..tensors import check_bool
-from .configs import PACKAGE_DIR, GemmConfig, _bucket_index, config_filename, device_name, find_config_file, shape_key
+from .configs import (
+    DENSE_SMALL_M_MAX, PACKAGE_DIR, GemmConfig, _bucket_index, config_filename, device_name, find_config_file, shape_key,
+)
 from .dense_int8 import SmallMConfig, _sms, small_m_config
 
 KERNELS = ("small_m", "cutlass", "triton", "tiled")
 SWIZZLES = (1, 2, 4, 8)
 FILE_PREFIX = "dense_int8_"
-SMALL_M_MAX = 64
-"""Rows up to which the default rule runs the small-batch kernel: there a dense linear is a
-read of its weight, which the tiled GEMMs' 128-wide tiles spread over too few SMs."""
+SMALL_M_MAX = DENSE_SMALL_M_MAX
+"""Rows up to which the default rule runs the small-batch kernel (see
+:data:`~epmoe.kernels.configs.DENSE_SMALL_M_MAX`)."""
 
 
 class CutlassLaunch(NamedTuple):
