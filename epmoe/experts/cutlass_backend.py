@@ -1279,15 +1279,15 @@ class CutlassBackend(ExpertsBackend):
         offsets = batch.expert_offsets
         bound, lift, drop = spare_row_slab(batch)
         gemm = functools.partial(ops.cutlass_grouped_gemm, "fp8_block", impl="sgl" if self._sgl_fp8 else "epmoe")
+        padding = stages.padding_rows(batch)
         with phase("epmoe.quantize"):
-            a, a_scale = fp8_gemm_input(lift(batch.x), lift(batch.x_scale), hidden, *bound, stages.padding_rows(batch))
+            a, a_scale = fp8_gemm_input(lift(batch.x), lift(batch.x_scale), hidden, *bound, padding)
         with phase("epmoe.gemm1"):
             gate_up = gemm(drop(a), drop(a_scale), weights.w13, weights.w13_scale, offsets)
         with phase("epmoe.activation"):
             rows = stages.row_args(*bound)
             h, h_scale = ops.silu_and_mul_quant(lift(gate_up), "group", BLOCK, torch.float8_e4m3fn,
-                                                row_expert=stages.padding_rows(batch),
-                                                scale_mn_major=self.mn_major_scales, **rows)  # fmt: skip
+                                                row_expert=padding, scale_mn_major=self.mn_major_scales, **rows)  # fmt: skip
         with phase("epmoe.gemm2"):
             return gemm(drop(h), drop(h_scale), weights.w2, weights.w2_scale, offsets)
 
@@ -1306,13 +1306,13 @@ class CutlassBackend(ExpertsBackend):
         gemm = functools.partial(ops.cutlass_grouped_gemm, scheme.name, schedule=self.schedule)
         offsets = batch.expert_offsets
         bound, lift, drop = spare_row_slab(batch)
+        padding = stages.padding_rows(batch)
         with phase("epmoe.quantize"):
-            a, a_scale = stages.gemm1_input(scheme, lift(batch.x), lift(batch.x_scale), weights, *bound,
-                                            stages.padding_rows(batch))  # fmt: skip
+            a, a_scale = stages.gemm1_input(scheme, lift(batch.x), lift(batch.x_scale), weights, *bound, padding)
         with phase("epmoe.gemm1"):
             gate_up = gemm(drop(a), drop(a_scale), weights.w13, weights.w13_scale, offsets)
         with phase("epmoe.activation"):
-            h, h_scale = stages.activation(scheme, lift(gate_up), weights, *bound, stages.padding_rows(batch))
+            h, h_scale = stages.activation(scheme, lift(gate_up), weights, *bound, padding)
         with phase("epmoe.gemm2"):
             return gemm(drop(h), drop(h_scale), weights.w2, weights.w2_scale, offsets)
 
