@@ -245,8 +245,8 @@ def sweep(args, prior: dict | None = None) -> dict:
     import triton
 
     from epmoe.kernels.configs import shape_key
-    from epmoe.kernels.dense_configs import SMALL_M_MAX, CutlassLaunch, mode_key
-    from epmoe.kernels.dense_int8 import _sms, pdl_supported, small_m_config
+    from epmoe.kernels.dense_configs import SMALL_M_MAX, CutlassLaunch, default_plan, mode_key
+    from epmoe.kernels.dense_int8 import _sms, pdl_supported
     from epmoe.linear import Int8Linear, run_kernel
     from epmoe.quant.reference import quantize_weight
     from epmoe.quant.schemes import SCHEMES
@@ -317,9 +317,10 @@ def sweep(args, prior: dict | None = None) -> dict:
                     continue
                 entry = cell_entry(times)
                 table.setdefault(mode_key(scheme, acc), {}).setdefault(shape_key(n, k), {})[str(m)] = entry
-                # What the rule without a table runs: the small-batch default, else the backend's own tiled GEMM.
-                default = (("small_m", small_m_config(m, n, k, scheme, sms)) if m <= SMALL_M_MAX
-                           else ("cutlass", CutlassLaunch()) if "cutlass" in impl.kernels else ("triton", None))  # fmt: skip
+                # What the rule without a table runs (default_plan), its "tiled" as the backend's own GEMM.
+                default = default_plan(scheme, n, k, m, sms)
+                if default[0] == "tiled":
+                    default = ("cutlass", CutlassLaunch()) if "cutlass" in impl.kernels else ("triton", None)
                 cell = dict(best_us=entry[0]["us"], kernel=entry[0]["kernel"],
                             default_us=round(times[default], 2) if default in times else None,
                             **{f"{e['kernel']}_us": e["us"] for e in entry}, tried=len(times))  # fmt: skip
