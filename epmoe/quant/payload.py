@@ -51,7 +51,7 @@ def quantize_payload(x: torch.Tensor, payload: str) -> tuple[torch.Tensor, torch
         return x, None
     qdtype, qmax, group = PAYLOAD_FORMATS[payload]
     if x.is_cuda:
-        from .. import ops as kq  # Triton is needed only on a GPU
+        from .. import ops as kq  # here, not at the top: epmoe.ops imports this module
 
         if group is None:
             return kq.per_token_quant_int8(x)
