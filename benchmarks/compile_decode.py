@@ -375,12 +375,13 @@ def summarize(rows: list[dict]) -> list[dict]:
                 s[f"{mode}_vs_experts_graph"] = round(ms[mode] / ms["experts_graph"], 4)
             if mode in ms and "eager" in ms:
                 s[f"eager_vs_{mode}"] = round(ms["eager"] / ms[mode], 4)
-        if "layer_graph_vs_experts_graph" in s:
-            s["glue_target_met"] = s["layer_graph_vs_experts_graph"] <= 1.05
+        # The targets are judged on the times, not on the rounded ratios shown.
+        if "layer_graph" in ms and "experts_graph" in ms:
+            s["glue_target_met"] = ms["layer_graph"] <= 1.05 * ms["experts_graph"]
         best = [ms[m] for m in ("reduce_overhead", "graph") if m in ms]
         if t == 1 and best and "eager" in ms:
             s["eager_vs_best_graphed"] = round(ms["eager"] / min(best), 4)
-            s["speedup_target_met"] = s["eager_vs_best_graphed"] >= 1.3
+            s["speedup_target_met"] = ms["eager"] >= 1.3 * min(best)
         out.append(s)
     return out
 

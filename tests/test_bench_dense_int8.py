@@ -45,6 +45,21 @@ def test_large_batches_are_judged_on_gpu_time():
     assert s["epmoe auto"]["host_bound_cells"] == 1 and s["epmoe auto"]["slower_than_int_mm_quant"] == 0
 
 
+def test_targets_are_judged_on_unrounded_ratios():
+    """A median a hair under its target is not met: two cells whose ratios 1.6947 and 1.7036
+    (a median of 1.69918) once read as 1.7 through the rows' 3-decimal ratio fields and were
+    reported as meeting the 1.7x target."""
+    rows = []
+    for shape, epmoe_us in (("a", 100.0 / 1.6947), ("b", 100.0 / 1.7036)):
+        for variant, us in (("bf16", 100.0), ("epmoe auto", epmoe_us)):
+            r = dict(shape=shape, M=4096, variant=variant, us=us, graph_us=us, host_us=1.0, host_bound=False)
+            r["ratio_us"] = r["ratio_graph_us"] = round(100.0 / us, 3)
+            rows.append(r)
+    s = bench.summary(rows)["epmoe auto"]
+    assert s["median_ratio_graph_m_ge_1024"] == pytest.approx(1.69915, abs=1e-4)
+    assert s["target_m_ge_1024_met"] is False
+
+
 def test_dry_run_writes_rows_for_every_variant(tmp_path, monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.delenv("SGLANG_CUTLASS_MOE", raising=False)
