@@ -336,6 +336,8 @@ def dense_small_m_kernel(
         gdc_wait()
         if SPLIT:
             gdc_launch_dependents()
+    if not SPLIT:
+        sw, bias = _column_operands(WS, BIAS, cols, stride_wsn, BLOCK_SCALES, HAS_BIAS)
     offs_s = tl.arange(0, SUB)
     w_base = W + cols[:, None] * stride_wn + offs_s[None, :]
     if FUSED:
@@ -425,23 +427,38 @@ def dense_small_m_kernel(
         p_ptrs = OUT + pid_k.to(tl.int64) * stride_os + rows[:, None] * stride_om + offs_n[None, :]
         tl.store(p_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
     else:
-        _epilogue(acc, sa, WS, BIAS, OUT, rows, cols, offs_n, m_ok, n_ok, stride_wsn, stride_om,
-                  BLOCK_SCALES, HAS_BIAS)  # fmt: skip
+        _epilogue(acc, sa, sw, bias, OUT, rows, offs_n, m_ok, n_ok, stride_om, BLOCK_SCALES, HAS_BIAS)
 
 
 @triton.jit
-def _epilogue(acc, sa, WS, BIAS, OUT, rows, cols, offs_n, m_ok, n_ok, stride_wsn, stride_om,
+def _column_operands(WS, BIAS, cols, stride_wsn, BLOCK_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The epilogue's per-column operands, fp32: the weight scales (channel; zeros for the block
+    scheme, whose sums are scaled per K block) and the bias (zeros without). Loaded before the
+    K loop: each program's columns are cold in L2, and a load in the epilogue would add a DRAM
+    round trip to every program's tail, where the kernel's time ends."""
+    if BLOCK_SCALES:
+        sw = tl.zeros(cols.shape, dtype=tl.float32)
+    else:
+        sw = tl.load(WS + cols * stride_wsn)
+    if HAS_BIAS:
+        bias = tl.load(BIAS + cols).to(tl.float32)
+    else:
+        bias = tl.zeros(cols.shape, dtype=tl.float32)
+    return sw, bias
+
+
+@triton.jit
+def _epilogue(acc, sa, sw, bias, OUT, rows, offs_n, m_ok, n_ok, stride_om,
               BLOCK_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Both scales (channel; block sums are scaled per K block already), the bias in fp32, one
-    rounding to the output dtype: shared by the one-pass kernel and the split-K reduction, so a
-    split int32 sum gives the unsplit output bit for bit."""
+    """Both scales (channel; block sums are scaled per K block already), the bias in fp32 (see
+    :func:`_column_operands`), one rounding to the output dtype: shared by the one-pass kernel
+    and the split-K reduction, so a split int32 sum gives the unsplit output bit for bit."""
     if BLOCK_SCALES:
         res = acc
     else:
-        sw = tl.load(WS + cols * stride_wsn)
         res = acc.to(tl.float32) * (sa[:, None] * sw[None, :])
     if HAS_BIAS:
-        res += tl.load(BIAS + cols).to(tl.float32)[None, :]
+        res += bias[None, :]
     o_ptrs = OUT + rows[:, None] * stride_om + offs_n[None, :]
     tl.store(o_ptrs, res.to(OUT.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -462,6 +479,7 @@ def split_k_reduce_kernel(
         gdc_wait()
         gdc_launch_dependents()
     offs_n, n_ok, cols, m_ok, rows = _tile(tl.program_id(0), tl.program_id(1), M, N, BLOCK_M, BLOCK_N)
+    sw, bias = _column_operands(WS, BIAS, cols, stride_wsn, BLOCK_SCALES, HAS_BIAS)
     p_ptrs = P + rows[:, None] * stride_pm + cols[None, :]
     if INT_ACC:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
@@ -473,8 +491,7 @@ def split_k_reduce_kernel(
         sa = tl.zeros([BLOCK_M], dtype=tl.float32)  # never read: block sums are scaled per K block
     else:
         sa = tl.load(SA + rows * stride_sam)
-    _epilogue(acc, sa, WS, BIAS, OUT, rows, cols, offs_n, m_ok, n_ok, stride_wsn, stride_om,
-              BLOCK_SCALES, HAS_BIAS)  # fmt: skip
+    _epilogue(acc, sa, sw, bias, OUT, rows, offs_n, m_ok, n_ok, stride_om, BLOCK_SCALES, HAS_BIAS)
 
 
 def _sms(device: torch.device) -> int:
