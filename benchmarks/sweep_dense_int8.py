@@ -30,7 +30,8 @@ layer's forward calls, activation quantization included):
 
 at M = 1, 4, 16, 32, 64, 256, 1024, 4096 and 16384 (the table's row buckets).
 ``--update --small-from-table`` re-times, at up to 64 rows, only the table's own small-batch
-launch of each bucket (and its PDL twins) instead of searching its neighbours again.
+launch of each bucket (and its PDL twins; ``--prefetch`` sets their bounds) instead of searching its
+neighbours again.
 
 Before it is timed, each candidate's output is checked against a float64 product of the same
 quantized operands (:func:`output_error`): a launch that is fast because it skips tiles is
@@ -170,18 +171,16 @@ def cell_entry(times: dict) -> list:
     return out
 
 
-def pdl_twins(times: dict) -> list:
+def pdl_twins(times: dict, prefetch: tuple) -> list:
     """The fastest small-batch launch timed in a cell as a programmatic dependent launch (see
-    ``SmallMConfig.pdl``), without and with each weight prefetch of
-    :data:`~epmoe.kernels.dense_int8.PREFETCH_CHOICES` (``SmallMConfig.prefetch``); none where no
-    small-batch launch was timed: a few more candidates a cell instead of twins of every one."""
-    from epmoe.kernels.dense_int8 import PREFETCH_CHOICES
-
+    ``SmallMConfig.pdl``), without and with each weight prefetch of ``prefetch`` (bytes per
+    program, ``SmallMConfig.prefetch``); none where no small-batch launch was timed: a few more
+    candidates a cell instead of twins of every one."""
     small = [(us, launch) for (kernel, launch), us in times.items() if kernel == "small_m" and not launch.pdl]
     if not small:
         return []
     twin = min(small, key=lambda t: t[0])[1]._replace(pdl=True)
-    return [twin] + [twin._replace(prefetch=b) for b in PREFETCH_CHOICES]
+    return [twin] + [twin._replace(prefetch=b) for b in prefetch]
 
 
 OUTPUT_TOLERANCE = 1e-2
@@ -318,7 +317,7 @@ def sweep(args, prior: dict | None = None) -> dict:
                     ref = reference_output(mods[0], x, scheme)
                     for kernel, launch in cands:
                         time_candidate(kernel, launch, ref=ref)
-                    for twin in pdl_twins(times) if cuda and pdl_supported(dev) else []:
+                    for twin in pdl_twins(times, args.prefetch) if cuda and pdl_supported(dev) else []:
                         time_candidate("small_m", twin, ref=ref)
                 if not times:
                     skipped.append(f"{mode} {name} M={m}")
@@ -366,6 +365,7 @@ def _merge(old: dict, new: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from epmoe.kernels.dense_configs import SMALL_M_MAX, parse_table, table_path, write_dense_table
+    from epmoe.kernels.dense_int8 import PREFETCH_CHOICES
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="table path (default: the package's epmoe/configs/dense_int8_<device>.json)")
@@ -384,11 +384,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small-from-table", action="store_true",
                    help=f"with --update: at <= {SMALL_M_MAX} rows time the --out table's small-batch launch of the "
                         "bucket (and its programmatic-dependent twins) instead of searching its neighbours")
+    p.add_argument("--prefetch", type=int, nargs="*", default=list(PREFETCH_CHOICES),
+                   help=f"weight bytes per program the PDL twins prefetch, one twin each (default {PREFETCH_CHOICES}; "
+                        "none: only the plain PDL twin)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA GPU here; the table records this GPU's measurements")
     if args.device == "cpu" and not args.out:
         p.error("--device cpu writes no package table: give --out")
+    if any(b <= 0 for b in args.prefetch):
+        p.error(f"--prefetch {args.prefetch}: byte counts above 0")
     if args.small_from_table and not args.update:
         p.error("--small-from-table re-times the --out table's launches: give --update")
     name = torch.cuda.get_device_name(args.device) if args.device == "cuda" else None

@@ -159,10 +159,13 @@ def test_sweep_pdl_twins_are_the_fastest_small_batch_launch():
     from epmoe.kernels.dense_int8 import PREFETCH_CHOICES, SmallMConfig
 
     a, b = SmallMConfig(16, 64, 512, 4, 4, False), SmallMConfig(16, 32, 256, 4, 5, True, 2)
-    twins = sweep.pdl_twins({("small_m", a): 9.0, ("small_m", b): 8.0, ("triton", None): 1.0})
+    twins = sweep.pdl_twins({("small_m", a): 9.0, ("small_m", b): 8.0, ("triton", None): 1.0}, PREFETCH_CHOICES)
     assert twins == [b._replace(pdl=True)] + [b._replace(pdl=True, prefetch=p) for p in PREFETCH_CHOICES]
     assert len(PREFETCH_CHOICES) >= 1 and all(SmallMConfig.from_dict(t.to_dict()) == t for t in twins)
-    assert sweep.pdl_twins({("triton", None): 1.0}) == []
+    assert sweep.pdl_twins({("small_m", a): 9.0}, ()) == [a._replace(pdl=True)]
+    assert sweep.pdl_twins({("triton", None): 1.0}, PREFETCH_CHOICES) == []
+    with pytest.raises(SystemExit):
+        sweep.main(["--device", "cpu", "--out", "unused.json", "--prefetch", "0"])
     entry = sweep.cell_entry({("small_m", a): 9.0, ("small_m", a._replace(pdl=True)): 7.5})
     assert entry == [{"kernel": "small_m", "config": {**a.to_dict(), "pdl": True}, "us": 7.5}]
 
