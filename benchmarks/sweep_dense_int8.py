@@ -24,11 +24,14 @@ layer's forward calls, activation quantization included):
   swizzles of 1, 2, 4 and 8 (one walk when the batch is one 128-row block);
 
 * on a Hopper GPU, the cell's fastest small-batch launch once more as a programmatic dependent
-  launch (``SmallMConfig.pdl``: its kernel boundaries overlap the kernel before);
+  launch (``SmallMConfig.pdl``: its kernel boundaries overlap the kernel before), and again with
+  each weight prefetch of ``PREFETCH_CHOICES`` (``SmallMConfig.prefetch``: the first weight bytes
+  fetched into L2 while the kernel before finishes);
 
 at M = 1, 4, 16, 32, 64, 256, 1024, 4096 and 16384 (the table's row buckets).
 ``--update --small-from-table`` re-times, at up to 64 rows, only the table's own small-batch
-launch of each bucket (and its PDL twin) instead of searching its neighbours again.
+launch of each bucket (and its PDL twins; ``--prefetch`` sets their bounds) instead of searching its
+neighbours again.
 
 Before it is timed, each candidate's output is checked against a float64 product of the same
 quantized operands (:func:`output_error`): a launch that is fast because it skips tiles is
@@ -168,11 +171,16 @@ def cell_entry(times: dict) -> list:
     return out
 
 
-def pdl_twin(times: dict):
-    """The fastest small-batch launch timed in a cell, as a programmatic dependent launch (see
-    ``SmallMConfig.pdl``), or ``None``: one more candidate a cell instead of a twin of every one."""
+def pdl_twins(times: dict, prefetch: tuple) -> list:
+    """The fastest small-batch launch timed in a cell as a programmatic dependent launch (see
+    ``SmallMConfig.pdl``), without and with each weight prefetch of ``prefetch`` (bytes per
+    program, ``SmallMConfig.prefetch``); none where no small-batch launch was timed: a few more
+    candidates a cell instead of twins of every one."""
     small = [(us, launch) for (kernel, launch), us in times.items() if kernel == "small_m" and not launch.pdl]
-    return min(small, key=lambda t: t[0])[1]._replace(pdl=True) if small else None
+    if not small:
+        return []
+    twin = min(small, key=lambda t: t[0])[1]._replace(pdl=True)
+    return [twin] + [twin._replace(prefetch=b) for b in prefetch]
 
 
 OUTPUT_TOLERANCE = 1e-2
@@ -229,13 +237,13 @@ def _build_cutlass(cuda: bool) -> float | None:
 
 def prior_launches(prior: dict, mode: str, n: int, k: int, m: int) -> list:
     """The small-batch launches ``prior`` (a parsed table) has in bucket ``m`` exactly, as plain
-    launches (the sweep times the fastest one's programmatic-dependent twin anyway)."""
+    launches (the sweep times the fastest one's programmatic-dependent twins anyway)."""
     from epmoe.kernels.configs import shape_key
 
     hit = prior.get(mode, {}).get(shape_key(n, k))
     if not hit or m not in hit[0]:
         return []
-    plain = [launch._replace(pdl=False) for kernel, launch in hit[1][hit[0].index(m)] if kernel == "small_m"]
+    plain = [launch._replace(pdl=False, prefetch=0) for kernel, launch in hit[1][hit[0].index(m)] if kernel == "small_m"]
     return list(dict.fromkeys(plain))
 
 
@@ -302,15 +310,14 @@ def sweep(args, prior: dict | None = None) -> dict:
 
                 cands = cell_candidates(m, n, k, scheme, sms, impl.kernels, tma=cuda)
                 if args.small_from_table and m <= SMALL_M_MAX:
-                    # Only the table's launch (and below its PDL twin): no neighbour search, no compiles
+                    # Only the table's launch (and below its PDL twins): no neighbour search, no compiles
                     # for it; the rule's candidates where the table has none for this bucket.
                     cands = [("small_m", launch) for launch in prior_launches(prior or {}, mode, n, k, m)] or cands
                 with torch.no_grad():
                     ref = reference_output(mods[0], x, scheme)
                     for kernel, launch in cands:
                         time_candidate(kernel, launch, ref=ref)
-                    twin = pdl_twin(times) if cuda and pdl_supported(dev) else None
-                    if twin is not None:
+                    for twin in pdl_twins(times, args.prefetch) if cuda and pdl_supported(dev) else []:
                         time_candidate("small_m", twin, ref=ref)
                 if not times:
                     skipped.append(f"{mode} {name} M={m}")
@@ -358,6 +365,7 @@ def _merge(old: dict, new: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from epmoe.kernels.dense_configs import SMALL_M_MAX, parse_table, table_path, write_dense_table
+    from epmoe.kernels.dense_int8 import PREFETCH_CHOICES
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="table path (default: the package's epmoe/configs/dense_int8_<device>.json)")
@@ -375,12 +383,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help=f"tiny shapes {TINY_SHAPES} and M {TINY_MS} instead")
     p.add_argument("--small-from-table", action="store_true",
                    help=f"with --update: at <= {SMALL_M_MAX} rows time the --out table's small-batch launch of the "
-                        "bucket (and its programmatic-dependent twin) instead of searching its neighbours")
+                        "bucket (and its programmatic-dependent twins) instead of searching its neighbours")
+    p.add_argument("--prefetch", type=int, nargs="*", default=list(PREFETCH_CHOICES),
+                   help=f"weight bytes per program the PDL twins prefetch, one twin each (default {PREFETCH_CHOICES}; "
+                        "none: only the plain PDL twin)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA GPU here; the table records this GPU's measurements")
     if args.device == "cpu" and not args.out:
         p.error("--device cpu writes no package table: give --out")
+    if any(b <= 0 for b in args.prefetch):
+        p.error(f"--prefetch {args.prefetch}: byte counts above 0")
     if args.small_from_table and not args.update:
         p.error("--small-from-table re-times the --out table's launches: give --update")
     name = torch.cuda.get_device_name(args.device) if args.device == "cuda" else None

@@ -167,13 +167,20 @@ def test_sweep_refuses_a_launch_with_a_wrong_output(tmp_path, monkeypatch):
         assert {e["kernel"] for e in cells["80"]} == {"small_m"}
 
 
-def test_sweep_pdl_twin_is_the_fastest_small_batch_launch():
+def test_sweep_pdl_twins_are_the_fastest_small_batch_launch():
+    """The twins: the fastest plain small-batch launch as a dependent launch, without and with
+    each prefetch bound (every one a valid config)."""
     from benchmarks import sweep_dense_int8 as sweep
-    from epmoe.kernels.dense_int8 import SmallMConfig
+    from epmoe.kernels.dense_int8 import PREFETCH_CHOICES, SmallMConfig
 
     a, b = SmallMConfig(16, 64, 512, 4, 4, False), SmallMConfig(16, 32, 256, 4, 5, True, 2)
-    assert sweep.pdl_twin({("small_m", a): 9.0, ("small_m", b): 8.0, ("triton", None): 1.0}) == b._replace(pdl=True)
-    assert sweep.pdl_twin({("triton", None): 1.0}) is None
+    twins = sweep.pdl_twins({("small_m", a): 9.0, ("small_m", b): 8.0, ("triton", None): 1.0}, PREFETCH_CHOICES)
+    assert twins == [b._replace(pdl=True)] + [b._replace(pdl=True, prefetch=p) for p in PREFETCH_CHOICES]
+    assert len(PREFETCH_CHOICES) >= 1 and all(SmallMConfig.from_dict(t.to_dict()) == t for t in twins)
+    assert sweep.pdl_twins({("small_m", a): 9.0}, ()) == [a._replace(pdl=True)]
+    assert sweep.pdl_twins({("triton", None): 1.0}, PREFETCH_CHOICES) == []
+    with pytest.raises(SystemExit):
+        sweep.main(["--device", "cpu", "--out", "unused.json", "--prefetch", "0"])
     entry = sweep.cell_entry({("small_m", a): 9.0, ("small_m", a._replace(pdl=True)): 7.5})
     assert entry == [{"kernel": "small_m", "config": {**a.to_dict(), "pdl": True}, "us": 7.5}]
 
@@ -226,15 +233,16 @@ def test_sweep_update_keeps_what_it_did_not_measure(tmp_path):
 
 
 def test_sweep_prior_launches_are_plain():
-    """A table entry measured as a programmatic dependent launch is re-timed as the plain launch
-    (its twin is timed anyway); other kernels and other buckets give nothing."""
+    """A table entry measured as a programmatic dependent launch (with a prefetch) is re-timed as
+    the plain launch (its twins are timed anyway); other kernels and other buckets give nothing."""
     from benchmarks import sweep_dense_int8 as sweep
     from epmoe.kernels.dense_configs import parse_table
     from epmoe.kernels.dense_int8 import SmallMConfig
 
     a = SmallMConfig(16, 32, 256, 4, 5, True, 8)
     prior = parse_table({"configs": {"int8_channel_int32": {"N=576,K=7168": {
-        "1": [{"kernel": "small_m", "config": a._replace(pdl=True).to_dict()}, {"kernel": "small_m", "config": a.to_dict()}],
+        "1": [{"kernel": "small_m", "config": a._replace(pdl=True, prefetch=32768).to_dict()},
+              {"kernel": "small_m", "config": a.to_dict()}],
         "256": [{"kernel": "triton"}]}}}})  # fmt: skip
     assert sweep.prior_launches(prior, "int8_channel_int32", 576, 7168, 1) == [a]
     assert sweep.prior_launches(prior, "int8_channel_int32", 576, 7168, 256) == []

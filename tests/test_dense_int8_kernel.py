@@ -113,11 +113,11 @@ def test_config_rule():
     (twice them when K is split); longer K steps and deeper stages where programs have SMs to
     themselves."""
     sms = 132
-    assert small_m_config(1, 576, 7168, "int8_channel", sms) == (16, 16, 512, 4, 5, True, 8, 1, False)  # kv_a: 36 N tiles
+    assert small_m_config(1, 576, 7168, "int8_channel", sms) == (16, 16, 512, 4, 5, True, 8, 1, False, 0)  # kv_a: 36 N tiles
     assert split_plan(7168, small_m_config(1, 576, 7168, "int8_channel", sms)) == (1024, 7)
-    assert small_m_config(16, 576, 7168, "int8_channel", sms) == (16, 16, 512, 4, 4, False, 8, 1, False)
+    assert small_m_config(16, 576, 7168, "int8_channel", sms) == (16, 16, 512, 4, 4, False, 8, 1, False, 0)
     assert small_m_config(64, 576, 7168, "int8_channel", sms)[:2] == (64, 32)
-    assert small_m_config(16, 36864, 7168, "int8_channel", sms) == (16, 128, 128, 4, 4, False, 1, 1, False)  # 288 programs
+    assert small_m_config(16, 36864, 7168, "int8_channel", sms) == (16, 128, 128, 4, 4, False, 1, 1, False, 0)  # 288 programs
     assert small_m_config(4, 36864, 7168, "int8_channel", sms).fused is True
     assert small_m_config(16, 36864, 1536, "int8_channel", sms).fused is False  # past FUSED_M_MAX
     assert not any(small_m_config(m, 24576, 1536, "int8_block", sms).fused for m in (1, 4, 16, 64))
@@ -175,6 +175,14 @@ def test_split_k_fp16_output_and_config_checks():
     assert SmallMConfig.from_dict(pdl.to_dict()) == pdl and SmallMConfig.from_dict({**pdl.to_dict(), "pdl": 0}) == cfg
     out_pdl = dense_int8_small_m(*dev, scheme="int8_channel", accumulator="int32", config=pdl)
     assert torch.equal(out_pdl, out)
+    # ... and so does its weight prefetch, which only a dependent launch has (bytes, >= 0).
+    ahead = pdl._replace(prefetch=32768)
+    assert SmallMConfig.from_dict(ahead.to_dict()) == ahead and SmallMConfig.from_dict(cfg.to_dict()).prefetch == 0
+    assert torch.equal(dense_int8_small_m(*dev, scheme="int8_channel", accumulator="int32", config=ahead), out)
+    with pytest.raises(ValueError, match="prefetch=4096, pdl=False"):
+        SmallMConfig.from_dict({**cfg.to_dict(), "prefetch": 4096})
+    with pytest.raises(ValueError, match="prefetch=-16"):
+        SmallMConfig.from_dict({**ahead.to_dict(), "prefetch": -16})
     with pytest.raises(ValueError, match="split_k=0"):
         SmallMConfig.from_dict({**cfg.to_dict(), "split_k": 0})
     with pytest.raises(ValueError, match="block_n=24"):
@@ -203,17 +211,26 @@ for scheme, m, n, k, kw in (("int8_channel", 1, 576, 7168, {}), ("int8_channel",
     const = dict(FUSED=cfg.fused, BLOCK_SCALES=scheme == "int8_block", INT_ACC=scheme == "int8_channel",
                  HAS_BIAS=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=True,
                  X_ROWS=min(next_pow2(m), cfg.block_m), QMAX=127.0, SCALE=128, SPLIT=split, GROUP_M=cfg.group_m,
-                 AMAX_UNROLL=amax_unroll(cfg, m) if cfg.fused and scheme == "int8_channel" else 1, PDL=m == 1)
+                 AMAX_UNROLL=amax_unroll(cfg, m) if cfg.fused and scheme == "int8_channel" else 1, PDL=m <= 2,
+                 PREFETCH=256 if m <= 2 else 0)
     sig.update({c: "constexpr" for c in const})
     # What the JIT infers for these shapes: 16-byte aligned pointers, strides and sizes divisible by 16.
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
              for a in ("X", "XS", "W", "WS", "BIAS", "OUT", "N", "K", "stride_xm", "stride_wn", "stride_om")}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(c),): v for c, v in const.items()}, attrs=attrs)
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=m == 1))
+                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=m <= 2))
     ptx = ck.asm["ptx"]
+    assert ck.asm["cubin"]  # ptxas took the PTX (the prefetch's inline asm included)
+    wait, trigger = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+    prefetch = ptx.find("cp.async.bulk.prefetch.L2.global")
+    # Where the grid dependency instructions sit: the prefetch before the wait; the trigger right
+    # after the wait with a split (our reduction), else after the last MMA (the loop's end).
+    order = ("none" if wait < 0 else "prefetch-wait-trigger-mma" if -1 < prefetch < wait < trigger < ptx.find("mma")
+             else "prefetch-wait-mma-trigger" if -1 < prefetch < wait < ptx.rfind("mma") < trigger else "other")
     print(scheme, m, cfg.fused, ck.metadata.shared, ptx.count("cp.async"), ptx.count("mma"),
-          ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents"), int(ck.metadata.launch_pdl))
+          ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents"), int(ck.metadata.launch_pdl),
+          ptx.count("cp.async.bulk.prefetch"), order)
 
 from epmoe.kernels.dense_int8 import split_k_reduce_kernel as red
 for scheme in ("int8_channel", "int8_block"):
@@ -225,7 +242,8 @@ for scheme in ("int8_channel", "int8_block"):
     sig.update({c: "constexpr" for c in const})
     src = ASTSource(red, sig, constexprs={(red.arg_names.index(c),): v for c, v in const.items()})
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, launch_pdl=pdl))
-    assert (ck.asm["ptx"].count("griddepcontrol.wait") > 0) == pdl, scheme
+    ptx = ck.asm["ptx"]
+    assert (ptx.count("griddepcontrol.wait") > 0, ptx.count("griddepcontrol.launch_dependents") > 0) == (pdl, pdl), scheme
 print("reduce ok")
 """
 
@@ -235,9 +253,10 @@ def test_small_m_kernel_compiles_for_sm90():
     its weight loads pipelined through shared memory (cp.async): a fused split-K config (kv_a at
     one row), an unfused one, the block scheme, an unfused split at 64 rows, 128-row tiles in
     groups of 8 row tiles (block scheme, 4096 rows); and the split-K reduction for both schemes.
-    The first and a reduction are also compiled as programmatic dependent launches (SmallMConfig.pdl):
-    their PTX waits on the grid dependency (and the GEMM triggers its dependents); the others have
-    no such instruction.
+    The first two and a reduction are also compiled as programmatic dependent launches
+    (SmallMConfig.pdl, with a weight prefetch): their PTX prefetches into L2, then waits on the grid
+    dependency, and the GEMM triggers its dependents (right after the wait with a split, after
+    its K loop without); the others have no such instruction.
     The interpreter runs the Python, not this lowering."""
     import os
     import subprocess
@@ -256,11 +275,13 @@ def test_small_m_kernel_compiles_for_sm90():
                                                 ["int8_block", "2", "True"], ["int8_channel", "64", "False"],
                                                 ["int8_block", "4096", "False"]]  # fmt: skip
     assert done.stdout.split("\n")[5] == "reduce ok"
+    orders = ["prefetch-wait-trigger-mma", "none", "prefetch-wait-mma-trigger", "none", "none"]
     for i, ln in enumerate(lines):
-        shared, cp_async, mma, wait, trigger, pdl = map(int, ln.split()[3:])
+        shared, cp_async, mma, wait, trigger, pdl, prefetch = map(int, ln.split()[3:-1])
         assert cp_async > 0 and mma > 0 and shared <= 227 * 1024
-        # The first launch as a programmatic dependent: it waits, then lets its dependents launch.
-        assert (wait > 0, trigger > 0, pdl) == ((True, True, 1) if i == 0 else (False, False, 0))
+        assert (wait > 0, trigger > 0, pdl, prefetch > 0) == ((True, True, 1, True) if i < 3 and i != 1
+                                                              else (False, False, 0, False))
+        assert ln.split()[-1] == orders[i], ln
 
 
 def test_checked_launch_unfuses_tall_tiles_on_unaligned_rows():

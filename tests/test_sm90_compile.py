@@ -48,7 +48,14 @@ CASES = {
         ONE_BLOCK=True, COPY=False, HAS_SCALE=False)),
     "row_masked_group_quant": ("epmoe.kernels.quantize", "group_quant_kernel", QUANT_TYPES, dict(
         QMAX=448.0, TO_E4M3=True, HAS_XS=False, HAS_MASK=True, HAS_ROW_MASK=True, IN_GROUP=1, SILU=True, GROUP=128,
-        BLOCK_M=4, BLOCK_K=512)),
+        BLOCK_M=4, BLOCK_K=512, PDL=False)),
+    # The dense INT8 path's quantizers as programmatic dependents (dependent_start): int8 codes.
+    "pdl_token_quant": ("epmoe.kernels.quantize", "token_quant_kernel", {**QUANT_TYPES, "Q": "*i8"}, dict(
+        QMAX=127.0, HAS_XS=False, HAS_MASK=False, HAS_ROW_MASK=False, IN_GROUP=1, SILU=False, GROUP=128, BLOCK_M=1,
+        BLOCK_K=8192, SINGLE=True, PDL=True)),
+    "pdl_group_quant": ("epmoe.kernels.quantize", "group_quant_kernel", {**QUANT_TYPES, "Q": "*i8"}, dict(
+        QMAX=127.0, TO_E4M3=False, HAS_XS=False, HAS_MASK=False, HAS_ROW_MASK=False, IN_GROUP=1, SILU=False,
+        GROUP=128, BLOCK_M=1, BLOCK_K=1024, PDL=True)),
     "scatter_rows": ("epmoe.kernels.permute", "_scatter_rows_kernel", SCATTER_TYPES, dict(
         TOPK=8, HAS_SCALE=True, BLOCK_H=128, BLOCK_S=64)),
     "gather_weighted": ("epmoe.kernels.permute", "_gather_weighted_kernel", GATHER_TYPES, dict(TOPK=8, BLOCK_H=128)),
@@ -64,9 +71,11 @@ for name, (module, kernel, types, consts) in json.loads(sys.argv[1]).items():
     fn = getattr(importlib.import_module(module), kernel)
     sig = {a: "constexpr" if a in consts else types[a] for a in fn.arg_names}
     try:
-        triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": 4})
-        out[name] = "ok"
+        ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": 4}).asm["ptx"]
+        trigger, wait = ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait")
+        # A quantizer as a programmatic dependent lets its dependent launch before it waits.
+        out[name] = "ok" if bool(consts.get("PDL")) == (-1 < trigger < wait) else f"trigger at {trigger}, wait at {wait}"
     except Exception as exc:
         out[name] = f"{type(exc).__name__}: {exc}"
 print(json.dumps(out))

@@ -42,12 +42,8 @@ import triton.language as tl
 from .. import devices
 from ..tensors import check_bool
 from .common import next_pow2, placeholder
+from .pdl import PREFETCH_ALIGN, gdc_launch_dependents, gdc_wait, launch_options, pdl_supported, prefetch_rows_l2
 from .quantize import INT8_QMAX, amax_bits, codes, per_group_quant, per_token_quant_int8, scale_of
-
-try:  # Triton >= 3.4 (grid dependency control); never traced unless a launch asks for PDL
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover
-    gdc_launch_dependents = gdc_wait = None
 
 SCHEMES = ("int8_channel", "int8_block")
 SCALE_BLOCK = 128
@@ -66,6 +62,12 @@ cost more than the programs they add."""
 SMEM_ALONE = 160 * 1024
 """... and when the grid has no more programs than SMs (narrow layers): each program has an SM
 to itself, and deeper stages keep more of its weight bytes in flight."""
+PREFETCH_CHOICES = (32 * 1024, 128 * 1024)
+"""``SmallMConfig.prefetch`` values the sweep times on each cell's programmatic-dependent twin.
+A previous kernel's tail of a few microseconds at ~4.3 TB/s moves ~10-20 MB, a third of the
+H200's L2: 32 KB per program over 2-3 programs per SM asks ~10 MB (the whole slice of a narrow
+split layer), 128 KB up to ~50 MB (the first K steps of the widest layers, or all of mid-size
+ones), which may already evict itself; the table keeps whichever wins per cell."""
 
 
 class SmallMConfig(NamedTuple):
@@ -86,10 +88,20 @@ class SmallMConfig(NamedTuple):
     pdl: bool = False
     """Programmatic dependent launch (Hopper and newer; :func:`dense_int8_small_m` ignores it
     elsewhere): the GEMM (and the split-K reduction) launch while the kernel before them is still
-    finishing, and wait for it (``griddepcontrol.wait``) before their first instruction, so the
-    launch latency of each kernel boundary overlaps the previous kernel; a split GEMM lets its
-    reduction launch as soon as it starts. Only a launch's timing changes; every read still
-    follows the previous kernel's writes."""
+    finishing, and wait for it (``griddepcontrol.wait``) before they read anything it may have
+    written, so the launch latency of each kernel boundary overlaps the previous kernel; the
+    quantizer of an unfused launch is a dependent launch too and lets the GEMM launch at once; a
+    split GEMM lets its reduction launch as soon as it starts, an unsplit one the next kernel
+    once every program has left its K loop (the reduction: once it starts). Only a launch's
+    timing changes; every read of the activations still follows the previous kernel's writes."""
+    prefetch: int = 0
+    """With ``pdl``: weight bytes each program asks L2 for before it waits for the previous kernel
+    (the first ``prefetch / block_n`` bytes, rounded down to 16, of each of its weight rows' K
+    share; :func:`~epmoe.kernels.pdl.prefetch_rows_l2`), so its first K steps read L2 instead of
+    HBM while the kernel before finishes. The weight is no kernel's output, so it may be read
+    before the wait; the activations never are. A bound, not the whole slice: where the grid's
+    weight is larger than L2, a whole-slice prefetch would evict itself. 0: none; skipped where
+    the weight rows are not 16-byte aligned (the bulk prefetch's granularity)."""
 
     def to_dict(self) -> dict:
         return self._asdict()
@@ -115,6 +127,9 @@ class SmallMConfig(NamedTuple):
             raise ValueError(f"small-batch config split_k={self.split_k}, group_m={self.group_m}; allowed: >= 1")
         if self.block_m < 16 or self.block_n < 16 or self.block_k < 32 or self.num_stages < 1:
             raise ValueError(f"small-batch config {self}: block_m, block_n >= 16, block_k >= 32, num_stages >= 1")
+        if self.prefetch < 0 or (self.prefetch and not self.pdl):
+            raise ValueError(f"small-batch config prefetch={self.prefetch}, pdl={self.pdl}; allowed: prefetch >= 0, "
+                             "and above 0 only with pdl=True (the bytes a dependent launch fetches before it waits)")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -286,7 +301,7 @@ def dense_small_m_kernel(
     FUSED: tl.constexpr, BLOCK_SCALES: tl.constexpr, INT_ACC: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     X_ROWS: tl.constexpr, QMAX: tl.constexpr, SCALE: tl.constexpr, SPLIT: tl.constexpr,
-    GROUP_M: tl.constexpr, AMAX_UNROLL: tl.constexpr, PDL: tl.constexpr,
+    GROUP_M: tl.constexpr, AMAX_UNROLL: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """``OUT[m, n] = sa . sw . sum_k q[m, k] w[n, k] (+ bias[n])`` for one ``[BLOCK_M, BLOCK_N]``
     tile. ``FUSED``: ``X`` is float and quantized here (``XS`` unused), ``X_ROWS`` rows of it at
@@ -302,19 +317,27 @@ def dense_small_m_kernel(
     at ``OUT + s stride_os`` with no epilogue; with ``FUSED`` channel scales, the programs of the
     first N tile and K range also store the rows' scales at ``SA_OUT``, which the reduction needs.
 
-    ``PDL``: launched as a programmatic dependent: wait for the previous kernel before anything
-    else (it may have written ``X``); with ``SPLIT``, then let the reduction (ours, waiting the
-    same way) launch. Without a split nothing is triggered early: the caller's next kernel is not
-    ours to start."""
-    if PDL:
-        gdc_wait()
-        if SPLIT:
-            gdc_launch_dependents()
+    ``PDL``: launched as a programmatic dependent (:mod:`epmoe.kernels.pdl`). Before its wait for
+    the previous kernel (which may have written ``X``) a program only finds its tile and, with
+    ``PREFETCH`` (bytes per weight row; 0: none), asks L2 for the first ``PREFETCH`` bytes of each
+    of the tile's weight rows in its K share (``W`` and ``stride_wn`` 16-byte aligned). With ``SPLIT`` the reduction (ours, short, waiting the same way) may launch at once;
+    without, the next kernel may launch once every program has issued its last loads, so its
+    programs and prefetches overlap this grid's tail, not its weight stream."""
     SUB: tl.constexpr = SCALE if BLOCK_SCALES else BLOCK_K
     GROUPS: tl.constexpr = BLOCK_K // SUB
     pid_n, pid_m = _tile_order(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
     offs_n, n_ok, cols, m_ok, rows = _tile(pid_n, pid_m, M, N, BLOCK_M, BLOCK_N)
+    if PREFETCH:
+        k_lo = pid_k * K_SPLIT if SPLIT else 0
+        share = tl.minimum(K_SPLIT, K - k_lo) if SPLIT else K
+        prefetch_rows_l2(W + cols * stride_wn + k_lo, tl.minimum(share, PREFETCH), BLOCK_N)
+    if PDL:
+        gdc_wait()
+        if SPLIT:
+            gdc_launch_dependents()
+    if not SPLIT:
+        sw, bias = _column_operands(WS, BIAS, cols, stride_wsn, BLOCK_SCALES, HAS_BIAS)
     offs_s = tl.arange(0, SUB)
     w_base = W + cols[:, None] * stride_wn + offs_s[None, :]
     if FUSED:
@@ -395,6 +418,8 @@ def dense_small_m_kernel(
             else:
                 acc += tl.dot(a, tl.trans(w), out_dtype=tl.int32).to(tl.float32)
 
+    if PDL and not SPLIT:
+        gdc_launch_dependents()
     if SPLIT:
         if FUSED and not BLOCK_SCALES:
             if (pid_n == 0) & (pid_k == 0):
@@ -402,23 +427,38 @@ def dense_small_m_kernel(
         p_ptrs = OUT + pid_k.to(tl.int64) * stride_os + rows[:, None] * stride_om + offs_n[None, :]
         tl.store(p_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
     else:
-        _epilogue(acc, sa, WS, BIAS, OUT, rows, cols, offs_n, m_ok, n_ok, stride_wsn, stride_om,
-                  BLOCK_SCALES, HAS_BIAS)  # fmt: skip
+        _epilogue(acc, sa, sw, bias, OUT, rows, offs_n, m_ok, n_ok, stride_om, BLOCK_SCALES, HAS_BIAS)
 
 
 @triton.jit
-def _epilogue(acc, sa, WS, BIAS, OUT, rows, cols, offs_n, m_ok, n_ok, stride_wsn, stride_om,
+def _column_operands(WS, BIAS, cols, stride_wsn, BLOCK_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The epilogue's per-column operands, fp32: the weight scales (channel; zeros for the block
+    scheme, whose sums are scaled per K block) and the bias (zeros without). Loaded before the
+    K loop: each program's columns are cold in L2, and a load in the epilogue would add a DRAM
+    round trip to every program's tail, where the kernel's time ends."""
+    if BLOCK_SCALES:
+        sw = tl.zeros(cols.shape, dtype=tl.float32)
+    else:
+        sw = tl.load(WS + cols * stride_wsn)
+    if HAS_BIAS:
+        bias = tl.load(BIAS + cols).to(tl.float32)
+    else:
+        bias = tl.zeros(cols.shape, dtype=tl.float32)
+    return sw, bias
+
+
+@triton.jit
+def _epilogue(acc, sa, sw, bias, OUT, rows, offs_n, m_ok, n_ok, stride_om,
               BLOCK_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Both scales (channel; block sums are scaled per K block already), the bias in fp32, one
-    rounding to the output dtype: shared by the one-pass kernel and the split-K reduction, so a
-    split int32 sum gives the unsplit output bit for bit."""
+    """Both scales (channel; block sums are scaled per K block already), the bias in fp32 (see
+    :func:`_column_operands`), one rounding to the output dtype: shared by the one-pass kernel
+    and the split-K reduction, so a split int32 sum gives the unsplit output bit for bit."""
     if BLOCK_SCALES:
         res = acc
     else:
-        sw = tl.load(WS + cols * stride_wsn)
         res = acc.to(tl.float32) * (sa[:, None] * sw[None, :])
     if HAS_BIAS:
-        res += tl.load(BIAS + cols).to(tl.float32)[None, :]
+        res += bias[None, :]
     o_ptrs = OUT + rows[:, None] * stride_om + offs_n[None, :]
     tl.store(o_ptrs, res.to(OUT.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -433,10 +473,13 @@ def split_k_reduce_kernel(
 ):
     """``OUT = epilogue(sum_s P[s])``: the split-K partial sums added in split order (int32: exact;
     fp32: one fixed order, so a result does not depend on which program finished first).
-    ``PDL``: wait for the GEMM that wrote ``P`` before anything else."""
+    ``PDL``: wait for the GEMM that wrote ``P`` before anything else, then let the next kernel
+    launch (and prefetch) while this short one runs."""
     if PDL:
         gdc_wait()
+        gdc_launch_dependents()
     offs_n, n_ok, cols, m_ok, rows = _tile(tl.program_id(0), tl.program_id(1), M, N, BLOCK_M, BLOCK_N)
+    sw, bias = _column_operands(WS, BIAS, cols, stride_wsn, BLOCK_SCALES, HAS_BIAS)
     p_ptrs = P + rows[:, None] * stride_pm + cols[None, :]
     if INT_ACC:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
@@ -448,18 +491,7 @@ def split_k_reduce_kernel(
         sa = tl.zeros([BLOCK_M], dtype=tl.float32)  # never read: block sums are scaled per K block
     else:
         sa = tl.load(SA + rows * stride_sam)
-    _epilogue(acc, sa, WS, BIAS, OUT, rows, cols, offs_n, m_ok, n_ok, stride_wsn, stride_om,
-              BLOCK_SCALES, HAS_BIAS)  # fmt: skip
-
-
-@functools.lru_cache(maxsize=None)
-def pdl_supported(device: torch.device) -> bool:
-    """Whether launches on ``device`` may use programmatic dependent launch: a CUDA GPU of
-    compute capability 9.0 or newer (not the interpreter) and a Triton that has grid dependency
-    control."""
-    if device.type != "cuda" or gdc_wait is None:
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    _epilogue(acc, sa, sw, bias, OUT, rows, offs_n, m_ok, n_ok, stride_om, BLOCK_SCALES, HAS_BIAS)
 
 
 def _sms(device: torch.device) -> int:
@@ -530,8 +562,11 @@ def dense_int8_small_m(
     out = torch.empty((m, n), dtype=out_dtype, device=device)
     if m == 0 or n == 0:
         return out
+    pdl = cfg.pdl and pdl_supported(device)
     if not cfg.fused and not quantized:
-        x, x_scale = per_group_quant(x, SCALE_BLOCK, torch.int8) if block else per_token_quant_int8(x)
+        # The quantizer launched as a dependent too, so that this GEMM can launch (and prefetch)
+        # during it: it lets its dependents launch before it waits.
+        x, x_scale = per_group_quant(x, SCALE_BLOCK, torch.int8, pdl=pdl) if block else per_token_quant_int8(x, pdl=pdl)
     unused = placeholder(device, torch.float32)  # never read: its flag is off
     xs = unused if x_scale is None else x_scale
     ws = weight_scale
@@ -546,8 +581,10 @@ def dense_int8_small_m(
         part, sa_out = out, unused
     # Plain integer arithmetic: triton.cdiv is a constexpr_function whose call costs host time.
     grid = (-(-n // cfg.block_n) * -(-m // cfg.block_m), splits)
-    pdl = cfg.pdl and pdl_supported(device)
-    launch = {"launch_pdl": True} if pdl else {}
+    launch = launch_options(pdl)
+    prefetch = 0  # bytes per weight row
+    if pdl and cfg.prefetch and weight.data_ptr() % PREFETCH_ALIGN == 0 and weight.stride(0) % PREFETCH_ALIGN == 0:
+        prefetch = (cfg.prefetch // cfg.block_n) // PREFETCH_ALIGN * PREFETCH_ALIGN
     dense_small_m_kernel[grid](
         x, xs, weight, ws, b, part, sa_out,
         m, n, k, k_split,
@@ -557,8 +594,8 @@ def dense_int8_small_m(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
         X_ROWS=min(next_pow2(m), cfg.block_m) if cfg.fused else cfg.block_m,  # unused unless fused: one compile
         QMAX=INT8_QMAX, SCALE=SCALE_BLOCK, SPLIT=split, GROUP_M=cfg.group_m,
-        AMAX_UNROLL=amax_unroll(cfg, m) if cfg.fused and not block else 1, PDL=pdl, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **launch,
+        AMAX_UNROLL=amax_unroll(cfg, m) if cfg.fused and not block else 1, PDL=pdl, PREFETCH=prefetch,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )  # fmt: skip
     if split:
         sa = sa_out if cfg.fused else xs

@@ -43,6 +43,7 @@ import triton.language as tl
 
 from ..tensors import as_contiguous
 from .common import INTERPRETER_TILE, RowPlan, check_scale_input, mn_major_scales, next_pow2, placeholder, row_plan
+from .pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_supported
 
 AMAX_FLOOR = 1e-10
 INT8_QMAX = 127.0
@@ -298,6 +299,17 @@ def load_tile(
 
 
 @triton.jit
+def dependent_start(PDL: tl.constexpr):
+    """With ``PDL`` (a programmatic dependent launch, :mod:`epmoe.kernels.pdl`): let the kernel
+    after this quantizer launch at once (the GEMM that reads the codes, which waits for them
+    and meanwhile prefetches its weight), then wait for the kernel before, which may have
+    written ``X``."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+
+
+@triton.jit
 def token_quant_kernel(
     X, XS, Q, S, MASKED_M, ROW_EXPERT,
     M, K, CAP, PROGS,
@@ -305,9 +317,11 @@ def token_quant_kernel(
     QMAX: tl.constexpr, HAS_XS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ROW_MASK: tl.constexpr,
     IN_GROUP: tl.constexpr,
     SILU: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    SINGLE: tl.constexpr,
+    SINGLE: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One INT8 scale per row of ``X`` (``SILU``: of ``silu(gate) * up``); see :func:`load_tile`."""
+    """One INT8 scale per row of ``X`` (``SILU``: of ``silu(gate) * up``); see :func:`load_tile`
+    and, for ``PDL``, :func:`dependent_start`."""
+    dependent_start(PDL)
     NG: tl.constexpr = BLOCK_K // GROUP
     base, n, first, step = row_segment(MASKED_M, M, CAP, PROGS, HAS_MASK)
     for b in range(first, tl.cdiv(n, BLOCK_M), step):
@@ -344,9 +358,11 @@ def group_quant_kernel(
     stride_xm, stride_xsm, stride_qm, stride_sm, stride_sg,
     QMAX: tl.constexpr, TO_E4M3: tl.constexpr, HAS_XS: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_ROW_MASK: tl.constexpr, IN_GROUP: tl.constexpr, SILU: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One scale per 1 x ``GROUP`` of ``X`` (``SILU``: of ``silu(gate) * up``)."""
+    """One scale per 1 x ``GROUP`` of ``X`` (``SILU``: of ``silu(gate) * up``); ``PDL``: see
+    :func:`dependent_start`."""
+    dependent_start(PDL)
     NG: tl.constexpr = BLOCK_K // GROUP
     base, n, first, step = row_segment(MASKED_M, M, CAP, PROGS, HAS_MASK)
     col0 = tl.program_id(1) * BLOCK_K
@@ -390,6 +406,12 @@ def _scale_view(x_scale: torch.Tensor | None, k: int) -> tuple[torch.Tensor | No
     return xs, k // xs.shape[1]
 
 
+def _dependent(pdl: bool, device: torch.device) -> dict:
+    """The ``PDL`` flag and launch options of a quantizer launch asked to be a dependent one."""
+    on = pdl and pdl_supported(device)
+    return dict(PDL=on, **launch_options(on))
+
+
 def _operands(x, x_scale, masked_m, expected_m, row_expert=None):
     """Checked ``(x2 [M, K], input scales [M, S] or None, columns per input scale, x.shape,
     row plan)`` of a quantizer call."""
@@ -408,6 +430,7 @@ def per_token_quant_int8(
     expected_m: int | None = None,
     row_expert: torch.Tensor | None = None,
     launch: Launch | None = None,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One INT8 scale per row.
 
@@ -421,21 +444,23 @@ def per_token_quant_int8(
         row_expert: optional int32 expert of every row (leading dims flattened; a contiguous
             layout's ``m_indices``): rows of -1 (padding) are skipped, their outputs left unwritten.
         launch: tile and warps of the kernel (checked); ``None``: :func:`token_launch`.
+        pdl: launch as a programmatic dependent (:func:`dependent_start`) where the device
+            supports it (:func:`~epmoe.kernels.pdl.pdl_supported`); elsewhere a plain launch.
 
     Returns:
         ``q [..., K]`` int8 and ``scale [..., 1]`` fp32.
     """
-    return token_quant(*_operands(x, x_scale, masked_m, expected_m, row_expert), launch, silu=False)
+    return token_quant(*_operands(x, x_scale, masked_m, expected_m, row_expert), launch, silu=False, pdl=pdl)
 
 
 def token_quant(
-    x2, xs2, in_group: int, shape, plan: RowPlan, launch: Launch | None, *, silu: bool, out=None
+    x2, xs2, in_group: int, shape, plan: RowPlan, launch: Launch | None, *, silu: bool, out=None, pdl: bool = False
 ):
     """Launch :func:`token_quant_kernel` over the rows of ``x2`` (``[M, 2K]`` with ``silu``,
     else ``[M, K]``; input scales ``xs2`` or ``None``); returns ``q`` and ``scale`` with the
     leading dims of ``shape``. ``out``: optional ``(q [M, K] int8, scale [M, 1] fp32)``
     row-contiguous tensors to write into (the first rows of a padded buffer, for a GEMM that
-    wants whole row blocks)."""
+    wants whole row blocks); ``pdl``: as in :func:`per_token_quant_int8`."""
     m = x2.shape[0]
     k = x2.shape[1] // 2 if silu else x2.shape[1]
     if out is None:
@@ -460,6 +485,7 @@ def token_quant(
         QMAX=INT8_QMAX, HAS_XS=xs2 is not None, HAS_MASK=plan.masked, HAS_ROW_MASK=plan.row_expert is not None,
         IN_GROUP=in_group, SILU=silu, GROUP=min(128, launch.block_k), BLOCK_M=launch.block_m,
         BLOCK_K=launch.block_k, SINGLE=launch.block_k >= k, num_warps=launch.num_warps,
+        **_dependent(pdl, x2.device),
     )  # fmt: skip
     return q.reshape(out_shape), s.reshape(*shape[:-1], 1)
 
@@ -474,6 +500,7 @@ def per_group_quant(
     expected_m: int | None = None,
     row_expert: torch.Tensor | None = None,
     launch: Launch | None = None,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale per 1 x ``group_size`` group, INT8 (qmax 127) or FP8 e4m3 (qmax 448).
 
@@ -484,12 +511,13 @@ def per_group_quant(
         x_scale: optional ``[..., S]`` fp32 scales of an already quantized ``x``.
         masked_m, expected_m, row_expert: as in :func:`per_token_quant_int8`.
         launch: tile and warps of the kernel (checked); ``None``: :func:`group_launch`.
+        pdl: as in :func:`per_token_quant_int8`.
 
     Returns:
         ``q [..., K]`` of ``dtype`` and ``scale [..., K / group_size]`` fp32.
     """
     x2, xs2, in_group, shape, plan = _operands(x, x_scale, masked_m, expected_m, row_expert)
-    return group_quant(x2, xs2, in_group, shape, plan, group_size, dtype, launch, silu=False)
+    return group_quant(x2, xs2, in_group, shape, plan, group_size, dtype, launch, silu=False, pdl=pdl)
 
 
 def _check_group_args(k: int, group_size: int, dtype: torch.dtype, name: str = "x's last dim K") -> None:
@@ -505,9 +533,10 @@ def _check_group_args(k: int, group_size: int, dtype: torch.dtype, name: str = "
 
 def group_quant(
     x2, xs2, in_group: int, shape, plan: RowPlan, group_size: int, dtype: torch.dtype,
-    launch: Launch | None, *, silu: bool, scale_mn_major: bool = False,
+    launch: Launch | None, *, silu: bool, scale_mn_major: bool = False, pdl: bool = False,
 ):
-    """Launch :func:`group_quant_kernel` over the rows of ``x2`` (as in :func:`token_quant`);
+    """Launch :func:`group_quant_kernel` over the rows of ``x2`` (as in :func:`token_quant`, ``pdl``
+    too);
     ``scale_mn_major``: the scales stored MN-major (:func:`~epmoe.kernels.common.mn_major_scales`,
     rows ``x2``'s rows)."""
     m = x2.shape[0]
@@ -532,6 +561,6 @@ def group_quant(
             QMAX=INT8_QMAX if dtype == torch.int8 else E4M3_QMAX, TO_E4M3=dtype != torch.int8,
             HAS_XS=xs2 is not None, HAS_MASK=plan.masked, HAS_ROW_MASK=plan.row_expert is not None, IN_GROUP=in_group,
             SILU=silu, GROUP=group_size, BLOCK_M=launch.block_m, BLOCK_K=launch.block_k,
-            num_warps=launch.num_warps,
+            num_warps=launch.num_warps, **_dependent(pdl, x2.device),
         )  # fmt: skip
     return q.reshape(*shape[:-1], k), s.reshape(*shape[:-1], groups)

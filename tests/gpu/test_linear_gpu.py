@@ -334,3 +334,66 @@ def test_pdl_launch_bit_for_bit_and_ordered(m, n, k, kw):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, run(src * 2.0, cfg))
+
+
+PREFETCH_CASES = [("int8_channel", "int32", 1, dict(fused=True)), ("int8_channel", "int32", 16, dict(fused=False)),
+                  ("int8_channel", "int32", 64, dict(fused=False, split_k=1)),
+                  ("int8_block", "fp32", 16, dict(fused=False, split_k=1)), ("int8_block", "fp32", 33, {})]
+
+
+@pytest.mark.parametrize("scheme,acc,m,kw", PREFETCH_CASES,
+                         ids=["fused-split", "unfused-split", "unfused", "block-unfused", "block-default"])
+@pytest.mark.parametrize("prefetch", ["choices", "whole", "unaligned"])
+def test_pdl_prefetch_bit_for_bit_and_ordered(scheme, acc, m, kw, prefetch):
+    """Dependent launches that prefetch their weight into L2 before they wait (each bound of
+    ``PREFETCH_CHOICES``; ``whole``: more than any program's slice; ``unaligned``: weight rows
+    not 16-byte aligned, where the prefetch is skipped) give the plain launch's output bit for
+    bit, every element within the float64 bound. And in a CUDA graph of two chained layers (the
+    second's quantizer reads the first's output, fresh inputs each replay), every kernel a
+    dependent launch: a quantizer that ran before the GEMM it follows had finished, or a GEMM
+    before its quantizer, would read the previous replay's rows."""
+    from epmoe.kernels.dense_int8 import PREFETCH_CHOICES, dense_int8_small_m, pdl_supported, small_m_config
+
+    if not pdl_supported(DEV):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0+")
+    n1, k = 1536, 7168
+    x, w1, ws1, bias = _small_inputs(m, n1, k, scheme, torch.bfloat16)
+    if prefetch == "unaligned":  # rows 7176 bytes apart: not a multiple of 16
+        w1 = torch.empty(n1, k + 8, device=DEV, dtype=torch.int8)[:, :k].copy_(w1)
+    _, w2, ws2, _ = _small_inputs(m + 1, 576, n1, scheme, torch.bfloat16)
+    bounds = {"choices": PREFETCH_CHOICES, "whole": (1 << 22,), "unaligned": PREFETCH_CHOICES[:1]}[prefetch]
+
+    def run(inp, w, ws, b, launch):
+        return dense_int8_small_m(inp, w, ws, b, scheme=scheme, accumulator=acc, config=launch)
+
+    cfg1 = small_m_config(m, n1, k, scheme, _sms(), **kw)
+    cfg2 = small_m_config(m, 576, n1, scheme, _sms(), **kw)
+    plain = run(x, w1, ws1, bias, cfg1)
+    _check_every_element(plain, x, w1, ws1, bias, scheme)
+    for b in bounds:
+        l1, l2 = (c._replace(pdl=True, prefetch=b) for c in (cfg1, cfg2))
+        assert torch.equal(run(x, w1, ws1, bias, l1), plain), b
+
+        def chain(inp):
+            return run(run(inp, w1, ws1, bias, l1), w2, ws2, None, l2)
+
+        src, xin = x.clone(), torch.empty_like(x)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.mul(src, 2.0, out=xin)
+            chain(xin)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.mul(src, 2.0, out=xin)
+            out = chain(xin)
+        g = torch.Generator(device=DEV).manual_seed(b)
+        for _ in range(5):
+            src.copy_(torch.randn(m, k, device=DEV, generator=g).to(torch.bfloat16))
+            graph.replay()
+            torch.cuda.synchronize()
+            mid = run(src * 2.0, w1, ws1, bias, cfg1)
+            want = run(mid, w2, ws2, None, cfg2)
+            assert torch.equal(out, want), b
+        _check_every_element(want, mid, w2, ws2, None, scheme)

@@ -1,0 +1,69 @@
+"""Programmatic dependent launch (PDL, Hopper and newer): what a kernel launched that way needs.
+
+A kernel launched with ``launch_pdl=True`` may start while the kernel before it in the stream is
+still running, once every program of that kernel has called ``griddepcontrol.launch_dependents``
+(or exited). It must call ``griddepcontrol.wait`` (:func:`gdc_wait`) before it reads anything the
+kernel before may have written; the wait returns when that kernel has finished and its writes are
+visible. So a chain of such kernels overlaps each boundary's launch latency and the previous
+kernel's tail, and whatever a kernel does before its wait that touches no predecessor's output
+(:func:`prefetch_rows_l2`: weights) overlaps too.
+
+Triggering dependents early is always safe: the dependent waits before it reads. What it costs is
+that the dependent's programs may take SM slots (and issue their prefetches) while the trigger's
+kernel still runs, which is why the kernels here place their trigger where their own loads are
+done or where the dependent is known to be short.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # Triton >= 3.4 (grid dependency control); never traced unless a launch asks for PDL
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, num_threads
+except ImportError:  # pragma: no cover
+    gdc_launch_dependents = gdc_wait = num_threads = None
+
+PREFETCH_ALIGN = 16
+"""Address and size granularity of ``cp.async.bulk.prefetch.L2`` (bytes)."""
+_ALIGN = tl.constexpr(PREFETCH_ALIGN)
+
+
+@functools.lru_cache(maxsize=None)
+def pdl_supported(device: torch.device) -> bool:
+    """Whether launches on ``device`` may use programmatic dependent launch: a CUDA GPU of
+    compute capability 9.0 or newer (not the interpreter) and a Triton that has grid dependency
+    control."""
+    if device.type != "cuda" or gdc_wait is None:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def launch_options(pdl: bool) -> dict:
+    """Extra keyword arguments of a Triton launch: ``launch_pdl`` when ``pdl``."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+@triton.jit
+def prefetch_rows_l2(rows_ptr, nbytes, ROWS: tl.constexpr):
+    """Asks L2 to fetch ``nbytes`` (a scalar, rounded down to a multiple of 16) from each of the
+    ``ROWS`` addresses of ``rows_ptr`` (16-byte aligned), without waiting:
+    ``cp.async.bulk.prefetch.L2`` (sm_90; the addresses must be the tensor's own). A hint, not a
+    load: nothing waits for it, and the caller's later loads of those bytes hit L2 if the lines
+    are still there. Each row's bytes
+    go out as one bulk request per thread (the row cut into 16-byte multiples), so every thread
+    issues its own share instead of repeating a copy of a whole row's."""
+    CHUNKS: tl.constexpr = num_threads() // ROWS if num_threads() > ROWS else 1
+    nbytes = nbytes // _ALIGN * _ALIGN
+    chunk = tl.cdiv(tl.cdiv(nbytes, CHUNKS), _ALIGN) * _ALIGN
+    start = tl.arange(0, CHUNKS)[None, :] * chunk
+    size = tl.minimum(tl.maximum(nbytes - start, 0), chunk)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred %pf_any; setp.ne.u32 %pf_any, $2, 0; "
+        "@%pf_any cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [rows_ptr.to(tl.int64)[:, None] + start, size],
+        dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
