@@ -146,7 +146,7 @@ def test_auto_on_cpu_warns_and_picks_torch(monkeypatch, caplog):
 
     monkeypatch.setenv("SGLANG_CUTLASS_MOE", "1")
     monkeypatch.delenv("EPMOE_BACKEND", raising=False)
-    cutlass_backend._LOGGED.clear()
+    cutlass_backend._WARNED.clear()
     with caplog.at_level(logging.INFO, logger="epmoe"):
         layer = _layer("auto")
     assert layer.backend.name == "torch"
@@ -164,7 +164,7 @@ def test_auto_without_variable_does_not_warn(monkeypatch, caplog):
 
     monkeypatch.delenv("SGLANG_CUTLASS_MOE", raising=False)
     monkeypatch.delenv("EPMOE_BACKEND", raising=False)
-    cutlass_backend._LOGGED.clear()
+    cutlass_backend._WARNED.clear()
     with caplog.at_level(logging.INFO, logger="epmoe"):
         layer = _layer("auto")
     assert layer.backend.name == "torch"

@@ -412,13 +412,13 @@ def installed_facts() -> dict[str, bool]:
     return {"sgl_kernel": sgl_kernel_op() is not None, "cutlass_headers": find_cutlass_include() is not None}
 
 
-_LOGGED: set[str] = set()
+_WARNED: set[str] = set()
 
 
-def _log_once(text: str, level: int = logging.WARNING) -> None:
-    if text not in _LOGGED:
-        _LOGGED.add(text)
-        log.log(level, "%s", text)
+def _warn_once(text: str) -> None:
+    if text not in _WARNED:
+        _WARNED.add(text)
+        log.warning("%s", text)
 
 
 
@@ -1063,10 +1063,15 @@ def _measured_schedule_index(device: torch.device) -> int:
     ``torch.compile``: the lookup reads the schedule file and the GPU name, which dynamo cannot
     trace."""
     name = measured_or_default_schedule(device)
-    _log_once(f"cutlass backend, INT8 block kernel on {device} ({gpu_name(device) or device.type}): variant "
-              f"{name} (128 x {INT8_BLOCK_TILE_N[name]} tiles; the one measured for this GPU, else the default)",
-              logging.INFO)  # fmt: skip
+    if (device, name) not in _SCHEDULES_LOGGED:  # the forward asks on every call: no formatting then
+        _SCHEDULES_LOGGED.add((device, name))
+        log.info("cutlass backend, INT8 block kernel on %s (%s): variant %s (128 x %d tiles; the one measured "
+                 "for this GPU, else the default)", device, gpu_name(device) or device.type, name,
+                 INT8_BLOCK_TILE_N[name])  # fmt: skip
     return INT8_BLOCK_SCHEDULES.index(name)
+
+
+_SCHEDULES_LOGGED: set[tuple[torch.device, str]] = set()
 
 
 def batch_rows_per_expert(batch: ContiguousBatch) -> int:
@@ -1213,9 +1218,9 @@ class CutlassBackend(ExpertsBackend):
         capability, cuda = machine_facts(device)
         decision = cutlass_decision(capability, cuda, env, installed)
         if decision.warn:
-            _log_once(cutlass_warning(decision))
+            _warn_once(cutlass_warning(decision))
         if env_enabled(env) and "EPMOE_CUTLASS_CONFIG" in env:  # read until session 9; said once
-            _log_once(
+            _warn_once(
                 "EPMOE_CUTLASS_CONFIG is no longer read: the CUTLASS kernel picks its configuration "
                 "itself (128x192 tiles, 2x1 clusters, the epilogue by K; docs/fp8.md)"
             )
@@ -1254,7 +1259,7 @@ class CutlassBackend(ExpertsBackend):
         missing = own_kernel_missing()  # sgl-kernel has no INT8 grouped GEMM
         if missing:
             reason = f"{ENV_VAR}=1 but the INT8 kernels are the project's own and {missing}"
-            _log_once(f"cutlass MoE backend not used for {scheme.name}: {reason}")
+            _warn_once(f"cutlass MoE backend not used for {scheme.name}: {reason}")
             return False, reason
         int8_rule(device, scheme.name)  # logs, when the layer selects, which kernel serves which sizes
         return True, f"{reason.rsplit(': ', 1)[0]}: epmoe's {KERNEL_NAMES[scheme.name]}"
