@@ -14,7 +14,8 @@ default; ``--turns`` rounds of the whole passes taking turns) with these rows:
 
 Needs ``SGLANG_CUTLASS_MOE=1`` and the CUTLASS headers (the first run compiles the kernels, in
 this process, before anything is timed). Each variant is first run in a child process of its own
-(all at once) with a time limit (``--smoke-s``) on a small problem and checked against float64; a
+(all at once) with a time limit (``--smoke-s``) on a small problem and checked against the
+package's float64 reference (:func:`worst_error`); a
 variant that fails or hangs there is left out of the timing and named in the JSON (``smoke``),
 so one broken variant cannot stall the run.
 Prints the bench's table, then a summary: per ``m`` the in-turns whole-pass ms of each row, the
@@ -76,41 +77,49 @@ def extras(schedules) -> list[str]:
     return rows + [f"{CUTLASS}@int8_block?schedule={s}&int8_kernel=cutlass" for s in schedules]
 
 
-SMOKE = """
-import sys, torch
-from epmoe.experts.cutlass_backend import int8_block_grouped_gemm, int8_block_masked_gemm
-schedule = sys.argv[1]
-g = torch.Generator(device="cuda").manual_seed(0)
-e, m, n, k = 3, 256, 384, 1024
-a = torch.randint(-127, 128, (e * m, k), dtype=torch.int8, device="cuda", generator=g)
-b = torch.randint(-127, 128, (e, n, k), dtype=torch.int8, device="cuda", generator=g)
-sa = torch.rand(e * m, k // 128, device="cuda", generator=g) + 0.5
-sb = (torch.rand(e, n // 128, k // 128, device="cuda", generator=g) + 0.5) / (127.0 * 127.0 * k**0.5)
-offsets = torch.tensor([0, m, m, 2 * m], dtype=torch.int32, device="cuda")
-out = int8_block_grouped_gemm(a, sa, b, sb, offsets, schedule=schedule)
-masked = int8_block_masked_gemm(a.view(e, m, k), sa.view(e, m, -1), b, sb,
-                                torch.tensor([200, 0, 1], dtype=torch.int32, device="cuda"), schedule=schedule)
-torch.cuda.synchronize()
-def ref(rows, x):
-    acc = torch.zeros(rows.stop - rows.start, n, dtype=torch.float64, device="cuda")
-    for kb in range(k // 128):
-        c = slice(kb * 128, (kb + 1) * 128)
-        acc += (a[rows, c].double() @ b[x, :, c].double().t()) * sa[rows, kb:kb + 1].double() * sb[x, :, kb].double().repeat_interleave(128)
-    return acc
-worst = 0.0
-for got, rows, x in ((out[0:m], slice(0, m), 0), (out[m:2 * m], slice(m, 2 * m), 2), (masked[0, :200], slice(0, 200), 0),
-                     (masked[2, :1], slice(2 * m, 2 * m + 1), 2)):
-    r = ref(rows, x)
-    worst = max(worst, float(((got.double() - r).abs() / (r.abs() + 1e-30)).max()))
-print(f"{schedule}: worst relative error {worst:.2e}")
-sys.exit(0 if worst < 2.0**-7 else 1)
+SMOKE_BOUND = 2.0**-7
+"""Largest relative error of a variant's smoke check (generous: a wrong tile or row block is off by
+far more)."""
+SMOKE = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+from benchmarks.int8_block_schedules import SMOKE_BOUND, worst_error
+worst = worst_error(sys.argv[1])
+print(f"{{sys.argv[1]}}: worst relative error {{worst:.2e}}")
+sys.exit(0 if worst < SMOKE_BOUND else 1)
 """
+
+
+def worst_error(schedule: str, device: str = "cuda") -> float:
+    """The largest relative error of the INT8 block kernel's variant ``schedule`` on a small
+    problem (two of three experts' segments, contiguous and masked, a masked expert with one row),
+    against the package's dequantization (:mod:`epmoe.quant.reference`) in float64, where each
+    code times its scale is exact."""
+    from epmoe.experts import cutlass_backend as cb
+    from epmoe.quant.reference import dequantize_rows, dequantize_weight
+
+    g = torch.Generator(device=device).manual_seed(0)
+    e, m, n, k = 3, 256, 384, 1024
+    a = torch.randint(-127, 128, (e * m, k), dtype=torch.int8, device=device, generator=g)
+    b = torch.randint(-127, 128, (e, n, k), dtype=torch.int8, device=device, generator=g)
+    sa = torch.rand(e * m, k // 128, device=device, generator=g) + 0.5
+    sb = (torch.rand(e, n // 128, k // 128, device=device, generator=g) + 0.5) / (127.0 * 127.0 * k**0.5)
+    offsets = torch.tensor([0, m, m, 2 * m], dtype=torch.int32, device=device)
+    out = cb.int8_block_grouped_gemm(a, sa, b, sb, offsets, schedule=schedule)
+    masked_m = torch.tensor([200, 0, 1], dtype=torch.int32, device=device)
+    masked = cb.int8_block_masked_gemm(a.view(e, m, k), sa.view(e, m, -1), b, sb, masked_m, schedule=schedule)
+    x64, w64 = dequantize_rows(a, sa, torch.float64), dequantize_weight(b, sb, torch.float64)
+    worst = 0.0
+    for got, rows, x in ((out[0:m], slice(0, m), 0), (out[m : 2 * m], slice(m, 2 * m), 2),
+                         (masked[0, :200], slice(0, 200), 0), (masked[2, :1], slice(2 * m, 2 * m + 1), 2)):  # fmt: skip
+        ref = x64[rows] @ w64[x].t()
+        worst = max(worst, float(((got.double() - ref).abs() / (ref.abs() + 1e-30)).max()))
+    return worst
 
 
 def smoke(schedules, limit_s: float) -> dict:
     """``{variant: "ok" | why not}``: each variant run once in a child process of its own, all
-    at once (a hang there is killed, not inherited), checked against float64 (a generous bound:
-    a wrong tile or row block is off by far more)."""
+    at once (a hang there is killed, not inherited): :func:`worst_error` within :data:`SMOKE_BOUND`."""
     children = {s: subprocess.Popen([sys.executable, "-c", SMOKE, s], stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True) for s in schedules}  # fmt: skip
     result = {}

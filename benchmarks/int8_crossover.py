@@ -131,7 +131,7 @@ def measure_scheme(key: str, args, device, problem, timer) -> dict:
             f"benchmarks/int8_crossover.py, {_dt.date.today().isoformat()}, E={args.experts} H={args.hidden} "
             f"I={args.intermediate}, whole passes in turns ({args.turns} rounds, medians), segments padded "
             f"to {ROW_BLOCK} rows; torch {torch.__version__}"
-            + (f"; INT8 block kernel schedule {backend.schedule}" if quant == "int8_block" else "")
+            + (f"; INT8 block kernel schedule {backend.schedule_for(device)}" if quant == "int8_block" else "")
         ),
     }
 

@@ -48,7 +48,7 @@ def capability_rows(device: "torch.device") -> list[tuple[str, str, str]]:
         quant, _ = mode_and_accumulator(key)
         rows.append(("int8 rule", f"cutlass {key}", int8_rule(device, quant).describe()))
     try:  # what a cutlass backend built now would run (a bad value is shown, not raised)
-        name = int8_block_schedule()
+        name = int8_block_schedule(device)
         schedule = (f"{name} (128 x {INT8_BLOCK_TILE_N[name]} tiles; ${INT8_BLOCK_SCHEDULE_ENV}, else the one "
                     "measured for this GPU, else the default)")  # fmt: skip
     except ValueError as exc:
@@ -103,11 +103,12 @@ def run_info(args: argparse.Namespace, parser: argparse.ArgumentParser | None = 
         triton_version, triton_text = triton.__version__, f"triton {triton.__version__}"
     except ImportError as exc:
         triton_version, triton_text = None, f"no triton ({exc})"
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    # The current GPU, named with its index: the measured rules are looked up per device.
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     gpu = None
     if device.type == "cuda":
-        cap = torch.cuda.get_device_capability()
-        gpu = dict(name=torch.cuda.get_device_name(), sm=f"sm_{cap[0]}{cap[1]}", cuda=torch.version.cuda)
+        cap = torch.cuda.get_device_capability(device)
+        gpu = dict(name=torch.cuda.get_device_name(device), sm=f"sm_{cap[0]}{cap[1]}", cuda=torch.version.cuda)
     if args.json:
         report = dict(epmoe=__version__, torch=torch.__version__, triton=triton_version, device=device.type, gpu=gpu)
         report.update(_info_rows_json(device))

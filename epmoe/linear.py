@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .experts.select import BackendUnavailableError
-from .kernels.configs import DENSE_SMALL_M_MAX
+from .kernels.configs import DENSE_KERNELS, DENSE_SMALL_M_MAX, DENSE_TRITON_KERNELS
 from .quant.reference import dequantize_rows, dequantize_weight, quantize_rows, quantize_weight
 from .quant.schemes import BLOCK, SCHEMES
 from .tensors import check_positive_int, keeping_dtypes
@@ -467,7 +467,7 @@ _TRITON_GEMM = _TritonGemm()
 
 
 class _TritonImpl(_Planned, _TritonGemm):
-    kernels = ("small_m", "triton", "tiled")
+    kernels = DENSE_TRITON_KERNELS
 
 
 class _CutlassGemm(_Impl):
@@ -481,8 +481,7 @@ class _CutlassGemm(_Impl):
         self.impl = impl
         self.label = "cutlass (sgl-kernel int8_scaled_mm)" if impl == "sgl" else "cutlass (epmoe INT8 kernel)"
         self.row_block = ROW_BLOCK if impl == "epmoe" else 1
-        own = ("cutlass",) if impl == "epmoe" else ()
-        self.kernels = ("small_m", *own, "triton", "tiled")
+        self.kernels = DENSE_KERNELS if impl == "epmoe" else DENSE_TRITON_KERNELS
 
     def quantize(self, x2, scheme):
         from .kernels.common import row_plan

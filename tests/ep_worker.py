@@ -20,7 +20,7 @@ from cases import CASE_NAMES, make_case
 from epmoe.launch import init_process_group
 from epmoe.layer import DeepEPMoELayer
 from epmoe.quant import get_scheme
-from helpers import SCHEME_NAMES, make_weights
+from helpers import SCHEME_NAMES, RankRows, make_weights
 from reference import moe_reference, rel_err
 
 # Spawned ranks do not run conftest.py: the Triton-interpreter fixes the CPU tests rely on are
@@ -56,10 +56,10 @@ def suite_plan(schemes=SCHEME_NAMES, dispatch="all_to_all", backend="torch", cas
 def run_suite(rank, world, port, device_type, plans, out_path):
     """Runs every :func:`suite_plan` of ``plans`` in one process group (spawning ranks costs more
     than a tiny case on a small CPU); writes one JSON line per result, tagged with its plan's
-    index, to ``out_path.<rank>``."""
+    index, to ``out_path.<rank>`` (:class:`~helpers.RankRows`)."""
     device = init(rank, world, port, device_type)
     dtype = torch.float32 if device_type == "cpu" else torch.bfloat16
-    results = []
+    results = RankRows(out_path, rank)
     try:
         for index, plan in enumerate(plans):
             experts, top_k, hidden, inter = plan["shape"]
@@ -76,7 +76,7 @@ def run_suite(rank, world, port, device_type, plans, out_path):
                     x, ids, w = make_case(case, rank, experts, top_k, hidden)
                     xin = x.to(device, dtype)
                     out = layer(xin, topk_ids=ids.to(device), topk_weights=w.to(device))
-                    row = dict(plan=index, rank=rank, scheme=scheme, case=case, tokens=x.shape[0],
+                    row = dict(plan=index, scheme=scheme, case=case, tokens=x.shape[0],
                                backend=layer.backend.name, dispatch=layer.dispatcher.name,
                                shape_ok=tuple(out.shape) == tuple(x.shape) and out.dtype == dtype)  # fmt: skip
                     if x.shape[0]:
@@ -85,14 +85,12 @@ def run_suite(rank, world, port, device_type, plans, out_path):
                         row["err_exact"] = rel_err(out.cpu(), moe_reference(xr, ids, w, f13, f2))
                         row["bound"] = get_scheme(scheme).rel_error_bound
                         row["tol_emulated"] = emulated_tolerance(scheme, dtype, layer.backend.name)
-                    results.append(row)
+                    results.emit(row)
     except Exception:
-        results.append(dict(rank=rank, error=traceback.format_exc()))
+        results.emit(dict(error=traceback.format_exc()))
         raise
     finally:
-        with open(f"{out_path}.{rank}", "w") as f:
-            for r in results:
-                f.write(json.dumps(r) + "\n")
+        results.close()
     dist.barrier()
     dist.destroy_process_group()
 
@@ -177,9 +175,9 @@ MISMATCHES = [
 def run_mismatch(rank, world, port, out_path, device_type="cpu"):
     """Two ranks built or called with arguments that must agree: every case raises on both ranks
     (and leaves the group usable: a matching batch afterwards is correct); ``-1`` ids over
-    all-to-all. One JSON line per case in ``out_path.<rank>``."""
+    all-to-all. One JSON line per case in ``out_path.<rank>`` (:class:`~helpers.RankRows`)."""
     dev = init(rank, world, port, device_type)
-    rows = []
+    rows = RankRows(out_path, rank)
 
     def layer(**kw):
         args = dict(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, dispatch="all_to_all",
@@ -189,7 +187,7 @@ def run_mismatch(rank, world, port, out_path, device_type="cpu"):
 
     try:
         for field, common, kw0, kw1 in MISMATCHES:
-            rows.append(dict(case=field, **_raised(lambda: layer(**common, **(kw0 if rank == 0 else kw1)))))
+            rows.emit(dict(case=field, **_raised(lambda: layer(**common, **(kw0 if rank == 0 else kw1)))))
         # Fields the CPU cannot build differently (one dispatcher runs here): the comparison itself.
         from epmoe.dispatch.collective import check_agreement
 
@@ -197,16 +195,16 @@ def run_mismatch(rank, world, port, out_path, device_type="cpu"):
             fields = dict(num_experts="16", dispatch="all_to_all", payload="int8_token", alignment="1")
             fields[field] = {"dispatch": ("all_to_all", "deepep_auto"), "payload": ("int8_token", "float"),
                              "alignment": ("1", "128")}[field][rank]  # fmt: skip
-            rows.append(dict(case=field, **_raised(lambda: check_agreement(
+            rows.emit(dict(case=field, **_raised(lambda: check_agreement(
                 fields, what="DeepEPMoELayer arguments", group=None, device=dev,
                 rank=rank, world=world, timeout_s=20))))  # fmt: skip
         # A meta-device layer does not communicate at build (rank 1 builds none; timeout_s=1).
-        rows.append(dict(case="meta_build", **_raised(
+        rows.emit(dict(case="meta_build", **_raised(
             lambda: layer(device="meta", timeout_s=1) if rank == 0 else None)))  # fmt: skip
         # Both ranks build on meta with different num_experts: nothing raised at build; the
         # comparison the first forward runs (once materialized) raises on both.
         meta = layer(device="meta", num_experts=16 * (rank + 1))
-        rows.append(dict(case="meta_deferred", agreed_at_build=meta._agreed, **_raised(lambda: meta._agree(dev))))
+        rows.emit(dict(case="meta_deferred", agreed_at_build=meta._agreed, **_raised(lambda: meta._agree(dev))))
 
         # Per-batch header: the input dtype differs between the ranks (same width, other bits; and
         # another width), for a float payload and for an int8 payload (the combine brings back
@@ -219,13 +217,13 @@ def run_mismatch(rank, world, port, out_path, device_type="cpu"):
             lay.load_experts(*[None if t is None else t.to(dev) for t in stored])
             for dtypes in ((torch.float16, torch.bfloat16), (torch.float32, torch.bfloat16)):
                 xin = x.to(dtypes[rank])
-                rows.append(dict(case=f"header_{quant}_{dtypes[0]}_{dtypes[1]}",
+                rows.emit(dict(case=f"header_{quant}_{dtypes[0]}_{dtypes[1]}",
                                  **_raised(lambda: lay(xin, topk_ids=ids, topk_weights=w))))  # fmt: skip
             # The group is still in step: a batch that agrees runs and is right.
             _, (w13, w2) = make_weights(E, H, I, quant)
             out = lay(x, topk_ids=ids, topk_weights=w)
             ref = moe_reference(xc, idc, wc, w13, w2, quant)
-            rows.append(dict(case=f"after_header_{quant}", err=rel_err(out.cpu(), ref)))
+            rows.emit(dict(case=f"after_header_{quant}", err=rel_err(out.cpu(), ref)))
 
         # -1 ids (padding): the slot contributes nothing; a token of only -1 slots gets zeros.
         stored, (w13, w2) = make_weights(E, H, I, "bf16")
@@ -238,17 +236,15 @@ def run_mismatch(rank, world, port, out_path, device_type="cpu"):
             lay = layer(validate=validate)
             lay.load_experts(*[None if t is None else t.to(dev) for t in stored])
             out = lay(x, topk_ids=pad, topk_weights=w).cpu()
-            rows.append(dict(case=f"pad_validate_{validate}", err=rel_err(out, ref),
+            rows.emit(dict(case=f"pad_validate_{validate}", err=rel_err(out, ref),
                              zero_rows=bool((out[1::4] == 0).all())))  # fmt: skip
         bad = pad.clone()
         bad[0, 0] = -2  # on both ranks: validation refuses it before any collective
         lay = layer()
-        rows.append(dict(case="pad_minus_two", **_raised(lambda: lay(x, topk_ids=bad, topk_weights=w))))
+        rows.emit(dict(case="pad_minus_two", **_raised(lambda: lay(x, topk_ids=bad, topk_weights=w))))
     except Exception:
-        rows.append(dict(case="worker", error=traceback.format_exc()))
-    with open(f"{out_path}.{rank}", "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+        rows.emit(dict(case="worker", error=traceback.format_exc()))
+    rows.close()
     os._exit(0)
 
 
@@ -330,5 +326,6 @@ def run_collective_count(rank, world, port, out_path):
         x, ids, w = make_case(case, rank, E, K, H)
         layer(x, topk_ids=ids, topk_weights=w)
         per_call[f"forward {i}"] = list(calls)
-    with open(f"{out_path}.{rank}", "w") as f:
-        json.dump(per_call, f)
+    out = RankRows(out_path, rank)
+    out.emit(per_call)
+    out.close()

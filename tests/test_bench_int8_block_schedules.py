@@ -74,3 +74,41 @@ def test_winner_is_the_least_total_time_from_128_rows_over_complete_schedules():
     entry = ibs.schedule_entry(report)["NVIDIA H200"]
     assert entry["schedule"] == "staggered" and "commit abc" in entry["source"]
     assert ibs.schedule_entry({**report, "gpu": None}) is None
+
+
+def _block_gemm(a, sa, b, sb, offsets, out=None, *, schedule, wrong=False):
+    """The INT8 block kernel's contract, written out here (each 128-wide K block an exact integer
+    sum, scaled by the row's and the weight block's scales), bf16 out; ``wrong`` takes the weight
+    scale of the first N block for every column, as a kernel reading the wrong scale tile would."""
+    offs = offsets.tolist()
+    out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.bfloat16)
+    for x in range(b.shape[0]):
+        lo, hi = offs[x], offs[x + 1]
+        acc = torch.zeros(hi - lo, b.shape[1], dtype=torch.float64)
+        for kb in range(a.shape[1] // 128):
+            c = slice(kb * 128, (kb + 1) * 128)
+            ws = sb[x, :1, kb].expand(b.shape[1] // 128) if wrong else sb[x, :, kb]
+            acc += (a[lo:hi, c].double() @ b[x, :, c].double().t()) * sa[lo:hi, kb : kb + 1].double() * ws.double().repeat_interleave(128)
+        out[lo:hi] = acc.to(torch.bfloat16)
+    return out
+
+
+def _masked_gemm(a, sa, b, sb, masked_m, out=None, *, schedule, wrong=False):
+    e, m, k = a.shape
+    offsets = torch.arange(e + 1, dtype=torch.int32) * m  # every slab whole: rows past masked_m unread
+    return _block_gemm(a.reshape(e * m, k), sa.reshape(e * m, -1), b, sb, offsets, schedule=schedule, wrong=wrong).view(e, m, -1)
+
+
+def test_smoke_check_measures_against_the_package_reference(monkeypatch):
+    """The variants' smoke check on the host, around stand-ins of the kernels: a correct kernel is
+    within the bound of the package's float64 reference, one that reads a wrong scale is not."""
+    import functools
+
+    from epmoe.experts import cutlass_backend as cb
+
+    monkeypatch.setattr(cb, "int8_block_grouped_gemm", _block_gemm)
+    monkeypatch.setattr(cb, "int8_block_masked_gemm", _masked_gemm)
+    assert ibs.worst_error("lockstep", "cpu") < 2.0**-8  # bf16 output rounding
+    monkeypatch.setattr(cb, "int8_block_grouped_gemm", functools.partial(_block_gemm, wrong=True))
+    assert ibs.worst_error("lockstep", "cpu") > ibs.SMOKE_BOUND
+    assert "worst_error(sys.argv[1])" in ibs.SMOKE  # the child process runs this very check

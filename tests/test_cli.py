@@ -126,7 +126,7 @@ def test_info_rows_cover_the_int32_accumulator_and_contiguous_only_backends(monk
     assert rows["cutlass int8_channel_int32"] == rows["cutlass int8_block"] == "available"  # masked too
     assert rows["cutlass fp8_block"] == "available (contiguous layout only)"
     rules = {name: status for kind, name, status in cli.capability_rows(torch.device("cpu")) if kind == "int8 rule"}
-    name = cb.int8_block_schedule()
+    name = cb.int8_block_schedule(torch.device("cpu"))
     assert rules["cutlass int8_block schedule"].startswith(f"{name} (128 x {cb.INT8_BLOCK_TILE_N[name]} tiles; "
                                                            "$EPMOE_INT8_BLOCK_SCHEDULE")  # fmt: skip
     monkeypatch.setenv(cb.INT8_BLOCK_SCHEDULE_ENV, "fastest")

@@ -487,6 +487,22 @@ def test_cutlass_fp8_alignment_traces_without_a_package_lookup(monkeypatch):
     assert fn(torch.zeros(1)).item() == backend.alignment == cb.ROW_BLOCK
 
 
+def test_cutlass_int8_block_schedule_traces(monkeypatch):
+    """The INT8 block kernel's schedule is looked up in the forward for the weights' device (the
+    schedule file and the GPU name, which dynamo cannot trace): traced, it is the lookup's answer,
+    taken once as a constant."""
+    from epmoe.experts import cutlass_backend as cb
+
+    monkeypatch.delenv(cb.INT8_BLOCK_SCHEDULE_ENV, raising=False)
+    monkeypatch.setattr(cb, "gpu_name", lambda device: "NVIDIA H200")  # the host stands for a GPU with a measured entry
+    cb.measured_schedule.cache_clear()
+    backend = cb.CutlassBackend(get_scheme("int8_block"))
+    want = cb.int8_block_schedule(torch.device("cpu"))
+    fn = torch.compile(lambda x: x + cb.INT8_BLOCK_SCHEDULES.index(backend.schedule_for(x.device)), fullgraph=True,
+                       backend="eager")  # fmt: skip
+    assert fn(torch.zeros(1)).item() == cb.INT8_BLOCK_SCHEDULES.index(want)
+
+
 @pytest.mark.parametrize("quant", ["int8_channel", "int8_block"])
 def test_cutlass_int8_kernel_choice_traces_and_follows_the_rule(quant, monkeypatch):
     """The INT8 kernel choice (``alignment_for``, ``int8_kernel``) reads the crossover file and the

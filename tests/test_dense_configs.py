@@ -22,7 +22,7 @@ TABLE = {"int8_channel_int32": {"N=576,K=7168": {
              {"kernel": "cutlass", "config": {"raster_along_n": True, "max_swizzle": 1}, "us": 93.0}],
     "16384": {"kernel": "tiled"},
 }}}  # fmt: skip
-CUTLASS = ("small_m", "cutlass", "triton", "tiled")
+CUTLASS = dc.KERNELS  # what the cutlass backend runs on the project's kernel
 
 
 def test_table_round_trip_and_buckets(tmp_path):
@@ -113,6 +113,14 @@ def test_int8_linear_plan_per_backend(some_gpu, monkeypatch):
     assert mod.plan(1024) == ("tiled", None)
     with pytest.raises(ValueError, match="rows"):
         mod.plan(0)
+
+
+def test_backends_run_the_plans_kernel_lists():
+    """Each GPU backend's kernels are the plan's lists themselves, not copies that could drift."""
+    from epmoe import linear
+
+    assert linear._TritonImpl.kernels is linear._CutlassImpl("sgl").kernels is dc.TRITON_KERNELS
+    assert linear._CutlassImpl("epmoe").kernels is dc.KERNELS
 
 
 def test_default_rule():

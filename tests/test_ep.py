@@ -7,17 +7,14 @@ import pytest
 import ep_worker
 from ep_worker import suite_plan
 from epmoe.launch import run_ranks as launch_ranks
-from helpers import SCHEME_NAMES
+from helpers import SCHEME_NAMES, read_rank_rows
 
 
 def run_plans(world, tmp_path, plans, device="cpu") -> list[list[dict]]:
     """The rows of each :func:`ep_worker.suite_plan` of ``plans``, all run in one launch."""
     out = str(tmp_path / "res")
     launch_ranks(ep_worker.run_suite, world, device, plans, out)
-    rows = []
-    for r in range(world):
-        with open(f"{out}.{r}") as f:
-            rows += [json.loads(line) for line in f]
+    rows = read_rank_rows(out, world)
     assert not [r for r in rows if "error" in r]
     return [[r for r in rows if r["plan"] == i] for i in range(len(plans))]
 
@@ -74,9 +71,9 @@ def test_arguments_are_compared_once_per_layer_not_per_batch(tmp_path):
     combine): no collective of the fingerprint's per batch."""
     out = str(tmp_path / "calls")
     launch_ranks(ep_worker.run_collective_count, 2, out)
-    for r in range(2):
-        with open(f"{out}.{r}") as f:
-            calls = json.load(f)
+    rows = read_rank_rows(out, 2)
+    assert sorted(r["rank"] for r in rows) == [0, 1], rows
+    for calls in rows:
         assert calls["build"] == ["all_gather"], calls
         for i in range(3):
             assert calls[f"forward {i}"] == ["all_to_all_single"] * 3, calls
@@ -114,11 +111,9 @@ def test_ranks_that_disagree_raise_on_every_rank(tmp_path, device_type="cpu"):
     -1 ids contribute nothing over all_to_all, validated or not, and -2 is still refused.
     (tests/gpu/test_ep_nccl.py runs it over NCCL.)"""
     out = _spawn(ep_worker.run_mismatch, 2, tmp_path, "mismatch", device_type)
-    by_rank = []
-    for r in range(2):
-        with open(f"{out}.{r}") as f:
-            by_rank.append({row["case"]: row for row in map(json.loads, f)})
-    for rows in by_rank:
+    every = read_rank_rows(out, 2)
+    assert {row["rank"] for row in every} == {0, 1}, every
+    for rows in ({row["case"]: row for row in every if row["rank"] == r} for r in range(2)):
         assert "worker" not in rows, rows.get("worker")
         for field, common, kw0, kw1 in ep_worker.MISMATCHES:
             row = rows[field]

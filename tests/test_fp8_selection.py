@@ -799,8 +799,20 @@ def test_cutlass_int8_block_plumbing_contiguous(monkeypatch, spare):
     from epmoe.quant.reference import quantize_rows
 
     block = get_scheme("int8_block")
-    monkeypatch.setattr(cb, "int8_block_grouped_gemm", _fake_int8_block_grouped_gemm)
+    schedules, asked = [], []
+
+    def gemm(*args, schedule, **kw):
+        schedules.append(schedule)
+        return _fake_int8_block_grouped_gemm(*args, schedule=schedule, **kw)
+
+    def measured(device):  # the schedule is looked up for the weights' device, here the host
+        asked.append(torch.device(device))
+        return "staggered"
+
+    monkeypatch.setattr(cb, "int8_block_grouped_gemm", gemm)
     monkeypatch.setattr(cb, "int8_grouped_gemm", lambda *a, **k: pytest.fail("the channel kernel ran for int8_block"))
+    monkeypatch.delenv(cb.INT8_BLOCK_SCHEDULE_ENV, raising=False)
+    monkeypatch.setattr(cb, "measured_or_default_schedule", measured)
     stored, (w13, w2) = make_weights(PE, PH, PI, "int8_block")
     x, ids, w = make_case("empty_experts", 0, PE, PK, PH)
     backend = cb.CutlassBackend(block)
@@ -814,6 +826,7 @@ def test_cutlass_int8_block_plumbing_contiguous(monkeypatch, spare):
         assert out.dtype == torch.float32 and out.shape == (batch.x.shape[0], PH)
         got = gather_weighted(out, batch.slot_pos, w)
         assert rel_err(got, ref) < block.rel_error_bound, rel_err(got, ref)
+    assert schedules == ["staggered"] * 4 and set(asked) == {torch.device("cpu")}, (schedules, asked)
 
 
 def _fake_masked(contiguous_fake, calls):
@@ -869,7 +882,7 @@ def test_cutlass_int8_plumbing_masked(monkeypatch, scheme_name):
     x, ids, w = make_case("empty_experts", 0, PE, PK, PH)
     backend = cb.CutlassBackend(scheme, accumulator="int32" if scheme_name == "int8_channel" else "fp32")
     monkeypatch.delenv(cb.INT8_BLOCK_SCHEDULE_ENV)
-    assert backend.schedule == ("split_n" if scheme_name == "int8_block" else cb.DEFAULT_INT8_BLOCK_SCHEDULE)
+    assert backend.schedule == ("split_n" if scheme_name == "int8_block" else None)
     assert "masked" in backend.layouts
     weights = backend.prepare_weights(ExpertWeights(scheme, *stored))
     ref = moe_reference(x, ids, w, w13, w2, scheme_name)
@@ -894,7 +907,8 @@ def test_cutlass_int8_plumbing_masked(monkeypatch, scheme_name):
 
 def test_int8_block_schedule_choice(monkeypatch, caplog):
     """The schedule of the INT8 block kernel: the argument, else the environment (read when the
-    backend is built), else the default; a name not in the list is refused with where it came from."""
+    backend is built), else the measured one or the default; a name not in the list is refused with
+    where it came from."""
     from epmoe.experts import cutlass_backend as cb
     from epmoe.quant import get_scheme
 
@@ -905,7 +919,8 @@ def test_int8_block_schedule_choice(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="epmoe"):
         cb.CutlassBackend(block, schedule="split_n")
     assert "INT8 block kernel: variant split_n (128 x 192 tiles" in caplog.text
-    assert cb.CutlassBackend(block).schedule == cb.DEFAULT_INT8_BLOCK_SCHEDULE
+    assert cb.CutlassBackend(block).schedule is None  # the measured one, looked up per device
+    assert cb.CutlassBackend(block).schedule_for(torch.device("cpu")) == cb.DEFAULT_INT8_BLOCK_SCHEDULE
     assert cb.CutlassBackend(block, schedule="staggered").schedule == "staggered"
     monkeypatch.setenv(cb.INT8_BLOCK_SCHEDULE_ENV, "split_n")
     assert cb.CutlassBackend(block).schedule == "split_n"
@@ -916,8 +931,8 @@ def test_int8_block_schedule_choice(monkeypatch, caplog):
     with pytest.raises(ValueError, match=r"^schedule='fast'; allowed: \['lockstep', 'staggered', 'split_n', 'split_n_zero', 'n256_quarters', 'n256_halves', 'n128_split_n'\]"):
         cb.CutlassBackend(block, schedule="fast")
     # Only int8_block has schedules: the bad environment value does not stop the other schemes.
-    assert cb.CutlassBackend(get_scheme("fp8_block")).schedule == cb.DEFAULT_INT8_BLOCK_SCHEDULE
-    assert cb.CutlassBackend(get_scheme("int8_channel"), accumulator="int32").schedule == cb.DEFAULT_INT8_BLOCK_SCHEDULE
+    for other in (cb.CutlassBackend(get_scheme("fp8_block")), cb.CutlassBackend(get_scheme("int8_channel"), accumulator="int32")):
+        assert other.schedule is None and other.schedule_for(torch.device("cpu")) == cb.DEFAULT_INT8_BLOCK_SCHEDULE
 
 
 def test_int8_block_schedule_measured_per_gpu(monkeypatch, tmp_path):
@@ -937,18 +952,45 @@ def test_int8_block_schedule_measured_per_gpu(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="must map GPU names to"):
         cb.measured_schedule("GPU A", path)
     monkeypatch.delenv(cb.INT8_BLOCK_SCHEDULE_ENV, raising=False)
-    monkeypatch.setattr(cb.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(cb.devices, "name", lambda device=None: "GPU B")
+    gpus = {0: "GPU A", 1: "GPU B", 2: "GPU C"}
+    monkeypatch.setattr(cb.devices, "name", lambda device=None: gpus[torch.device(device).index])
     monkeypatch.setattr(cb, "measured_schedule", lambda gpu: {"GPU A": "split_n", "GPU B": "fast"}.get(gpu))
     with pytest.raises(ValueError, match=r"int8_block_schedule.json for 'GPU B'='fast'; allowed"):
-        cb.int8_block_schedule()
-    monkeypatch.setattr(cb.devices, "name", lambda device=None: "GPU A")
-    assert cb.int8_block_schedule() == "split_n"
+        cb.int8_block_schedule("cuda:1")
+    assert cb.int8_block_schedule("cuda:0") == "split_n"
+    assert cb.int8_block_schedule(torch.device("cpu")) == cb.DEFAULT_INT8_BLOCK_SCHEDULE  # no measured one off CUDA
     monkeypatch.setenv(cb.INT8_BLOCK_SCHEDULE_ENV, "lockstep")
-    assert cb.int8_block_schedule() == "lockstep"  # the environment first
+    assert cb.int8_block_schedule("cuda:0") == "lockstep"  # the environment first
     monkeypatch.delenv(cb.INT8_BLOCK_SCHEDULE_ENV)
-    monkeypatch.setattr(cb.devices, "name", lambda device=None: "GPU C")
-    assert cb.int8_block_schedule() == cb.DEFAULT_INT8_BLOCK_SCHEDULE
+    assert cb.int8_block_schedule("cuda:2") == cb.DEFAULT_INT8_BLOCK_SCHEDULE
+
+
+def test_int8_block_schedule_follows_the_weights_gpu(monkeypatch, caplog):
+    """Two GPUs of different kinds in one host: the schedule is the one measured on the GPU that
+    holds the weights, whichever device is current when the backend is built or run; a CUDA
+    device without an index (which would mean the current one) is refused."""
+    from epmoe.experts import cutlass_backend as cb
+    from epmoe.quant import get_scheme
+
+    block = get_scheme("int8_block")
+    gpus = {0: "GPU A", 1: "GPU B"}
+    monkeypatch.delenv(cb.INT8_BLOCK_SCHEDULE_ENV, raising=False)
+    monkeypatch.setattr(cb.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cb.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cb.devices, "name", lambda device=None: gpus[cb.devices.cuda_index(device)])
+    monkeypatch.setattr(cb, "measured_schedule", lambda gpu: {"GPU A": "split_n", "GPU B": "n256_halves"}.get(gpu))
+    backend = cb.CutlassBackend(block)  # built while cuda:0 (GPU A) is current
+    with caplog.at_level(logging.INFO, logger="epmoe"):
+        assert backend.schedule_for(torch.device("cuda", 1)) == "n256_halves"
+    assert "INT8 block kernel on cuda:1 (GPU B): variant n256_halves (128 x 256 tiles" in caplog.text
+    assert backend.schedule_for(torch.device("cuda", 0)) == "split_n"
+    assert cb.int8_block_schedule(torch.device("cuda", 1)) == "n256_halves"
+    assert cb.CutlassBackend(block, schedule="staggered").schedule_for(torch.device("cuda", 1)) == "staggered"
+    allowed = r"device='cuda' names no GPU; allowed: a CUDA device with its index"
+    with pytest.raises(ValueError, match=allowed):
+        cb.int8_block_schedule("cuda")
+    with pytest.raises(ValueError, match=allowed):
+        cb.int8_rule(torch.device("cuda"), "int8_block")  # the crossover rule is looked up the same way
 
 
 def test_cutlass_masked_layout_is_int8_only(monkeypatch):

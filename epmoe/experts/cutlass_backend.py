@@ -39,8 +39,8 @@ without rows has an empty segment and gets no tiles. The masked layout (``[E, ca
 
 The INT8 block kernel has variants (:data:`INT8_BLOCK_SCHEDULES`: its consumer warpgroups'
 schedule and its tile width), each its own instantiation in the one extension; a backend runs the
-one named when it is built (the argument, ``EPMOE_INT8_BLOCK_SCHEDULE``, else the one measured
-fastest on its GPU, :data:`SCHEDULE_FILE`).
+one named when it is built (the argument, ``EPMOE_INT8_BLOCK_SCHEDULE``), else the one measured
+fastest on the GPU that holds its weights (:data:`SCHEDULE_FILE`, :meth:`CutlassBackend.schedule_for`).
 """
 
 from __future__ import annotations
@@ -128,9 +128,9 @@ SCHEDULE_FILE = Path(__file__).resolve().parent.parent / "configs" / "int8_block
 "source": ...}}`` (written by ``benchmarks/int8_block_schedules.py --schedule-out``)."""
 
 
-def int8_block_schedule(name: str | None = None) -> str:
-    """``name``, else ``$EPMOE_INT8_BLOCK_SCHEDULE``, else the one measured fastest on the current
-    CUDA device's GPU (:data:`SCHEDULE_FILE`), else :data:`DEFAULT_INT8_BLOCK_SCHEDULE`.
+def named_int8_block_schedule(name: str | None = None) -> str | None:
+    """``name``, else ``$EPMOE_INT8_BLOCK_SCHEDULE``, else ``None`` (then the schedule measured on
+    the weights' GPU applies: :func:`int8_block_schedule`).
 
     Raises:
         ValueError: a name that is not one of :data:`INT8_BLOCK_SCHEDULES` (saying where it came from).
@@ -139,15 +139,60 @@ def int8_block_schedule(name: str | None = None) -> str:
     if name is None:
         name = os.environ.get(INT8_BLOCK_SCHEDULE_ENV) or None
         source = f"{INT8_BLOCK_SCHEDULE_ENV} (from the environment)"
-    if name is None:
-        gpu = devices.name(torch.device("cuda")) if torch.cuda.is_available() else None
-        name = measured_schedule(gpu)
-        source = f"{SCHEDULE_FILE} for {gpu!r}"
+    if name is not None:
+        _check_schedule(name, source)
+    return name
+
+
+def int8_block_schedule(device: torch.device | str, name: str | None = None) -> str:
+    """:func:`named_int8_block_schedule`, else the one measured fastest on ``device``'s GPU
+    (:data:`SCHEDULE_FILE`), else :data:`DEFAULT_INT8_BLOCK_SCHEDULE`.
+
+    ``device`` is where the kernel runs (the weights' device); off CUDA there is no measured one.
+
+    Raises:
+        ValueError: a name that is not one of :data:`INT8_BLOCK_SCHEDULES` (saying where it came
+            from); a CUDA device without an index (:func:`gpu_name`).
+    """
+    return named_int8_block_schedule(name) or measured_or_default_schedule(device)
+
+
+def measured_or_default_schedule(device: torch.device | str) -> str:
+    """The schedule :data:`SCHEDULE_FILE` names for ``device``'s GPU, else
+    :data:`DEFAULT_INT8_BLOCK_SCHEDULE`.
+
+    Raises:
+        ValueError: an entry that is not one of :data:`INT8_BLOCK_SCHEDULES`; a CUDA device
+            without an index (:func:`gpu_name`).
+    """
+    gpu = gpu_name(device)
+    name = measured_schedule(gpu)
     if name is None:
         return DEFAULT_INT8_BLOCK_SCHEDULE
+    _check_schedule(name, f"{SCHEDULE_FILE} for {gpu!r}")
+    return name
+
+
+def gpu_name(device: torch.device | str) -> str | None:
+    """The GPU name of a CUDA ``device``, the key of the measured data files; ``None`` off CUDA.
+
+    Raises:
+        ValueError: a CUDA device without an index. Measured choices follow the GPU that holds the
+            weights, and the current device need not be it (two GPU kinds in one host, a backend
+            built while another device is current).
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    if device.index is None:
+        raise ValueError(f"device={str(device)!r} names no GPU; allowed: a CUDA device with its index, "
+                         "the one holding the weights (e.g. 'cuda:0'), or a non-CUDA device")  # fmt: skip
+    return devices.name(device)
+
+
+def _check_schedule(name: str, source: str) -> None:
     if name not in INT8_BLOCK_SCHEDULES:
         raise ValueError(f"{source}={name!r}; allowed: {list(INT8_BLOCK_SCHEDULES)}")
-    return name
 
 
 @functools.lru_cache(maxsize=8)
@@ -793,8 +838,7 @@ def int8_block_grouped_gemm(
 
 
 def _schedule_index(schedule: str) -> int:
-    if schedule not in INT8_BLOCK_SCHEDULES:
-        raise ValueError(f"schedule={schedule!r}; allowed: {list(INT8_BLOCK_SCHEDULES)}")
+    _check_schedule(schedule, "schedule")
     return INT8_BLOCK_SCHEDULES.index(schedule)
 
 
@@ -984,11 +1028,10 @@ def crossover_data(path: Path = CROSSOVER_FILE) -> dict:
 
 
 def int8_rule(device: torch.device, scheme: str) -> RowsRule:
-    """The rows-per-expert rule of ``scheme`` on ``device`` (its GPU name; ``device.type`` on a
-    machine without one), logged the first time it is asked for."""
+    """The rows-per-expert rule of ``scheme`` on ``device`` (its GPU name, :func:`gpu_name`;
+    ``device.type`` off CUDA), logged the first time it is asked for."""
     device = torch.device(device)
-    gpu = devices.name(device) if device.type == "cuda" and torch.cuda.is_available() else device.type
-    return _rule(gpu, scheme)
+    return _rule(gpu_name(device) or device.type, scheme)
 
 
 @torch.compiler.assume_constant_result
@@ -1011,6 +1054,24 @@ def _rule(gpu: str, scheme: str) -> RowsRule:
     rule = int8_rows_rule(crossover_data(), gpu, scheme)
     log.info("cutlass backend, INT8 kernel by rows per expert: %s", rule.describe())
     return rule
+
+
+@torch.compiler.assume_constant_result
+def _measured_schedule_index(device: torch.device) -> int:
+    """The index in :data:`INT8_BLOCK_SCHEDULES` of :func:`measured_or_default_schedule` on
+    ``device``, logged once per device. A plain int, taken once at trace time under
+    ``torch.compile``: the lookup reads the schedule file and the GPU name, which dynamo cannot
+    trace."""
+    name = measured_or_default_schedule(device)
+    if (device, name) not in _SCHEDULES_LOGGED:  # the forward asks on every call: no formatting then
+        _SCHEDULES_LOGGED.add((device, name))
+        log.info("cutlass backend, INT8 block kernel on %s (%s): variant %s (128 x %d tiles; the one measured "
+                 "for this GPU, else the default)", device, gpu_name(device) or device.type, name,
+                 INT8_BLOCK_TILE_N[name])  # fmt: skip
+    return INT8_BLOCK_SCHEDULES.index(name)
+
+
+_SCHEDULES_LOGGED: set[tuple[torch.device, str]] = set()
 
 
 def batch_rows_per_expert(batch: ContiguousBatch) -> int:
@@ -1081,8 +1142,9 @@ class CutlassBackend(ExpertsBackend):
     ``int8_channel`` with the int32 accumulator and ``int8_block`` (the project's kernels) over the
     contiguous and the masked layouts.
 
-    ``schedule``: the INT8 block kernel's (:func:`int8_block_schedule`: the argument, else
-    ``$EPMOE_INT8_BLOCK_SCHEDULE``, else the default), fixed when the backend is built.
+    ``schedule``: the INT8 block kernel's, the argument, else ``$EPMOE_INT8_BLOCK_SCHEDULE`` (read
+    when the backend is built; :attr:`schedule`), else the one measured on the GPU that holds the
+    weights (:meth:`schedule_for`, looked up per device, not for the current one).
     ``int8_kernel``: ``"auto"`` (the INT8 GEMMs by rows per expert, :meth:`int8_kernel`), or
     ``"cutlass"`` / ``"triton"`` at every size (what the benchmarks compare)."""
 
@@ -1100,10 +1162,10 @@ class CutlassBackend(ExpertsBackend):
             raise ValueError(f"int8_kernel={int8_kernel!r}; allowed: {list(INT8_KERNELS)}")
         # Only the INT8 block kernel has schedules: a bad $EPMOE_INT8_BLOCK_SCHEDULE must not stop
         # FP8 or channel-wise layers from building (a schedule named here is still checked).
-        self.schedule = (int8_block_schedule(schedule) if scheme.name == "int8_block" or schedule is not None
-                         else DEFAULT_INT8_BLOCK_SCHEDULE)  # fmt: skip
+        self.schedule = (named_int8_block_schedule(schedule) if scheme.name == "int8_block" or schedule is not None
+                         else None)  # fmt: skip
         self.forced_int8_kernel = None if int8_kernel == "auto" else int8_kernel
-        if scheme.name == "int8_block":
+        if scheme.name == "int8_block" and self.schedule is not None:
             log.info("cutlass backend, INT8 block kernel: variant %s (128 x %d tiles; INT8_BLOCK_SCHEDULES)",
                      self.schedule, INT8_BLOCK_TILE_N[self.schedule])  # fmt: skip
         # Below the measured INT8 crossover the whole pass is the Triton backend's (its GEMMs
@@ -1219,6 +1281,16 @@ class CutlassBackend(ExpertsBackend):
         if not self._sgl_fp8:
             load_extension()
 
+    def schedule_for(self, device: torch.device) -> str:
+        """The INT8 block kernel's schedule on ``device`` (the weights'): :attr:`schedule`, else
+        the one measured on that GPU (:func:`measured_or_default_schedule`). Other schemes'
+        kernels take none: the default, which their op ignores."""
+        if self.schedule is not None:
+            return self.schedule
+        if self.scheme.name != "int8_block":
+            return DEFAULT_INT8_BLOCK_SCHEDULE
+        return INT8_BLOCK_SCHEDULES[_measured_schedule_index(torch.device(device))]
+
     def int8_kernel(self, batch: ContiguousBatch) -> str:
         """``"cutlass"`` or ``"triton"``: which GEMMs an INT8 batch runs on, by its rows per expert
         (:func:`batch_rows_per_expert`) and the measured crossover of this GPU and scheme
@@ -1303,7 +1375,7 @@ class CutlassBackend(ExpertsBackend):
         from .. import ops
 
         scheme = self.scheme
-        gemm = functools.partial(ops.cutlass_grouped_gemm, scheme.name, schedule=self.schedule)
+        gemm = functools.partial(ops.cutlass_grouped_gemm, scheme.name, schedule=self.schedule_for(weights.w13.device))
         offsets = batch.expert_offsets
         bound, lift, drop = spare_row_slab(batch)
         padding = stages.padding_rows(batch)
@@ -1346,7 +1418,7 @@ class CutlassBackend(ExpertsBackend):
         hint = None if batch.expected_m is None else max(1, int(batch.expected_m))
         cap = batch.x.shape[1]
         rows = -(-cap // ROW_BLOCK) * ROW_BLOCK
-        gemm = functools.partial(ops.cutlass_masked_gemm, scheme.name, schedule=self.schedule)
+        gemm = functools.partial(ops.cutlass_masked_gemm, scheme.name, schedule=self.schedule_for(weights.w13.device))
         with phase("epmoe.quantize"):
             a, a_scale = stages.gemm1_input(scheme, batch.x, batch.x_scale, weights, masked_m, hint)
             a, a_scale = pad_capacity(a, rows), pad_capacity(a_scale.contiguous(), rows)

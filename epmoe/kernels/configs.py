@@ -34,6 +34,14 @@ DENSE_SMALL_M_MAX = 64
 (:func:`epmoe.kernels.dense_configs.default_plan`, re-exported there and by :mod:`epmoe.linear` as
 ``SMALL_M_MAX``): there a dense linear is a read of its weight, which the tiled GEMMs' 128-wide
 tiles spread over too few SMs. Here because this module imports without Triton."""
+DENSE_KERNELS = ("small_m", "cutlass", "triton", "tiled")
+"""The dense INT8 linear's kernels, those a measured table may name
+(:mod:`epmoe.kernels.dense_configs`, which re-exports it as ``KERNELS``): what the ``cutlass``
+backend runs on the project's kernel. Here, as :data:`DENSE_TRITON_KERNELS`, because
+:mod:`epmoe.linear` reads them at import and this module imports without Triton."""
+DENSE_TRITON_KERNELS = ("small_m", "triton", "tiled")
+"""The dense kernels the ``triton`` backend runs, and ``cutlass`` through sgl-kernel (whose own
+GEMM is its ``tiled``); re-exported by :mod:`epmoe.kernels.dense_configs` as ``TRITON_KERNELS``."""
 INT32_ACC_MODE = "int8_channel_int32"
 """Mode key of the int32-accumulator variant; its buckets override ``int8_channel``'s one by one."""
 

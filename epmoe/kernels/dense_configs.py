@@ -40,11 +40,13 @@ import torch
 
 from ..tensors import check_bool
 from .configs import (
-    DENSE_SMALL_M_MAX, PACKAGE_DIR, GemmConfig, _bucket_index, config_filename, device_name, find_config_file, shape_key,
+    DENSE_KERNELS, DENSE_SMALL_M_MAX, DENSE_TRITON_KERNELS, PACKAGE_DIR, GemmConfig, _bucket_index, config_filename,
+    device_name, find_config_file, shape_key,
 )
 from .dense_int8 import SmallMConfig, _sms, small_m_config
 
-KERNELS = ("small_m", "cutlass", "triton", "tiled")
+KERNELS = DENSE_KERNELS
+"""The kernels a table may name (:data:`~epmoe.kernels.configs.DENSE_KERNELS`)."""
 SWIZZLES = (1, 2, 4, 8)
 FILE_PREFIX = "dense_int8_"
 SMALL_M_MAX = DENSE_SMALL_M_MAX
@@ -152,9 +154,8 @@ def default_plan(scheme: str, n: int, k: int, m: int, sms: int) -> tuple[str, Sm
     return "tiled", None
 
 
-TRITON_KERNELS = ("small_m", "triton", "tiled")
-"""What the ``triton`` backend runs (and ``cutlass`` through sgl-kernel, whose own GEMM is its
-``tiled``); the ``cutlass`` backend on the project's kernel adds ``cutlass``."""
+TRITON_KERNELS = DENSE_TRITON_KERNELS
+"""What the ``triton`` backend runs (:data:`~epmoe.kernels.configs.DENSE_TRITON_KERNELS`)."""
 
 
 @functools.lru_cache(maxsize=8192)

@@ -61,13 +61,14 @@ def quantize_rows(
     return q.reshape(x.shape), scale.squeeze(-1)
 
 
-def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`quantize_rows`: ``q [..., K]``, ``scale [..., S]`` -> fp32 ``[..., K]``."""
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_rows`: ``q [..., K]``, ``scale [..., S]`` -> ``dtype`` ``[..., K]``
+    (float64: each code times its fp32 scale exactly, for references of the GEMMs)."""
     k, s = q.shape[-1], scale.shape[-1]
     if s == 0 or k % s:
         raise ValueError(f"scale has {s} columns, which does not divide K={k}")
-    qf = q.float().reshape(*q.shape[:-1], s, k // s)
-    return (qf * scale.float().unsqueeze(-1)).reshape(q.shape)
+    qf = q.to(dtype).reshape(*q.shape[:-1], s, k // s)
+    return (qf * scale.to(dtype).unsqueeze(-1)).reshape(q.shape)
 
 
 def quantize_weight(
@@ -96,21 +97,22 @@ def quantize_weight(
     return q[:, :n, :k].contiguous(), scale.reshape(e, nb, kb)
 
 
-def dequantize_weight(q: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """fp32 ``[E, N, K]`` from ``q`` and a channel ``[E, N, 1]`` or block scale."""
+def dequantize_weight(q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``dtype`` ``[E, N, K]`` from ``q`` and a channel ``[E, N, 1]`` or block scale (float64: each
+    code times its fp32 scale exactly)."""
     if scale is None:
-        return q.float()
+        return q.to(dtype)
     e, n, k = q.shape
     if scale.shape == (e, n, 1):
-        return q.float() * scale.float()
+        return q.to(dtype) * scale.to(dtype)
     nb, kb = -(-n // BLOCK), -(-k // BLOCK)
     if tuple(scale.shape) != (e, nb, kb):
         raise ValueError(
             f"weight scale shape {tuple(scale.shape)} fits neither channel [{e}, {n}, 1] "
             f"nor block [{e}, {nb}, {kb}] scales of a [{e}, {n}, {k}] weight"
         )
-    full = scale.float().repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2)
-    return q.float() * full[:, :n, :k]
+    full = scale.to(dtype).repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2)
+    return q.to(dtype) * full[:, :n, :k]
 
 
 def quantize_act(x: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor | None]:
