@@ -1059,19 +1059,20 @@ def _rule(gpu: str, scheme: str) -> RowsRule:
 @torch.compiler.assume_constant_result
 def _measured_schedule_index(device: torch.device) -> int:
     """The index in :data:`INT8_BLOCK_SCHEDULES` of :func:`measured_or_default_schedule` on
-    ``device``, logged once per device. A plain int, taken once at trace time under
-    ``torch.compile``: the lookup reads the schedule file and the GPU name, which dynamo cannot
-    trace."""
+    ``device``. A plain int, taken once at trace time under ``torch.compile``: the lookup reads
+    the schedule file and the GPU name, which dynamo cannot trace."""
+    return _schedule_index_on(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _schedule_index_on(device: torch.device) -> int:
+    # Cached per device: the forward asks on every call, and the file and the GPU name are fixed
+    # for the process; the choice is logged the first time.
     name = measured_or_default_schedule(device)
-    if (device, name) not in _SCHEDULES_LOGGED:  # the forward asks on every call: no formatting then
-        _SCHEDULES_LOGGED.add((device, name))
-        log.info("cutlass backend, INT8 block kernel on %s (%s): variant %s (128 x %d tiles; the one measured "
-                 "for this GPU, else the default)", device, gpu_name(device) or device.type, name,
-                 INT8_BLOCK_TILE_N[name])  # fmt: skip
+    log.info("cutlass backend, INT8 block kernel on %s (%s): variant %s (128 x %d tiles; the one measured "
+             "for this GPU, else the default)", device, gpu_name(device) or device.type, name,
+             INT8_BLOCK_TILE_N[name])  # fmt: skip
     return INT8_BLOCK_SCHEDULES.index(name)
-
-
-_SCHEDULES_LOGGED: set[tuple[torch.device, str]] = set()
 
 
 def batch_rows_per_expert(batch: ContiguousBatch) -> int:
