@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 SIZES = dict(hidden=512, inter=256, experts=16, top_k=4, shared_inter=256)
 CASES = [("bf16", "triton"), ("int8_channel", "triton"), ("int8_block", "triton"), ("fp8_block", "cutlass"),
-         ("int8_channel", "cutlass")]  # fmt: skip
+         ("int8_channel", "cutlass"), ("int8_block", "cutlass")]  # fmt: skip
 REDUCE_OVERHEAD = {("int8_channel", "triton"), ("fp8_block", "cutlass")}
 # Relative error (norm) of a block on a GPU backend against the same block on the torch backend:
 # the layer's own bounds, plus bf16 rounding of the dense parts that Inductor fuses differently.
