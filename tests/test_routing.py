@@ -4,6 +4,7 @@ import warnings
 import pytest
 import torch
 
+from epmoe.kernels.common import INTERPRETER_TILE
 from epmoe.routing import select_experts
 
 
@@ -175,6 +176,43 @@ def test_fused_kernel_matches_float64_reference_with_ties(mode, e, t):
     if e >= 64:  # the tokens do rank tied experts: the tie rule was exercised
         ranked = logits.sort(1, descending=True).values
         assert (ranked[:, : k - 1] == ranked[:, 1:k]).any()
+
+
+@pytest.mark.parametrize("e", sorted(SIZES))
+@pytest.mark.parametrize("mode", list(MODES))
+def test_fused_kernel_selects_alike_by_rank_and_by_rounds(mode, e):
+    rank_against_rounds(mode, e, "cpu")
+
+
+def rank_against_rounds(mode: str, e: int, device) -> None:
+    """One token (or four) a launch selects by rank (topk.RANK_TILE), a batch of 300 by arg-max
+    rounds: on tied scores and a NaN row, the same ids and the same weights, row by row (bit for
+    bit in the interpreter; on a GPU the renormalizing sum may add in another order)."""
+    from epmoe.kernels import topk
+
+    k, groups, topk_group = SIZES[e]
+    logits, bias = _tied_inputs(300, e, seed=e + 17)
+    logits[9, 3] = float("nan")
+    logits, bias = logits.to(device), bias.to(device)
+    scoring, grouped, use_bias, renorm, scale = MODES[mode]
+    kw = dict(renormalize=renorm, scoring_func=scoring, num_expert_group=groups if grouped else None,
+              topk_group=topk_group if grouped else None, correction_bias=bias if use_bias else None,
+              routed_scaling_factor=scale, kernel=True)  # fmt: skip
+    e_pad = 1 << (e - 1).bit_length()
+    most = (INTERPRETER_TILE if device == "cpu" else topk.GPU_TILE) // e_pad
+    tile = lambda rows: min(1 << (rows - 1).bit_length(), most) * e_pad * e_pad  # noqa: E731
+    assert tile(300) > topk.RANK_TILE.value  # the whole batch: rounds
+    tol = dict(rtol=0, atol=0) if device == "cpu" else dict(rtol=1e-6, atol=1e-9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the interpreter's numpy meets the NaN
+        want_ids, want_w = select_experts(logits, k, **kw)
+        for r0, n in [(0, 1), (9, 1), (20, 4)]:
+            if tile(n) > topk.RANK_TILE.value:  # 256 experts rank no token (128: one)
+                continue
+            ids, w = select_experts(logits[r0 : r0 + n], k, **kw)
+            assert torch.equal(ids, want_ids[r0 : r0 + n])
+            torch.testing.assert_close(w, want_w[r0 : r0 + n], equal_nan=True, **tol)
+    assert torch.isnan(want_w[9]).any()
 
 
 @pytest.mark.parametrize("mode", list(MODES))

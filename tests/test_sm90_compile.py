@@ -52,6 +52,10 @@ CASES = {
     "scatter_rows": ("epmoe.kernels.permute", "_scatter_rows_kernel", SCATTER_TYPES, dict(
         TOPK=8, HAS_SCALE=True, BLOCK_H=128, BLOCK_S=64)),
     "gather_weighted": ("epmoe.kernels.permute", "_gather_weighted_kernel", GATHER_TYPES, dict(TOPK=8, BLOCK_H=128)),
+    # The routing by rank (topk.RANK_TILE) of one token, grouped (topk_decode_softmax: flat).
+    "topk_rank_grouped": ("epmoe.kernels.topk", "_fused_topk_kernel", TOPK_TYPES, dict(
+        E=128, E_PAD=128, K=8, K_PAD=8, BLOCK_T=1, SIGMOID=True, HAS_BIAS=True, RENORM=True, GROUPED=True, GROUPS=8,
+        G_PAD=8, PER_GROUP=16, TOPK_GROUP=4)),
 }  # fmt: skip
 
 _SCRIPT = """
