@@ -188,6 +188,26 @@ def sorted_rows(ids, nxt, SHIFT_ROW, E, E_PAD: tl.constexpr, STEP: tl.constexpr)
 
 
 @triton.jit
+def compared_rows(slot_e, E, SLOTS: tl.constexpr, E_PAD: tl.constexpr, ALIGN: tl.constexpr):
+    """The layout of a few slots without a sort: ``(row [SLOTS], total, starts, ends, used)``, the
+    per-expert ones as :func:`aligned_segments` gives them. ``slot_e``: each slot's expert, ``>= E``
+    for a slot that is none (its row is meaningless).
+
+    A slot's row is its expert's start plus the slots of that expert before it: the order
+    :func:`sorted_rows` gives, found by comparing every pair of slots and every (expert, slot)
+    pair. For a decode step's few slots that is a handful of independent reductions, where a
+    sorting step is a chain of compare-exchange stages and two scratch round trips."""
+    p = tl.arange(0, SLOTS)
+    local = slot_e < E
+    before = tl.sum(((slot_e[:, None] == slot_e[None, :]) & (p[None, :] < p[:, None])).to(tl.int32), 1)
+    bins = tl.arange(0, E_PAD)
+    mine = (slot_e[None, :] == bins[:, None]) & local[None, :]  # [E_PAD, SLOTS]
+    total = tl.sum(mine.to(tl.int32), 1)
+    starts, ends, used = aligned_segments(total, ALIGN)
+    return tl.sum(tl.where(mine, starts[:, None], 0), 0) + before, total, starts, ends, used
+
+
+@triton.jit
 def mark_unused_rows(
     MIDX, starts, total, ends, used, M_ROWS, E, pid, nprog,
     E_PAD: tl.constexpr, TILE_ROWS: tl.constexpr, ROW_STEP: tl.constexpr,
