@@ -102,7 +102,11 @@ def _decode_prep_kernel(
     else:
         x, cols, mask = load_tile(X, X, src, src_ok, col0, H, stride_xm, 0, False, 1, False, GROUP, NG)
         if QUANT == 1:
-            whole = load_tile(X, X, src, src_ok, 0, H, stride_xm, 0, False, 1, False, GROUP, ROW_BLOCK // GROUP)[0]
+            # Flat, not in groups: its amax is then one max in each thread and one across them
+            # (a [1, groups, GROUP] tile would reduce every group across threads first).
+            row_x = X + t.to(tl.int64) * stride_xm
+            h = tl.arange(0, ROW_BLOCK)
+            whole = tl.load(row_x + h, mask=h < H, other=0.0).to(tl.float32)
 
     # Routing of the whole batch, then its layout (slot t * K + j is entry (t, j) of the padded
     # [BLOCK_T, K_PAD] tile: the same order), both in registers: no scratch, no barrier.
@@ -142,12 +146,12 @@ def _decode_prep_kernel(
     elif QUANT == 1:
         # The row's amax (the per-token quantizer's, chunk by chunk past ROW_BLOCK columns: a max
         # is exact in any order), its scale, then this program's columns.
-        amax = tl.max(amax_bits(whole, 2), 1)
+        amax = amax_bits(whole, 0)
         for h0 in range(ROW_BLOCK, H, ROW_BLOCK):
-            part = load_tile(X, X, src, src_ok, h0, H, stride_xm, 0, False, 1, False, GROUP, ROW_BLOCK // GROUP)[0]
-            amax = tl.maximum(amax, tl.max(amax_bits(part, 2), 1))
-        scale = scale_of(amax, QMAX)  # [1]
-        q = codes_for(x, scale[:, None, None], QMAX, False).to(Y.dtype.element_ty)
+            part = tl.load(row_x + h0 + h, mask=h0 + h < H, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, amax_bits(part, 0))
+        scale = scale_of(amax, QMAX)
+        q = codes_for(x, scale, QMAX, False).to(Y.dtype.element_ty)
         tl.store(Y + dst[:, None, None] * stride_ym + cols, q, mask=to[:, None, None] & mask)
         tl.store(YS + dst * stride_ysm, scale, mask=to & (c == 0))
     else:
