@@ -176,14 +176,15 @@ def test_prep_routes_as_the_routing_kernel_over_a_large_batch(payload):
 
 
 def check_rank_against_rounds(payload: str, device, hidden: int) -> None:
-    """The prep of one token or three (routing by rank: topk.RANK_TILE) against the routing kernel
-    over 300 tokens (arg-max rounds, on a GPU as in the interpreter) on tied scores: the same ids,
-    the weights to the last bits (bit for bit in the interpreter); the token's rows hold its codes."""
+    """The prep of one token or three (routing by rank) against the routing kernel over 300 tokens
+    (arg-max rounds) on tied scores: the same ids, the weights to the last bits (bit for bit in the
+    interpreter); the token's rows hold its values."""
     route = "E64_grouped_tied"
     e, k, scoring, ng, tg, _, renorm, rscale = ROUTES[route]
     logits, bias = _tied_inputs(300, e, seed=41)
     x = torch.randn(300, hidden, generator=torch.Generator().manual_seed(42))
-    assert 16 * e * e > topk.RANK_TILE.value  # a GPU program's 16 tokens (the interpreter's 512): rounds
+    block_t, warps = topk.launch_shape(300, e, torch.device(device))
+    assert not topk.by_rank(block_t, e, warps) and topk.by_rank(4, e, prep.PREP_WARPS)
     want_ids, want_w = _cpu(topk.fused_topk(logits.to(device), k, renorm, scoring, ng, tg, bias.to(device), rscale))
     for r0, n in [(0, 1), (7, 1), (12, 3)]:
         rows = slice(r0, r0 + n)

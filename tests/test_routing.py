@@ -4,7 +4,6 @@ import warnings
 import pytest
 import torch
 
-from epmoe.kernels.common import INTERPRETER_TILE
 from epmoe.routing import select_experts
 
 
@@ -185,9 +184,10 @@ def test_fused_kernel_selects_alike_by_rank_and_by_rounds(mode, e):
 
 
 def rank_against_rounds(mode: str, e: int, device) -> None:
-    """One token (or four) a launch selects by rank (topk.RANK_TILE), a batch of 300 by arg-max
-    rounds: on tied scores and a NaN row, the same ids and the same weights, row by row (bit for
-    bit in the interpreter; on a GPU the renormalizing sum may add in another order)."""
+    """A token or four a launch select by rank where the kernel takes that path
+    (:func:`topk.by_rank`), a batch of 300 by arg-max rounds: on tied scores and a NaN row, the
+    same ids and the same weights, row by row (bit for bit in the interpreter; on a GPU the
+    renormalizing sum may add in another order)."""
     from epmoe.kernels import topk
 
     k, groups, topk_group = SIZES[e]
@@ -199,19 +199,25 @@ def rank_against_rounds(mode: str, e: int, device) -> None:
               topk_group=topk_group if grouped else None, correction_bias=bias if use_bias else None,
               routed_scaling_factor=scale, kernel=True)  # fmt: skip
     e_pad = 1 << (e - 1).bit_length()
-    most = (INTERPRETER_TILE if device == "cpu" else topk.GPU_TILE) // e_pad
-    tile = lambda rows: min(1 << (rows - 1).bit_length(), most) * e_pad * e_pad  # noqa: E731
-    assert tile(300) > topk.RANK_TILE.value  # the whole batch: rounds
+
+    def ranked(rows):
+        block_t, warps = topk.launch_shape(rows, e_pad, logits.device)
+        return topk.by_rank(block_t, e_pad, warps)
+
+    assert not ranked(300)
     tol = dict(rtol=0, atol=0) if device == "cpu" else dict(rtol=1e-6, atol=1e-9)
+    checked = 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the interpreter's numpy meets the NaN
         want_ids, want_w = select_experts(logits, k, **kw)
         for r0, n in [(0, 1), (9, 1), (20, 4)]:
-            if tile(n) > topk.RANK_TILE.value:  # 256 experts rank no token (128: one)
+            if not ranked(n):
                 continue
             ids, w = select_experts(logits[r0 : r0 + n], k, **kw)
             assert torch.equal(ids, want_ids[r0 : r0 + n])
             torch.testing.assert_close(w, want_w[r0 : r0 + n], equal_nan=True, **tol)
+            checked += 1
+    assert checked or e > 64  # up to 64 experts one token is ranked on one warp
     assert torch.isnan(want_w[9]).any()
 
 

@@ -38,7 +38,7 @@ from .permute import SLOT_ROWS, SLOT_TILE, _slot_outputs, compared_rows, mark_un
 from ..quant.payload import PAYLOAD_FORMATS
 from ..quant.schemes import BLOCK
 from .quantize import amax_bits, codes_for, load_tile, scale_of
-from .topk import route_operands, route_rows
+from .topk import by_rank, route_operands, route_rows
 
 PREP_PROGRAMS = 128
 """Programs to aim for, about one per SM of an H200: each repeats the routing and the layout, so
@@ -78,7 +78,7 @@ def _decode_prep_kernel(
     E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
     GROUPED: tl.constexpr, GROUPS: tl.constexpr, G_PAD: tl.constexpr, PER_GROUP: tl.constexpr,
-    TOPK_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, RANK: tl.constexpr,
     ALIGN: tl.constexpr, TILE_ROWS: tl.constexpr, ROW_STEP: tl.constexpr,
     QUANT: tl.constexpr, QMAX: tl.constexpr, TO_E4M3: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
@@ -114,7 +114,7 @@ def _decode_prep_kernel(
     row_ok = rows < T
     ids, weights = route_rows(
         LOGITS, BIAS, rows, row_ok, stride_l, scaling, E, E_PAD, K, K_PAD, BLOCK_T, SIGMOID, HAS_BIAS, RENORM,
-        GROUPED, GROUPS, G_PAD, PER_GROUP, TOPK_GROUP,
+        GROUPED, GROUPS, G_PAD, PER_GROUP, TOPK_GROUP, RANK,
     )  # fmt: skip
     j = tl.arange(0, K_PAD)
     slot = rows[:, None] * K + j[None, :]
@@ -246,7 +246,7 @@ def decode_prep(
     _decode_prep_kernel[programs](
         logits, bias, xc, ids, weights, offsets, slot_pos, m_indices, counts,
         out, ys, t, h, rows, logits.stride(0), xc.stride(0), out.stride(0), ys.stride(0), ys.stride(1),
-        float(routed_scaling_factor), BLOCK_T=next_pow2(t),
+        float(routed_scaling_factor), BLOCK_T=next_pow2(t), RANK=by_rank(next_pow2(t), consts["E_PAD"], warps),
         ALIGN=alignment, TILE_ROWS=max(1, SLOT_TILE // consts["E_PAD"]), ROW_STEP=SLOT_ROWS,
         QUANT=quant, QMAX=qmax, TO_E4M3=qdtype == torch.float8_e4m3fn, GROUP=GROUP, BLOCK_H=block_h,
         ROW_BLOCK=max(GROUP, min(next_pow2(h), ROW_VALUES_PER_THREAD * 32 * warps)),

@@ -7,7 +7,8 @@ takes about seven (softmax, topk's two sort kernels, gather, sum, clamp, divide)
 decode step each of those is a launch gap of its own.
 
 Each program holds ``BLOCK_T`` whole rows ``[BLOCK_T, E]`` in registers. A small tile (up to
-:data:`RANK_TILE` elements of ``[BLOCK_T, E, E]``: a decode step's token or few) selects by rank:
+:data:`RANK_PAIRS_PER_THREAD` of its ``[BLOCK_T, E, E]`` pairs per thread: a decode step's token
+or few on several warps, :func:`by_rank`) selects by rank:
 every expert's rank is the number of experts ahead of it (a larger score, or an equal one and a
 lower index), counted in one compare of all pairs, and slot ``j`` takes the expert of rank ``j``
 (the groups likewise: a group's two best experts are its ranks 0 and 1, the kept groups those of
@@ -36,10 +37,24 @@ from .common import INTERPRETER_TILE, next_pow2
 
 GPU_TILE = 1024
 """Elements of a program's ``[BLOCK_T, E]`` tile on a GPU: rows are stacked up to this many."""
-RANK_TILE = tl.constexpr(16384)
-"""Most elements of the ``[BLOCK_T, E, E]`` compare of a tile that selects by rank: 128 per thread
-of 4 warps (one token of 128 experts, the decode prep's common case); past that the pairs would
-crowd the registers, and the arg-max rounds take over."""
+RANK_PAIRS_PER_THREAD = 128
+"""Most expert pairs per thread of a tile that selects by rank (:func:`by_rank`): one token of 128
+experts on 4 warps (the decode prep's common case). Past that the compare costs more issue slots
+than the arg-max rounds' barriers it saves (one warp's rounds have no barrier at all), and the
+pairs crowd the registers."""
+
+
+def by_rank(block_t: int, e_pad: int, num_warps: int) -> bool:
+    """Whether :func:`route_rows` selects a ``[block_t, e_pad]`` tile on ``num_warps`` warps by rank
+    (its ``RANK``), else by arg-max rounds."""
+    return block_t * e_pad * e_pad <= RANK_PAIRS_PER_THREAD * 32 * num_warps
+
+
+def launch_shape(tokens: int, e_pad: int, device: torch.device) -> tuple[int, int]:
+    """``(BLOCK_T, num_warps)`` of :func:`fused_topk` for ``tokens`` rows of ``e_pad`` lanes."""
+    tile = INTERPRETER_TILE if device.type == "cpu" else GPU_TILE
+    block_t = max(1, min(next_pow2(tokens), tile // e_pad))
+    return block_t, max(1, min(4, block_t * e_pad // 256))
 
 
 @triton.jit
@@ -69,11 +84,12 @@ def route_rows(
     E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
     GROUPED: tl.constexpr, GROUPS: tl.constexpr, G_PAD: tl.constexpr, PER_GROUP: tl.constexpr,
-    TOPK_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, RANK: tl.constexpr,
 ):  # fmt: skip
     """``(ids [BLOCK_T, K_PAD] int32, weights [BLOCK_T, K_PAD] fp32)`` of the logits rows ``rows``
     (``row_ok``: which exist): the routing of :func:`fused_topk`, shared with the decode prep
-    (:mod:`epmoe.kernels.prep`). Slots ``>= K`` and rows past the batch hold zeros."""
+    (:mod:`epmoe.kernels.prep`). Slots ``>= K`` and rows past the batch hold zeros. ``RANK``:
+    select by rank (:func:`by_rank` says when), else by arg-max rounds."""
     e = tl.arange(0, E_PAD)
     col_ok = (e < E)[None, :]
     x = tl.load(LOGITS + rows[:, None].to(tl.int64) * stride_l + e[None, :], mask=row_ok[:, None] & col_ok,
@@ -92,7 +108,6 @@ def route_rows(
     choice = tl.where(choice != choice, float("inf"), choice)
     choice = tl.where(col_ok, choice, float("-inf"))
 
-    RANK: tl.constexpr = BLOCK_T * E_PAD * E_PAD <= RANK_TILE
     if GROUPED and RANK:
         # The groups' ranks instead of their rounds below: each expert ranked inside its group
         # (the padding columns form groups of their own past GROUPS), the group score from its
@@ -176,13 +191,13 @@ def _fused_topk_kernel(
     E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
     GROUPED: tl.constexpr, GROUPS: tl.constexpr, G_PAD: tl.constexpr, PER_GROUP: tl.constexpr,
-    TOPK_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, RANK: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
     ids, weights = route_rows(
         LOGITS, BIAS, rows, row_ok, stride_l, scaling, E, E_PAD, K, K_PAD, BLOCK_T, SIGMOID, HAS_BIAS, RENORM,
-        GROUPED, GROUPS, G_PAD, PER_GROUP, TOPK_GROUP,
+        GROUPED, GROUPS, G_PAD, PER_GROUP, TOPK_GROUP, RANK,
     )  # fmt: skip
     slot = tl.arange(0, K_PAD)[None, :]
     out = rows[:, None].to(tl.int64) * K + slot
@@ -211,11 +226,10 @@ def fused_topk(
     logits, bias, consts = route_operands(router_logits, top_k, renormalize, scoring_func, num_expert_group,
                                           topk_group, correction_bias)  # fmt: skip
     e_pad = consts["E_PAD"]
-    tile = INTERPRETER_TILE if device.type == "cpu" else GPU_TILE
-    block_t = max(1, min(next_pow2(t), tile // e_pad))
+    block_t, warps = launch_shape(t, e_pad, device)
     _fused_topk_kernel[(triton.cdiv(t, block_t),)](
         logits, bias, ids, weights, t, logits.stride(0), float(routed_scaling_factor), BLOCK_T=block_t,
-        num_warps=max(1, min(4, block_t * e_pad // 256)), **consts,
+        RANK=by_rank(block_t, e_pad, warps), num_warps=warps, **consts,
     )  # fmt: skip
     return ids, weights
 
