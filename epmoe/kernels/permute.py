@@ -153,7 +153,8 @@ def _slot_positions_kernel(
                 tl.store(YS + dst * stride_ysm + cols * stride_ysc, scale, mask=take)
         nxt += hist
 
-    mark_unused_rows(MIDX, starts, total, ends, used, M_ROWS, E, pid, nprog, E_PAD, TILE_ROWS, ROW_STEP)
+    mark_unused_rows(MIDX, starts, total, ends, used, M_ROWS, E, pid, nprog, E_PAD, TILE_ROWS, ROW_STEP,
+                     ALIGN > 1 or not SIZES_ON_DEVICE)  # fmt: skip
 
 
 @triton.jit
@@ -210,19 +211,22 @@ def compared_rows(slot_e, E, SLOTS: tl.constexpr, E_PAD: tl.constexpr, ALIGN: tl
 @triton.jit
 def mark_unused_rows(
     MIDX, starts, total, ends, used, M_ROWS, E, pid, nprog,
-    E_PAD: tl.constexpr, TILE_ROWS: tl.constexpr, ROW_STEP: tl.constexpr,
+    E_PAD: tl.constexpr, TILE_ROWS: tl.constexpr, ROW_STEP: tl.constexpr, PADDED: tl.constexpr = True,
 ):  # fmt: skip
     """Rows no slot takes belong to no expert (``m_indices`` -1): program ``pid`` of ``nprog``
     marks the padding of experts pid, pid + nprog, ... (all of them at once, TILE_ROWS rows each a
-    store) and its share of the spare rows past the last segment (``used``)."""
-    bins = tl.arange(0, E_PAD)
-    filled = starts + total
-    pad = tl.where((bins < E) & (bins % nprog == pid), ends - filled, 0)
-    for r0 in range(0, tl.max(pad, 0), TILE_ROWS):
-        row = (r0 + tl.arange(0, TILE_ROWS))[None, :]
-        row_at = filled[:, None] + row
-        unused = (row < pad[:, None]) & (row_at < M_ROWS)
-        tl.store(MIDX + row_at, tl.full([E_PAD, TILE_ROWS], -1, tl.int32), mask=unused)
+    store) and its share of the spare rows past the last segment (``used``). ``PADDED`` False:
+    the segments are known to hold no padding (counted, alignment 1), so the first part, a
+    reduction across the program for its loop bound, is left out."""
+    if PADDED:
+        bins = tl.arange(0, E_PAD)
+        filled = starts + total
+        pad = tl.where((bins < E) & (bins % nprog == pid), ends - filled, 0)
+        for r0 in range(0, tl.max(pad, 0), TILE_ROWS):
+            row = (r0 + tl.arange(0, TILE_ROWS))[None, :]
+            row_at = filled[:, None] + row
+            unused = (row < pad[:, None]) & (row_at < M_ROWS)
+            tl.store(MIDX + row_at, tl.full([E_PAD, TILE_ROWS], -1, tl.int32), mask=unused)
     for r0 in range(used + pid * ROW_STEP, M_ROWS, nprog * ROW_STEP):
         row = r0 + tl.arange(0, ROW_STEP)
         tl.store(MIDX + row, tl.full([ROW_STEP], -1, tl.int32), mask=row < M_ROWS)

@@ -135,7 +135,7 @@ def _decode_prep_kernel(
     tl.store(MIDX + row, ids, mask=in_batch & owner)
     # Token t's K rows.
     dsts = tl.where(j < K, tl.sum(tl.where(rows[:, None] == t, row, 0), 0), -1)
-    mark_unused_rows(MIDX, starts, total, ends, used, M_ROWS, E, pid, nprog, E_PAD, TILE_ROWS, ROW_STEP)
+    mark_unused_rows(MIDX, starts, total, ends, used, M_ROWS, E, pid, nprog, E_PAD, TILE_ROWS, ROW_STEP, ALIGN > 1)
 
     # The columns in the scheme's format, stored to the token's K rows at once (a [K_PAD, ...]
     # store: no row number is taken out of the vector one slot at a time).
