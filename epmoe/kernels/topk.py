@@ -71,11 +71,17 @@ def _ranks(v, idx, peers=None):
 
 
 @triton.jit
-def _of_rank(rank, value, r, fill):
-    """``[B, R]``: the ``value [B, N]`` of the one entry of each row whose ``rank`` is ``r [R]``
-    (``fill`` where none is); a sum of one value and zeros, so bit for bit that value."""
+def _add_pairs(a, b, c, d):
+    return a + c, b + d
+
+
+@triton.jit
+def _of_rank(rank, idx, value, r):
+    """``([B, R], [B, R])``: the ``idx [N]`` and ``value [B, N]`` of the one entry of each row whose
+    ``rank`` is ``r [R]`` (0 where none is); sums of one value and zeros, so bit for bit that value,
+    both in one reduction (one exchange across warps, not two)."""
     hit = rank[:, :, None] == r[None, None, :]
-    return tl.sum(tl.where(hit, value[:, :, None], fill), 1)
+    return tl.reduce((tl.where(hit, idx[None, :, None], 0), tl.where(hit, value[:, :, None], 0.0)), 1, _add_pairs)
 
 
 @triton.jit
@@ -160,8 +166,9 @@ def route_rows(
         rank = _ranks(choice, e)
         r = tl.arange(0, K_PAD)
         take = (slot < K) & row_ok[:, None]
-        ids = tl.where(take, _of_rank(rank, tl.zeros([BLOCK_T, E_PAD], tl.int32) + e[None, :], r, 0), 0)
-        weights = tl.where(take, _of_rank(rank, scores, r, 0.0), 0.0)
+        ids, weights = _of_rank(rank, e, scores, r)
+        ids = tl.where(take, ids, 0)
+        weights = tl.where(take, weights, 0.0)
     else:
         left = col_ok & row_ok[:, None]
         ids = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int32)
