@@ -17,12 +17,14 @@ from epmoe.kernels import permute, prep, quantize, topk
 from epmoe.kernels.common import COPY_MAX_SLOTS, max_rows, prep_refusal
 from helpers import make_weights
 from reference import round_e4m3, round_half_even
-from test_routing import reference_route
+from test_routing import _tied_inputs, reference_route
 
 ROUTES = {
     # name: (E, top_k, scoring, num_expert_group, topk_group, bias, renormalize, routed_scaling_factor)
     "E256_grouped": (256, 8, "sigmoid", 8, 4, True, True, 2.5),  # DeepSeek-V3's gate
     "E128_flat": (128, 8, "softmax", None, None, False, False, 1.0),
+    # Tied scores (test_routing's grid of logits and bias levels), grouped, k no power of two.
+    "E64_grouped_tied": (64, 6, "sigmoid", 8, 3, True, True, 2.5),
 }
 PAYLOADS = {
     # payload: (alignment, scale_mn_major): the layouts the backends ask for
@@ -39,6 +41,8 @@ def _inputs(t: int, route: str, seed: int, dtype=torch.bfloat16, hidden: int = H
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(t, e, generator=g) * 2
     bias = torch.randn(e, generator=g) * 0.1 if ROUTES[route][5] else None
+    if route.endswith("_tied"):
+        logits, bias = _tied_inputs(t, e, seed)
     x = (torch.randn(t, hidden, generator=g) * torch.rand(t, 1, generator=g) * 4).to(dtype)
     x[0, :128] = 0  # an all-zero group (the amax floor) in the first token
     return logits, bias, x
@@ -166,9 +170,35 @@ def check_against_separate_kernels(t: int, route: str, payload: str, device, hid
         assert torch.equal(got[7][dst], want[5][dst])
 
 
+@pytest.mark.parametrize("payload", list(PAYLOADS))
+def test_prep_routes_as_the_routing_kernel_over_a_large_batch(payload):
+    check_rank_against_rounds(payload, "cpu", HIDDEN)
+
+
+def check_rank_against_rounds(payload: str, device, hidden: int) -> None:
+    """The prep of one token or three (routing by rank) against the routing kernel over 300 tokens
+    (arg-max rounds) on tied scores: the same ids, the weights to the last bits (bit for bit in the
+    interpreter); the token's rows hold its values."""
+    route = "E64_grouped_tied"
+    e, k, scoring, ng, tg, _, renorm, rscale = ROUTES[route]
+    logits, bias = _tied_inputs(300, e, seed=41)
+    x = torch.randn(300, hidden, generator=torch.Generator().manual_seed(42))
+    block_t, warps = topk.launch_shape(300, e, torch.device(device))
+    assert not topk.by_rank(block_t, e, warps) and topk.by_rank(4, e, prep.PREP_WARPS)
+    want_ids, want_w = _cpu(topk.fused_topk(logits.to(device), k, renorm, scoring, ng, tg, bias.to(device), rscale))
+    for r0, n in [(0, 1), (7, 1), (12, 3)]:
+        rows = slice(r0, r0 + n)
+        got = _cpu(_run(logits[rows], bias, x[rows], route, payload, device))
+        assert torch.equal(got[0], want_ids[rows])
+        tol = dict(rtol=0, atol=0) if device == "cpu" else dict(rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(got[1], want_w[rows], **tol)
+        if payload == "float":
+            assert torch.equal(got[6][got[3].reshape(-1)], x[rows].repeat_interleave(k, 0))
+
+
 @pytest.mark.parametrize("warps", [1, 8])
 def test_prep_on_other_warp_counts_writes_the_same(warps, monkeypatch):
-    """Eight warps sort 256 lanes (a lane per thread), one warp reads a long row in chunks."""
+    """The routing and layout compares split over other warp counts; one warp reads a long row in chunks."""
     monkeypatch.setattr(prep, "PREP_WARPS", warps)
     check_against_separate_kernels(2, "E256_grouped", "int8_token", "cpu", 2560 if warps == 1 else HIDDEN)
 

@@ -177,6 +177,50 @@ def test_fused_kernel_matches_float64_reference_with_ties(mode, e, t):
         assert (ranked[:, : k - 1] == ranked[:, 1:k]).any()
 
 
+@pytest.mark.parametrize("e", sorted(SIZES))
+@pytest.mark.parametrize("mode", list(MODES))
+def test_fused_kernel_selects_alike_by_rank_and_by_rounds(mode, e):
+    rank_against_rounds(mode, e, "cpu")
+
+
+def rank_against_rounds(mode: str, e: int, device) -> None:
+    """A token or four a launch select by rank where the kernel takes that path
+    (:func:`topk.by_rank`), a batch of 300 by arg-max rounds: on tied scores and a NaN row, the
+    same ids and the same weights, row by row (bit for bit in the interpreter; on a GPU the
+    renormalizing sum may add in another order)."""
+    from epmoe.kernels import topk
+
+    k, groups, topk_group = SIZES[e]
+    logits, bias = _tied_inputs(300, e, seed=e + 17)
+    logits[9, 3] = float("nan")
+    logits, bias = logits.to(device), bias.to(device)
+    scoring, grouped, use_bias, renorm, scale = MODES[mode]
+    kw = dict(renormalize=renorm, scoring_func=scoring, num_expert_group=groups if grouped else None,
+              topk_group=topk_group if grouped else None, correction_bias=bias if use_bias else None,
+              routed_scaling_factor=scale, kernel=True)  # fmt: skip
+    e_pad = 1 << (e - 1).bit_length()
+
+    def ranked(rows):
+        block_t, warps = topk.launch_shape(rows, e_pad, logits.device)
+        return topk.by_rank(block_t, e_pad, warps)
+
+    assert not ranked(300)
+    tol = dict(rtol=0, atol=0) if device == "cpu" else dict(rtol=1e-6, atol=1e-9)
+    checked = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the interpreter's numpy meets the NaN
+        want_ids, want_w = select_experts(logits, k, **kw)
+        for r0, n in [(0, 1), (9, 1), (20, 4)]:
+            if not ranked(n):
+                continue
+            ids, w = select_experts(logits[r0 : r0 + n], k, **kw)
+            assert torch.equal(ids, want_ids[r0 : r0 + n])
+            torch.testing.assert_close(w, want_w[r0 : r0 + n], equal_nan=True, **tol)
+            checked += 1
+    assert checked or e > 64  # up to 64 experts one token is ranked on one warp
+    assert torch.isnan(want_w[9]).any()
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_fused_kernel_on_random_logits(mode):
     """Untied float logits (bf16 in, as a model's router may give them)."""

@@ -28,18 +28,26 @@ QUANT_TYPES = dict(X="*bf16", XS="*fp32", Q="*fp8e4nv", S="*fp32", MASKED_M="*i3
 SCATTER_TYPES = dict(X="*u8", XS="*fp32", Y="*u8", YS="*fp32", POS="*i64", H="i32", S="i32", stride_xm="i32",
                      stride_xsm="i32", stride_ym="i32", stride_ysm="i32", stride_ysc="i32")
 GATHER_TYPES = dict(X="*bf16", POS="*i64", W="*fp32", OUT="*bf16", H="i32", stride_xm="i32", stride_om="i32")
+PREP_TYPES = dict(LOGITS="*fp32", BIAS="*fp32", X="*bf16", IDS="*i64", WEIGHTS="*fp32", OFFS="*i32", POS="*i64",
+                  MIDX="*i32", COUNTS="*i32", Y="*i8", YS="*fp32", T="i32", H="i32", M_ROWS="i32", stride_l="i32",
+                  stride_xm="i32", stride_ym="i32", stride_ysm="i32", stride_ysc="i32", scaling="fp32")  # fmt: skip
+FLAT_128 = dict(E=128, E_PAD=128, K=8, K_PAD=8, SIGMOID=False, HAS_BIAS=False, RENORM=True, GROUPED=False, GROUPS=1,
+                G_PAD=1, PER_GROUP=128, TOPK_GROUP=1)  # fmt: skip
+V3_256 = dict(E=256, E_PAD=256, K=8, K_PAD=8, SIGMOID=True, HAS_BIAS=True, RENORM=True, GROUPED=True, GROUPS=8,
+              G_PAD=8, PER_GROUP=32, TOPK_GROUP=4)  # fmt: skip
+PREP_LAYOUT = dict(TILE_ROWS=32, ROW_STEP=1024, GROUP=128, ROW_BLOCK=8192)
 
 CASES = {
     # name: (module, kernel, argument types, constexprs)
     "topk_deepseek_v3": ("epmoe.kernels.topk", "_fused_topk_kernel", TOPK_TYPES, dict(
         E=256, E_PAD=256, K=8, K_PAD=8, BLOCK_T=4, SIGMOID=True, HAS_BIAS=True, RENORM=True, GROUPED=True, GROUPS=8,
-        G_PAD=8, PER_GROUP=32, TOPK_GROUP=4)),
+        G_PAD=8, PER_GROUP=32, TOPK_GROUP=4, RANK=False)),
     "topk_grouped_rows": ("epmoe.kernels.topk", "_fused_topk_kernel", TOPK_TYPES, dict(
         E=64, E_PAD=64, K=6, K_PAD=8, BLOCK_T=16, SIGMOID=False, HAS_BIAS=False, RENORM=False, GROUPED=True, GROUPS=8,
-        G_PAD=8, PER_GROUP=8, TOPK_GROUP=3)),
+        G_PAD=8, PER_GROUP=8, TOPK_GROUP=3, RANK=False)),
     "topk_decode_softmax": ("epmoe.kernels.topk", "_fused_topk_kernel", TOPK_TYPES, dict(
         E=128, E_PAD=128, K=8, K_PAD=8, BLOCK_T=1, SIGMOID=False, HAS_BIAS=False, RENORM=True, GROUPED=False, GROUPS=1,
-        G_PAD=1, PER_GROUP=128, TOPK_GROUP=1)),
+        G_PAD=1, PER_GROUP=128, TOPK_GROUP=1, RANK=False)),
     "slot_layout_with_copy": ("epmoe.kernels.permute", "_slot_positions_kernel", SLOT_TYPES, dict(
         STEP=128, TILE_ROWS=32, ROW_STEP=1024, ALIGN=128, E_PAD=128, TOPK=8, BLOCK_H=32, SIZES_ON_DEVICE=True,
         ONE_BLOCK=True, COPY=True, HAS_SCALE=True)),
@@ -59,6 +67,22 @@ CASES = {
     "scatter_rows": ("epmoe.kernels.permute", "_scatter_rows_kernel", SCATTER_TYPES, dict(
         TOPK=8, HAS_SCALE=True, BLOCK_H=128, BLOCK_S=64)),
     "gather_weighted": ("epmoe.kernels.permute", "_gather_weighted_kernel", GATHER_TYPES, dict(TOPK=8, BLOCK_H=128)),
+    # The routing by rank (topk.by_rank) of one token, grouped.
+    "topk_rank_grouped": ("epmoe.kernels.topk", "_fused_topk_kernel", TOPK_TYPES, dict(
+        E=128, E_PAD=128, K=8, K_PAD=8, BLOCK_T=1, SIGMOID=True, HAS_BIAS=True, RENORM=True, GROUPED=True, GROUPS=8,
+        G_PAD=8, PER_GROUP=16, TOPK_GROUP=4, RANK=True)),
+    # The decode prep (kernels/prep.py): every payload; the routing by rank (one token of 128 experts,
+    # the benchmarks' decode step; 4 tokens of 64 grouped) and by rounds (256 experts; 16 tokens).
+    "prep_one_token_int8_token": ("epmoe.kernels.prep", "_decode_prep_kernel", PREP_TYPES, dict(
+        **FLAT_128, **PREP_LAYOUT, BLOCK_T=1, RANK=True, ALIGN=1, QUANT=1, QMAX=127.0, TO_E4M3=False, BLOCK_H=128)),
+    "prep_one_token_v3_fp8_group": ("epmoe.kernels.prep", "_decode_prep_kernel", dict(PREP_TYPES, Y="*fp8e4nv"),
+        dict(**V3_256, **PREP_LAYOUT, BLOCK_T=1, RANK=False, ALIGN=128, QUANT=2, QMAX=448.0, TO_E4M3=True,
+             BLOCK_H=128)),
+    "prep_grouped_rank_bf16": ("epmoe.kernels.prep", "_decode_prep_kernel", dict(PREP_TYPES, Y="*bf16"), dict(
+        V3_256, **PREP_LAYOUT, E=64, E_PAD=64, K=6, PER_GROUP=8, TOPK_GROUP=3, BLOCK_T=4, RANK=True, ALIGN=1, QUANT=0,
+        QMAX=1.0, TO_E4M3=False, BLOCK_H=256)),
+    "prep_16_tokens_int8_group": ("epmoe.kernels.prep", "_decode_prep_kernel", PREP_TYPES, dict(
+        **FLAT_128, **PREP_LAYOUT, BLOCK_T=16, RANK=False, ALIGN=4, QUANT=2, QMAX=127.0, TO_E4M3=False, BLOCK_H=1024)),
 }  # fmt: skip
 
 _SCRIPT = """

@@ -153,7 +153,8 @@ def _slot_positions_kernel(
                 tl.store(YS + dst * stride_ysm + cols * stride_ysc, scale, mask=take)
         nxt += hist
 
-    mark_unused_rows(MIDX, starts, total, ends, used, M_ROWS, E, pid, nprog, E_PAD, TILE_ROWS, ROW_STEP)
+    mark_unused_rows(MIDX, starts, total, ends, used, M_ROWS, E, pid, nprog, E_PAD, TILE_ROWS, ROW_STEP,
+                     ALIGN > 1 or not SIZES_ON_DEVICE)  # fmt: skip
 
 
 @triton.jit
@@ -188,21 +189,44 @@ def sorted_rows(ids, nxt, SHIFT_ROW, E, E_PAD: tl.constexpr, STEP: tl.constexpr)
 
 
 @triton.jit
+def compared_rows(slot_e, E, SLOTS: tl.constexpr, E_PAD: tl.constexpr, ALIGN: tl.constexpr):
+    """The layout of a few slots without a sort: ``(row [SLOTS], total, starts, ends, used)``, the
+    per-expert ones as :func:`aligned_segments` gives them. ``slot_e``: each slot's expert, ``>= E``
+    for a slot that is none (its row is meaningless).
+
+    A slot's row is its expert's start plus the slots of that expert before it: the order
+    :func:`sorted_rows` gives, found by comparing every pair of slots and every (expert, slot)
+    pair. For a decode step's few slots that is a handful of independent reductions, where a
+    sorting step is a chain of compare-exchange stages and two scratch round trips."""
+    p = tl.arange(0, SLOTS)
+    local = slot_e < E
+    before = tl.sum(((slot_e[:, None] == slot_e[None, :]) & (p[None, :] < p[:, None])).to(tl.int32), 1)
+    bins = tl.arange(0, E_PAD)
+    mine = (slot_e[None, :] == bins[:, None]) & local[None, :]  # [E_PAD, SLOTS]
+    total = tl.sum(mine.to(tl.int32), 1)
+    starts, ends, used = aligned_segments(total, ALIGN)
+    return tl.sum(tl.where(mine, starts[:, None], 0), 0) + before, total, starts, ends, used
+
+
+@triton.jit
 def mark_unused_rows(
     MIDX, starts, total, ends, used, M_ROWS, E, pid, nprog,
-    E_PAD: tl.constexpr, TILE_ROWS: tl.constexpr, ROW_STEP: tl.constexpr,
+    E_PAD: tl.constexpr, TILE_ROWS: tl.constexpr, ROW_STEP: tl.constexpr, PADDED: tl.constexpr = True,
 ):  # fmt: skip
     """Rows no slot takes belong to no expert (``m_indices`` -1): program ``pid`` of ``nprog``
     marks the padding of experts pid, pid + nprog, ... (all of them at once, TILE_ROWS rows each a
-    store) and its share of the spare rows past the last segment (``used``)."""
-    bins = tl.arange(0, E_PAD)
-    filled = starts + total
-    pad = tl.where((bins < E) & (bins % nprog == pid), ends - filled, 0)
-    for r0 in range(0, tl.max(pad, 0), TILE_ROWS):
-        row = (r0 + tl.arange(0, TILE_ROWS))[None, :]
-        row_at = filled[:, None] + row
-        unused = (row < pad[:, None]) & (row_at < M_ROWS)
-        tl.store(MIDX + row_at, tl.full([E_PAD, TILE_ROWS], -1, tl.int32), mask=unused)
+    store) and its share of the spare rows past the last segment (``used``). ``PADDED`` False:
+    the segments are known to hold no padding (counted, alignment 1), so the first part, a
+    reduction across the program for its loop bound, is left out."""
+    if PADDED:
+        bins = tl.arange(0, E_PAD)
+        filled = starts + total
+        pad = tl.where((bins < E) & (bins % nprog == pid), ends - filled, 0)
+        for r0 in range(0, tl.max(pad, 0), TILE_ROWS):
+            row = (r0 + tl.arange(0, TILE_ROWS))[None, :]
+            row_at = filled[:, None] + row
+            unused = (row < pad[:, None]) & (row_at < M_ROWS)
+            tl.store(MIDX + row_at, tl.full([E_PAD, TILE_ROWS], -1, tl.int32), mask=unused)
     for r0 in range(used + pid * ROW_STEP, M_ROWS, nprog * ROW_STEP):
         row = r0 + tl.arange(0, ROW_STEP)
         tl.store(MIDX + row, tl.full([ROW_STEP], -1, tl.int32), mask=row < M_ROWS)

@@ -7,17 +7,24 @@ quantizer (:mod:`epmoe.kernels.quantize`, none for BF16), and the one-launch lay
 launch gap of a few microseconds, more than its work. :func:`decode_prep` writes what those
 launches write, in one launch, for up to :data:`~epmoe.kernels.common.COPY_MAX_SLOTS` (token, slot) pairs.
 
-Every program routes the whole batch and lays it out (the same few hundred instructions, the same
-result in each: a program cannot wait for another's), then quantizes and copies its share of the
-rows: program ``(c, t)`` takes columns ``[c * BLOCK_H, (c + 1) * BLOCK_H)`` of token ``t`` to the
-token's ``k`` rows. A per-token scale needs the whole row, so each program reads its token's row
-once for the amax (from L2: every program of the token reads it). Program ``(0, 0)`` stores the
-routing and the layout; all programs share marking the padding rows.
+Every program routes the whole batch and lays it out (the same result in each: a program cannot
+wait for another's), then quantizes and copies its share of the rows: program ``(c, t)`` takes
+columns ``[c * BLOCK_H, (c + 1) * BLOCK_H)`` of token ``t`` to the token's ``k`` rows. A per-token
+scale needs the whole row, so each program reads its token's row once for the amax (from L2: every
+program of the token reads it). Program ``(0, 0)`` stores the routing and the layout; all programs
+share marking the padding rows.
 
-The pieces are the ones the separate launches use (:func:`~epmoe.kernels.topk.route_rows`, the
-slot placement of :mod:`epmoe.kernels.permute`, the quantizers' :func:`~epmoe.kernels.quantize.codes`),
-so the outputs are bit for bit theirs, but for the last bits of the routing weights: their fp32
-sums (softmax, renormalizing) are reduced in the order each kernel's tile and warps give.
+At a decode step's size the work is tiny and its time is the chain of reductions, each a
+shared-memory round trip and a barrier, so both halves count pairs instead of iterating: the
+routing of a token or few ranks the experts in one compare (:func:`~epmoe.kernels.topk.route_rows`
+by rank, where larger tiles take ``top_k`` arg-max rounds), and the layout places each slot by
+comparing it with the other slots (:func:`~epmoe.kernels.permute.compared_rows`, no sort and no
+scratch).
+
+The outputs are bit for bit those of the separate launches (the same routing rule, the slot order
+of :mod:`epmoe.kernels.permute`'s sort, the quantizers' :func:`~epmoe.kernels.quantize.codes`),
+but for the last bits of the routing weights: their fp32 sums (softmax, renormalizing) are reduced
+in the order each kernel's tile and warps give.
 """
 
 from __future__ import annotations
@@ -27,13 +34,11 @@ import triton
 import triton.language as tl
 
 from .common import empty_scales, max_rows, next_pow2, prep_refusal
-from .permute import (
-    SLOT_ROWS, SLOT_TILE, _local_ids, _slot_outputs, _step, aligned_segments, mark_unused_rows, sorted_rows,
-)  # fmt: skip
+from .permute import SLOT_ROWS, SLOT_TILE, _slot_outputs, compared_rows, mark_unused_rows
 from ..quant.payload import PAYLOAD_FORMATS
 from ..quant.schemes import BLOCK
 from .quantize import amax_bits, codes_for, load_tile, scale_of
-from .topk import route_operands, route_rows
+from .topk import by_rank, route_operands, route_rows
 
 PREP_PROGRAMS = 128
 """Programs to aim for, about one per SM of an H200: each repeats the routing and the layout, so
@@ -42,8 +47,8 @@ PREP_MAX_BLOCK_H = 1024
 """Most columns one program quantizes and copies (it stores them to each of the token's rows)."""
 PREP_WARPS = 4
 """Warps of a prep program. Read at each call (benchmarks/compile_decode.py ``--prep-warps``
-times others): the routing and the layout are chains of tiny reductions, which fewer warps do
-with fewer shared-memory round trips, while the copy and a token's amax want more threads."""
+times others): the routing's all-pairs compare (128 x 128 for one token of 128 experts) and a
+token's amax want more threads, each reduction across warps one more shared-memory round trip."""
 ROW_VALUES_PER_THREAD = 64
 """Most values of a token's row each thread holds for its amax (per-token payloads): with 4 warps
 a row of up to 8192 (DeepSeek-V3's 7168) is one load; longer rows are read in chunks of that."""
@@ -68,13 +73,13 @@ def payload_quant(payload: str) -> tuple[int, torch.dtype | None, float]:
 
 @triton.jit
 def _decode_prep_kernel(
-    LOGITS, BIAS, X, IDS, WEIGHTS, OFFS, POS, MIDX, COUNTS, Y, YS, SCRATCH,
+    LOGITS, BIAS, X, IDS, WEIGHTS, OFFS, POS, MIDX, COUNTS, Y, YS,
     T, H, M_ROWS, stride_l, stride_xm, stride_ym, stride_ysm, stride_ysc, scaling,
     E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
     GROUPED: tl.constexpr, GROUPS: tl.constexpr, G_PAD: tl.constexpr, PER_GROUP: tl.constexpr,
-    TOPK_GROUP: tl.constexpr,
-    LE_PAD: tl.constexpr, STEP: tl.constexpr, ALIGN: tl.constexpr, TILE_ROWS: tl.constexpr, ROW_STEP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, RANK: tl.constexpr,
+    ALIGN: tl.constexpr, TILE_ROWS: tl.constexpr, ROW_STEP: tl.constexpr,
     QUANT: tl.constexpr, QMAX: tl.constexpr, TO_E4M3: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -83,9 +88,6 @@ def _decode_prep_kernel(
     pid = t * tl.num_programs(0) + c
     nprog = tl.num_programs(0) * tl.num_programs(1)
     owner = pid == 0
-    n_slots = T * K
-    # This program's scratch: STEP slot entries (their experts, then their rows), LE_PAD shifts.
-    lanes = SCRATCH + pid * (STEP + LE_PAD)
 
     # Token t's columns of this program (and, per token, its whole row for the amax) are loaded
     # first: their latency hides behind the routing and the layout, which need none of them.
@@ -100,69 +102,65 @@ def _decode_prep_kernel(
     else:
         x, cols, mask = load_tile(X, X, src, src_ok, col0, H, stride_xm, 0, False, 1, False, GROUP, NG)
         if QUANT == 1:
-            whole = load_tile(X, X, src, src_ok, 0, H, stride_xm, 0, False, 1, False, GROUP, ROW_BLOCK // GROUP)[0]
+            # Flat, not in groups: its amax is then one max in each thread and one across them
+            # (a [1, groups, GROUP] tile would reduce every group across threads first).
+            row_x = X + t.to(tl.int64) * stride_xm
+            h = tl.arange(0, ROW_BLOCK)
+            whole = tl.load(row_x + h, mask=h < H, other=0.0).to(tl.float32)
 
-    # Routing of the whole batch; its ids reach the layout's lanes (slot t * K + j) through the
-    # scratch, which also takes a K that is no power of two.
+    # Routing of the whole batch, then its layout (slot t * K + j is entry (t, j) of the padded
+    # [BLOCK_T, K_PAD] tile: the same order), both in registers: no scratch, no barrier.
     rows = tl.arange(0, BLOCK_T)
     row_ok = rows < T
     ids, weights = route_rows(
         LOGITS, BIAS, rows, row_ok, stride_l, scaling, E, E_PAD, K, K_PAD, BLOCK_T, SIGMOID, HAS_BIAS, RENORM,
-        GROUPED, GROUPS, G_PAD, PER_GROUP, TOPK_GROUP,
+        GROUPED, GROUPS, G_PAD, PER_GROUP, TOPK_GROUP, RANK,
     )  # fmt: skip
     j = tl.arange(0, K_PAD)
     slot = rows[:, None] * K + j[None, :]
     in_batch = row_ok[:, None] & (j[None, :] < K)
     tl.store(IDS + slot, ids.to(tl.int64), mask=in_batch & owner)
     tl.store(WEIGHTS + slot, weights, mask=in_batch & owner)
-    tl.store(lanes + slot, ids, mask=in_batch)
-    tl.debug_barrier()
-    lane = tl.arange(0, STEP)
-    lane_ids = tl.load(lanes + lane, mask=lane < n_slots, other=-1)
-
-    # The layout of one step, its sizes counted here (permute's ONE_BLOCK, SIZES_ON_DEVICE path).
-    total = _local_ids(lane_ids, E, LE_PAD)[1]
-    starts, ends, used = aligned_segments(total, ALIGN)
-    bins = tl.arange(0, LE_PAD)
+    SLOTS: tl.constexpr = BLOCK_T * K_PAD
+    flat = tl.reshape(tl.where(in_batch, ids, E), [SLOTS])
+    row, total, starts, ends, used = compared_rows(flat, E, SLOTS, E_PAD, ALIGN)
+    row = tl.reshape(row, [BLOCK_T, K_PAD])
+    bins = tl.arange(0, E_PAD)
     if pid == 0:
         tl.store(OFFS + bins, starts, mask=bins < E)
         tl.store(OFFS + E, used)
         tl.store(COUNTS + bins, total, mask=bins < E)
-    e, lane_of, row, fits, _ = sorted_rows(lane_ids, starts, lanes + STEP, E, LE_PAD, STEP)
-    placed = tl.where(fits, row, -1)
-    tl.store(POS + lane_of, placed.to(tl.int64), mask=(lane_of < n_slots) & owner)
-    tl.store(MIDX + row, e, mask=fits & owner)
-    tl.store(lanes + lane_of, placed, mask=lane_of < n_slots)  # every thread read its ids in sorted_rows
-    tl.debug_barrier()
-    # Token t's K rows, read at once (one latency); each is taken out of the vector below.
-    dsts = tl.load(lanes + t * K + j, mask=j < K, other=-1)
-    mark_unused_rows(MIDX, starts, total, ends, used, M_ROWS, E, pid, nprog, LE_PAD, TILE_ROWS, ROW_STEP)
+    # The routing picks K distinct experts of [0, E) per token: every slot is local and fits.
+    tl.store(POS + slot, row.to(tl.int64), mask=in_batch & owner)
+    tl.store(MIDX + row, ids, mask=in_batch & owner)
+    # Token t's K rows.
+    dsts = tl.where(j < K, tl.sum(tl.where(rows[:, None] == t, row, 0), 0), -1)
+    mark_unused_rows(MIDX, starts, total, ends, used, M_ROWS, E, pid, nprog, E_PAD, TILE_ROWS, ROW_STEP, ALIGN > 1)
 
-    # The columns in the scheme's format, to each of the token's rows.
+    # The columns in the scheme's format, stored to the token's K rows at once (a [K_PAD, ...]
+    # store: no row number is taken out of the vector one slot at a time).
+    dst = dsts.to(tl.int64)
+    to = dst >= 0
     if QUANT == 0:
-        q = x
+        tl.store(Y + dst[:, None] * stride_ym + cols[None, :], x[None, :], mask=to[:, None] & mask[None, :])
     elif QUANT == 1:
         # The row's amax (the per-token quantizer's, chunk by chunk past ROW_BLOCK columns: a max
         # is exact in any order), its scale, then this program's columns.
-        amax = tl.max(amax_bits(whole, 2), 1)
+        amax = amax_bits(whole, 0)
         for h0 in range(ROW_BLOCK, H, ROW_BLOCK):
-            part = load_tile(X, X, src, src_ok, h0, H, stride_xm, 0, False, 1, False, GROUP, ROW_BLOCK // GROUP)[0]
-            amax = tl.maximum(amax, tl.max(amax_bits(part, 2), 1))
-        scale = scale_of(amax, QMAX)  # [1]
-        q = codes_for(x, scale[:, None, None], QMAX, False).to(Y.dtype.element_ty)
-        scale_at = tl.zeros([1], dtype=tl.int64)
-        scale_ok = (scale_at == 0) & (c == 0)
+            part = tl.load(row_x + h0 + h, mask=h0 + h < H, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, amax_bits(part, 0))
+        scale = scale_of(amax, QMAX)
+        q = codes_for(x, scale, QMAX, False).to(Y.dtype.element_ty)
+        tl.store(Y + dst[:, None, None] * stride_ym + cols, q, mask=to[:, None, None] & mask)
+        tl.store(YS + dst * stride_ysm, scale, mask=to & (c == 0))
     else:
         scale = scale_of(amax_bits(x, 2), QMAX)  # [1, NG]
         q = codes_for(x, scale[:, :, None], QMAX, TO_E4M3).to(Y.dtype.element_ty)
+        tl.store(Y + dst[:, None, None] * stride_ym + cols, q, mask=to[:, None, None] & mask)
         g = col0 // GROUP + tl.arange(0, NG)
-        scale_at = g[None, :].to(tl.int64) * stride_ysc
-        scale_ok = g[None, :] * GROUP < H
-    for s in tl.static_range(K):
-        dst = tl.sum(tl.where(j == s, dsts, 0), 0).to(tl.int64)
-        tl.store(Y + dst * stride_ym + cols, q, mask=mask & (dst >= 0))
-        if QUANT != 0:
-            tl.store(YS + dst * stride_ysm + scale_at, scale, mask=scale_ok & (dst >= 0))
+        tl.store(YS + dst[:, None] * stride_ysm + g[None, :].to(tl.int64) * stride_ysc, scale,
+                 mask=to[:, None] & (g[None, :] * GROUP < H))  # fmt: skip
 
 
 def _block_h(tokens: int, hidden: int, device: torch.device) -> int:
@@ -243,18 +241,13 @@ def decode_prep(
         out_scale = empty_scales(rows, 1 if quant == 1 else h // GROUP, device, scale_mn_major)
     block_h = _block_h(t, h, device)
     programs = (triton.cdiv(h, block_h), t)
-    le_pad = max(32, next_pow2(e))  # as the slot kernels: at least a bin per lane of a warp
+    ys = out_scale if out_scale is not None else out  # never written without scales
     warps = PREP_WARPS
-    # Every thread holds its own lanes (tl.histogram of older Tritons counts a value once per
-    # thread holding it).
-    step = max(_step(t * top_k), 32 * warps)
-    scratch = torch.empty((programs[0] * programs[1], step + le_pad), **i32)
-    ys = out_scale if out_scale is not None else scratch  # never written without scales
     _decode_prep_kernel[programs](
         logits, bias, xc, ids, weights, offsets, slot_pos, m_indices, counts,
-        out, ys, scratch, t, h, rows, logits.stride(0), xc.stride(0), out.stride(0), ys.stride(0), ys.stride(1),
-        float(routed_scaling_factor), BLOCK_T=next_pow2(t),
-        LE_PAD=le_pad, STEP=step, ALIGN=alignment, TILE_ROWS=max(1, SLOT_TILE // le_pad), ROW_STEP=SLOT_ROWS,
+        out, ys, t, h, rows, logits.stride(0), xc.stride(0), out.stride(0), ys.stride(0), ys.stride(1),
+        float(routed_scaling_factor), BLOCK_T=next_pow2(t), RANK=by_rank(next_pow2(t), consts["E_PAD"], warps),
+        ALIGN=alignment, TILE_ROWS=max(1, SLOT_TILE // consts["E_PAD"]), ROW_STEP=SLOT_ROWS,
         QUANT=quant, QMAX=qmax, TO_E4M3=qdtype == torch.float8_e4m3fn, GROUP=GROUP, BLOCK_H=block_h,
         ROW_BLOCK=max(GROUP, min(next_pow2(h), ROW_VALUES_PER_THREAD * 32 * warps)),
         num_warps=warps, **consts,

@@ -16,7 +16,7 @@ HIDDEN = 7168  # DeepSeek-V3: 56 groups, 56 programs of 128 columns for one toke
 
 
 @pytest.mark.parametrize("payload", ["float", "int8_token", "int8_group", "fp8_group"])
-@pytest.mark.parametrize("route", ["E256_grouped", "E128_flat"])
+@pytest.mark.parametrize("route", ["E256_grouped", "E128_flat", "E64_grouped_tied"])
 @pytest.mark.parametrize("t", [1, 7, 16])
 def test_prep_compiled_matches_the_reference(t, route, payload):
     from test_decode_prep import check_against_reference
@@ -30,6 +30,13 @@ def test_prep_compiled_writes_what_the_separate_kernels_write(t, route, payload)
     from test_decode_prep import check_against_separate_kernels
 
     check_against_separate_kernels(t, route, payload, "cuda", HIDDEN)
+
+
+@pytest.mark.parametrize("payload", ["float", "int8_token", "int8_group", "fp8_group"])
+def test_prep_compiled_routes_as_the_routing_kernel_over_a_large_batch(payload):
+    from test_decode_prep import check_rank_against_rounds
+
+    check_rank_against_rounds(payload, "cuda", HIDDEN)
 
 
 CASES = [("bf16", "triton"), ("int8_channel", "triton"), ("int8_block", "triton"), ("fp8_block", "cutlass")]

@@ -16,7 +16,7 @@ E, H, I = 4, 256, 128
 
 
 @pytest.mark.parametrize("t", [1, 7, 300])
-@pytest.mark.parametrize("e", [8, 64, 256])
+@pytest.mark.parametrize("e", [8, 64, 96, 256])  # 96: 128 lanes
 @pytest.mark.parametrize("mode", ["softmax_renormalized", "softmax_grouped", "sigmoid_bias_grouped", "sigmoid_bias"])
 def test_fused_routing_compiled_matches_float64_reference(mode, e, t):
     from test_routing import SIZES, _fused_against_reference, _tied_inputs
@@ -25,6 +25,14 @@ def test_fused_routing_compiled_matches_float64_reference(mode, e, t):
     logits, bias = _tied_inputs(t, e, seed=t * 1000 + e)
     sure = _fused_against_reference(logits.cuda(), bias.cuda(), k, mode, groups, topk_group)
     assert sure.float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("e", [8, 64])  # a token of more experts is ranked by the prep's warps only
+@pytest.mark.parametrize("mode", ["softmax_renormalized", "softmax_grouped", "sigmoid_bias_grouped", "sigmoid_bias"])
+def test_fused_routing_by_rank_selects_as_by_rounds(mode, e):
+    from test_routing import rank_against_rounds
+
+    rank_against_rounds(mode, e, "cuda")
 
 
 def test_fused_routing_agrees_with_the_torch_path_on_untied_logits():
