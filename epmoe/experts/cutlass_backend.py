@@ -175,18 +175,11 @@ def measured_or_default_schedule(device: torch.device | str) -> str:
 
 def gpu_name(device: torch.device | str) -> str | None:
     """The GPU name of a CUDA ``device``, the key of the measured data files; ``None`` off CUDA.
-
-    Raises:
-        ValueError: a CUDA device without an index. Measured choices follow the GPU that holds the
-            weights, and the current device need not be it (two GPU kinds in one host, a backend
-            built while another device is current).
-    """
+    ``'cuda'`` without an index is the current device, as everywhere in torch (a layer built with
+    ``device='cuda'``); the forward passes its weights' device, which always has one."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    if device.index is None:
-        raise ValueError(f"device={str(device)!r} names no GPU; allowed: a CUDA device with its index, "
-                         "the one holding the weights (e.g. 'cuda:0'), or a non-CUDA device")  # fmt: skip
     return devices.name(device)
 
 
@@ -1061,7 +1054,7 @@ def _measured_schedule_index(device: torch.device) -> int:
     """The index in :data:`INT8_BLOCK_SCHEDULES` of :func:`measured_or_default_schedule` on
     ``device``. A plain int, taken once at trace time under ``torch.compile``: the lookup reads
     the schedule file and the GPU name, which dynamo cannot trace."""
-    return _schedule_index_on(device)
+    return _schedule_index_on(torch.device("cuda", devices.cuda_index(device)) if device.type == "cuda" else device)
 
 
 @functools.lru_cache(maxsize=None)

@@ -27,7 +27,10 @@ def test_fused_routing_compiled_matches_float64_reference(mode, e, t):
     assert sure.float().mean() >= 0.9
 
 
-@pytest.mark.parametrize("e", [8, 64])  # a token of more experts is ranked by the prep's warps only
+# 64 only: a token of more experts is ranked by the prep's warps only, and 8 experts are ranked at
+# every batch size on a GPU (1024-lane tiles), so no rounds exist to compare with there; the
+# float64 reference test above covers that path.
+@pytest.mark.parametrize("e", [64])
 @pytest.mark.parametrize("mode", ["softmax_renormalized", "softmax_grouped", "sigmoid_bias_grouped", "sigmoid_bias"])
 def test_fused_routing_by_rank_selects_as_by_rounds(mode, e):
     from test_routing import rank_against_rounds
