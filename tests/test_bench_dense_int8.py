@@ -167,7 +167,7 @@ def test_sweep_refuses_a_launch_with_a_wrong_output(tmp_path, monkeypatch):
         assert {e["kernel"] for e in cells["80"]} == {"small_m"}
 
 
-def test_sweep_pdl_twins_are_the_fastest_small_batch_launch():
+def test_sweep_pdl_twins_are_the_fastest_small_batch_launch(capsys):
     """The twins: the fastest plain small-batch launch as a dependent launch, without and with
     each prefetch bound (every one a valid config)."""
     from benchmarks import sweep_dense_int8 as sweep
@@ -179,8 +179,9 @@ def test_sweep_pdl_twins_are_the_fastest_small_batch_launch():
     assert len(PREFETCH_CHOICES) >= 1 and all(SmallMConfig.from_dict(t.to_dict()) == t for t in twins)
     assert sweep.pdl_twins({("small_m", a): 9.0}, ()) == [a._replace(pdl=True)]
     assert sweep.pdl_twins({("triton", None): 1.0}, PREFETCH_CHOICES) == []
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_:
         sweep.main(["--device", "cpu", "--out", "unused.json", "--prefetch", "0"])
+    assert exit_.value.code == 2 and "--prefetch" in capsys.readouterr().err
     entry = sweep.cell_entry({("small_m", a): 9.0, ("small_m", a._replace(pdl=True)): 7.5})
     assert entry == [{"kernel": "small_m", "config": {**a.to_dict(), "pdl": True}, "us": 7.5}]
 

@@ -152,7 +152,7 @@ def int8_block_schedule(device: torch.device | str, name: str | None = None) -> 
 
     Raises:
         ValueError: a name that is not one of :data:`INT8_BLOCK_SCHEDULES` (saying where it came
-            from); a CUDA device without an index (:func:`gpu_name`).
+            from).
     """
     return named_int8_block_schedule(name) or measured_or_default_schedule(device)
 
@@ -162,8 +162,7 @@ def measured_or_default_schedule(device: torch.device | str) -> str:
     :data:`DEFAULT_INT8_BLOCK_SCHEDULE`.
 
     Raises:
-        ValueError: an entry that is not one of :data:`INT8_BLOCK_SCHEDULES`; a CUDA device
-            without an index (:func:`gpu_name`).
+        ValueError: an entry that is not one of :data:`INT8_BLOCK_SCHEDULES`.
     """
     gpu = gpu_name(device)
     name = measured_schedule(gpu)

@@ -130,7 +130,8 @@ def _decode_prep_kernel(
         tl.store(OFFS + bins, starts, mask=bins < E)
         tl.store(OFFS + E, used)
         tl.store(COUNTS + bins, total, mask=bins < E)
-    # The routing picks K distinct experts of [0, E) per token: every slot is local and fits.
+    # The routing picks K experts of [0, E) per token (distinct but with a -inf bias on the rounds
+    # path); each slot gets its own row either way, so every slot is local and fits.
     tl.store(POS + slot, row.to(tl.int64), mask=in_batch & owner)
     tl.store(MIDX + row, ids, mask=in_batch & owner)
     # Token t's K rows.
