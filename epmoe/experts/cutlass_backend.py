@@ -154,7 +154,7 @@ def int8_block_schedule(device: torch.device | str, name: str | None = None) -> 
         ValueError: a name that is not one of :data:`INT8_BLOCK_SCHEDULES` (saying where it came
             from).
     """
-    return named_int8_block_schedule(name) or measured_or_default_schedule(device)
+    return named_int8_block_schedule(name) or INT8_BLOCK_SCHEDULES[_measured_schedule_index(torch.device(device))]
 
 
 def measured_or_default_schedule(device: torch.device | str) -> str:
