@@ -425,7 +425,7 @@ def main(argv=None) -> dict:
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         commit=git_commit(args.commit, fallback=None), device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         torch=torch.__version__, triton=triton.__version__, sizes=sizes, batches=args.batches,
-        env={k: os.environ.get(k) for k in ("SGLANG_CUTLASS_MOE", "EPMOE_BACKEND")}, rows=[], skipped_schemes={},
+        env={k: os.environ.get(k) for k in ("SGLANG_CUTLASS_MOE", "EPMOE_BACKEND", "EPMOE_PDL")}, rows=[], skipped_schemes={},
     )  # fmt: skip
     rows: list[dict] = []
     for scheme in args.schemes:

@@ -1191,3 +1191,18 @@ def test_with_scratch_allocator_sets_a_torch_allocator_for_the_launch_only():
     assert isinstance(buf, torch.Tensor) and buf.numel() == 384 and buf.dtype == torch.int8
     assert buf.device.type == DEVICE.type
     assert _allocation._allocator.get() is before
+
+
+def test_dependent_launch_switch(monkeypatch):
+    """``EPMOE_PDL``: unset or ``1`` is on where supported (never on CPU), ``0`` is off everywhere,
+    anything else is refused naming the variable, the value and what is allowed."""
+    from epmoe.kernels.pdl import dependent, pdl_enabled
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("EPMOE_PDL", raising=False)
+    assert not pdl_enabled(cpu) and dependent(cpu) == {"PDL": False}
+    monkeypatch.setenv("EPMOE_PDL", "0")
+    assert not pdl_enabled(cpu)
+    monkeypatch.setenv("EPMOE_PDL", "yes")
+    with pytest.raises(ValueError, match=r"EPMOE_PDL='yes'.*allowed: '0'.*'1'"):
+        pdl_enabled(cpu)

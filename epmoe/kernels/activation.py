@@ -8,7 +8,8 @@ rounded bf16 copy) with the rounding rule of :mod:`.quantize`: one INT8 scale pe
 A program owns a ``[BLOCK_M, BLOCK_K]`` tile of products (a :class:`.quantize.Launch`); per token
 it holds whole rows in registers, so gate and up are read once (rows longer than
 ``quantize.SINGLE_PASS_MAX`` fall back to two passes that recompute the product). Both functions
-take an explicit ``launch`` for sweeps.
+take an explicit ``launch`` for sweeps. On Hopper each launch is a programmatic dependent of the
+GEMM before it (:mod:`.pdl`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .common import next_pow2, row_plan
+from .pdl import dependent, dependent_start
 from .quantize import (
     Launch,
     _rows_per_prog,
@@ -37,7 +39,9 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def _silu_mul_kernel(
     X, Y, MASKED_M, M, I, CAP, PROGS, stride_xm, stride_ym,
     HAS_MASK: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    dependent_start(PDL)
     base, n, first, step = row_segment(MASKED_M, M, CAP, PROGS, HAS_MASK)
     col0 = tl.program_id(1) * BLOCK_K
     for b in range(first, tl.cdiv(n, BLOCK_M), step):
@@ -101,7 +105,7 @@ def silu_and_mul(
         _silu_mul_kernel[(grid, triton.cdiv(inter, launch.block_k))](
             x2, y, plan.masked_m, rows, inter, plan.cap, progs, x2.stride(0), y.stride(0),
             HAS_MASK=plan.masked, GROUP=min(128, launch.block_k),
-            BLOCK_M=launch.block_m, BLOCK_K=launch.block_k, num_warps=launch.num_warps,
+            BLOCK_M=launch.block_m, BLOCK_K=launch.block_k, num_warps=launch.num_warps, **dependent(x2.device),
         )
     return y.reshape(*gate_up.shape[:-1], inter)
 
@@ -146,6 +150,6 @@ def silu_and_mul_quant(
     if granularity == "token":
         if scale_mn_major:
             raise ValueError("scale_mn_major=True needs granularity='group' (one scale per row has no layout to choose)")
-        return token_quant(x2, None, 1, gate_up.shape, plan, launch, silu=True)
+        return token_quant(x2, None, 1, gate_up.shape, plan, launch, silu=True, pdl=True)
     return group_quant(x2, None, 1, gate_up.shape, plan, group_size, dtype, launch, silu=True,
-                       scale_mn_major=scale_mn_major)  # fmt: skip
+                       scale_mn_major=scale_mn_major, pdl=True)  # fmt: skip

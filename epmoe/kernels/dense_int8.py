@@ -42,7 +42,7 @@ import triton.language as tl
 from .. import devices
 from ..tensors import check_bool
 from .common import next_pow2, placeholder
-from .pdl import PREFETCH_ALIGN, gdc_launch_dependents, gdc_wait, launch_options, pdl_supported, prefetch_rows_l2
+from .pdl import PREFETCH_ALIGN, gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled, pdl_supported, prefetch_rows_l2
 from .quantize import INT8_QMAX, amax_bits, codes, per_group_quant, per_token_quant_int8, scale_of
 
 SCHEMES = ("int8_channel", "int8_block")
@@ -562,7 +562,7 @@ def dense_int8_small_m(
     out = torch.empty((m, n), dtype=out_dtype, device=device)
     if m == 0 or n == 0:
         return out
-    pdl = cfg.pdl and pdl_supported(device)
+    pdl = cfg.pdl and pdl_enabled(device)
     if not cfg.fused and not quantized:
         # The quantizer launched as a dependent too, so that this GEMM can launch (and prefetch)
         # during it: it lets its dependents launch before it waits.

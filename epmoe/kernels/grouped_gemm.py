@@ -35,6 +35,10 @@ TMA kernel has no ``SWAP_AB`` variant.
 For decode-sized batches (a few rows per expert) the kernel is bound by reading the weights; the
 configs then use a 16-row tile (or ``SWAP_AB``: the weight tile becomes the MMA's M side so that
 Hopper's wgmma, whose M is at least 64, still applies) and long K steps.
+
+On Hopper both kernels launch as programmatic dependents (:mod:`.pdl`): the launch and the
+programs' placement overlap the kernel before (a decode step's prep, the activation between the
+GEMMs), which is most of a small batch's gap between kernels.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from .. import devices
 from ..tensors import as_contiguous, check_positive_int
 from .common import check_masked_m, next_pow2, placeholder
 from .configs import GemmConfig, get_config
+from .pdl import dependent, dependent_start
 
 MODES = ("bf16", "int8_channel", "int8_block")
 ACCUMULATORS = ("fp32", "int32")
@@ -158,8 +163,9 @@ def _grouped_gemm_kernel(
     MODE: tl.constexpr, MASKED: tl.constexpr, E_PAD: tl.constexpr, FP32_IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    dependent_start(PDL)
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     group_width = GROUP_M * num_pid_n
@@ -264,7 +270,7 @@ def _grouped_gemm_tma_kernel(
     stride_cm, stride_asm, stride_bse, stride_bsn, stride_bsk,
     MODE: tl.constexpr, MASKED: tl.constexpr, E_PAD: tl.constexpr, LOG_E: tl.constexpr, FP32_IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr, FLATTEN: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, FLATTEN: tl.constexpr, PDL: tl.constexpr,
 ):
     """:func:`_grouped_gemm_kernel` with TMA-fed operands, over a flattened (M tile, N tile) space.
 
@@ -284,6 +290,7 @@ def _grouped_gemm_tma_kernel(
     scalar loads, which keeps the per-tile lookup out of the expert-count-wide vectors of the
     pointer kernel.
     """
+    dependent_start(PDL)
     _write_tile_table(SEG, TB, E, CAP, MASKED, E_PAD, BLOCK_M)
     pid = tl.program_id(0)
     total_tiles = tl.load(TB + E_PAD)
@@ -473,6 +480,7 @@ def _launch(a, b, out, a_scale, b_scale, seg, e, cap, grid_m, mode, accumulator,
         MODE=_MODE_IDS[(mode, accumulator)], MASKED=masked, E_PAD=max(16, next_pow2(e)),
         FP32_IEEE=a.dtype == torch.float32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         GROUP_M=cfg.group_m, SCALE_BLOCK=SCALE_BLOCK, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **dependent(a.device),
     )
     if cfg.tma and tma_fallback_reason(a, b, cfg) is None:
         from triton.tools.tensor_descriptor import TensorDescriptor

@@ -17,6 +17,7 @@ done or where the dependent is known to be short.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -42,9 +43,45 @@ def pdl_supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+PDL_VARIABLE = "EPMOE_PDL"
+"""Environment variable that turns programmatic dependent launch off (``0``) for every kernel of
+the package, for a driver or profiler that mishandles it; ``1`` or unset: on where supported."""
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch as programmatic dependents: :func:`pdl_supported` and
+    not turned off by :data:`PDL_VARIABLE` (read at each launch, so a benchmark can time both).
+
+    Raises:
+        ValueError: the variable holds something other than ``0`` or ``1``.
+    """
+    value = os.environ.get(PDL_VARIABLE, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{PDL_VARIABLE}={value!r} (from the environment); allowed: '0' (off), '1' (on where supported)")
+    return value == "1" and pdl_supported(device)
+
+
 def launch_options(pdl: bool) -> dict:
     """Extra keyword arguments of a Triton launch: ``launch_pdl`` when ``pdl``."""
     return {"launch_pdl": True} if pdl else {}
+
+
+def dependent(device: torch.device, pdl: bool = True) -> dict:
+    """The ``PDL`` flag and launch options of a kernel that calls :func:`dependent_start`: a
+    programmatic dependent when ``pdl`` is asked for and :func:`pdl_enabled`."""
+    on = pdl and pdl_enabled(device)
+    return dict(PDL=on, **launch_options(on))
+
+
+@triton.jit
+def dependent_start(PDL: tl.constexpr):
+    """With ``PDL``, a kernel's first step: let the next kernel launch now (its programs take their
+    SM slots and wait while this one runs: every program of this kernel is already placed when
+    the trigger takes effect), then wait for the kernel before, which may have written any input.
+    Nothing is read or written before the wait, so the chain is safe after any predecessor."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
 
 
 @triton.jit

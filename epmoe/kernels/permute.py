@@ -29,6 +29,7 @@ import triton.language as tl
 
 from ..tensors import as_contiguous, check_positive_int
 from .common import COPY_MAX_SLOTS, INTERPRETER_TILE, max_rows, mn_major_scales, next_pow2
+from .pdl import dependent, dependent_start
 
 SLOT_STEP = 512
 """Slots a program sorts at once: a power of two >= 128, so that each of the 4 warps' threads
@@ -255,8 +256,9 @@ def _scatter_rows_kernel(
 
 @triton.jit
 def _gather_weighted_kernel(
-    X, POS, W, OUT, H, stride_xm, stride_om, TOPK: tl.constexpr, BLOCK_H: tl.constexpr,
+    X, POS, W, OUT, H, stride_xm, stride_om, TOPK: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
+    dependent_start(PDL)
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < H
@@ -592,7 +594,7 @@ def gather_weighted(
     block_h, warps = row_split(r, h, xc.device)
     _gather_weighted_kernel[(r, triton.cdiv(h, block_h))](
         xc, slot_pos.to(torch.int64).contiguous(), topk_weights.float().contiguous(), out, h,
-        xc.stride(0), out.stride(0), TOPK=k, BLOCK_H=block_h, num_warps=warps,
+        xc.stride(0), out.stride(0), TOPK=k, BLOCK_H=block_h, num_warps=warps, **dependent(xc.device),
     )  # fmt: skip
     return out
 

@@ -21,6 +21,9 @@ by rank, where larger tiles take ``top_k`` arg-max rounds), and the layout place
 comparing it with the other slots (:func:`~epmoe.kernels.permute.compared_rows`, no sort and no
 scratch).
 
+On Hopper the prep and the kernels after it (the grouped GEMMs, the activation, the gather) launch
+as programmatic dependents (:mod:`.pdl`), each placed on the GPU while the one before runs.
+
 The outputs are bit for bit those of the separate launches (the same routing rule, the slot order
 of :mod:`epmoe.kernels.permute`'s sort, the quantizers' :func:`~epmoe.kernels.quantize.codes`),
 but for the last bits of the routing weights: their fp32 sums (softmax, renormalizing) are reduced
@@ -38,6 +41,7 @@ from .permute import SLOT_ROWS, SLOT_TILE, _slot_outputs, compared_rows, mark_un
 from ..quant.payload import PAYLOAD_FORMATS
 from ..quant.schemes import BLOCK
 from .quantize import amax_bits, codes_for, load_tile, scale_of
+from .pdl import dependent, dependent_start
 from .topk import by_rank, route_operands, route_rows
 
 PREP_PROGRAMS = 128
@@ -81,8 +85,9 @@ def _decode_prep_kernel(
     TOPK_GROUP: tl.constexpr, RANK: tl.constexpr,
     ALIGN: tl.constexpr, TILE_ROWS: tl.constexpr, ROW_STEP: tl.constexpr,
     QUANT: tl.constexpr, QMAX: tl.constexpr, TO_E4M3: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-    ROW_BLOCK: tl.constexpr,
+    ROW_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    dependent_start(PDL)
     c = tl.program_id(0)
     t = tl.program_id(1)
     pid = t * tl.num_programs(0) + c
@@ -251,6 +256,6 @@ def decode_prep(
         ALIGN=alignment, TILE_ROWS=max(1, SLOT_TILE // consts["E_PAD"]), ROW_STEP=SLOT_ROWS,
         QUANT=quant, QMAX=qmax, TO_E4M3=qdtype == torch.float8_e4m3fn, GROUP=GROUP, BLOCK_H=block_h,
         ROW_BLOCK=max(GROUP, min(next_pow2(h), ROW_VALUES_PER_THREAD * 32 * warps)),
-        num_warps=warps, **consts,
+        num_warps=warps, **consts, **dependent(device),
     )  # fmt: skip
     return ids, weights, offsets, slot_pos, m_indices, counts, out, out_scale

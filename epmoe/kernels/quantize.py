@@ -43,7 +43,7 @@ import triton.language as tl
 
 from ..tensors import as_contiguous
 from .common import INTERPRETER_TILE, RowPlan, check_scale_input, mn_major_scales, next_pow2, placeholder, row_plan
-from .pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_supported
+from .pdl import dependent, dependent_start
 
 AMAX_FLOOR = 1e-10
 INT8_QMAX = 127.0
@@ -299,17 +299,6 @@ def load_tile(
 
 
 @triton.jit
-def dependent_start(PDL: tl.constexpr):
-    """With ``PDL`` (a programmatic dependent launch, :mod:`epmoe.kernels.pdl`): let the kernel
-    after this quantizer launch at once (the GEMM that reads the codes, which waits for them
-    and meanwhile prefetches its weight), then wait for the kernel before, which may have
-    written ``X``."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-
-
-@triton.jit
 def token_quant_kernel(
     X, XS, Q, S, MASKED_M, ROW_EXPERT,
     M, K, CAP, PROGS,
@@ -320,7 +309,7 @@ def token_quant_kernel(
     SINGLE: tl.constexpr, PDL: tl.constexpr,
 ):
     """One INT8 scale per row of ``X`` (``SILU``: of ``silu(gate) * up``); see :func:`load_tile`
-    and, for ``PDL``, :func:`dependent_start`."""
+    and, for ``PDL``, :func:`~epmoe.kernels.pdl.dependent_start`."""
     dependent_start(PDL)
     NG: tl.constexpr = BLOCK_K // GROUP
     base, n, first, step = row_segment(MASKED_M, M, CAP, PROGS, HAS_MASK)
@@ -361,7 +350,7 @@ def group_quant_kernel(
     BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """One scale per 1 x ``GROUP`` of ``X`` (``SILU``: of ``silu(gate) * up``); ``PDL``: see
-    :func:`dependent_start`."""
+    :func:`~epmoe.kernels.pdl.dependent_start`."""
     dependent_start(PDL)
     NG: tl.constexpr = BLOCK_K // GROUP
     base, n, first, step = row_segment(MASKED_M, M, CAP, PROGS, HAS_MASK)
@@ -406,12 +395,6 @@ def _scale_view(x_scale: torch.Tensor | None, k: int) -> tuple[torch.Tensor | No
     return xs, k // xs.shape[1]
 
 
-def _dependent(pdl: bool, device: torch.device) -> dict:
-    """The ``PDL`` flag and launch options of a quantizer launch asked to be a dependent one."""
-    on = pdl and pdl_supported(device)
-    return dict(PDL=on, **launch_options(on))
-
-
 def _operands(x, x_scale, masked_m, expected_m, row_expert=None):
     """Checked ``(x2 [M, K], input scales [M, S] or None, columns per input scale, x.shape,
     row plan)`` of a quantizer call."""
@@ -444,8 +427,8 @@ def per_token_quant_int8(
         row_expert: optional int32 expert of every row (leading dims flattened; a contiguous
             layout's ``m_indices``): rows of -1 (padding) are skipped, their outputs left unwritten.
         launch: tile and warps of the kernel (checked); ``None``: :func:`token_launch`.
-        pdl: launch as a programmatic dependent (:func:`dependent_start`) where the device
-            supports it (:func:`~epmoe.kernels.pdl.pdl_supported`); elsewhere a plain launch.
+        pdl: launch as a programmatic dependent (:func:`~epmoe.kernels.pdl.dependent_start`) where the device
+            supports it (:func:`~epmoe.kernels.pdl.pdl_enabled`); elsewhere a plain launch.
 
     Returns:
         ``q [..., K]`` int8 and ``scale [..., 1]`` fp32.
@@ -485,7 +468,7 @@ def token_quant(
         QMAX=INT8_QMAX, HAS_XS=xs2 is not None, HAS_MASK=plan.masked, HAS_ROW_MASK=plan.row_expert is not None,
         IN_GROUP=in_group, SILU=silu, GROUP=min(128, launch.block_k), BLOCK_M=launch.block_m,
         BLOCK_K=launch.block_k, SINGLE=launch.block_k >= k, num_warps=launch.num_warps,
-        **_dependent(pdl, x2.device),
+        **dependent(x2.device, pdl),
     )  # fmt: skip
     return q.reshape(out_shape), s.reshape(*shape[:-1], 1)
 
@@ -561,6 +544,6 @@ def group_quant(
             QMAX=INT8_QMAX if dtype == torch.int8 else E4M3_QMAX, TO_E4M3=dtype != torch.int8,
             HAS_XS=xs2 is not None, HAS_MASK=plan.masked, HAS_ROW_MASK=plan.row_expert is not None, IN_GROUP=in_group,
             SILU=silu, GROUP=group_size, BLOCK_M=launch.block_m, BLOCK_K=launch.block_k,
-            num_warps=launch.num_warps, **_dependent(pdl, x2.device),
+            num_warps=launch.num_warps, **dependent(x2.device, pdl),
         )  # fmt: skip
     return q.reshape(*shape[:-1], k), s.reshape(*shape[:-1], groups)

@@ -92,22 +92,52 @@ def test_layer_with_the_prep_matches_the_layer_without(quant, backend, t, monkey
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-3 * float(want.float().abs().max()))
 
 
-@pytest.mark.parametrize("quant,backend", CASES)
-def test_layer_with_the_prep_replays_from_a_cuda_graph_with_new_inputs(quant, backend):
-    fused, _ = _layers(quant, backend)
+def _graphed(layer, seeds):
+    """The layer's outputs for a batch of 2 tokens captured once in a CUDA graph and replayed with
+    the inputs of each seed, with the eager outputs of the same inputs."""
     x, logits = _inputs(2, 10)
     with torch.no_grad():
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            fused(x, logits)
+            layer(x, logits)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = fused(x, logits)
-        for seed in (11, 12):
+            out = layer(x, logits)
+        replayed, eager = [], []
+        for seed in seeds:
             new_x, new_logits = _inputs(2, seed)
             x.copy_(new_x)
             logits.copy_(new_logits)
             graph.replay()
-            torch.testing.assert_close(out, fused(new_x, new_logits), rtol=0, atol=0)
+            replayed.append(out.clone())
+            eager.append(layer(new_x, new_logits))
+    return replayed, eager
+
+
+@pytest.mark.parametrize("quant,backend", CASES)
+def test_layer_with_the_prep_replays_from_a_cuda_graph_with_new_inputs(quant, backend):
+    fused, _ = _layers(quant, backend)
+    replayed, eager = _graphed(fused, (11, 12))
+    for got, want in zip(replayed, eager):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("quant,backend", CASES)
+def test_dependent_launches_compute_what_plain_launches_do(quant, backend, monkeypatch):
+    """Programmatic dependent launch (on by default where supported: the prep, the Triton GEMMs,
+    the activation and the gather) changes when each kernel starts, never what it reads: the
+    graphed and the eager step equal the same steps with ``EPMOE_PDL=0``, bit for bit."""
+    from epmoe.kernels.pdl import pdl_enabled
+
+    if not pdl_enabled(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0+ and Triton's grid dependency control")
+    fused, _ = _layers(quant, backend)
+    seeds = (21, 22, 23)
+    dependent = _graphed(fused, seeds)
+    monkeypatch.setenv("EPMOE_PDL", "0")
+    plain = _graphed(fused, seeds)
+    for got, want in zip(dependent[0] + dependent[1], plain[0] + plain[1]):
+        assert torch.isfinite(want).all() and want.float().abs().max() > 0
+        assert torch.equal(got, want)
