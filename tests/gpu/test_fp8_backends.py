@@ -59,16 +59,23 @@ needs_cutlass = pytest.mark.skipif(
 @pytest.fixture(scope="module", autouse=True)
 def fresh_cutlass_build(tmp_path_factory):
     """The project's CUTLASS kernels as a user gets them: built by the package on first use, on
-    this machine, in this process (never a library carried from another machine or toolchain;
+    this machine, in this session (never a library carried from another machine or toolchain;
     issue 22.12). The cache directory in use (``EPMOE_CACHE_DIR``) is kept when it holds no build
     of these sources yet, so later runs (benchmarks) reuse the build; otherwise a fresh one is
-    used. One build serves every test of this module."""
+    used. One build serves every test of this module and, under pytest-xdist, every worker: they
+    share one fresh directory, and torch's build lock there lets one worker compile while the
+    others wait and then load its library."""
     from epmoe.experts import cutlass_backend as cb
+    from helpers import decide_once, session_shared_dir
 
     mp = pytest.MonkeyPatch()
     include = cb.find_cutlass_include()
-    if include is not None and cb._library(include)[2].is_file():
-        mp.setenv("EPMOE_CACHE_DIR", str(tmp_path_factory.mktemp("epmoe-cache")))
+    if include is not None:
+        fresh = session_shared_dir(tmp_path_factory, "epmoe-cache-fresh")
+        # Asked once per session, of the user's cache: a worker arriving after another one built
+        # there must not take that build for one the user already had, and build a second time.
+        if decide_once(fresh / "user-cache-had-a-build", lambda: cb._library(include)[2].is_file()):
+            mp.setenv("EPMOE_CACHE_DIR", str(fresh))
     cb.load_extension.cache_clear()
     yield
     cb.load_extension.cache_clear()
