@@ -34,7 +34,8 @@ import torch
 from epmoe import timing
 from epmoe.bench.experts import bf16_grouped_mm_pass
 from epmoe.bench.layer import (
-    E, H, I, K, add_arguments, bench_phases, build_layers, check_args, interleaved, launch, rank_setup, write_json,
+    E, H, I, K, add_arguments, bench_phases, build_layers, check_args, device_name, interleaved, launch, rank_setup,
+    ranks_device, write_json,
 )  # fmt: skip
 
 DC_ROUNDS = 4
@@ -353,7 +354,7 @@ def _rank_main(rank, world, port, args):
 
     device, owner, batches = rank_setup(rank, world, port, args)
     (xp, idp, wp), (xd, idd, wd) = batches["prefill"], batches["decode"]
-    res: dict = dict(rank=rank, schemes={})
+    res: dict = dict(rank=rank, device=device_name(device), schemes={})
     sustained: dict = {}
     for scheme in args.schemes.split(","):
         layers = build_layers(scheme, args, owner, device)
@@ -392,8 +393,7 @@ def _rank_main(rank, world, port, args):
 
 # ---------------------------------------------------------------------------------- report
 def _summary(ranks, args):
-    out = dict(config=dict(vars(args), device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-                           torch=torch.__version__), ranks=ranks, ratios={})  # fmt: skip
+    out = dict(config=dict(vars(args), device=ranks_device(ranks), torch=torch.__version__), ranks=ranks, ratios={})
     r0 = ranks[0]
     nosync = {s_: [r["schemes"][s_].get("prefill", {}).get("no_host_sync") for r in ranks] for s_ in r0["schemes"]}
     if all(nosync.get("bf16") or [None]):

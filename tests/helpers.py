@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -89,3 +91,37 @@ def read_rank_rows(out: str, world: int) -> list[dict]:
             with open(f"{out}.{r}") as f:
                 rows += [json.loads(line) for line in f]
     return rows
+
+
+def session_shared_dir(tmp_path_factory, name: str) -> Path:
+    """A directory ``name`` that every process of this pytest session gets, new each session.
+
+    pytest-xdist gives each worker the basetemp ``<session basetemp>/popen-<worker id>``, so the
+    directory is made beside those, one for all workers. Without xdist (or with a layout other
+    than that one) it is this process's own ``tmp_path_factory.mktemp(name)``."""
+    base = tmp_path_factory.getbasetemp()
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and base.name == f"popen-{worker}":
+        shared = base.parent / name
+        shared.mkdir(exist_ok=True)
+        return shared
+    return tmp_path_factory.mktemp(name)
+
+
+def decide_once(record: Path, decide: Callable[[], bool]) -> bool:
+    """``decide()`` as the first caller of the session answered it, kept in the file ``record``.
+
+    Later callers (other xdist workers) get that answer even when what ``decide`` looks at has
+    changed since, e.g. because the first caller built something there. Each caller writes its
+    answer to a file of its own and links it to ``record``: the link fails when ``record`` exists,
+    so the first answer wins and no caller reads a half-written file."""
+    if not record.is_file():
+        mine = record.with_name(f"{record.name}.{os.getpid()}")
+        mine.write_text("yes" if decide() else "no")
+        try:
+            os.link(mine, record)
+        except FileExistsError:
+            pass
+        finally:
+            mine.unlink()
+    return record.read_text() == "yes"

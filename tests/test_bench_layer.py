@@ -28,6 +28,22 @@ def test_ratio_is_slowest_rank_against_slowest_rank():
     assert "int8_channel" in bench_layer._table(s)
 
 
+def test_device_is_the_ranks_gpus_not_the_launchers_gpu_0(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: f"GPU {torch.device(d).index}")
+    assert bench_layer.device_name(torch.device("cuda", 1)) == "GPU 1"
+    assert bench_layer.device_name(torch.device("cpu")) is None
+    ranks = _ranks()
+    for r in ranks:
+        r["device"] = "NVIDIA H200"
+    assert bench_layer._summary(ranks, ARGS)["config"]["device"] == "NVIDIA H200"
+    ranks[1]["device"] = "NVIDIA H100 80GB HBM3"
+    got = bench_layer._summary(ranks, ARGS)["config"]["device"]
+    assert got == "rank 0: NVIDIA H200; rank 1: NVIDIA H100 80GB HBM3"
+    assert bench_layer._summary(_ranks(), ARGS)["config"]["device"] is None  # results without names
+
+
 def test_interleaved_ratio_is_slowest_rank_against_slowest_rank():
     ranks = _ranks()
     for r, (b, i) in zip(ranks, [(7.0, 4.5), (7.1, 4.4)]):

@@ -221,6 +221,26 @@ def test_deepgemm_api_shim_resolves_renamed_functions():
     assert resolve_api(SimpleNamespace()).contiguous is None
 
 
+def test_deepgemm_alignment_query_failure_warns_with_the_value_used(caplog):
+    from types import SimpleNamespace
+
+    from epmoe.experts.deepgemm_backend import DEFAULT_ALIGNMENT, resolve_api
+
+    def needs_a_device():
+        raise RuntimeError("no CUDA device")
+
+    module = SimpleNamespace(get_mk_alignment_for_contiguous_layout=needs_a_device)
+    with caplog.at_level(logging.WARNING, logger="epmoe"):
+        api = resolve_api(module)
+    assert api.alignment == DEFAULT_ALIGNMENT == 128
+    [record] = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert record.getMessage() == (
+        "deep_gemm.get_mk_alignment_for_contiguous_layout() failed (RuntimeError: no CUDA device); "
+        "the contiguous layout pads each expert segment to 128 rows, epmoe's default, instead of "
+        "the alignment it would have returned"
+    )
+
+
 @pytest.fixture
 def fresh_extension():
     """``load_extension`` with an empty cache before and after the test: it is memoised per

@@ -236,7 +236,7 @@ def measure(rank, args, device, owner, batches, *, accept=None, extra=None) -> d
 
     Returns:
         ``{"rank", "world_size", "schemes": {scheme: {phase: row}}, "skipped": {scheme: reason},
-        "interleaved": ...}``.
+        "interleaved": ...}``; ``device`` names this rank's GPU.
     """
     import torch
     import torch.distributed as dist
@@ -245,7 +245,7 @@ def measure(rank, args, device, owner, batches, *, accept=None, extra=None) -> d
 
     (xp, idp, wp), (xd, idd, wd) = batches["prefill"], batches["decode"]
     world = dist.get_world_size()
-    res: dict = dict(rank=rank, world_size=world, schemes={}, skipped={})
+    res: dict = dict(rank=rank, world_size=world, device=device_name(device), schemes={}, skipped={})
     turns: dict[str, dict] = {"prefill": {}, "decode": {}}  # per phase, scheme -> one forward
     try:  # a failing rank raises: the launcher ends its peer, which may wait in a collective
         for scheme in args.schemes.split(","):
@@ -303,6 +303,25 @@ def _rank_main(rank, world, port, args):
 
 
 # ---------------------------------------------------------------------------------- report
+def device_name(device) -> str | None:
+    """The name of the GPU ``device`` (a ``torch.device``), ``None`` for another kind."""
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+def ranks_device(ranks: list[dict]) -> str | None:
+    """The GPUs the ranks ran on (each rank's ``device``): the one name when they agree, else
+    ``"rank 0: <name>; rank 1: <name>; ..."``; ``None`` when no rank recorded one. Asked of the
+    ranks, not of the launcher's GPU 0: rank ``r`` runs on GPU ``r``, not always the same model."""
+    names = [r.get("device") for r in ranks]
+    if not any(names):
+        return None
+    if len(set(names)) == 1:
+        return names[0]
+    return "; ".join(f"rank {r['rank']}: {n}" for r, n in zip(ranks, names))
+
+
 def _summary(ranks, args):
     import torch
 
@@ -312,7 +331,7 @@ def _summary(ranks, args):
                     prefill_tokens=args.prefill_tokens, decode_tokens=args.decode_tokens,
                     iters=args.iters, warmup=args.warmup, rounds=args.rounds,
                     backend_requested=args.backend, deepep_normal_num_sms=args.num_sms,
-                    device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                    device=ranks_device(ranks),
                     torch=torch.__version__),
         ranks=ranks,
         ratios={},

@@ -97,7 +97,13 @@ def resolve_api(module) -> DeepGemmAPI:
         try:
             alignment = int(align_fn())
         except Exception as exc:  # a DeepGEMM that needs a device for it
-            log.info("deep_gemm.%s() failed (%s); using alignment %d", a_name, exc, alignment)
+            # A warning: every contiguous batch is padded to this value, now a guess rather than
+            # DeepGEMM's answer. Once per process: deep_gemm_api is cached.
+            log.warning(
+                "deep_gemm.%s() failed (%s: %s); the contiguous layout pads each expert segment "
+                "to %d rows, epmoe's default, instead of the alignment it would have returned",
+                a_name, type(exc).__name__, exc, alignment,
+            )  # fmt: skip
     names = {"contiguous": c_name, "masked": m_name, "tma_aligned": t_name, "alignment": a_name}
     legacy = c_name in LEGACY_NAMES or m_name in LEGACY_NAMES
     return DeepGemmAPI(module, contiguous, masked, tma, alignment, names, legacy)

@@ -40,8 +40,8 @@ from .common import empty_scales, max_rows, next_pow2, prep_refusal
 from .permute import SLOT_ROWS, SLOT_TILE, _slot_outputs, compared_rows, mark_unused_rows
 from ..quant.payload import PAYLOAD_FORMATS
 from ..quant.schemes import BLOCK
-from .quantize import amax_bits, codes_for, load_tile, scale_of
 from .pdl import dependent, dependent_start
+from .quantize import amax_bits, load_tile, scale_of, store_codes
 from .topk import by_rank, route_operands, route_rows
 
 PREP_PROGRAMS = 128
@@ -157,13 +157,11 @@ def _decode_prep_kernel(
             part = tl.load(row_x + h0 + h, mask=h0 + h < H, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, amax_bits(part, 0))
         scale = scale_of(amax, QMAX)
-        q = codes_for(x, scale, QMAX, False).to(Y.dtype.element_ty)
-        tl.store(Y + dst[:, None, None] * stride_ym + cols, q, mask=to[:, None, None] & mask)
+        store_codes(Y, dst, cols, to[:, None, None] & mask, x, scale, stride_ym, QMAX, False)
         tl.store(YS + dst * stride_ysm, scale, mask=to & (c == 0))
     else:
         scale = scale_of(amax_bits(x, 2), QMAX)  # [1, NG]
-        q = codes_for(x, scale[:, :, None], QMAX, TO_E4M3).to(Y.dtype.element_ty)
-        tl.store(Y + dst[:, None, None] * stride_ym + cols, q, mask=to[:, None, None] & mask)
+        store_codes(Y, dst, cols, to[:, None, None] & mask, x, scale[:, :, None], stride_ym, QMAX, TO_E4M3)
         g = col0 // GROUP + tl.arange(0, NG)
         tl.store(YS + dst[:, None] * stride_ysm + g[None, :].to(tl.int64) * stride_ysc, scale,
                  mask=to[:, None] & (g[None, :] * GROUP < H))  # fmt: skip

@@ -59,16 +59,24 @@ needs_cutlass = pytest.mark.skipif(
 @pytest.fixture(scope="module", autouse=True)
 def fresh_cutlass_build(tmp_path_factory):
     """The project's CUTLASS kernels as a user gets them: built by the package on first use, on
-    this machine, in this process (never a library carried from another machine or toolchain;
+    this machine, in this session (never a library carried from another machine or toolchain;
     issue 22.12). The cache directory in use (``EPMOE_CACHE_DIR``) is kept when it holds no build
     of these sources yet, so later runs (benchmarks) reuse the build; otherwise a fresh one is
-    used. One build serves every test of this module."""
+    used. One build serves every test of this module and, under pytest-xdist, every worker: they
+    share one fresh directory, and torch's build lock there lets one worker compile while the
+    others wait and then load its library. A process that an earlier module made load the
+    extension keeps that copy and its cache directory: a second copy cannot be loaded."""
     from epmoe.experts import cutlass_backend as cb
+    from helpers import decide_once, session_shared_dir
 
     mp = pytest.MonkeyPatch()
     include = cb.find_cutlass_include()
-    if include is not None and cb._library(include)[2].is_file():
-        mp.setenv("EPMOE_CACHE_DIR", str(tmp_path_factory.mktemp("epmoe-cache")))
+    if include is not None and not cb._registered(cb._library(include)[0]):
+        fresh = session_shared_dir(tmp_path_factory, "epmoe-cache-fresh")
+        # Asked once per session, of the user's cache: a worker arriving after another one built
+        # there must not take that build for one the user already had, and build a second time.
+        if decide_once(fresh / "user-cache-had-a-build", lambda: cb._library(include)[2].is_file()):
+            mp.setenv("EPMOE_CACHE_DIR", str(fresh))
     cb.load_extension.cache_clear()
     yield
     cb.load_extension.cache_clear()
@@ -517,7 +525,7 @@ def test_cutlass_int8_gemm(counts, n, k, spare):
 def test_cutlass_int8_gemm_refuses_bad_operands(monkeypatch):
     """K = 0, N = 0, a b_scale of the wrong shape and a float ``a`` raise in the wrapper before the
     extension is loaded (a build on this machine crashed in its own error path: issue 22.12); then
-    the same wrapper runs the kernel of this module's fresh build."""
+    the same wrapper runs the kernel of the build ``fresh_cutlass_build`` chose."""
     from epmoe.experts import cutlass_backend as cb
 
     e, n, k, m = 2, 64, 128, 256
@@ -540,7 +548,7 @@ def test_cutlass_int8_gemm_refuses_bad_operands(monkeypatch):
     out = cb.int8_grouped_gemm(a, sa, b, sb, offsets)
     ref = torch.cat([a[:128].double() @ b[0].double().t(), a[128:].double() @ b[1].double().t()]) / 4096
     assert bool(((out.double() - ref).abs() <= ref.abs() * 2.0**-8).all())
-    assert cb._library(cb.find_cutlass_include())[2].is_file()  # built here, in the fresh cache
+    assert cb._library(cb.find_cutlass_include())[2].is_file()  # in the cache the fixture chose
 
 
 def _int8_layer(backend: str, **kw):
