@@ -54,6 +54,7 @@ import datetime
 import json
 import math
 import os
+import shlex
 import sys
 from pathlib import Path
 import time
@@ -426,6 +427,7 @@ def main(argv=None) -> dict:
         commit=git_commit(args.commit, fallback=None), device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         torch=torch.__version__, triton=triton.__version__, sizes=sizes, batches=args.batches,
         env={k: os.environ.get(k) for k in ("SGLANG_CUTLASS_MOE", "EPMOE_BACKEND", "EPMOE_PDL")}, rows=[], skipped_schemes={},
+        command=" ".join(["python", *map(shlex.quote, sys.argv)]),
     )  # fmt: skip
     rows: list[dict] = []
     for scheme in args.schemes:

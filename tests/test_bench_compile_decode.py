@@ -22,3 +22,25 @@ def test_speedup_target_is_judged_on_times():
     assert s["eager_vs_best_graphed"] == 1.3 and s["speedup_target_met"] is False
     (s,) = cd.summarize(_rows(eager=131.0, reduce_overhead=100.0, graph=120.0))
     assert s["eager_vs_best_graphed"] == 1.31 and s["speedup_target_met"] is True
+
+
+def test_cpu_dry_run_records_how_it_ran(tmp_path):
+    """The CPU dry run (torch backend, tiny sizes) writes rows and the command and environment
+    that produced them, as the committed results carry."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "dry.json"
+    env = {**os.environ, "EPMOE_PDL": "0"}
+    subprocess.run([sys.executable, str(root / "benchmarks" / "compile_decode.py"), str(out), "--device", "cpu",
+                    "--tiny", "--batches", "1", "--schemes", "bf16", "--modes", "eager,experts_graph"],
+                   check=True, cwd=root, env=env, capture_output=True, timeout=300)  # fmt: skip
+    d = json.loads(out.read_text())
+    assert d["env"]["EPMOE_PDL"] == "0"
+    assert "compile_decode.py" in d["command"] and "--tiny" in d["command"]
+    assert {(r["scheme"], r["mode"]) for r in d["rows"]} == {("bf16", "eager"), ("bf16", "experts_graph")}
+    assert all(r["ms"] > 0 for r in d["rows"])
