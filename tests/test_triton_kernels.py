@@ -1206,3 +1206,8 @@ def test_dependent_launch_switch(monkeypatch):
     monkeypatch.setenv("EPMOE_PDL", "yes")
     with pytest.raises(ValueError, match=r"EPMOE_PDL='yes'.*allowed: '0'.*'1'"):
         pdl_enabled(cpu)
+    # Where the device supports it: the kernel's flag and the launch option go together.
+    monkeypatch.setattr("epmoe.kernels.pdl.pdl_supported", lambda device: True)
+    for value, pdl, on in (("1", True, True), ("1", False, False), ("0", True, False)):
+        monkeypatch.setenv("EPMOE_PDL", value)
+        assert dependent(cpu, pdl) == ({"PDL": True, "launch_pdl": True} if on else {"PDL": False})
