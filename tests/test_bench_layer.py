@@ -41,6 +41,8 @@ def test_device_is_the_ranks_gpus_not_the_launchers_gpu_0(monkeypatch):
     ranks[1]["device"] = "NVIDIA H100 80GB HBM3"
     got = bench_layer._summary(ranks, ARGS)["config"]["device"]
     assert got == "rank 0: NVIDIA H200; rank 1: NVIDIA H100 80GB HBM3"
+    ranks[1]["device"] = None  # a rank that recorded no name
+    assert bench_layer._summary(ranks, ARGS)["config"]["device"] == "rank 0: NVIDIA H200; rank 1: unknown"
     assert bench_layer._summary(_ranks(), ARGS)["config"]["device"] is None  # results without names
 
 

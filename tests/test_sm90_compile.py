@@ -36,6 +36,11 @@ FLAT_128 = dict(E=128, E_PAD=128, K=8, K_PAD=8, SIGMOID=False, HAS_BIAS=False, R
 V3_256 = dict(E=256, E_PAD=256, K=8, K_PAD=8, SIGMOID=True, HAS_BIAS=True, RENORM=True, GROUPED=True, GROUPS=8,
               G_PAD=8, PER_GROUP=32, TOPK_GROUP=4)  # fmt: skip
 PREP_LAYOUT = dict(TILE_ROWS=32, ROW_STEP=1024, GROUP=128, ROW_BLOCK=8192)
+SILU_TYPES = dict(X="*bf16", Y="*bf16", MASKED_M="*i32", M="i32", I="i32", CAP="i32", PROGS="i32", stride_xm="i32",
+                  stride_ym="i32")  # fmt: skip
+GEMM_TYPES = dict(A="*i8", B="*i8", C="*bf16", AS="*fp32", BS="*fp32", SEG="*i32", N="i32", K="i32", E="i32", CAP="i32",
+                  GRID_M="i32", stride_am="i32", stride_be="i32", stride_bn="i32", stride_cm="i32", stride_asm="i32",
+                  stride_bse="i32", stride_bsn="i32", stride_bsk="i32")  # fmt: skip
 
 CASES = {
     # name: (module, kernel, argument types, constexprs)
@@ -66,7 +71,20 @@ CASES = {
         GROUP=128, BLOCK_M=1, BLOCK_K=1024, PDL=True)),
     "scatter_rows": ("epmoe.kernels.permute", "_scatter_rows_kernel", SCATTER_TYPES, dict(
         TOPK=8, HAS_SCALE=True, BLOCK_H=128, BLOCK_S=64)),
-    "gather_weighted": ("epmoe.kernels.permute", "_gather_weighted_kernel", GATHER_TYPES, dict(TOPK=8, BLOCK_H=128)),
+    "gather_weighted": ("epmoe.kernels.permute", "_gather_weighted_kernel", GATHER_TYPES, dict(
+        TOPK=8, BLOCK_H=128, PDL=False)),
+    # A decode step's chain as programmatic dependents (pdl.dependent_start): the gather, the
+    # activation, the grouped GEMM (int8 channel, int32 accumulator, a decode tile) and the prep.
+    "pdl_gather_weighted": ("epmoe.kernels.permute", "_gather_weighted_kernel", GATHER_TYPES, dict(
+        TOPK=8, BLOCK_H=128, PDL=True)),
+    "pdl_silu_mul": ("epmoe.kernels.activation", "_silu_mul_kernel", SILU_TYPES, dict(
+        HAS_MASK=False, GROUP=128, BLOCK_M=1, BLOCK_K=2048, PDL=True)),
+    "pdl_grouped_gemm": ("epmoe.kernels.grouped_gemm", "_grouped_gemm_kernel", GEMM_TYPES, dict(
+        MODE=2, MASKED=False, E_PAD=128, FP32_IEEE=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, SWAP_AB=True,
+        EVEN_K=True, SCALE_BLOCK=128, PDL=True)),
+    "pdl_prep_one_token_int8_token": ("epmoe.kernels.prep", "_decode_prep_kernel", PREP_TYPES, dict(
+        **FLAT_128, **PREP_LAYOUT, BLOCK_T=1, RANK=True, ALIGN=1, QUANT=1, QMAX=127.0, TO_E4M3=False, BLOCK_H=128,
+        PDL=True)),
     # The routing by rank (topk.by_rank) of one token, grouped.
     "topk_rank_grouped": ("epmoe.kernels.topk", "_fused_topk_kernel", TOPK_TYPES, dict(
         E=128, E_PAD=128, K=8, K_PAD=8, BLOCK_T=1, SIGMOID=True, HAS_BIAS=True, RENORM=True, GROUPED=True, GROUPS=8,
@@ -74,32 +92,39 @@ CASES = {
     # The decode prep (kernels/prep.py): every payload; the routing by rank (one token of 128 experts,
     # the benchmarks' decode step; 4 tokens of 64 grouped) and by rounds (256 experts; 16 tokens).
     "prep_one_token_int8_token": ("epmoe.kernels.prep", "_decode_prep_kernel", PREP_TYPES, dict(
-        **FLAT_128, **PREP_LAYOUT, BLOCK_T=1, RANK=True, ALIGN=1, QUANT=1, QMAX=127.0, TO_E4M3=False, BLOCK_H=128)),
+        **FLAT_128, **PREP_LAYOUT, BLOCK_T=1, RANK=True, ALIGN=1, QUANT=1, QMAX=127.0, TO_E4M3=False, BLOCK_H=128,
+        PDL=False)),
     "prep_one_token_v3_fp8_group": ("epmoe.kernels.prep", "_decode_prep_kernel", dict(PREP_TYPES, Y="*fp8e4nv"),
         dict(**V3_256, **PREP_LAYOUT, BLOCK_T=1, RANK=False, ALIGN=128, QUANT=2, QMAX=448.0, TO_E4M3=True,
-             BLOCK_H=128)),
+             BLOCK_H=128, PDL=False)),
     "prep_grouped_rank_bf16": ("epmoe.kernels.prep", "_decode_prep_kernel", dict(PREP_TYPES, Y="*bf16"), dict(
         V3_256, **PREP_LAYOUT, E=64, E_PAD=64, K=6, PER_GROUP=8, TOPK_GROUP=3, BLOCK_T=4, RANK=True, ALIGN=1, QUANT=0,
-        QMAX=1.0, TO_E4M3=False, BLOCK_H=256)),
+        QMAX=1.0, TO_E4M3=False, BLOCK_H=256, PDL=False)),
     "prep_16_tokens_int8_group": ("epmoe.kernels.prep", "_decode_prep_kernel", PREP_TYPES, dict(
-        **FLAT_128, **PREP_LAYOUT, BLOCK_T=16, RANK=False, ALIGN=4, QUANT=2, QMAX=127.0, TO_E4M3=False, BLOCK_H=1024)),
+        **FLAT_128, **PREP_LAYOUT, BLOCK_T=16, RANK=False, ALIGN=4, QUANT=2, QMAX=127.0, TO_E4M3=False, BLOCK_H=1024,
+        PDL=False)),
 }  # fmt: skip
 
 _SCRIPT = """
-import importlib, json, sys
+import importlib, json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 out = {}
 for name, (module, kernel, types, consts) in json.loads(sys.argv[1]).items():
     fn = getattr(importlib.import_module(module), kernel)
-    sig = {a: "constexpr" if a in consts else types[a] for a in fn.arg_names}
     try:
+        sig = {a: "constexpr" if a in consts else types[a] for a in fn.arg_names}
         ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                              options={"num_warps": 4}).asm["ptx"]
         trigger, wait = ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait")
-        # A quantizer as a programmatic dependent lets its dependent launch before it waits.
-        out[name] = "ok" if bool(consts.get("PDL")) == (-1 < trigger < wait) else f"trigger at {trigger}, wait at {wait}"
+        # A programmatic dependent lets its dependent launch before it waits, and touches no global
+        # memory before its wait (what a predecessor writes or still reads).
+        early = re.search(r"\\b(ld\\.global|st\\.global|atom\\.|red\\.|cp\\.async)", ptx[:wait]) if wait > -1 else None
+        if bool(consts.get("PDL")) != (-1 < trigger < wait):
+            out[name] = f"trigger at {trigger}, wait at {wait}"
+        else:
+            out[name] = f"{early.group(0)} before the wait" if early else "ok"
     except Exception as exc:
         out[name] = f"{type(exc).__name__}: {exc}"
 print(json.dumps(out))

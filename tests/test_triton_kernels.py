@@ -1206,8 +1206,11 @@ def test_dependent_launch_switch(monkeypatch):
     monkeypatch.setenv("EPMOE_PDL", "yes")
     with pytest.raises(ValueError, match=r"EPMOE_PDL='yes'.*allowed: '0'.*'1'"):
         pdl_enabled(cpu)
-    # Where the device supports it: the kernel's flag and the launch option go together.
+    # Where the device supports it: the kernel's flag and the launch option go together; never
+    # under Triton's interpreter, which cannot run the device calls.
     monkeypatch.setattr("epmoe.kernels.pdl.pdl_supported", lambda device: True)
-    for value, pdl, on in (("1", True, True), ("1", False, False), ("0", True, False)):
+    for interpret, value, pdl, on in (("0", "1", True, True), ("0", "1", False, False), ("0", "0", True, False),
+                                      ("1", "1", True, False)):  # fmt: skip
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
         monkeypatch.setenv("EPMOE_PDL", value)
         assert dependent(cpu, pdl) == ({"PDL": True, "launch_pdl": True} if on else {"PDL": False})

@@ -319,7 +319,7 @@ def ranks_device(ranks: list[dict]) -> str | None:
         return None
     if len(set(names)) == 1:
         return names[0]
-    return "; ".join(f"rank {r['rank']}: {n}" for r, n in zip(ranks, names))
+    return "; ".join(f"rank {r['rank']}: {n or 'unknown'}" for r, n in zip(ranks, names))
 
 
 def _summary(ranks, args):

@@ -42,7 +42,7 @@ import triton.language as tl
 from .. import devices
 from ..tensors import check_bool
 from .common import next_pow2, placeholder
-from .pdl import PREFETCH_ALIGN, gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled, pdl_supported, prefetch_rows_l2
+from .pdl import PREFETCH_ALIGN, gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled, prefetch_rows_l2
 from .quantize import INT8_QMAX, amax_bits, codes, per_group_quant, per_token_quant_int8, scale_of
 
 SCHEMES = ("int8_channel", "int8_block")
@@ -86,14 +86,16 @@ class SmallMConfig(NamedTuple):
     """Row tiles whose programs run next to each other for each N tile (tile order for L2 reuse
     when there are many row tiles); 1: all N tiles of a row tile, then the next row tile."""
     pdl: bool = False
-    """Programmatic dependent launch (Hopper and newer; :func:`dense_int8_small_m` ignores it
-    elsewhere): the GEMM (and the split-K reduction) launch while the kernel before them is still
-    finishing, and wait for it (``griddepcontrol.wait``) before they read anything it may have
+    """Programmatic dependent launch (:func:`dense_int8_small_m` ignores it where
+    :func:`~epmoe.kernels.pdl.pdl_enabled` is False: before compute capability 9.0, or
+    ``EPMOE_PDL=0``): the GEMM (and the split-K reduction) launch while the kernel before them is
+    still finishing, and wait for it (``griddepcontrol.wait``) before they read anything it may have
     written, so the launch latency of each kernel boundary overlaps the previous kernel; the
     quantizer of an unfused launch is a dependent launch too and lets the GEMM launch at once; a
-    split GEMM lets its reduction launch as soon as it starts, an unsplit one the next kernel
-    once every program has left its K loop (the reduction: once it starts). Only a launch's
-    timing changes; every read of the activations still follows the previous kernel's writes."""
+    split GEMM lets its reduction launch as soon as it starts, an unsplit one the next kernel once
+    every program has left its K loop (the reduction: once it starts). Only a launch's timing
+    changes; every read of the activations still follows the previous kernel's writes.
+    """
     prefetch: int = 0
     """With ``pdl``: weight bytes each program asks L2 for before it waits for the previous kernel
     (the first ``prefetch / block_n`` bytes, rounded down to 16, of each of its weight rows' K

@@ -523,7 +523,8 @@ def with_scratch_allocator(device: torch.device, launch):
     expects it to be the current device (Triton launches on the current device and stream).
     Torch's blocks are 512-byte aligned, more than the 128 bytes Triton asks for. The scratch is
     freed when the launch returns: torch hands a freed block only to later work on the same
-    stream, which runs after the kernel."""
+    stream, which runs after the kernel or, launched as a programmatic dependent, waits for it
+    before it reads or writes anything (:func:`~epmoe.kernels.pdl.dependent_start`)."""
     return contextvars.copy_context().run(_launch_with_allocator, device, launch)
 
 

@@ -10,8 +10,11 @@ kernel's tail, and whatever a kernel does before its wait that touches no predec
 
 Triggering dependents early is always safe: the dependent waits before it reads. What it costs is
 that the dependent's programs may take SM slots (and issue their prefetches) while the trigger's
-kernel still runs, which is why the kernels here place their trigger where their own loads are
-done or where the dependent is known to be short.
+kernel still runs, which is why the dense GEMM places its trigger where its own loads are done;
+the decode step's kernels trigger first thing (:func:`dependent_start`): every program of theirs
+is placed by then, and the dependent only waits. A kernel launched after one of these as a
+programmatic dependent (a third-party kernel with PDL on) must wait likewise before it reads
+their outputs; ``EPMOE_PDL=0`` launches them plainly.
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ _ALIGN = tl.constexpr(PREFETCH_ALIGN)
 @functools.lru_cache(maxsize=None)
 def pdl_supported(device: torch.device) -> bool:
     """Whether launches on ``device`` may use programmatic dependent launch: a CUDA GPU of
-    compute capability 9.0 or newer (not the interpreter) and a Triton that has grid dependency
-    control."""
+    compute capability 9.0 or newer and a Triton that has grid dependency control (the interpreter
+    is :func:`pdl_enabled`'s to exclude)."""
     if device.type != "cuda" or gdc_wait is None:
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
@@ -49,8 +52,10 @@ the package, for a driver or profiler that mishandles it; ``1`` or unset: on whe
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """Whether kernels on ``device`` launch as programmatic dependents: :func:`pdl_supported` and
-    not turned off by :data:`PDL_VARIABLE` (read at each launch, so a benchmark can time both).
+    """Whether kernels on ``device`` launch as programmatic dependents: :func:`pdl_supported`,
+    not under Triton's interpreter (``TRITON_INTERPRET=1``, which cannot run the device calls,
+    CUDA tensors or not), and not turned off by :data:`PDL_VARIABLE` (both read at each launch, so
+    a benchmark can time both settings).
 
     Raises:
         ValueError: the variable holds something other than ``0`` or ``1``.
@@ -58,7 +63,7 @@ def pdl_enabled(device: torch.device) -> bool:
     value = os.environ.get(PDL_VARIABLE, "1")
     if value not in ("0", "1"):
         raise ValueError(f"{PDL_VARIABLE}={value!r} (from the environment); allowed: '0' (off), '1' (on where supported)")
-    return value == "1" and pdl_supported(device)
+    return value == "1" and os.environ.get("TRITON_INTERPRET") != "1" and pdl_supported(device)
 
 
 def launch_options(pdl: bool) -> dict:

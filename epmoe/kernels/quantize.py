@@ -427,8 +427,9 @@ def per_token_quant_int8(
         row_expert: optional int32 expert of every row (leading dims flattened; a contiguous
             layout's ``m_indices``): rows of -1 (padding) are skipped, their outputs left unwritten.
         launch: tile and warps of the kernel (checked); ``None``: :func:`token_launch`.
-        pdl: launch as a programmatic dependent (:func:`~epmoe.kernels.pdl.dependent_start`) where the device
-            supports it (:func:`~epmoe.kernels.pdl.pdl_enabled`); elsewhere a plain launch.
+        pdl: launch as a programmatic dependent (:func:`~epmoe.kernels.pdl.dependent_start`) where
+            :func:`~epmoe.kernels.pdl.pdl_enabled` (compute capability 9.0+ and ``EPMOE_PDL`` not
+            ``0``); elsewhere a plain launch.
 
     Returns:
         ``q [..., K]`` int8 and ``scale [..., 1]`` fp32.

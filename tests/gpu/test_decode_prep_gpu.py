@@ -129,10 +129,12 @@ def test_dependent_launches_compute_what_plain_launches_do(quant, backend, monke
     """Programmatic dependent launch (on by default where supported: the prep, the Triton GEMMs,
     the activation and the gather) changes when each kernel starts, never what it reads: the
     graphed and the eager step equal the same steps with ``EPMOE_PDL=0``, bit for bit."""
-    from epmoe.kernels.pdl import pdl_enabled
+    from epmoe.kernels.pdl import dependent, pdl_enabled
 
     if not pdl_enabled(torch.device("cuda")):
-        pytest.skip("programmatic dependent launch needs compute capability 9.0+ and Triton's grid dependency control")
+        pytest.skip("programmatic dependent launch needs compute capability 9.0+, Triton's grid dependency control "
+                    "and EPMOE_PDL not 0")  # fmt: skip
+    assert dependent(torch.device("cuda")) == {"PDL": True, "launch_pdl": True}
     fused, _ = _layers(quant, backend)
     seeds = (21, 22, 23)
     dependent = _graphed(fused, seeds)

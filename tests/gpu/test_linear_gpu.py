@@ -303,10 +303,10 @@ def test_pdl_launch_bit_for_bit_and_ordered(m, n, k, kw):
     CUDA graph right after the kernel that writes its input (fresh inputs each replay: a read
     before that kernel finished would see the previous replay's rows), and every element is
     within the float64 bound."""
-    from epmoe.kernels.dense_int8 import dense_int8_small_m, pdl_supported, small_m_config
+    from epmoe.kernels.dense_int8 import dense_int8_small_m, pdl_enabled, small_m_config
 
-    if not pdl_supported(DEV):
-        pytest.skip("programmatic dependent launch needs compute capability 9.0+")
+    if not pdl_enabled(DEV):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0+ and EPMOE_PDL not 0")
     x, w, ws, bias = _small_inputs(m, n, k, "int8_channel", torch.bfloat16)
     cfg = small_m_config(m, n, k, "int8_channel", _sms(), **kw)
     pdl = cfg._replace(pdl=True)
@@ -352,10 +352,10 @@ def test_pdl_prefetch_bit_for_bit_and_ordered(scheme, acc, m, kw, prefetch):
     second's quantizer reads the first's output, fresh inputs each replay), every kernel a
     dependent launch: a quantizer that ran before the GEMM it follows had finished, or a GEMM
     before its quantizer, would read the previous replay's rows."""
-    from epmoe.kernels.dense_int8 import PREFETCH_CHOICES, dense_int8_small_m, pdl_supported, small_m_config
+    from epmoe.kernels.dense_int8 import PREFETCH_CHOICES, dense_int8_small_m, pdl_enabled, small_m_config
 
-    if not pdl_supported(DEV):
-        pytest.skip("programmatic dependent launch needs compute capability 9.0+")
+    if not pdl_enabled(DEV):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0+ and EPMOE_PDL not 0")
     n1, k = 1536, 7168
     x, w1, ws1, bias = _small_inputs(m, n1, k, scheme, torch.bfloat16)
     if prefetch == "unaligned":  # rows 7176 bytes apart: not a multiple of 16
