@@ -102,6 +102,15 @@ def candidates(m: int, n: int, k: int, scheme: str, sms: int) -> list:
                 if (split > 1 and k // split < 256) or tiles[bn] * split < sms // 4:
                     continue
                 add(fused=fused, block_n=bn, split_k=split)
+        # Wide N tiles without a split, at the rule's row tile and at narrower ones (16 or 32 rows
+        # of a 33-64 row batch, the row tiles of each N slice side by side (group_m) so that its
+        # weight bytes come from HBM once): few programs with deep K steps, as the 16-row batches
+        # run. On the H200, 64 rows of the N = 7168 layers ran at 0.65 of the weight-read floor
+        # with the rule's tile (split in two, short K steps), 16 rows at 0.83.
+        for bm in sorted({16, 32, base.block_m}) if m > 16 else ():
+            for bn in (64, 128):
+                if bm <= base.block_m and -(-n // bn) * -(-m // bm) >= sms // 4:
+                    add(fused=False, block_m=bm, block_n=bn, split_k=1, group_m=-(-m // bm))
     else:
         for bm, bn in ((64, 64), (128, 64), (128, 128)):
             tiles = -(-m // bm) * -(-n // bn)
@@ -254,7 +263,7 @@ def sweep(args, prior: dict | None = None) -> dict:
 
     from epmoe.kernels.configs import shape_key
     from epmoe.kernels.dense_configs import SMALL_M_MAX, CutlassLaunch, default_plan, mode_key
-    from epmoe.kernels.dense_int8 import _sms, pdl_supported
+    from epmoe.kernels.dense_int8 import _sms, pdl_enabled
     from epmoe.linear import Int8Linear, run_kernel
     from epmoe.quant.reference import quantize_weight
     from epmoe.quant.schemes import SCHEMES
@@ -317,7 +326,7 @@ def sweep(args, prior: dict | None = None) -> dict:
                     ref = reference_output(mods[0], x, scheme)
                     for kernel, launch in cands:
                         time_candidate(kernel, launch, ref=ref)
-                    for twin in pdl_twins(times, args.prefetch) if cuda and pdl_supported(dev) else []:
+                    for twin in pdl_twins(times, args.prefetch) if cuda and pdl_enabled(dev) else []:
                         time_candidate("small_m", twin, ref=ref)
                 if not times:
                     skipped.append(f"{mode} {name} M={m}")

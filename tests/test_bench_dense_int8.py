@@ -249,3 +249,18 @@ def test_sweep_prior_launches_are_plain():
     assert sweep.prior_launches(prior, "int8_channel_int32", 576, 7168, 256) == []
     assert sweep.prior_launches(prior, "int8_channel_int32", 576, 7168, 16) == []
     assert sweep.prior_launches(prior, "int8_block_fp32", 576, 7168, 1) == []
+
+
+def test_sweep_tries_unsplit_wide_tiles_at_64_rows():
+    """At 33-64 rows the sweep also times wide N tiles without a split, at the rule's 64-row tile
+    and at 16- and 32-row tiles whose row tiles of one N slice run side by side (group_m: the
+    weight slice read from HBM once); at up to 16 rows it adds nothing of the kind, and no
+    candidate leaves most SMs idle."""
+    from benchmarks import sweep_dense_int8 as sweep
+
+    got = {(c.block_m, c.block_n, c.split_k, c.group_m) for c in sweep.candidates(64, 7168, 16384, "int8_channel", 132)}
+    assert {(16, 64, 1, 4), (16, 128, 1, 4), (32, 64, 1, 2), (32, 128, 1, 2), (64, 64, 1, 1), (64, 128, 1, 1)} <= got
+    small = sweep.candidates(16, 7168, 16384, "int8_channel", 132)
+    assert all(c.block_m == 16 and c.group_m == 1 for c in small)
+    for c in sweep.candidates(64, 576, 7168, "int8_channel", 132):
+        assert -(-576 // c.block_n) * -(-64 // c.block_m) * c.split_k >= 132 // 4
