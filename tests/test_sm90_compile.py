@@ -35,7 +35,7 @@ FLAT_128 = dict(E=128, E_PAD=128, K=8, K_PAD=8, SIGMOID=False, HAS_BIAS=False, R
                 G_PAD=1, PER_GROUP=128, TOPK_GROUP=1)  # fmt: skip
 V3_256 = dict(E=256, E_PAD=256, K=8, K_PAD=8, SIGMOID=True, HAS_BIAS=True, RENORM=True, GROUPED=True, GROUPS=8,
               G_PAD=8, PER_GROUP=32, TOPK_GROUP=4)  # fmt: skip
-PREP_LAYOUT = dict(TILE_ROWS=32, ROW_STEP=1024, GROUP=128, ROW_BLOCK=8192)
+PREP_LAYOUT = dict(TILE_ROWS=32, ROW_STEP=1024, GROUP=128, ROW_BLOCK=8192, PDL=False)  # plain launches
 
 CASES = {
     # name: (module, kernel, argument types, constexprs)
@@ -66,7 +66,7 @@ CASES = {
         GROUP=128, BLOCK_M=1, BLOCK_K=1024, PDL=True)),
     "scatter_rows": ("epmoe.kernels.permute", "_scatter_rows_kernel", SCATTER_TYPES, dict(
         TOPK=8, HAS_SCALE=True, BLOCK_H=128, BLOCK_S=64)),
-    "gather_weighted": ("epmoe.kernels.permute", "_gather_weighted_kernel", GATHER_TYPES, dict(TOPK=8, BLOCK_H=128)),
+    "gather_weighted": ("epmoe.kernels.permute", "_gather_weighted_kernel", GATHER_TYPES, dict(TOPK=8, BLOCK_H=128, PDL=False)),
     # The routing by rank (topk.by_rank) of one token, grouped.
     "topk_rank_grouped": ("epmoe.kernels.topk", "_fused_topk_kernel", TOPK_TYPES, dict(
         E=128, E_PAD=128, K=8, K_PAD=8, BLOCK_T=1, SIGMOID=True, HAS_BIAS=True, RENORM=True, GROUPED=True, GROUPS=8,
