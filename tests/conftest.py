@@ -11,6 +11,13 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # every test module sees the same mode whatever the collection order.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # One intra-op thread for the CPU tests and what they start (ranks set theirs to 1 too): the
+    # tensors here are tiny, so a second thread buys nothing, and when anything else runs on a
+    # small runner (spawned ranks, a parallel job) torch's OpenMP threads wait on each other for
+    # whole scheduler slices: ops measured 20x slower, a fidelity test 15 s instead of 0.6 s.
+    # (GPU machines keep torch's threads for their float64 references.)
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The interpreter's fixes (loop bounds under NumPy >= 2.4, a fused fma, a fast tl.sort) belong to
 # the tests, not to the package; compiled kernels never see them.

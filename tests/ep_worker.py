@@ -54,14 +54,17 @@ def suite_plan(schemes=SCHEME_NAMES, dispatch="all_to_all", backend="torch", cas
 
 
 def run_suite(rank, world, port, device_type, plans, out_path):
-    """Runs every :func:`suite_plan` of ``plans`` in one process group (spawning ranks costs more
-    than a tiny case on a small CPU); writes one JSON line per result, tagged with its plan's
+    """Runs every :func:`suite_plan` (or :func:`count_plan`) of ``plans`` in one process group
+    (spawning ranks costs more than a tiny case on a small CPU); writes one JSON line per result, tagged with its plan's
     index, to ``out_path.<rank>`` (:class:`~helpers.RankRows`)."""
     device = init(rank, world, port, device_type)
     dtype = torch.float32 if device_type == "cpu" else torch.bfloat16
     results = RankRows(out_path, rank)
     try:
         for index, plan in enumerate(plans):
+            if plan.get("kind") == "collective_count":
+                results.emit(dict(plan=index, **count_collectives(rank)))
+                continue
             experts, top_k, hidden, inter = plan["shape"]
             backend = plan["backend"]
             for scheme in plan["schemes"]:
@@ -124,7 +127,12 @@ def run_timeout(rank, world, port, out_path):
     layer = DeepEPMoELayer(E, K, H, I, dispatch="all_to_all", backend="torch", device=device,
                            params_dtype=torch.float32, timeout_s=2.0)  # fmt: skip
     if rank == 1:
-        time.sleep(6)
+        # Stay in the group, silent, until rank 0 has timed out and written what it raised (a
+        # fixed sleep long enough for that cost seconds of every run); at most 60 s.
+        deadline = time.monotonic() + 60
+        while not os.path.exists(out_path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
         os._exit(0)
     start = time.monotonic()
     x, ids, w = make_case("random", rank, E, K, H)
@@ -299,12 +307,19 @@ COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "all_to_all
                "broadcast", "barrier", "send", "recv", "isend", "irecv", "gather", "scatter", "reduce")  # fmt: skip
 
 
-def run_collective_count(rank, world, port, out_path):
+def count_plan() -> dict:
+    """A part of a :func:`run_suite` launch that runs :func:`count_collectives` (its one row per
+    rank: the calls of each step), so that it shares the launch of the ranks with a suite."""
+    return dict(kind="collective_count")
+
+
+def count_collectives(rank) -> dict:
     """Counts the torch.distributed calls of building a layer and of each of three forwards
-    (all_to_all dispatch): the argument comparison must cost one collective at build and nothing
-    per batch (issue 22's acceptance: the fingerprint adds nothing per forward)."""
-    init(rank, world, port, "cpu")
+    (all_to_all dispatch, default group): the argument comparison must cost one collective at build
+    and nothing per batch (issue 22's acceptance: the fingerprint adds nothing per forward).
+    torch.distributed's functions are restored afterwards."""
     calls: list[str] = []
+    saved = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
 
     def counting(name, fn):
         def call(*args, **kwargs):
@@ -313,19 +328,20 @@ def run_collective_count(rank, world, port, out_path):
 
         return call
 
-    for name in COLLECTIVES:
-        if hasattr(dist, name):
-            setattr(dist, name, counting(name, getattr(dist, name)))
-    layer = DeepEPMoELayer(E, K, H, I, dispatch="all_to_all", backend="torch", device="cpu",
-                           params_dtype=torch.float32, timeout_s=60)  # fmt: skip
-    stored, _ = make_weights(E, H, I, "bf16")
-    layer.load_experts(*[None if t is None else t.float() for t in stored])
-    per_call = {"build": list(calls)}
-    for i, case in enumerate(("random", "random", "one_expert")):
-        calls.clear()
-        x, ids, w = make_case(case, rank, E, K, H)
-        layer(x, topk_ids=ids, topk_weights=w)
-        per_call[f"forward {i}"] = list(calls)
-    out = RankRows(out_path, rank)
-    out.emit(per_call)
-    out.close()
+    for name, fn in saved.items():
+        setattr(dist, name, counting(name, fn))
+    try:
+        layer = DeepEPMoELayer(E, K, H, I, dispatch="all_to_all", backend="torch", device="cpu",
+                               params_dtype=torch.float32, timeout_s=60)  # fmt: skip
+        stored, _ = make_weights(E, H, I, "bf16")
+        layer.load_experts(*[None if t is None else t.float() for t in stored])
+        per_call = {"build": list(calls)}
+        for i, case in enumerate(("random", "random", "one_expert")):
+            calls.clear()
+            x, ids, w = make_case(case, rank, E, K, H)
+            layer(x, topk_ids=ids, topk_weights=w)
+            per_call[f"forward {i}"] = list(calls)
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+    return per_call

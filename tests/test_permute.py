@@ -89,9 +89,9 @@ def small_blocks(request, monkeypatch):
 
 @pytest.mark.parametrize("alignment", [1, 128])
 def test_slot_positions_across_many_blocks(alignment, poisoned, small_blocks):
-    """The counts of the blocks before, and the running count from one step to the next: 4104
-    slots in 33 blocks of one step (the last 8 slots long), or in 3 blocks of 11 steps."""
-    _check_against_stable_sort(_ids(513, 8, 7, 5), 7, alignment)
+    """The counts of the blocks before, and the running count from one step to the next: 1032
+    slots in 9 blocks of one step (the last 8 slots long), or in 3 blocks of 3 steps."""
+    _check_against_stable_sort(_ids(129, 8, 7, 5), 7, alignment)
 
 
 def test_slot_positions_foreign_ids_beyond_range_and_empty_experts(poisoned):
@@ -204,8 +204,8 @@ def test_slot_layout_counts_segments_on_the_device(r, k, e, alignment, seed, poi
 
 @pytest.mark.parametrize("alignment", [1, 16])
 def test_slot_layout_across_many_blocks(alignment, poisoned, small_blocks):
-    """The segments counted from 33 (or 3) block histograms."""
-    _check_device_layout(_ids(513, 8, 7, 9), 7, alignment)
+    """The segments counted from 9 (or 3) block histograms."""
+    _check_device_layout(_ids(129, 8, 7, 9), 7, alignment)
 
 
 def _with_foreign(ids, e, share, g):

@@ -177,9 +177,19 @@ def test_fused_kernel_matches_float64_reference_with_ties(mode, e, t):
         assert (ranked[:, : k - 1] == ranked[:, 1:k]).any()
 
 
-@pytest.mark.parametrize("e", sorted(SIZES))
+# 256 experts are left out: no launch selects a 256-lane tile by rank (one token on the decode
+# prep's warps is 4x past RANK_PAIRS_PER_THREAD), so there is no rank path to compare there; the
+# float64 reference test above covers their rounds.
+@pytest.mark.parametrize("e", [8, 64, 96])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_fused_kernel_selects_alike_by_rank_and_by_rounds(mode, e):
+def test_fused_kernel_selects_alike_by_rank_and_by_rounds(mode, e, monkeypatch):
+    if e > 64:
+        # A routing launch of one token of 128 lanes has one warp and takes the rounds; the decode
+        # prep ranks that tile on its PREP_WARPS. Rank as the prep would, so the two paths differ.
+        from epmoe.kernels import prep, topk
+
+        plain = topk.by_rank
+        monkeypatch.setattr(topk, "by_rank", lambda b, e_pad, w: plain(b, e_pad, max(w, prep.PREP_WARPS)))
     rank_against_rounds(mode, e, "cpu")
 
 
@@ -187,7 +197,7 @@ def rank_against_rounds(mode: str, e: int, device) -> None:
     """A token or four a launch select by rank where the kernel takes that path
     (:func:`topk.by_rank`), a batch of 300 by arg-max rounds: on tied scores and a NaN row, the
     same ids and the same weights, row by row (bit for bit in the interpreter; on a GPU the
-    renormalizing sum may add in another order)."""
+    renormalizing sum may add in another order). At least one of them is ranked."""
     from epmoe.kernels import topk
 
     k, groups, topk_group = SIZES[e]
@@ -217,7 +227,7 @@ def rank_against_rounds(mode: str, e: int, device) -> None:
             assert torch.equal(ids, want_ids[r0 : r0 + n])
             torch.testing.assert_close(w, want_w[r0 : r0 + n], equal_nan=True, **tol)
             checked += 1
-    assert checked or e > 64  # up to 64 experts one token is ranked on one warp
+    assert checked, f"{e} experts on {device}: no launch of 1 or 4 rows is ranked, nothing was compared"
     assert torch.isnan(want_w[9]).any()
 
 
