@@ -263,7 +263,8 @@ def sweep(args, prior: dict | None = None) -> dict:
 
     from epmoe.kernels.configs import shape_key
     from epmoe.kernels.dense_configs import SMALL_M_MAX, CutlassLaunch, default_plan, mode_key
-    from epmoe.kernels.dense_int8 import _sms, pdl_enabled
+    from epmoe.kernels.dense_int8 import _sms
+    from epmoe.kernels.pdl import pdl_enabled
     from epmoe.linear import Int8Linear, run_kernel
     from epmoe.quant.reference import quantize_weight
     from epmoe.quant.schemes import SCHEMES

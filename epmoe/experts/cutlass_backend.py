@@ -154,7 +154,7 @@ def int8_block_schedule(device: torch.device | str, name: str | None = None) -> 
         ValueError: a name that is not one of :data:`INT8_BLOCK_SCHEDULES` (saying where it came
             from).
     """
-    return named_int8_block_schedule(name) or INT8_BLOCK_SCHEDULES[_measured_schedule_index(torch.device(device))]
+    return named_int8_block_schedule(name) or _measured_schedule_on(device)
 
 
 def measured_or_default_schedule(device: torch.device | str) -> str:
@@ -1048,6 +1048,12 @@ def _rule(gpu: str, scheme: str) -> RowsRule:
     return rule
 
 
+def _measured_schedule_on(device: torch.device | str) -> str:
+    """:func:`measured_or_default_schedule` through the per-device cached, compile-constant lookup
+    the forward uses."""
+    return INT8_BLOCK_SCHEDULES[_measured_schedule_index(torch.device(device))]
+
+
 @torch.compiler.assume_constant_result
 def _measured_schedule_index(device: torch.device) -> int:
     """The index in :data:`INT8_BLOCK_SCHEDULES` of :func:`measured_or_default_schedule` on
@@ -1282,7 +1288,7 @@ class CutlassBackend(ExpertsBackend):
             return self.schedule
         if self.scheme.name != "int8_block":
             return DEFAULT_INT8_BLOCK_SCHEDULE
-        return INT8_BLOCK_SCHEDULES[_measured_schedule_index(torch.device(device))]
+        return _measured_schedule_on(device)
 
     def int8_kernel(self, batch: ContiguousBatch) -> str:
         """``"cutlass"`` or ``"triton"``: which GEMMs an INT8 batch runs on, by its rows per expert

@@ -42,7 +42,7 @@ import triton.language as tl
 from .. import devices
 from ..tensors import check_bool
 from .common import next_pow2, placeholder
-from .pdl import PREFETCH_ALIGN, gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled, prefetch_rows_l2
+from .pdl import PREFETCH_ALIGN, dependent, gdc_launch_dependents, gdc_wait, prefetch_rows_l2
 from .quantize import INT8_QMAX, amax_bits, codes, per_group_quant, per_token_quant_int8, scale_of
 
 SCHEMES = ("int8_channel", "int8_block")
@@ -564,7 +564,8 @@ def dense_int8_small_m(
     out = torch.empty((m, n), dtype=out_dtype, device=device)
     if m == 0 or n == 0:
         return out
-    pdl = cfg.pdl and pdl_enabled(device)
+    launch = dependent(device, cfg.pdl)  # PDL and the launch option, together
+    pdl = launch["PDL"]
     if not cfg.fused and not quantized:
         # The quantizer launched as a dependent too, so that this GEMM can launch (and prefetch)
         # during it: it lets its dependents launch before it waits.
@@ -583,7 +584,6 @@ def dense_int8_small_m(
         part, sa_out = out, unused
     # Plain integer arithmetic: triton.cdiv is a constexpr_function whose call costs host time.
     grid = (-(-n // cfg.block_n) * -(-m // cfg.block_m), splits)
-    launch = launch_options(pdl)
     prefetch = 0  # bytes per weight row
     if pdl and cfg.prefetch and weight.data_ptr() % PREFETCH_ALIGN == 0 and weight.stride(0) % PREFETCH_ALIGN == 0:
         prefetch = (cfg.prefetch // cfg.block_n) // PREFETCH_ALIGN * PREFETCH_ALIGN
@@ -596,7 +596,7 @@ def dense_int8_small_m(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
         X_ROWS=min(next_pow2(m), cfg.block_m) if cfg.fused else cfg.block_m,  # unused unless fused: one compile
         QMAX=INT8_QMAX, SCALE=SCALE_BLOCK, SPLIT=split, GROUP_M=cfg.group_m,
-        AMAX_UNROLL=amax_unroll(cfg, m) if cfg.fused and not block else 1, PDL=pdl, PREFETCH=prefetch,
+        AMAX_UNROLL=amax_unroll(cfg, m) if cfg.fused and not block else 1, PREFETCH=prefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )  # fmt: skip
     if split:
@@ -606,6 +606,6 @@ def dense_int8_small_m(
             part, sa, ws, b, out, m, n, splits,
             part.stride(0), part.stride(1), sa.stride(0), ws.stride(0), out.stride(0),
             BLOCK_SCALES=block, INT_ACC=int_acc, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=REDUCE_BLOCK_N,
-            PDL=pdl, **launch,
+            **launch,
         )  # fmt: skip
     return out

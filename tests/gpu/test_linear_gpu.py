@@ -303,7 +303,8 @@ def test_pdl_launch_bit_for_bit_and_ordered(m, n, k, kw):
     CUDA graph right after the kernel that writes its input (fresh inputs each replay: a read
     before that kernel finished would see the previous replay's rows), and every element is
     within the float64 bound."""
-    from epmoe.kernels.dense_int8 import dense_int8_small_m, pdl_enabled, small_m_config
+    from epmoe.kernels.dense_int8 import dense_int8_small_m, small_m_config
+    from epmoe.kernels.pdl import pdl_enabled
 
     if not pdl_enabled(DEV):
         pytest.skip("programmatic dependent launch needs compute capability 9.0+ and EPMOE_PDL not 0")
@@ -352,7 +353,8 @@ def test_pdl_prefetch_bit_for_bit_and_ordered(scheme, acc, m, kw, prefetch):
     second's quantizer reads the first's output, fresh inputs each replay), every kernel a
     dependent launch: a quantizer that ran before the GEMM it follows had finished, or a GEMM
     before its quantizer, would read the previous replay's rows."""
-    from epmoe.kernels.dense_int8 import PREFETCH_CHOICES, dense_int8_small_m, pdl_enabled, small_m_config
+    from epmoe.kernels.dense_int8 import PREFETCH_CHOICES, dense_int8_small_m, small_m_config
+    from epmoe.kernels.pdl import pdl_enabled
 
     if not pdl_enabled(DEV):
         pytest.skip("programmatic dependent launch needs compute capability 9.0+ and EPMOE_PDL not 0")
