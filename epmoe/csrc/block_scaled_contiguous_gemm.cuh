@@ -905,12 +905,12 @@ template <class Cfg>
 void run_block_scaled_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
                            const at::Tensor& b, const at::Tensor& b_scale,
                            const at::Tensor& block_expert, int64_t raster_along_n,
-                           int64_t max_swizzle) {
+                           int64_t max_swizzle, bool pdl) {
   const int sm_count = at::cuda::getDeviceProperties(a.get_device())->multiProcessorCount;
   auto [sfa, sfb] = kernel_scales<Cfg>(a_scale, b_scale, b.size(1));
   auto args = make_arguments<Cfg>(out, a, sfa, b, sfb, block_expert.data_ptr<int32_t>(), sm_count,
                                   raster_along_n, max_swizzle);
-  run_gemm<typename Cfg::Gemm>(args, a);
+  run_gemm<typename Cfg::Gemm>(args, a, pdl);
 }
 
 // Bytes of workspace GemmKernel::get_workspace_size asks for on this problem (no launch).
@@ -953,13 +953,13 @@ template <class Element, int Schedule = kLockstep, int TileN = 192>
 void run_block_scaled_by_k(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
                            const at::Tensor& b, const at::Tensor& b_scale,
                            const at::Tensor& block_expert, int64_t raster_along_n,
-                           int64_t max_swizzle) {
+                           int64_t max_swizzle, bool pdl) {
   if (b.size(2) <= kWholeTileEpilogueMaxK) {
-    run_block_scaled_gemm<ShortKConfig<Element, Schedule, TileN>>(out, a, a_scale, b, b_scale,
-                                                                  block_expert, raster_along_n, max_swizzle);
+    run_block_scaled_gemm<ShortKConfig<Element, Schedule, TileN>>(
+        out, a, a_scale, b, b_scale, block_expert, raster_along_n, max_swizzle, pdl);
   } else {
-    run_block_scaled_gemm<LongKConfig<Element, Schedule, TileN>>(out, a, a_scale, b, b_scale,
-                                                                 block_expert, raster_along_n, max_swizzle);
+    run_block_scaled_gemm<LongKConfig<Element, Schedule, TileN>>(
+        out, a, a_scale, b, b_scale, block_expert, raster_along_n, max_swizzle, pdl);
   }
 }
 
@@ -986,10 +986,10 @@ template <int V>
 void int8_block_gemm_variant(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
                              const at::Tensor& b, const at::Tensor& b_scale,
                              const at::Tensor& block_expert, int64_t raster_along_n,
-                             int64_t max_swizzle) {
+                             int64_t max_swizzle, bool pdl) {
   static_assert(V >= 0 && V < kNumInt8BlockVariants);
   run_block_scaled_by_k<int8_t, kInt8BlockVariants[V].schedule, kInt8BlockVariants[V].tile_n>(
-      out, a, a_scale, b, b_scale, block_expert, raster_along_n, max_swizzle);
+      out, a, a_scale, b, b_scale, block_expert, raster_along_n, max_swizzle, pdl);
 }
 
 template <class Element>

@@ -15,6 +15,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "cute/tensor.hpp"
+#include "cutlass/arch/grid_dependency_control.h"
 #include "cutlass/cutlass.h"
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
 #include "cutlass/kernel_hardware_info.h"
@@ -107,8 +108,15 @@ class ExpertBlockTileScheduler : public cutlass::gemm::kernel::detail::Persisten
 #endif
   }
 
+  // Every warp of the kernel asks for its first tile before it touches global memory, and this
+  // is its first read of the block table. Launched as a programmatic dependent (run_gemm with
+  // pdl), the kernel starts while the kernels before it may still be writing the table, the
+  // operands or the scales, so every warp waits for them here; CUTLASS's own waits come after
+  // this read, in its producer warps only. Without PDL (or without CUTLASS_ENABLE_GDC_FOR_SM90)
+  // the wait returns at once.
   template <class ClusterShape>
   CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
+    cutlass::arch::wait_on_dependent_grids();
     return get_current_work();
   }
 
@@ -184,6 +192,14 @@ struct TileSchedulerSelector<epmoe::ExpertBlockSchedulerTag, arch::Sm90, TileSha
 
 namespace epmoe {
 
+// The first statement of a kernel that launch_table may launch as a programmatic dependent: let
+// the GEMM after it launch now (its CTAs set up and then wait in the scheduler), then wait for
+// the kernel before, which may have written the offsets. No-ops on a plain launch.
+CUTLASS_DEVICE void dependent_start() {
+  cutlass::arch::launch_dependent_grids();
+  cutlass::arch::wait_on_dependent_grids();
+}
+
 // block_expert[b] = the e with offsets[e] <= 128 b < offsets[e + 1], else -1 (one thread a block).
 // Threads 0..E also check the offsets (non-decreasing multiples of 128, at least 0, at most rows):
 // a bad batch stops with a device-side assert before the GEMM runs, without a host sync; the
@@ -191,6 +207,7 @@ namespace epmoe {
 static __global__ void block_expert_kernel(int num_blocks, int num_experts, int64_t rows,
                                            const int32_t* __restrict__ offsets,
                                            int32_t* block_expert) {
+  dependent_start();
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t <= num_experts) {
     const int32_t o = offsets[t], previous = t == 0 ? 0 : offsets[t - 1];
@@ -223,6 +240,7 @@ static __global__ void block_expert_kernel(int num_blocks, int num_experts, int6
 static __global__ void masked_block_expert_kernel(int num_blocks, int num_experts, int max_m,
                                                   const int32_t* __restrict__ masked_m,
                                                   int32_t* block_expert) {
+  dependent_start();
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t < num_experts) {
     const int32_t v = masked_m[t];
@@ -259,9 +277,11 @@ void set_block_table(SchedulerArguments& scheduler, const int32_t* block_expert,
   scheduler.num_m_blocks = (m + kRowBlock - 1) / kRowBlock;
 }
 
-// can_implement, a workspace from torch's allocator, initialize and run on a's current stream.
+// can_implement, a workspace from torch's allocator, initialize and run on a's current stream;
+// with pdl as a programmatic dependent launch (the kernel's warps wait in the scheduler's
+// initial_work_tile_info before they read anything; its last tiles let the next kernel launch).
 template <class Gemm>
-void run_gemm(const typename Gemm::Arguments& args, const at::Tensor& a) {
+void run_gemm(const typename Gemm::Arguments& args, const at::Tensor& a, bool pdl) {
   auto stream = at::cuda::getCurrentCUDAStream(a.get_device());
   Gemm gemm;
   EPMOE_CHECK_CUTLASS(gemm.can_implement(args), "can_implement");
@@ -269,48 +289,64 @@ void run_gemm(const typename Gemm::Arguments& args, const at::Tensor& a) {
   auto workspace = at::empty({static_cast<int64_t>(workspace_bytes > 0 ? workspace_bytes : 1)},
                              a.options().dtype(at::kByte));
   EPMOE_CHECK_CUTLASS(gemm.initialize(args, workspace.data_ptr(), stream), "initialize");
-  EPMOE_CHECK_CUTLASS(gemm.run(stream), "run");
+  EPMOE_CHECK_CUTLASS(gemm.run(stream, /*cuda_adapter=*/nullptr, pdl), "run");
+}
+
+// kernel<<<blocks, threads, 0, stream>>>(args...) for a kernel that begins with
+// dependent_start(), as a programmatic dependent launch when pdl.
+template <class... Params, class... Args>
+void launch_table(void (*kernel)(Params...), int blocks, int threads, cudaStream_t stream, bool pdl,
+                  Args... args) {
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(blocks);
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = pdl ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...));
 }
 
 // block_expert_kernel over the offsets of a's rows: the [ceil(rows / 128)] int32 table, on a's
 // device and the current stream.
 // Static, like the kernel it launches: each source file that includes this has its own copy.
-static at::Tensor block_expert_table(const at::Tensor& a, const at::Tensor& offsets) {
+static at::Tensor block_expert_table(const at::Tensor& a, const at::Tensor& offsets, bool pdl) {
   auto stream = at::cuda::getCurrentCUDAStream(a.get_device());
   const int num_blocks = static_cast<int>((a.size(0) + kRowBlock - 1) / kRowBlock);
   auto block_expert = at::empty({num_blocks}, a.options().dtype(at::kInt));
   const int threads = 128;
   const int num_experts = static_cast<int>(offsets.size(0) - 1);
   const int checks = std::max(num_blocks, num_experts + 1);
-  block_expert_kernel<<<(checks + threads - 1) / threads, threads, 0, stream>>>(
-      num_blocks, num_experts, a.size(0), offsets.data_ptr<int32_t>(),
-      block_expert.data_ptr<int32_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_table(block_expert_kernel, (checks + threads - 1) / threads, threads, stream, pdl,
+               num_blocks, num_experts, a.size(0), offsets.data_ptr<int32_t>(),
+               block_expert.data_ptr<int32_t>());
   return block_expert;
 }
 
 // masked_block_expert_kernel over the E * max_m rows of a masked batch (a: [E * max_m, K]).
 static at::Tensor masked_block_expert_table(const at::Tensor& a, const at::Tensor& masked_m,
-                                            int64_t max_m) {
+                                            int64_t max_m, bool pdl) {
   auto stream = at::cuda::getCurrentCUDAStream(a.get_device());
   const int num_blocks = static_cast<int>((a.size(0) + kRowBlock - 1) / kRowBlock);
   auto block_expert = at::empty({num_blocks}, a.options().dtype(at::kInt));
   const int threads = 128;
   const int num_experts = static_cast<int>(masked_m.size(0));
   const int checks = std::max(num_blocks, num_experts);
-  masked_block_expert_kernel<<<(checks + threads - 1) / threads, threads, 0, stream>>>(
-      num_blocks, num_experts, static_cast<int>(max_m), masked_m.data_ptr<int32_t>(),
-      block_expert.data_ptr<int32_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_table(masked_block_expert_kernel, (checks + threads - 1) / threads, threads, stream, pdl,
+               num_blocks, num_experts, static_cast<int>(max_m), masked_m.data_ptr<int32_t>(),
+               block_expert.data_ptr<int32_t>());
   return block_expert;
 }
 
 // The block table of either layout: segments are the contiguous layout's [E+1] offsets when
 // masked_max_m is 0, else the masked layout's [E] masked_m with masked_max_m rows per expert.
 static at::Tensor expert_block_table(const at::Tensor& a, const at::Tensor& segments,
-                                     int64_t masked_max_m) {
-  return masked_max_m > 0 ? masked_block_expert_table(a, segments, masked_max_m)
-                          : block_expert_table(a, segments);
+                                     int64_t masked_max_m, bool pdl) {
+  return masked_max_m > 0 ? masked_block_expert_table(a, segments, masked_max_m, pdl)
+                          : block_expert_table(a, segments, pdl);
 }
 
 }  // namespace epmoe

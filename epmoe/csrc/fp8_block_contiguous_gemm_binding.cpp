@@ -12,7 +12,7 @@ namespace epmoe {
 void fp8_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
                               const at::Tensor& b, const at::Tensor& b_scale,
                               const at::Tensor& offsets, int64_t raster_along_n,
-                              int64_t max_swizzle);
+                              int64_t max_swizzle, bool pdl);
 int64_t fp8_contiguous_gemm_coop_workspace(at::Tensor& out, const at::Tensor& a,
                                            const at::Tensor& a_scale, const at::Tensor& b,
                                            const at::Tensor& b_scale, int64_t sm_count);
@@ -22,14 +22,14 @@ void int8_block_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a,
                                      const at::Tensor& a_scale, const at::Tensor& b,
                                      const at::Tensor& b_scale, const at::Tensor& segments,
                                      int64_t masked_max_m, int64_t raster_along_n,
-                                     int64_t max_swizzle, int64_t schedule);
+                                     int64_t max_swizzle, int64_t schedule, bool pdl);
 void int8_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
                                const at::Tensor& b, const at::Tensor& b_scale,
                                const at::Tensor& segments, int64_t masked_max_m,
-                               int64_t raster_along_n, int64_t max_swizzle);
+                               int64_t raster_along_n, int64_t max_swizzle, bool pdl);
 void int8_dense_gemm_coop(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
                           const at::Tensor& b, const at::Tensor& b_scale, int64_t raster_along_n,
-                          int64_t max_swizzle);
+                          int64_t max_swizzle, bool pdl);
 constexpr int64_t kInt8BlockVariants = 7;  // kNumInt8BlockVariants in block_scaled_contiguous_gemm.cuh
 constexpr int64_t kRowBlock = 128;
 }  // namespace epmoe
@@ -95,13 +95,13 @@ void check_block_offsets_arg(const char* op, const at::Tensor& a, const at::Tens
 // kernel that maps row blocks to experts checks them (a device-side assert on a bad batch).
 void fp8_contiguous_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& a_scale,
                          const at::Tensor& b, const at::Tensor& b_scale, const at::Tensor& offsets,
-                         int64_t raster_along_n, int64_t max_swizzle) {
+                         int64_t raster_along_n, int64_t max_swizzle, bool pdl) {
   check_operands("fp8_contiguous_gemm", at::kFloat8_e4m3fn, out, a, a_scale, b, b_scale);
   check_block_offsets_arg("fp8_contiguous_gemm", a, b, offsets, max_swizzle);
   if (a.size(0) == 0 || b.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(a.device());
   epmoe::fp8_contiguous_gemm_coop(out, a, a_scale, b, b_scale, offsets, raster_along_n,
-                                  max_swizzle);
+                                  max_swizzle, pdl);
 }
 
 void check_schedule(const char* op, int64_t schedule) {
@@ -116,14 +116,14 @@ void check_schedule(const char* op, int64_t schedule) {
 void int8_block_contiguous_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& a_scale,
                                 const at::Tensor& b, const at::Tensor& b_scale,
                                 const at::Tensor& offsets, int64_t raster_along_n,
-                                int64_t max_swizzle, int64_t schedule) {
+                                int64_t max_swizzle, int64_t schedule, bool pdl) {
   check_operands("int8_block_contiguous_gemm", at::kChar, out, a, a_scale, b, b_scale);
   check_block_offsets_arg("int8_block_contiguous_gemm", a, b, offsets, max_swizzle);
   check_schedule("int8_block_contiguous_gemm", schedule);
   if (a.size(0) == 0 || b.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(a.device());
   epmoe::int8_block_contiguous_gemm_coop(out, a, a_scale, b, b_scale, offsets, 0, raster_along_n,
-                                         max_swizzle, schedule);
+                                         max_swizzle, schedule, pdl);
 }
 
 // The masked layout's a [E, max_m, K], its scales [E, max_m, ...] and out [E, max_m, N] as the
@@ -161,7 +161,7 @@ MaskedRows masked_rows(const char* op, const at::Tensor& out, const at::Tensor& 
 void int8_block_masked_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& a_scale,
                             const at::Tensor& b, const at::Tensor& b_scale,
                             const at::Tensor& masked_m, int64_t raster_along_n, int64_t max_swizzle,
-                            int64_t schedule) {
+                            int64_t schedule, bool pdl) {
   const char* op = "int8_block_masked_gemm";
   auto rows = masked_rows(op, out, a, a_scale, b, masked_m);
   check_operands(op, at::kChar, rows.out, rows.a, rows.a_scale, b, b_scale);
@@ -170,7 +170,7 @@ void int8_block_masked_gemm(at::Tensor out, const at::Tensor& a, const at::Tenso
   if (rows.a.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(a.device());
   epmoe::int8_block_contiguous_gemm_coop(rows.out, rows.a, rows.a_scale, b, b_scale, masked_m,
-                                         rows.max_m, raster_along_n, max_swizzle, schedule);
+                                         rows.max_m, raster_along_n, max_swizzle, schedule, pdl);
 }
 
 // The INT8 channel-scaled op's operands (named op in the messages): a [M, K], a_scale [M] or
@@ -202,7 +202,8 @@ void check_int8_channel(const char* op, const at::Tensor& out, const at::Tensor&
 // persistent tiles' walk (the same sums whichever).
 void int8_contiguous_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& a_scale,
                           const at::Tensor& b, const at::Tensor& b_scale,
-                          const at::Tensor& offsets, int64_t raster_along_n, int64_t max_swizzle) {
+                          const at::Tensor& offsets, int64_t raster_along_n, int64_t max_swizzle,
+                          bool pdl) {
   check_int8_channel("int8_contiguous_gemm", out, a, a_scale, b, b_scale);
   TORCH_CHECK(max_swizzle >= 1, "int8_contiguous_gemm: max_swizzle=", max_swizzle, " (allowed >= 1)");
   TORCH_CHECK(offsets.is_cuda() && offsets.device() == a.device(),
@@ -214,14 +215,14 @@ void int8_contiguous_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor&
   if (m == 0 || e == 0) return;
   const c10::cuda::CUDAGuard guard(a.device());
   epmoe::int8_contiguous_gemm_coop(out, a, a_scale, b, b_scale, offsets, 0, raster_along_n,
-                                   max_swizzle);
+                                   max_swizzle, pdl);
 }
 
 // out = (a @ b[0]^T) * a_scale * b_scale[0] for one weight (b [1, N, K]) over every row of a, whose
 // rows are a multiple of 128 (a dense linear's, padded): no offsets, no block table.
 void int8_dense_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& a_scale,
                      const at::Tensor& b, const at::Tensor& b_scale, int64_t raster_along_n,
-                     int64_t max_swizzle) {
+                     int64_t max_swizzle, bool pdl) {
   check_int8_channel("int8_dense_gemm", out, a, a_scale, b, b_scale);
   TORCH_CHECK(b.size(0) == 1, "int8_dense_gemm: b must hold one weight, [1, N, K]; got ", b.sizes());
   TORCH_CHECK(a.size(0) % epmoe::kRowBlock == 0, "int8_dense_gemm: the rows of a (", a.size(0),
@@ -229,19 +230,20 @@ void int8_dense_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& a_sc
   TORCH_CHECK(max_swizzle >= 1, "int8_dense_gemm: max_swizzle=", max_swizzle, " (allowed >= 1)");
   if (a.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(a.device());
-  epmoe::int8_dense_gemm_coop(out, a, a_scale, b, b_scale, raster_along_n, max_swizzle);
+  epmoe::int8_dense_gemm_coop(out, a, a_scale, b, b_scale, raster_along_n, max_swizzle, pdl);
 }
 
 // out[e, :masked_m[e]] = (a[e] @ b[e]^T) * a_scale[e] * b_scale[e] over the masked layout
 // (a [E, max_m, K], a_scale [E, max_m, 1] or [E, max_m]); rows past masked_m[e] hold anything.
 void int8_masked_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& a_scale,
-                      const at::Tensor& b, const at::Tensor& b_scale, const at::Tensor& masked_m) {
+                      const at::Tensor& b, const at::Tensor& b_scale, const at::Tensor& masked_m,
+                      bool pdl) {
   auto rows = masked_rows("int8_masked_gemm", out, a, a_scale, b, masked_m);
   check_int8_channel("int8_masked_gemm", rows.out, rows.a, rows.a_scale, b, b_scale);
   if (rows.a.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(a.device());
   epmoe::int8_contiguous_gemm_coop(rows.out, rows.a, rows.a_scale, b, b_scale, masked_m, rows.max_m,
-                                   1, 1);
+                                   1, 1, pdl);
 }
 
 // Bytes of workspace GemmKernel::get_workspace_size asks for on this problem and SM count.
@@ -262,27 +264,27 @@ int64_t workspace_size(at::Tensor out, const at::Tensor& a, const at::Tensor& a_
 EPMOE_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def(
       "fp8_contiguous_gemm(Tensor(a!) out, Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, "
-      "Tensor expert_offsets, int raster_along_n=1, int max_swizzle=1) -> ()");
+      "Tensor expert_offsets, int raster_along_n=1, int max_swizzle=1, bool pdl=False) -> ()");
   m.def(
       "workspace_size(Tensor out, Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, "
       "int sm_count) -> int");
   m.def(
       "int8_contiguous_gemm(Tensor(a!) out, Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, "
-      "Tensor expert_offsets, int raster_along_n=1, int max_swizzle=1) -> ()");
+      "Tensor expert_offsets, int raster_along_n=1, int max_swizzle=1, bool pdl=False) -> ()");
   m.def(
       "int8_block_contiguous_gemm(Tensor(a!) out, Tensor a, Tensor a_scale, Tensor b, "
       "Tensor b_scale, Tensor expert_offsets, int raster_along_n=1, int max_swizzle=1, "
-      "int schedule=0) -> ()");
+      "int schedule=0, bool pdl=False) -> ()");
   m.def(
       "int8_block_masked_gemm(Tensor(a!) out, Tensor a, Tensor a_scale, Tensor b, "
       "Tensor b_scale, Tensor masked_m, int raster_along_n=1, int max_swizzle=1, "
-      "int schedule=0) -> ()");
+      "int schedule=0, bool pdl=False) -> ()");
   m.def(
       "int8_masked_gemm(Tensor(a!) out, Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, "
-      "Tensor masked_m) -> ()");
+      "Tensor masked_m, bool pdl=False) -> ()");
   m.def(
       "int8_dense_gemm(Tensor(a!) out, Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, "
-      "int raster_along_n=1, int max_swizzle=1) -> ()");
+      "int raster_along_n=1, int max_swizzle=1, bool pdl=False) -> ()");
 }
 
 EPMOE_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CUDA, m) {

@@ -11,7 +11,7 @@ namespace epmoe {
 #define EPMOE_INT8_BLOCK_ELSEWHERE(V)                                                             \
   extern template void int8_block_gemm_variant<V>(                                                \
       at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,   \
-      const at::Tensor&, int64_t, int64_t);
+      const at::Tensor&, int64_t, int64_t, bool);
 EPMOE_INT8_BLOCK_ELSEWHERE(1)
 EPMOE_INT8_BLOCK_ELSEWHERE(2)
 EPMOE_INT8_BLOCK_ELSEWHERE(3)
@@ -26,11 +26,11 @@ void int8_block_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a,
                                      const at::Tensor& a_scale, const at::Tensor& b,
                                      const at::Tensor& b_scale, const at::Tensor& segments,
                                      int64_t masked_max_m, int64_t raster_along_n,
-                                     int64_t max_swizzle, int64_t variant) {
-  auto block_expert = expert_block_table(a, segments, masked_max_m);
+                                     int64_t max_swizzle, int64_t variant, bool pdl) {
+  auto block_expert = expert_block_table(a, segments, masked_max_m, pdl);
   auto run = [&](auto v) {
     int8_block_gemm_variant<decltype(v)::value>(out, a, a_scale, b, b_scale, block_expert,
-                                                raster_along_n, max_swizzle);
+                                                raster_along_n, max_swizzle, pdl);
   };
   switch (variant) {
     case 1: run(Int<1>{}); break;

@@ -5,5 +5,5 @@
 namespace epmoe {
 template void int8_block_gemm_variant<2>(at::Tensor&, const at::Tensor&, const at::Tensor&,
                                           const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                          int64_t, int64_t);
+                                          int64_t, int64_t, bool);
 }  // namespace epmoe

@@ -61,6 +61,7 @@ import torch
 
 from .. import devices
 from ..errors import CutlassUnavailableError
+from ..kernels.pdl import pdl_enabled
 from ..layouts import ContiguousBatch, MaskedBatch
 from ..quant.schemes import BLOCK, QuantScheme
 from ..timing import phase
@@ -218,6 +219,10 @@ NVCC_FLAGS = (
     "--expt-relaxed-constexpr",
     "--expt-extended-lambda",
     "-DNDEBUG",
+    # CUTLASS's grid dependency control on sm_90 (griddepcontrol.wait / launch_dependents in its
+    # kernels): without it a kernel launched as a programmatic dependent would not wait for the
+    # one before. Whether a launch is one is the op's ``pdl`` argument (pdl_enabled).
+    "-DCUTLASS_ENABLE_GDC_FOR_SM90",
     "-U__CUDA_NO_HALF_OPERATORS__",
     "-U__CUDA_NO_HALF_CONVERSIONS__",
     "-U__CUDA_NO_BFLOAT16_OPERATORS__",
@@ -510,7 +515,8 @@ def grouped_gemm(
         _sgl_grouped_gemm(out, a, a_scale.contiguous(), b, b_scale, offsets)
         return out
     load_extension().fp8_contiguous_gemm(
-        out, a.contiguous(), kernel_act_scale(a_scale), b, b_scale.contiguous(), offsets, *TILE_ORDER
+        out, a.contiguous(), kernel_act_scale(a_scale), b, b_scale.contiguous(), offsets, *TILE_ORDER,
+        pdl_enabled(a.device),
     )
     return out
 
@@ -724,7 +730,7 @@ def int8_grouped_gemm(
         return out
     offsets = expert_offsets.to(device=a.device, dtype=torch.int32).contiguous()
     load_extension().int8_contiguous_gemm(out, a.contiguous(), a_scale.contiguous(), b, b_scale.contiguous(), offsets,
-                                          int(bool(raster_along_n)), int(max_swizzle))  # fmt: skip
+                                          int(bool(raster_along_n)), int(max_swizzle), pdl_enabled(a.device))  # fmt: skip
     return out
 
 
@@ -777,7 +783,7 @@ def int8_dense_gemm(
     if a.shape[0] == 0:
         return out
     load_extension().int8_dense_gemm(out, a.contiguous(), a_scale.contiguous(), b, b_scale.contiguous(),
-                                     int(bool(raster_along_n)), int(max_swizzle))  # fmt: skip
+                                     int(bool(raster_along_n)), int(max_swizzle), pdl_enabled(a.device))  # fmt: skip
     return out
 
 
@@ -824,7 +830,8 @@ def int8_block_grouped_gemm(
         return out
     offsets = expert_offsets.to(device=a.device, dtype=torch.int32).contiguous()
     load_extension().int8_block_contiguous_gemm(
-        out, a.contiguous(), kernel_act_scale(a_scale), b, b_scale.contiguous(), offsets, *TILE_ORDER, index
+        out, a.contiguous(), kernel_act_scale(a_scale), b, b_scale.contiguous(), offsets, *TILE_ORDER, index,
+        pdl_enabled(a.device),
     )
     return out
 
@@ -900,11 +907,11 @@ def _masked_gemm(kind: str, a, a_scale, b, b_scale, masked_m, out, schedule: str
     if out.numel() == 0:
         return out
     masked_m = masked_m.to(device=a.device, dtype=torch.int32).contiguous()
-    ext = load_extension()
+    ext, pdl = load_extension(), pdl_enabled(a.device)
     if block:
-        ext.int8_block_masked_gemm(out, a, a_scale, b, b_scale.contiguous(), masked_m, *TILE_ORDER, index)
+        ext.int8_block_masked_gemm(out, a, a_scale, b, b_scale.contiguous(), masked_m, *TILE_ORDER, index, pdl)
     else:
-        ext.int8_masked_gemm(out, a, a_scale, b, b_scale.contiguous(), masked_m)
+        ext.int8_masked_gemm(out, a, a_scale, b, b_scale.contiguous(), masked_m, pdl)
     return out
 
 

@@ -892,3 +892,83 @@ def test_cutlass_int8_triton_branch_packed_and_capturable(scheme_name):
     torch.cuda.synchronize()
     for out in (eager, captured):
         torch.testing.assert_close(gather_weighted(out, device_sized.slot_pos, w), reference, rtol=0, atol=0)
+
+
+
+def _graphed_outputs(step, source, inputs, valid):
+    """``valid(step())`` for each of ``inputs``, replayed from one CUDA graph: each new input is
+    copied into ``source`` (what the captured step reads) right before the replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        step()  # warm-up off the capture (autotuning, allocations)
+        with torch.cuda.graph(graph, stream=stream):
+            out = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    outs = []
+    for x in inputs:
+        source.copy_(x)
+        graph.replay()
+        outs.append(valid(out).clone())
+    torch.cuda.synchronize()
+    return outs
+
+
+@needs_cutlass
+@pytest.mark.parametrize("scheme_name,layout", [("fp8_block", "contiguous"), ("int8_channel", "contiguous"),
+                                                ("int8_block", "contiguous"), ("int8_channel", "masked"),
+                                                ("int8_block", "masked"), ("int8_channel", "dense")])  # fmt: skip
+def test_cutlass_dependent_launches_compute_what_plain_launches_do(scheme_name, layout, monkeypatch):
+    """With PDL (the default on Hopper) the CUTLASS GEMMs and their block-table kernels launch as
+    programmatic dependents: they may start while the kernel before still runs, and every warp
+    waits for it before its first read (the table kernel first thing, the GEMM in its tile
+    scheduler's first call). A kernel that read early would see the previous replay's rows or
+    table: the experts pass on the CUTLASS kernels (quantize, table, GEMM1, the activation's
+    requantization, table, GEMM2, each kernel a dependent of the one before), the masked pass and
+    a dense INT8 linear, replayed from a CUDA graph on new inputs, equal the same with
+    ``EPMOE_PDL=0``, bit for bit (the rows each pass defines)."""
+    from epmoe.experts import cutlass_backend as cb
+    from epmoe.experts.base import ExpertWeights
+    from epmoe.kernels.pdl import pdl_enabled
+    from epmoe.layouts import to_contiguous, to_masked
+    from helpers import make_weights
+
+    if not pdl_enabled(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0+ and EPMOE_PDL not 0")
+    if scheme_name == "fp8_block" and cb.fp8_impl() != "epmoe":
+        pytest.skip("sgl-kernel's FP8 op runs here, not the project's kernel")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    tokens = 1024  # top-4 of 16 experts: about 256 rows per expert, the CUTLASS kernels' sizes
+    x = torch.randn(tokens, LH, device="cuda", generator=g).bfloat16()
+    if layout == "dense":
+        from epmoe import Int8Linear
+
+        linear = Int8Linear.from_float(torch.nn.Linear(LH, 3 * LI, bias=False, device="cuda"), backend="cutlass")
+        source, step, valid = x, (lambda: linear(x)), (lambda out: out)
+    else:
+        scheme = get_scheme(scheme_name)
+        extra = {"accumulator": "int32", "int8_kernel": "cutlass"} if scheme_name == "int8_channel" else \
+            {"accumulator": "fp32", "int8_kernel": "cutlass"} if scheme_name == "int8_block" else {}  # fmt: skip
+        backend = cb.CutlassBackend(scheme, **extra)
+        stored, _ = make_weights(LE, LH, LI, scheme_name)
+        weights = backend.prepare_weights(ExpertWeights(scheme, *[t.cuda() for t in stored]))
+        ids = torch.stack([torch.randperm(LE, device="cuda", generator=g)[:LK] for _ in range(tokens)]).int()
+        if layout == "contiguous":
+            batch = to_contiguous(x, None, ids, LE, 128)
+            rows = int(batch.expert_offsets[-1])
+            source, valid = batch.x, (lambda out: out[:rows])
+            step = lambda: backend.run_kernel(batch, weights, torch.bfloat16, "cutlass")  # noqa: E731
+        else:
+            masked, _ = to_masked(x, None, ids, LE, capacity=384)
+            keep = torch.arange(384, device="cuda")[None, :] < masked.masked_m[:, None]
+            source, valid = masked.x, (lambda out: out[keep])
+            step = lambda: backend.run_masked(masked, weights, torch.bfloat16)  # noqa: E731
+    inputs = [torch.randn(source.shape, device="cuda", generator=g).to(source.dtype) for _ in range(3)]
+    dependent = _graphed_outputs(step, source, inputs, valid)
+    monkeypatch.setenv("EPMOE_PDL", "0")
+    plain = _graphed_outputs(step, source, inputs, valid)
+    for got, want in zip(dependent, plain):
+        assert torch.isfinite(want.float()).all() and want.float().abs().max() > 0
+        assert torch.equal(got, want)
+    assert not torch.equal(plain[0], plain[1])  # the replays did read the new inputs
