@@ -31,10 +31,28 @@ Three times per cell, because they answer different questions:
   (An earlier version timed graphs only up to 1024 rows and judged larger batches by ``us``: on
   the H200 machine, whose host takes 150-350 us to enqueue one epmoe call, the 4096-row cells of
   the narrow layers were then host time, and two backends running the same kernels differed by
-  2x from one run to the next.)
+  2x from one run to the next.) The variants of a cell are timed **in turns**
+  (:func:`graph_turns`): first every variant's graph is captured (``max(2 * copies, 8)`` calls
+  rotating over the weight copies below, replayed once untimed after its capture); then
+  ``--rounds`` rounds (default 5, in the JSON header as ``rounds``), each replaying every
+  variant's graph once, timed by CUDA events around that replay and waited for, the variants in
+  the cell's order rotated by one place each round (:func:`epmoe.timing.in_turns`: round ``r``
+  starts with the ``r``-th variant, so none is always first). ``graph_us`` is the median over
+  the rounds of a variant's us per call; the row also keeps ``graph_us_min``, ``graph_us_max``
+  and ``graph_us_rounds`` (its time in each round, in round order: the same index is the same
+  round for every variant of the cell). The cell's graphs are freed before the next cell. Why:
+  under sustained load the H200 runs at its power cap (700 W), so a kernel's clock depends on
+  what ran just before it; when each variant was captured and timed after the other (bf16 first,
+  median of 3 replays in a row), "epmoe auto" and "epmoe cutlass", the very same launch, differed
+  by 5-9 % at 4096-16384 rows in one run (269 vs 247 us), as much as the margin of the medians
+  to their targets.
 * ``eager_us`` / ``host_us`` (M <= 4096): per call of back-to-back eager calls (events around the
   loop) and the host's enqueue time per call: eager calls are host-bound wherever ``host_us`` is
   the larger (``host_bound`` on the row; the summary counts them).
+
+``us`` and ``eager_us`` / ``host_us`` are still measured one variant after the other (each
+variant's do_bench then its eager loop, bf16 first, before the graphs are captured): they are
+not what the targets are judged by, and carry the order's drift described above.
 
 The graph and eager loops rotate over several copies of the weights (enough copies to span 256
 MiB, at most 32) so that L2 (50 MB) never holds the weight a call reads; do_bench's flush does
@@ -90,8 +108,9 @@ def _sync():
     torch.cuda.synchronize()
 
 
-def time_graph(fns: list, calls: int) -> float:
-    """us per call of a CUDA graph replaying ``calls`` calls (rotating over ``fns``), median of 3."""
+def capture_graph(fns: list, calls: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``calls`` back-to-back calls rotating over ``fns`` (two calls first on a
+    side stream, as capture wants), replayed once untimed."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -103,16 +122,69 @@ def time_graph(fns: list, calls: int) -> float:
         for i in range(calls):
             fns[i % len(fns)]()
     graph.replay()
-    times = []
-    for _ in range(3):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        graph.replay()
-        e1.record()
-        _sync()
-        times.append(e0.elapsed_time(e1) * 1e3 / calls)
-    del graph
-    return statistics.median(times)
+    return graph
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, calls: int) -> float:
+    """us per call of one replay of ``graph`` (``calls`` calls; events around it, waited for)."""
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    graph.replay()
+    e1.record()
+    _sync()
+    return e0.elapsed_time(e1) * 1e3 / calls
+
+
+def time_graph(fns: list, calls: int) -> float:
+    """us per call of a CUDA graph replaying ``calls`` calls (rotating over ``fns``), median of 3
+    replays in a row (one implementation alone; this script compares its variants with
+    :func:`graph_turns`)."""
+    graph = capture_graph(fns, calls)
+    return statistics.median(replay_us(graph, calls) for _ in range(3))
+
+
+def graph_turns(fns: dict, rounds: int, capture, measure) -> dict[str, dict]:
+    """Every variant of a cell timed in turns (see the module doc): ``capture(fns[label])`` for
+    each label first, then ``rounds`` rounds of ``measure(captured)`` (us per call), one per
+    variant a round, in an order rotated every round (:func:`epmoe.timing.in_turns`).
+
+    Returns, per label, ``graph_us`` (the median over rounds), ``graph_us_min``,
+    ``graph_us_max`` and ``graph_us_rounds`` (per round, in round order), or ``graph_error``
+    where the capture or a replay failed (that variant leaves the turns, the others go on). The
+    captured graphs are dropped on return: the caller's next cell starts without them."""
+    from epmoe.timing import in_turns
+
+    graphs, out = {}, {}
+    for label, group in fns.items():
+        try:
+            graphs[label] = capture(group)
+        except Exception as exc:  # reported per cell, the run goes on
+            out[label] = {"graph_error": f"{type(exc).__name__}: {exc}"[:300]}
+
+    def one(label):
+        if label in out:
+            return None
+        try:
+            return measure(graphs[label])
+        except Exception as exc:  # as above: this variant leaves the turns
+            out[label] = {"graph_error": f"{type(exc).__name__}: {exc}"[:300]}
+            graphs.pop(label)
+            return None
+
+    samples = in_turns({label: label for label in graphs}, rounds, one)
+    graphs.clear()
+    for label, us in samples.items():
+        if label not in out:
+            out[label] = dict(graph_us=round(statistics.median(us), 2), graph_us_min=round(min(us), 2),
+                              graph_us_max=round(max(us), 2), graph_us_rounds=[round(t, 2) for t in us])  # fmt: skip
+    return {label: out[label] for label in fns if label in out}
+
+
+def _wall_clock_us(fn) -> float:
+    """The CPU dry run's stand-in for :func:`replay_us`: us of one call of ``fn``, wall clock."""
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e6
 
 
 def time_eager(fns: list, calls: int) -> tuple[float, float]:
@@ -243,8 +315,7 @@ def run(args) -> dict:
             }
             for label, group in mods.items():
                 fns[label] = [lambda mod=mod: mod(x) for mod in group]
-            base = {}
-            cell = []
+            cell = {}
             with torch.no_grad():
                 for label, group in fns.items():
                     out = group[0]()
@@ -253,28 +324,38 @@ def run(args) -> dict:
                     del out
                     # do_bench median on CUDA (a wall-clock median on CPU, the dry run).
                     row["us"] = round(kernel_ms(group[0], rep_ms=args.rep, warmup_ms=args.warmup, device=dev) * 1e3, 2)
-                    if cuda and (GRAPH_MAX_M is None or m <= GRAPH_MAX_M) and not args.no_graph:
-                        try:
-                            row["graph_us"] = round(time_graph(group, max(2 * copies, 8)), 2)
-                        except Exception as exc:  # reported per cell, the run goes on
-                            row["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
                     if cuda and m <= EAGER_MAX_M:
                         eager, host = time_eager(group, max(2 * copies, 8))
                         row["eager_us"], row["host_us"] = round(eager, 2), round(host, 2)
-                        if "graph_us" in row:
-                            row["host_bound"] = host > row["graph_us"]
-                    weight_floor = floor_int8 * (2 if label == "bf16" else 1)
-                    for key in ("us", "graph_us", "eager_us"):
-                        if key in row:
-                            if label == "bf16":
-                                base[key] = row[key]
-                            row[f"ratio_{key}"] = round(base[key] / row[key], 3) if key in base else None
-                            row[f"floor_fraction_{key}"] = round(weight_floor / row[key], 3)
-                    best = min(row.get("graph_us", row["us"]), row["us"])
-                    row["int8_peak_fraction"] = round(2 * m * n * k / (best * 1e-6) / INT8_PEAK, 3)
-                    if label.startswith("epmoe"):
-                        row.update(path_of(mods[label][0], m, _cached_gemm_config))
-                    cell.append(row)
+                    cell[label] = row
+                if (GRAPH_MAX_M is None or m <= GRAPH_MAX_M) and not args.no_graph:
+                    # Every variant's graph captured, then replayed in turns (the module doc); on
+                    # CPU (the dry run) the turns time one wall-clock call instead of a replay.
+                    calls = max(2 * copies, 8)
+                    if cuda:
+                        turns = graph_turns(fns, args.rounds, lambda g: capture_graph(g, calls),
+                                            lambda graph: replay_us(graph, calls))  # fmt: skip
+                    else:
+                        turns = graph_turns(fns, args.rounds, lambda g: g[0], _wall_clock_us)
+                    for label, got in turns.items():
+                        cell[label].update(got)
+                    del turns
+                    if cuda:
+                        torch.cuda.empty_cache()  # the cell's graph pools, freed on graph_turns' return
+            base = {key: cell["bf16"][key] for key in ("us", "graph_us", "eager_us") if key in cell["bf16"]}
+            for label, row in cell.items():
+                if "graph_us" in row and "host_us" in row:
+                    row["host_bound"] = row["host_us"] > row["graph_us"]
+                weight_floor = floor_int8 * (2 if label == "bf16" else 1)
+                for key in ("us", "graph_us", "eager_us"):
+                    if key in row:
+                        row[f"ratio_{key}"] = round(base[key] / row[key], 3) if key in base else None
+                        row[f"floor_fraction_{key}"] = round(weight_floor / row[key], 3)
+                best = min(row.get("graph_us", row["us"]), row["us"])
+                row["int8_peak_fraction"] = round(2 * m * n * k / (best * 1e-6) / INT8_PEAK, 3)
+                if label.startswith("epmoe"):
+                    row.update(path_of(mods[label][0], m, _cached_gemm_config))
+            cell = list(cell.values())
             rows.extend(cell)
             show = {r["variant"]: r.get("graph_us", r["us"]) for r in cell}
             print(f"{name:15s} M={m:6d} " + " ".join(f"{v.replace('epmoe ', '')}={t:.1f}" for v, t in show.items())
@@ -290,6 +371,7 @@ def run(args) -> dict:
         triton=triton.__version__, epmoe=getattr(epmoe, "__version__", "unknown"),
         command=" ".join([os.path.basename(sys.executable), *sys.argv]),
         sglang_cutlass_moe=os.environ.get("SGLANG_CUTLASS_MOE"), warmup_ms=args.warmup, rep_ms=args.rep,
+        rounds=None if args.no_graph else args.rounds,
         rotate_bytes=ROTATE_BYTES, max_copies=MAX_COPIES, graph_max_m=GRAPH_MAX_M, eager_max_m=EAGER_MAX_M,
         small_m_max=SMALL_M_MAX, dense_table=bool(load_dense_table(device_name(dev))) if cuda else False,
         bandwidth_Bps=BANDWIDTH, int8_peak_ops=INT8_PEAK, targets=TARGETS,
@@ -418,8 +500,9 @@ def table(result: dict) -> str:
                      f" {floor:6.2f}")  # fmt: skip
         lines.append(line)
     graphs = "every M" if GRAPH_MAX_M is None else f"M <= {GRAPH_MAX_M}, do_bench median above"
-    lines.append(f"(us per call: CUDA-graph replay for {graphs} (do_bench where no graph ran); x bf16 / x i_mm: "
-                 "speed-up over bf16 and over int_mm+quant; floor: INT8 weight-read floor / time)")
+    turns = f", median of {result['rounds']} rounds in turns" if result.get("rounds") else ""
+    lines.append(f"(us per call: CUDA-graph replay for {graphs}{turns} (do_bench where no graph ran); x bf16 / "
+                 "x i_mm: speed-up over bf16 and over int_mm+quant; floor: INT8 weight-read floor / time)")
     return "\n".join(lines)
 
 
@@ -431,14 +514,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timings")
     p.add_argument("--shapes", nargs="*", default=None, help=f"subset of {[s[0] for s in SHAPES]}")
     p.add_argument("--m", type=int, nargs="*", default=None, help=f"batch sizes (default {MS})")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="rounds of the CUDA-graph turns: each replays every variant of the cell once (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="do_bench warmup, ms (default 2)")
     p.add_argument("--rep", type=int, default=8, help="do_bench repetition window, ms (default 8)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
-                   help="cpu: a dry run of the script's logic (wall-clock times, no graphs; use with --tiny)")
+                   help="cpu: a dry run of the script's logic (wall-clock times; the graph turns time one "
+                   "call per turn, no graphs; use with --tiny)")
     p.add_argument("--tiny", action="store_true", help=f"tiny shapes {TINY_SHAPES} and M {TINY_MS} instead")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA GPU here (--device cpu --tiny dry-runs the script)")
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: at least 1")
     bad = set(args.shapes or ()) - {s[0] for s in SHAPES}
     if bad:
         p.error(f"--shapes {sorted(bad)}: allowed: {[s[0] for s in SHAPES]}")

@@ -60,13 +60,82 @@ def test_targets_are_judged_on_unrounded_ratios():
     assert s["target_m_ge_1024_met"] is False
 
 
+class _Graph:
+    """A stand-in for a captured CUDA graph (weak-referenceable, unlike a tuple)."""
+
+    def __init__(self, label):
+        self.label = label
+
+
+def test_graph_turns_captures_all_then_rotates_and_takes_the_median():
+    """Every graph is captured before the first replay; each round replays each variant once,
+    the order rotated by one place a round; ``graph_us`` is the median of a variant's rounds and
+    the spread is kept; the captured graphs are gone once the cell is timed."""
+    import weakref
+
+    events, kept = [], []
+    per_round = {"bf16": [10.0, 30.0, 11.0, 12.0, 9.0], "auto": [20.0, 21.0, 50.0, 19.0, 22.0],
+                 "cutlass": [21.0, 20.0, 20.5, 60.0, 19.5]}  # fmt: skip
+    seen = {label: 0 for label in per_round}
+
+    def capture(group):
+        events.append(("capture", group))
+        g = _Graph(group)
+        kept.append(weakref.ref(g))
+        return g
+
+    def measure(graph):
+        events.append(("replay", graph.label))
+        t = per_round[graph.label][seen[graph.label]]
+        seen[graph.label] += 1
+        return t
+
+    got = bench.graph_turns({label: label for label in per_round}, 5, capture, measure)
+    assert events[:3] == [("capture", "bf16"), ("capture", "auto"), ("capture", "cutlass")]
+    replays = [label for kind, label in events[3:] if kind == "replay"]
+    assert replays == ["bf16", "auto", "cutlass", "auto", "cutlass", "bf16", "cutlass", "bf16", "auto",
+                       "bf16", "auto", "cutlass", "auto", "cutlass", "bf16"]  # fmt: skip
+    assert list(got) == ["bf16", "auto", "cutlass"]
+    assert got["bf16"] == dict(graph_us=11.0, graph_us_min=9.0, graph_us_max=30.0,
+                               graph_us_rounds=[10.0, 30.0, 11.0, 12.0, 9.0])  # fmt: skip
+    assert got["auto"]["graph_us"] == 21.0 and got["cutlass"]["graph_us"] == 20.5
+    assert got["cutlass"]["graph_us_max"] == 60.0
+    assert [r() for r in kept] == [None, None, None]
+
+
+def test_graph_turns_goes_on_without_a_variant_that_fails():
+    """A variant whose capture fails, or whose replay fails in some round, gets ``graph_error``
+    and leaves the turns; the others get all their rounds."""
+
+    def capture(group):
+        if group == "no capture":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return _Graph(group)
+
+    calls = []
+
+    def measure(graph):
+        calls.append(graph.label)
+        if graph.label == "dies" and calls.count("dies") == 2:
+            raise RuntimeError("illegal memory access")
+        return 5.0
+
+    fns = {"bf16": "bf16", "no capture": "no capture", "dies": "dies", "auto": "auto"}
+    got = bench.graph_turns(fns, 3, capture, measure)
+    assert list(got) == list(fns)
+    assert got["no capture"] == {"graph_error": "RuntimeError: operation not permitted when stream is capturing"}
+    assert got["dies"] == {"graph_error": "RuntimeError: illegal memory access"}
+    assert calls.count("dies") == 2 and "no capture" not in calls
+    assert got["bf16"]["graph_us_rounds"] == got["auto"]["graph_us_rounds"] == [5.0, 5.0, 5.0]
+
+
 def test_dry_run_writes_rows_for_every_variant(tmp_path, monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.delenv("SGLANG_CUTLASS_MOE", raising=False)
     out = tmp_path / "dense.json"
-    assert bench.main(["--device", "cpu", "--tiny", "--m", "1", "7", "--out", str(out)]) == 0
+    assert bench.main(["--device", "cpu", "--tiny", "--m", "1", "7", "--rounds", "2", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["gpu"] == "cpu (dry run)" and result["rows"]
+    assert result["gpu"] == "cpu (dry run)" and result["rows"] and result["rounds"] == 2
     variants = {r["variant"] for r in result["rows"]}
     assert variants == {"bf16", "int_mm+quant", "int_mm", "epmoe auto", "epmoe triton", "epmoe triton block"}
     for r in result["rows"]:
@@ -78,6 +147,9 @@ def test_dry_run_writes_rows_for_every_variant(tmp_path, monkeypatch):
             assert r["max_err_vs_dequant"] < 1e-2  # bf16 output (the interpreter truncates): 2^-8
         if r["variant"] == "epmoe triton":
             assert r["path"] == "small-batch kernel" and r["config"]["block_n"] == 16
+        # The turns ran (one wall-clock call a turn on CPU): the median of the 2 rounds, its spread.
+        assert len(r["graph_us_rounds"]) == 2 and r["graph_us_min"] <= r["graph_us"] <= r["graph_us_max"]
+        assert r["ratio_graph_us"] is not None
     assert set(result["summary"]) == variants - {"bf16"}
     assert "tiny_a" in bench.table(result)
     if importlib.util.find_spec("matplotlib") is not None:  # the plot extra
