@@ -20,8 +20,9 @@ layer's forward calls, activation quantization included):
 * above :data:`~epmoe.kernels.dense_configs.SMALL_M_MAX` rows (below, the tiled GEMMs lost to the
   small-batch kernel in every cell on the H200): the Triton tiled GEMM (its own tile config, and on
   the GPU persistent TMA tiles of 128 x 128 and 128 x 64, for the narrow layers), and with
-  ``SGLANG_CUTLASS_MOE=1`` the CUTLASS INT8 kernel walking its tiles along N and along M with
-  swizzles of 1, 2, 4 and 8 (one walk when the batch is one 128-row block);
+  ``SGLANG_CUTLASS_MOE=1`` the CUTLASS INT8 kernels, cooperative and pingpong, each walking its
+  tiles along N and along M with swizzles of 1, 2, 4 and 8 (one walk each when the batch is one
+  128-row block);
 
 * on a Hopper GPU, the cell's fastest small-batch launch once more as a programmatic dependent
   launch (``SmallMConfig.pdl``: its kernel boundaries overlap the kernel before), and again with
@@ -122,14 +123,18 @@ def candidates(m: int, n: int, k: int, scheme: str, sms: int) -> list:
 
 
 def cutlass_launches(m: int) -> list:
-    """The CUTLASS kernel's walks worth timing for ``m`` rows: both orders with swizzles 1 to 8,
-    or only the default where the batch is one 128-row block (every walk is then the same)."""
+    """The CUTLASS kernels' walks worth timing for ``m`` rows: each kernel (cooperative, whose
+    epilogue follows its MMAs, and pingpong, whose epilogue overlaps them: which wins depends on
+    the shape's K) with both orders and swizzles 1 to 8, or only its default walk where the batch is
+    one 128-row block (every walk is then the same)."""
+    from epmoe.kernels.configs import CUTLASS_DENSE_KERNELS
     from epmoe.kernels.dense_configs import SWIZZLES, CutlassLaunch
     from epmoe.linear import ROW_BLOCK
 
     if m <= ROW_BLOCK:
-        return [CutlassLaunch()]
-    return [CutlassLaunch(along_n, s) for along_n in (True, False) for s in SWIZZLES]
+        return [CutlassLaunch(kernel=kernel) for kernel in CUTLASS_DENSE_KERNELS]
+    return [CutlassLaunch(along_n, s, kernel) for kernel in CUTLASS_DENSE_KERNELS for along_n in (True, False)
+            for s in SWIZZLES]  # fmt: skip
 
 
 TRITON_TILES = ((128, 128, 8, 4), (128, 64, 4, 4))

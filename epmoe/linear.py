@@ -15,9 +15,10 @@ raises :class:`~epmoe.experts.select.BackendUnavailableError`):
 * ``cutlass`` (``int8_channel`` with the int32 accumulator, only with ``SGLANG_CUTLASS_MOE=1`` as
   for the experts): sgl-kernel's ``int8_scaled_mm`` when it imports (sm_8x / sm_9x), else the
   project's CUTLASS INT8 kernel (:func:`epmoe.experts.cutlass_backend.int8_dense_gemm`, sm_90a, one
-  launch) over rows padded to whole 128-row blocks, its tiles' walk from the dense plan. The
-  activations are quantized by the Triton per-token kernel straight into the padded buffer; the
-  scales are applied in the kernel's epilogue.
+  launch) over rows padded to whole 128-row blocks, its kernel (CUTLASS's cooperative or pingpong
+  schedule) and tiles' walk from the dense plan. The activations are quantized by the Triton
+  per-token kernel straight into the padded buffer; the scales are applied in the kernel's
+  epilogue.
 * ``triton``: the per-token / per-group quantizer of :mod:`epmoe.kernels.quantize`, then the
   grouped GEMM of :mod:`epmoe.kernels.grouped_gemm` as one expert (the masked layout with a row
   count that clamps to the batch, so no per-call offsets are built); both scales in its epilogue
@@ -504,8 +505,9 @@ class _CutlassGemm(_Impl):
         return silu_and_mul_quant(gate_up, "token", BLOCK, torch.int8)
 
     def tiled_gemm(self, lin, q, s, out_dtype, launch=None):
-        """``launch``: a :class:`~epmoe.kernels.dense_configs.CutlassLaunch` (the project's
-        kernel), or ``None`` for the kernel's default walk (along N, no swizzle)."""
+        """``launch``: a :class:`~epmoe.kernels.dense_configs.CutlassLaunch` (which of the
+        project's kernels, and its walk), or ``None`` for the cooperative kernel's default walk
+        (along N, no swizzle)."""
         m = q.shape[0]
         if self.impl == "sgl":
             sgl_dtype = out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16

@@ -259,8 +259,8 @@ def test_sweep_pdl_twins_are_the_fastest_small_batch_launch(capsys):
 
 
 def test_sweep_cell_entry_and_cutlass_walks():
-    """A bucket keeps each kernel's fastest launch, fastest first; the CUTLASS walks timed are the
-    default alone for one row block, both orders with every swizzle above."""
+    """A bucket keeps each kernel's fastest launch, fastest first; the CUTLASS walks timed are, for
+    each of its kernels, the default alone for one row block, both orders with every swizzle above."""
     from benchmarks import sweep_dense_int8 as sweep
     from epmoe.kernels.dense_configs import CutlassLaunch, parse_table
     from epmoe.kernels.dense_int8 import SmallMConfig
@@ -269,15 +269,20 @@ def test_sweep_cell_entry_and_cutlass_walks():
     times = {("small_m", a): 80.0, ("small_m", b): 70.0, ("triton", None): 90.0,
              ("cutlass", CutlassLaunch()): 95.0, ("cutlass", CutlassLaunch(False, 4)): 60.0}  # fmt: skip
     entry = sweep.cell_entry(times)
-    assert entry == [{"kernel": "cutlass", "config": {"raster_along_n": False, "max_swizzle": 4}, "us": 60.0},
+    assert entry == [{"kernel": "cutlass", "config": {"raster_along_n": False, "max_swizzle": 4, "kernel": "cooperative"},
+                      "us": 60.0},
                      {"kernel": "small_m", "config": b.to_dict(), "us": 70.0}, {"kernel": "triton", "us": 90.0}]
     _, plans = parse_table({"configs": {"m": {"N=1,K=16": {"4096": entry}}}})["m"]["N=1,K=16"]
     assert plans[0] == (("cutlass", CutlassLaunch(False, 4)), ("small_m", b), ("triton", None))
-    assert sweep.cutlass_launches(128) == [CutlassLaunch()]
+    # Each kernel: its default walk alone for one row block, both orders with every swizzle above.
+    assert sweep.cutlass_launches(128) == [CutlassLaunch(), CutlassLaunch(kernel="pingpong")]
     walks = sweep.cutlass_launches(129)
-    assert len(set(walks)) == 8 and {w.raster_along_n for w in walks} == {True, False}
+    assert len(set(walks)) == 16 and {w.raster_along_n for w in walks} == {True, False}
+    for kernel in ("cooperative", "pingpong"):
+        assert {(w.raster_along_n, w.max_swizzle) for w in walks if w.kernel == kernel} == {
+            (along_n, s) for along_n in (True, False) for s in (1, 2, 4, 8)}
     kinds = [k for k, _ in sweep.cell_candidates(4096, 576, 7168, "int8_channel", 132, ("small_m", "cutlass", "triton"))]
-    assert kinds.count("cutlass") == 8 and kinds.count("triton") == 1 and "small_m" in kinds
+    assert kinds.count("cutlass") == 16 and kinds.count("triton") == 1 and "small_m" in kinds
     tiles = [c for k, c in sweep.cell_candidates(4096, 576, 7168, "int8_channel", 132, ("small_m", "triton"), tma=True)
              if k == "triton"]  # fmt: skip
     assert tiles[0] is None and [(c.block_n, c.tma, c.persistent) for c in tiles[1:]] == [(128, True, True), (64, True, True)]

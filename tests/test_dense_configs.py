@@ -230,8 +230,8 @@ def test_cutlass_dense_path_wiring(monkeypatch):
 
     seen = []
 
-    def fake(a, a_scale, b, b_scale, out=None, *, raster_along_n=True, max_swizzle=1):
-        seen.append((a.shape[0], raster_along_n, max_swizzle, tuple(b.shape)))
+    def fake(a, a_scale, b, b_scale, out=None, *, raster_along_n=True, max_swizzle=1, kernel="cooperative"):
+        seen.append((a.shape[0], raster_along_n, max_swizzle, kernel, tuple(b.shape)))
         return ((a.double() @ b.double().t()) * a_scale.double() * b_scale.double().view(1, -1)).to(torch.bfloat16)
 
     monkeypatch.setattr(cb, "int8_dense_gemm", fake)
@@ -239,9 +239,10 @@ def test_cutlass_dense_path_wiring(monkeypatch):
     impl = linear._CutlassImpl("epmoe")
     x = torch.randn(130, 256, generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
-        y = linear.run_kernel(impl, mod, x, "cutlass", dc.CutlassLaunch(False, 4))[:130]
+        y = linear.run_kernel(impl, mod, x, "cutlass", dc.CutlassLaunch(False, 4, "pingpong"))[:130]
         y2 = impl.tiled_gemm(mod, *linear._TorchImpl().quantize(x[:5], "int8_channel"), torch.float32)
-    assert seen == [(256, False, 4, (48, 256)), (128, True, 1, (48, 256))]  # padded; default walk
+    # Padded; the launch's kernel passed on; the default walk on the default kernel.
+    assert seen == [(256, False, 4, "pingpong", (48, 256)), (128, True, 1, "cooperative", (48, 256))]
     assert y.shape == (130, 48) and y2.shape == (5, 48) and y2.dtype == torch.float32
     assert rel(y, ref_linear(mod, x)) <= 5e-3  # bf16 output
     assert rel(y2, ref_linear(mod, x[:5])) <= 5e-3
@@ -260,6 +261,8 @@ def test_int8_dense_gemm_refuses_before_loading(monkeypatch):
         (dict(b=torch.zeros(2, 16, 32, dtype=torch.int8), b_scale=torch.ones(2, 16, 1)), ValueError, "one weight"),
         (dict(b_scale=torch.ones(8, 1)), ValueError, "b_scale has shape"),
         (dict(max_swizzle=3), ValueError, "max_swizzle=3; allowed"),
+        (dict(kernel="ping"), ValueError, r"kernel='ping'; allowed: \['cooperative', 'pingpong'\]"),
+        (dict(kernel="ping", a=a[:200]), ValueError, "kernel='ping'"),  # named first, before the operands
         (dict(a=a.float()), TypeError, "a must be torch.int8"),
         ({}, ValueError, "a must be a CUDA tensor"),
     ):  # fmt: skip
@@ -276,7 +279,7 @@ def test_mlp_down_projection_is_planned_for_its_real_rows(monkeypatch):
     from epmoe.experts import cutlass_backend as cb
     from test_linear import ref_mlp, rel
 
-    def fake(a, a_scale, b, b_scale, out=None, *, raster_along_n=True, max_swizzle=1):
+    def fake(a, a_scale, b, b_scale, out=None, *, raster_along_n=True, max_swizzle=1, kernel="cooperative"):
         return ((a.double() @ b.double().t()) * a_scale.double() * b_scale.double().view(1, -1)).to(torch.bfloat16)
 
     planned = []
@@ -317,6 +320,22 @@ def test_table_booleans_must_be_booleans():
     with pytest.raises(ValueError, match="small-batch config fused='no'; allowed: true, false, 0 or 1"):
         SmallMConfig.from_dict({**CFG.to_dict(), "fused": "no"})
     assert dc.CutlassLaunch.from_dict({"raster_along_n": False}).raster_along_n is False
+
+
+def test_cutlass_launch_kernel():
+    """A table's cutlass entry names its kernel; entries written before there was a choice (no
+    ``kernel`` key) are the cooperative kernel's; any other name is refused, naming it and the
+    allowed ones, in the table's own refusal that says where."""
+    assert dc.CutlassLaunch.from_dict({"raster_along_n": True, "max_swizzle": 2}) == dc.CutlassLaunch(True, 2, "cooperative")
+    pingpong = dc.CutlassLaunch(False, 8, "pingpong")
+    assert dc.CutlassLaunch.from_dict(pingpong.to_dict()) == pingpong
+    with pytest.raises(ValueError, match=r"cutlass launch kernel='coop'; allowed: \['cooperative', 'pingpong'\]"):
+        dc.CutlassLaunch.from_dict({"kernel": "coop"})
+    bad = {"configs": {"int8_channel_int32": {"N=576,K=7168": {"1024": [{"kernel": "cutlass", "config": {"kernel": 1}}]}}}}
+    with pytest.raises(ValueError, match=r"N=576,K=7168 bucket 1024: ValueError: cutlass launch kernel=1; allowed"):
+        dc.parse_table(bad)
+    table = {"int8_channel_int32": {"N=576,K=7168": {"1024": [{"kernel": "cutlass", "config": pingpong.to_dict()}]}}}
+    assert dc.parse_table({"configs": table})["int8_channel_int32"]["N=576,K=7168"][1] == ((("cutlass", pingpong),),)
     # A table's triton entry (a grouped-GEMM tile config) is checked the same way.
     with pytest.raises(ValueError, match="TMA='false'; allowed: true, false, 0 or 1"):
         dc.GemmConfig.from_dict({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "TMA": "false"})

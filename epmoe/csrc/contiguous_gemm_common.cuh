@@ -30,7 +30,14 @@ constexpr int kRowBlock = 128;  // segment alignment = the tile's M
   TORCH_CHECK((status) == cutlass::Status::kSuccess, "epmoe CUTLASS contiguous GEMM: ", what,      \
               " failed: ", cutlassGetStatusString(status))
 
-struct ExpertBlockSchedulerTag {};
+// Dense: the schedule of one weight over every row (a dense GEMM), reading no block table at all
+// (every block in range is expert 0's, whatever the arguments hold). The pingpong kernel's second
+// consumer advances before it asks for its first tile, i.e. before initial_work_tile_info's PDL
+// wait, and stepping over skipped blocks reads the table: only this scheduler may serve it.
+template <bool Dense>
+struct BlockSchedulerTag {};
+using ExpertBlockSchedulerTag = BlockSchedulerTag<false>;
+using DenseBlockSchedulerTag = BlockSchedulerTag<true>;
 
 // The expert of 128-row block m (block_expert[m]), or -1 past the last segment. Without a table
 // (nullptr: a dense GEMM, one weight over every row) every block is expert 0's.
@@ -53,13 +60,15 @@ CUTLASS_DEVICE int32_t paired_expert_of_block(const int32_t* block_expert, int n
 // CUTLASS's static persistent schedule over the (M blocks x N blocks) of one batch, with the batch
 // index of a tile read from block_expert[M block]. A block of no expert (-1: rows past the last
 // segment) is skipped, or parked (see parked_block_offset) when its cluster partner has an expert.
-// The CTAs of a cluster make the same decisions, so they stay in step.
-template <int ClusterM>
+// The CTAs of a cluster make the same decisions, so they stay in step. Dense: see
+// BlockSchedulerTag.
+template <int ClusterM, bool Dense = false>
 class ExpertBlockTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
   static_assert(ClusterM == 1 || ClusterM == 2);
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
 
  public:
+  static constexpr bool kDense = Dense;
   using WorkTileInfo = typename Base::WorkTileInfo;
   struct Arguments : Base::Arguments {
     const int32_t* block_expert = nullptr;  // [num_m_blocks] expert of each 128-row block, or -1
@@ -125,8 +134,14 @@ class ExpertBlockTileScheduler : public cutlass::gemm::kernel::detail::Persisten
     return work_at(linear_idx_);
   }
 
+  // Past advance_count tiles of this CTA's walk (tiles that get_current_work returns), not past
+  // advance_count grid strides: CUTLASS's pingpong kernel has its producer step by one tile and
+  // its two consumers start one tile apart and step by two (advance_count 2), and a consumer's
+  // n-th tile must be the producer's (2n + its index)-th. A stride of two grids would make a
+  // consumer and the producer disagree wherever a skipped tile lies between (a block of no
+  // expert; in the dense GEMM the M blocks the swizzle rounds the grid up to).
   CUTLASS_DEVICE void advance_to_next_work(uint32_t advance_count = 1) {
-    linear_idx_ += grid_size_ * uint64_t(advance_count);
+    linear_idx_ = tiles_ahead(linear_idx_, advance_count);
   }
 
   CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo) {
@@ -141,7 +156,7 @@ class ExpertBlockTileScheduler : public cutlass::gemm::kernel::detail::Persisten
   }
 
   CUTLASS_DEVICE bool is_last_tile(WorkTileInfo&, uint32_t advance_count = 1) const {
-    return !work_at(next_expert_tile(linear_idx_ + grid_size_ * uint64_t(advance_count))).is_valid();
+    return !work_at(next_expert_tile(tiles_ahead(linear_idx_, advance_count))).is_valid();
   }
 
  private:
@@ -159,6 +174,14 @@ class ExpertBlockTileScheduler : public cutlass::gemm::kernel::detail::Persisten
     }
   }
 
+  // One grid stride past each of count tiles of the walk from idx (each settled on first by
+  // next_expert_tile, a no-op where idx already is one): where get_current_work then finds the
+  // tile count tiles on.
+  CUTLASS_DEVICE uint64_t tiles_ahead(uint64_t idx, uint32_t count) const {
+    for (uint32_t i = 0; i < count; ++i) idx = next_expert_tile(idx) + grid_size_;
+    return idx;
+  }
+
   // The base class's mapping of a linear index to (m, n) over one batch; L_idx = the expert of
   // the M block, or -1.
   CUTLASS_DEVICE WorkTileInfo work_at(uint64_t idx) const {
@@ -167,9 +190,10 @@ class ExpertBlockTileScheduler : public cutlass::gemm::kernel::detail::Persisten
     auto [m, n] = Base::get_work_idx_m_and_n(
         blk, params_.divmod_cluster_shape_major_, params_.divmod_cluster_shape_minor_,
         params_.divmod_cluster_blk_major_, params_.log_swizzle_size_, params_.raster_order_);
-    const int32_t e = expert_of_block(params_.block_expert, params_.num_m_blocks, m);
+    const int32_t* table = Dense ? nullptr : params_.block_expert;
+    const int32_t e = expert_of_block(table, params_.num_m_blocks, m);
     if constexpr (ClusterM == 2) {
-      const int32_t paired = paired_expert_of_block(params_.block_expert, params_.num_m_blocks, m);
+      const int32_t paired = paired_expert_of_block(table, params_.num_m_blocks, m);
       if (e < 0 && paired >= 0) return {m + parked_block_offset(params_.num_m_blocks), n, paired, true};
     }
     return {m, n, e, true};
@@ -183,10 +207,10 @@ class ExpertBlockTileScheduler : public cutlass::gemm::kernel::detail::Persisten
 }  // namespace epmoe
 
 namespace cutlass::gemm::kernel::detail {
-template <class TileShape, class ClusterShape, uint32_t SchedulerPipelineStageCount>
-struct TileSchedulerSelector<epmoe::ExpertBlockSchedulerTag, arch::Sm90, TileShape, ClusterShape,
+template <bool Dense, class TileShape, class ClusterShape, uint32_t SchedulerPipelineStageCount>
+struct TileSchedulerSelector<epmoe::BlockSchedulerTag<Dense>, arch::Sm90, TileShape, ClusterShape,
                              SchedulerPipelineStageCount> {
-  using Scheduler = epmoe::ExpertBlockTileScheduler<int(cute::size<0>(ClusterShape{}))>;
+  using Scheduler = epmoe::ExpertBlockTileScheduler<int(cute::size<0>(ClusterShape{})), Dense>;
 };
 }  // namespace cutlass::gemm::kernel::detail
 

@@ -30,6 +30,12 @@ void int8_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a, const at::T
 void int8_dense_gemm_coop(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
                           const at::Tensor& b, const at::Tensor& b_scale, int64_t raster_along_n,
                           int64_t max_swizzle, bool pdl);
+void int8_dense_gemm_pingpong(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
+                              const at::Tensor& b, const at::Tensor& b_scale,
+                              int64_t raster_along_n, int64_t max_swizzle, bool pdl);
+// int8_dense_gemm's kernel argument (epmoe.kernels.configs.CUTLASS_DENSE_KERNELS, in this order).
+constexpr int64_t kInt8DenseCooperative = 0;
+constexpr int64_t kInt8DensePingpong = 1;
 constexpr int64_t kInt8BlockVariants = 7;  // kNumInt8BlockVariants in block_scaled_contiguous_gemm.cuh
 constexpr int64_t kRowBlock = 128;
 }  // namespace epmoe
@@ -219,18 +225,25 @@ void int8_contiguous_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor&
 }
 
 // out = (a @ b[0]^T) * a_scale * b_scale[0] for one weight (b [1, N, K]) over every row of a, whose
-// rows are a multiple of 128 (a dense linear's, padded): no offsets, no block table.
+// rows are a multiple of 128 (a dense linear's, padded): no offsets, no block table. kernel: 0 the
+// cooperative kernel (128 x 256 tiles), 1 the pingpong one (128 x 128 tiles, one warpgroup's
+// epilogue under the other's MMAs); the same int32 sums and epilogue, so the same bits.
 void int8_dense_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& a_scale,
                      const at::Tensor& b, const at::Tensor& b_scale, int64_t raster_along_n,
-                     int64_t max_swizzle, bool pdl) {
+                     int64_t max_swizzle, bool pdl, int64_t kernel) {
   check_int8_channel("int8_dense_gemm", out, a, a_scale, b, b_scale);
   TORCH_CHECK(b.size(0) == 1, "int8_dense_gemm: b must hold one weight, [1, N, K]; got ", b.sizes());
   TORCH_CHECK(a.size(0) % epmoe::kRowBlock == 0, "int8_dense_gemm: the rows of a (", a.size(0),
               ") must be a multiple of ", epmoe::kRowBlock);
   TORCH_CHECK(max_swizzle >= 1, "int8_dense_gemm: max_swizzle=", max_swizzle, " (allowed >= 1)");
+  TORCH_CHECK(kernel == epmoe::kInt8DenseCooperative || kernel == epmoe::kInt8DensePingpong,
+              "int8_dense_gemm: kernel=", kernel, " (allowed ", epmoe::kInt8DenseCooperative,
+              ": cooperative, ", epmoe::kInt8DensePingpong, ": pingpong)");
   if (a.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(a.device());
-  epmoe::int8_dense_gemm_coop(out, a, a_scale, b, b_scale, raster_along_n, max_swizzle, pdl);
+  const auto run = kernel == epmoe::kInt8DensePingpong ? epmoe::int8_dense_gemm_pingpong
+                                                       : epmoe::int8_dense_gemm_coop;
+  run(out, a, a_scale, b, b_scale, raster_along_n, max_swizzle, pdl);
 }
 
 // out[e, :masked_m[e]] = (a[e] @ b[e]^T) * a_scale[e] * b_scale[e] over the masked layout
@@ -284,7 +297,7 @@ EPMOE_LIBRARY(TORCH_EXTENSION_NAME, m) {
       "Tensor masked_m, bool pdl=False) -> ()");
   m.def(
       "int8_dense_gemm(Tensor(a!) out, Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, "
-      "int raster_along_n=1, int max_swizzle=1, bool pdl=False) -> ()");
+      "int raster_along_n=1, int max_swizzle=1, bool pdl=False, int kernel=0) -> ()");
 }
 
 EPMOE_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CUDA, m) {

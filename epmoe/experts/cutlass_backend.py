@@ -18,7 +18,8 @@ use with :func:`torch.utils.cpp_extension.load` against the CUTLASS headers of t
 
 An INT8 forward is the Triton backend's with the project's INT8 kernels in place of the Triton
 GEMMs: ``int8_channel`` sums K in int32 and applies the per-token and per-channel scales in its
-epilogue (``int8_channel_contiguous_gemm.cu``); ``int8_block`` is the FP8 kernel's structure with
+epilogue (``int8_channel_gemm.cuh``; the dense op may run it on CUTLASS's pingpong kernel too);
+``int8_block`` is the FP8 kernel's structure with
 int8 MMAs, each 128-wide K block summed exactly in int32 and promoted to fp32 with the product of
 the 1x128 and 128x128 scales (``int8_block_contiguous_gemm.cu``). Which GEMMs a batch runs is
 chosen by its rows per expert (the host counts, or the dispatcher's hint when the sizes stayed on
@@ -61,6 +62,7 @@ import torch
 
 from .. import devices
 from ..errors import CutlassUnavailableError
+from ..kernels.configs import CUTLASS_DENSE_KERNELS
 from ..kernels.pdl import pdl_enabled
 from ..layouts import ContiguousBatch, MaskedBatch
 from ..quant.schemes import BLOCK, QuantScheme
@@ -93,8 +95,9 @@ SOURCES = (
     "int8_block_n256_halves_gemm.cu",
     "int8_block_n128_split_n_gemm.cu",
     "int8_channel_contiguous_gemm.cu",
+    "int8_dense_pingpong_gemm.cu",
 )
-HEADERS = ("contiguous_gemm_common.cuh", "block_scaled_contiguous_gemm.cuh")
+HEADERS = ("contiguous_gemm_common.cuh", "block_scaled_contiguous_gemm.cuh", "int8_channel_gemm.cuh")
 ROW_BLOCK = 128
 """Rows of a tile of the project's kernel: every expert segment starts and ends on a multiple."""
 INT8_BLOCK_SCHEDULES = (
@@ -743,11 +746,12 @@ def int8_dense_gemm(
     *,
     raster_along_n: bool = True,
     max_swizzle: int = 1,
+    kernel: str = "cooperative",
 ) -> torch.Tensor:
     """``out = (a @ b^T) * a_scale * b_scale^T`` in bf16 for one weight, the K sum exact in int32:
     the kernel of :func:`int8_grouped_gemm` over every row of ``a`` as one expert, without the
     offsets tensor and the row-block table that call builds on the GPU (two launches fewer; a
-    dense linear's call).
+    dense linear's call), or CUTLASS's pingpong kernel on the same operands.
 
     Args:
         a: ``[M, K]`` int8, contiguous; ``M`` a multiple of 128 (pad the rows: the padding rows are
@@ -757,17 +761,25 @@ def int8_dense_gemm(
         b_scale: ``[N, 1]`` (or ``[N]``, ``[1, N, 1]``, ``[1, N]``) fp32 per-output-channel multipliers.
         out: optional contiguous ``[M, N]`` bf16 output.
         raster_along_n, max_swizzle: the tiles' walk, as in :func:`int8_grouped_gemm`.
+        kernel: one of :data:`~epmoe.kernels.configs.CUTLASS_DENSE_KERNELS`: ``"cooperative"``
+            (:func:`int8_grouped_gemm`'s kernel, 128 x 256 tiles) or ``"pingpong"`` (128 x 128
+            tiles, each consumer warpgroup on its own, one's epilogue under the other's MMAs). The
+            same int32 sums and epilogue arithmetic, so the same output bits; the dense plan's
+            table says which is faster per shape and batch.
 
     Raises:
         TypeError, ValueError: what :func:`check_operands` refuses, ``M`` not a multiple of 128 or
-            ``MAX_ROWS`` or more, ``max_swizzle`` not 1, 2, 4 or 8; all before the extension is
+            ``MAX_ROWS`` or more, ``max_swizzle`` not 1, 2, 4 or 8, ``kernel`` not one of
+            :data:`~epmoe.kernels.configs.CUTLASS_DENSE_KERNELS`; all before the extension is
             loaded.
 
     Returns:
         ``out``, ``[M, N]`` bf16.
     """
-    _check_rows(a)
     op = "int8_dense_gemm"
+    if kernel not in CUTLASS_DENSE_KERNELS:
+        raise ValueError(f"{op}: kernel={kernel!r}; allowed: {list(CUTLASS_DENSE_KERNELS)}")
+    _check_rows(a)
     if isinstance(b, torch.Tensor) and b.dim() == 2:
         b = b.unsqueeze(0)
     if isinstance(b_scale, torch.Tensor) and b_scale.dim() in (1, 2) and b_scale.shape[0] != 1:
@@ -783,7 +795,8 @@ def int8_dense_gemm(
     if a.shape[0] == 0:
         return out
     load_extension().int8_dense_gemm(out, a.contiguous(), a_scale.contiguous(), b, b_scale.contiguous(),
-                                     int(bool(raster_along_n)), int(max_swizzle), pdl_enabled(a.device))  # fmt: skip
+                                     int(bool(raster_along_n)), int(max_swizzle), pdl_enabled(a.device),
+                                     CUTLASS_DENSE_KERNELS.index(kernel))  # fmt: skip
     return out
 
 

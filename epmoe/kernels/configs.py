@@ -42,6 +42,13 @@ backend runs on the project's kernel. Here, as :data:`DENSE_TRITON_KERNELS`, bec
 DENSE_TRITON_KERNELS = ("small_m", "triton", "tiled")
 """The dense kernels the ``triton`` backend runs, and ``cutlass`` through sgl-kernel (whose own
 GEMM is its ``tiled``); re-exported by :mod:`epmoe.kernels.dense_configs` as ``TRITON_KERNELS``."""
+CUTLASS_DENSE_KERNELS = ("cooperative", "pingpong")
+"""The project's CUTLASS dense INT8 GEMM's kernels (``int8_dense_gemm``'s ``kernel``, a
+:class:`~epmoe.kernels.dense_configs.CutlassLaunch`'s; the op takes the index): CUTLASS's
+cooperative kernel (both consumer warpgroups on one 128 x 256 tile, its epilogue after the MMAs)
+and its pingpong kernel (one 128 x 128 tile per warpgroup, one's epilogue under the other's MMAs:
+a gain where K is short and the epilogue a large share of a tile). Here so that the launch tables
+check them without loading the CUTLASS backend."""
 INT32_ACC_MODE = "int8_channel_int32"
 """Mode key of the int32-accumulator variant; its buckets override ``int8_channel``'s one by one."""
 

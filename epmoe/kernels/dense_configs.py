@@ -15,8 +15,9 @@ A bucket lists the kernels the sweep timed there, fastest first, each with its b
 
 * ``small_m``: :func:`epmoe.kernels.dense_int8.dense_int8_small_m` with that launch (split-K
   included); every GPU backend runs it;
-* ``cutlass``: the project's CUTLASS INT8 kernel with that rasterization (:class:`CutlassLaunch`),
-  on the ``cutlass`` backend when it runs the project's kernel;
+* ``cutlass``: the project's CUTLASS INT8 kernel (cooperative or pingpong) with that
+  rasterization (:class:`CutlassLaunch`), on the ``cutlass`` backend when it runs the project's
+  kernel;
 * ``triton``: the Triton tiled grouped GEMM with that tile config (a
   :class:`~epmoe.kernels.configs.GemmConfig`; none: its own lookup), on ``triton`` and ``cutlass``;
 * ``tiled`` (tables written before the tiled kernels were told apart): the backend's own tiled
@@ -40,8 +41,8 @@ import torch
 
 from ..tensors import check_bool
 from .configs import (
-    DENSE_KERNELS, DENSE_SMALL_M_MAX, DENSE_TRITON_KERNELS, PACKAGE_DIR, GemmConfig, _bucket_index, config_filename,
-    device_name, find_config_file, shape_key,
+    CUTLASS_DENSE_KERNELS, DENSE_KERNELS, DENSE_SMALL_M_MAX, DENSE_TRITON_KERNELS, PACKAGE_DIR, GemmConfig, _bucket_index,
+    config_filename, device_name, find_config_file, shape_key,
 )
 from .dense_int8 import SmallMConfig, _sms, small_m_config
 
@@ -55,13 +56,17 @@ SMALL_M_MAX = DENSE_SMALL_M_MAX
 
 
 class CutlassLaunch(NamedTuple):
-    """How the CUTLASS INT8 kernel walks its output tiles: along N (every N tile of one 128-row
-    block, then the next block) or along M, in groups of ``max_swizzle`` tiles of the other
-    dimension. Along N a weight wider than L2 is read from HBM once per row block; along M once
-    per group of row blocks."""
+    """Which CUTLASS INT8 kernel runs and how it walks its output tiles: along N (every N tile of
+    one 128-row block, then the next block) or along M, in groups of ``max_swizzle`` tiles of the
+    other dimension. Along N a weight wider than L2 is read from HBM once per row block; along M
+    once per group of row blocks. ``kernel``: one of
+    :data:`~epmoe.kernels.configs.CUTLASS_DENSE_KERNELS`, ``"cooperative"`` (128 x 256 tiles, the
+    default: tables written before there was a choice name none) or ``"pingpong"`` (128 x 128
+    tiles, one warpgroup's epilogue under the other's MMAs), whichever the sweep timed faster."""
 
     raster_along_n: bool = True
     max_swizzle: int = 1
+    kernel: str = "cooperative"
 
     def to_dict(self) -> dict:
         return self._asdict()
@@ -71,9 +76,12 @@ class CutlassLaunch(NamedTuple):
         unknown = set(d) - set(cls._fields)
         if unknown:
             raise ValueError(f"cutlass launch {d}: unknown keys {sorted(unknown)}; allowed: {list(cls._fields)}")
-        cfg = cls(check_bool("cutlass launch raster_along_n", d.get("raster_along_n", True)), int(d.get("max_swizzle", 1)))
+        cfg = cls(check_bool("cutlass launch raster_along_n", d.get("raster_along_n", True)), int(d.get("max_swizzle", 1)),
+                  d.get("kernel", "cooperative"))  # fmt: skip
         if cfg.max_swizzle not in SWIZZLES:
             raise ValueError(f"cutlass launch max_swizzle={cfg.max_swizzle}; allowed: {list(SWIZZLES)}")
+        if cfg.kernel not in CUTLASS_DENSE_KERNELS:
+            raise ValueError(f"cutlass launch kernel={cfg.kernel!r}; allowed: {list(CUTLASS_DENSE_KERNELS)}")
         return cfg
 
 

@@ -230,17 +230,20 @@ def test_fused_equals_unfused_bit_for_bit(m, dtype, k):
 
 # ------------------------------------------------------------------ the large-batch kernels of the plan
 def _cutlass_walks():
+    from epmoe.kernels.configs import CUTLASS_DENSE_KERNELS
     from epmoe.kernels.dense_configs import SWIZZLES, CutlassLaunch
 
-    return [CutlassLaunch(along_n, s) for along_n in (True, False) for s in SWIZZLES]
+    return [CutlassLaunch(along_n, s, kernel) for kernel in CUTLASS_DENSE_KERNELS for along_n in (True, False)
+            for s in SWIZZLES]  # fmt: skip
 
 
 def test_cutlass_walks_agree_bit_for_bit(monkeypatch):
-    """Every walk of the CUTLASS INT8 kernel the sweep times (along N / M, swizzle 1-8), through
-    the grouped op and the dense op the layer calls, gives the grouped default walk's output bit
-    for bit (a tile's sums do not depend on when it runs or on the block table), and that output
-    is within one bf16 rounding plus the fp32 epilogue's error of the float64 product per element.
-    1000 rows (8 row blocks, the last short) x 2176 outputs (8.5 N tiles of 256)."""
+    """Every walk of the CUTLASS INT8 kernels the sweep times (cooperative and pingpong, along N /
+    M, swizzle 1-8), through the grouped op (cooperative only) and the dense op the layer calls,
+    gives the grouped default walk's output bit for bit (a tile's sums do not depend on when it
+    runs, on the block table or on the tile's shape), and that output is within one bf16 rounding
+    plus the fp32 epilogue's error of the float64 product per element. 1000 rows (8 row blocks,
+    the last short) x 2176 outputs (8.5 N tiles of 256, 17 of 128)."""
     mod, _ = _module("cutlass", "int8_channel", "int32", 1024, 2176, False, monkeypatch)
     if mod._impl.impl != "epmoe":
         pytest.skip("sgl-kernel's int8_scaled_mm runs; the walks are the project's kernel's")
@@ -254,9 +257,56 @@ def test_cutlass_walks_agree_bit_for_bit(monkeypatch):
     _check_every_element(first, x, w, ws, None, "int8_channel")
     for walk in _cutlass_walks():
         kw = dict(raster_along_n=walk.raster_along_n, max_swizzle=walk.max_swizzle)
-        assert torch.equal(int8_grouped_gemm(q, s, w[None], ws[None], offsets, **kw)[:m], first), walk
+        if walk.kernel == "cooperative":  # the grouped op's only kernel
+            assert torch.equal(int8_grouped_gemm(q, s, w[None], ws[None], offsets, **kw)[:m], first), walk
         # The dense op (no offsets, no block table): the same sums over the same rows.
-        assert torch.equal(int8_dense_gemm(q, s, w, ws, **kw)[:m], first), walk
+        assert torch.equal(int8_dense_gemm(q, s, w, ws, **walk._asdict())[:m], first), walk
+
+
+def _needs_project_cutlass():
+    """Skips unless the project's CUTLASS kernels build here (its headers and an SM90 GPU)."""
+    from epmoe.experts.cutlass_backend import find_cutlass_include
+
+    if torch.cuda.get_device_capability(DEV)[0] != 9 or find_cutlass_include() is None:
+        pytest.skip("needs CUTLASS headers (nvidia-cutlass / EPMOE_CUTLASS_DIR) on an SM90 GPU")
+
+
+@pytest.mark.parametrize("n,k", [(576, 1536), (2056, 2048), (7168, 512)], ids=["q_b-K", "N-odd", "short-K"])
+@pytest.mark.parametrize("m", [128, 256, 384, 1024, 3200])
+def test_dense_kernels_every_element_and_identical(m, n, k):
+    """The dense op's two kernels (cooperative, 128 x 256 tiles; pingpong, 128 x 128) on fresh random
+    int8 operands and scales, with three walks each: every element within one bf16 rounding of the
+    float64 product of the same operands (the int32 K sum is exact; two fp32 products and the bf16
+    rounding remain), and every output identical bit for bit to the first. Identical because each
+    output element is the same exact int32 sum through the same epilogue arithmetic (times the
+    channel scale, then the row scale, in fp32; one bf16 rounding) whichever tile holds it and
+    whichever warpgroup stores it: a differing bit is a tile computed wrong, skipped or stored
+    twice, not rounding. N = 2056 and 576 are multiples of neither tile width (576: 2.25 tiles of
+    256, 4.5 of 128); M from one row block to 25. With 3 or 25 row blocks a swizzle rounds the
+    scheduler's M blocks up past the rows: tiles it skips, over which the pingpong kernel's
+    producer and its two consumers must still walk the same tiles (else a consumer waits for a
+    tile the producer never loads)."""
+    _needs_project_cutlass()
+    from epmoe.experts.cutlass_backend import int8_dense_gemm
+    from epmoe.kernels.configs import CUTLASS_DENSE_KERNELS
+
+    g = torch.Generator(device=DEV).manual_seed(m * 7 + n + k)
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8, device=DEV, generator=g)
+    b = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=DEV, generator=g)
+    sa = torch.rand(m, 1, device=DEV, generator=g) + 0.5
+    sb = (torch.rand(n, 1, device=DEV, generator=g) + 0.5) / (127.0 * 127.0 * k**0.5)
+    ref = (a.double() @ b.double().t()) * sa.double() * sb.double().t()
+    first = None
+    for kernel in CUTLASS_DENSE_KERNELS:
+        for along_n, swizzle in ((True, 1), (False, 4), (True, 2)):
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+            int8_dense_gemm(a, sa, b, sb, out, raster_along_n=along_n, max_swizzle=swizzle, kernel=kernel)
+            what = (kernel, along_n, swizzle)
+            err = (out.double() - ref).abs()  # NaN (an element never written) fails the bound
+            excess = (err - ref.abs() * 2.0**-8 * (1 + 1e-5)).nan_to_num(float("inf"))
+            assert bool((excess <= 0).all()), (what, float(excess.max()))
+            first = out if first is None else first
+            assert torch.equal(out, first), what
 
 
 @pytest.mark.parametrize("m", [300, 1000])
