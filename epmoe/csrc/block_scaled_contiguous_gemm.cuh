@@ -769,7 +769,7 @@ struct WithElement<cutlass::gemm::collective::CollectiveMma<Policy, Tile, EA, SA
 // for one more mainloop stage; Schedule: the consumer warpgroups' (BlockScaledSchedule).
 template <class Element_, class TileShape_, class ClusterShape_, int GroupN, bool WholeTileEpilogue,
           int Schedule = kLockstep>
-struct BlockScaledContiguousGemmConfig {
+struct BlockScaledContiguousGemmConfig : ContiguousStrides {
   static_assert(size<0>(TileShape_{}) == kRowBlock, "a tile's rows are one aligned block");
   static_assert(size<0>(ClusterShape_{}) == 1 || size<1>(ClusterShape_{}) == 1,
                 "clusters pair M blocks (2 x 1) or N blocks (1 x n), not both");
@@ -783,11 +783,7 @@ struct BlockScaledContiguousGemmConfig {
   using ElementD = cutlass::bfloat16_t;
   using ElementAccumulator = float;
   using ElementCompute = float;
-
-  // The expert selects B and SFB only; A and D are one tensor each (static zero L stride).
-  using StrideA = cute::Stride<int64_t, cute::_1, cute::_0>;
-  using StrideB = cute::Stride<int64_t, cute::_1, int64_t>;
-  using StrideD = cute::Stride<int64_t, cute::_1, cute::_0>;
+  // StrideA, StrideB, StrideD: ContiguousStrides (the expert selects B and SFB only).
 
   static constexpr int AlignmentA = 128 / cutlass::sizeof_bits<ElementA>::value;
   static constexpr int AlignmentB = 128 / cutlass::sizeof_bits<ElementB>::value;

@@ -278,6 +278,14 @@ static __global__ void masked_block_expert_kernel(int num_blocks, int num_expert
   block_expert[t] = (e < num_experts && row - int64_t(e) * max_m < masked_m[e]) ? e : -1;
 }
 
+// The configurations' stride types (they derive from this): A [M, K] and D [M, N] one tensor each,
+// a static zero stride in L (every expert's rows in one TMA descriptor); B [E, N, K] moves with L.
+struct ContiguousStrides {
+  using StrideA = cute::Stride<int64_t, cute::_1, cute::_0>;
+  using StrideB = cute::Stride<int64_t, cute::_1, int64_t>;
+  using StrideD = cute::Stride<int64_t, cute::_1, cute::_0>;
+};
+
 // The strides of A [M, K] and D [M, N] (a static zero in L: one tensor serves every expert) and
 // of B [E, N, K] (moves with L).
 template <class Cfg>

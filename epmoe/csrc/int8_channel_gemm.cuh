@@ -60,7 +60,7 @@ struct ScheduleTraits<cutlass::gemm::KernelTmaWarpSpecializedPingpong> {
 // pingpong kernel (each warpgroup on a tile of its own, one's epilogue under the other's MMAs).
 template <class TileShape_, class ClusterShape_,
           class KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative>
-struct Int8ContiguousGemmConfig {
+struct Int8ContiguousGemmConfig : ContiguousStrides {
   static_assert(size<0>(TileShape_{}) == kRowBlock, "a tile's rows are one aligned block");
   static_assert(size<0>(ClusterShape_{}) == 1, "clusters pair N tiles of one M block");
   using ProblemShape = Shape<int, int, int, int>;  // (M, N, K, L = experts)
@@ -69,9 +69,6 @@ struct Int8ContiguousGemmConfig {
   using ElementD = cutlass::bfloat16_t;
   using ElementAccumulator = int32_t;
   using ElementCompute = float;
-  using StrideA = cute::Stride<int64_t, cute::_1, cute::_0>;
-  using StrideB = cute::Stride<int64_t, cute::_1, int64_t>;
-  using StrideD = cute::Stride<int64_t, cute::_1, cute::_0>;
   static constexpr int AlignmentA = 16;
   static constexpr int AlignmentB = 16;
   static constexpr int AlignmentD = 8;

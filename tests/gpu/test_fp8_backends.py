@@ -918,7 +918,8 @@ def _graphed_outputs(step, source, inputs, valid):
 @needs_cutlass
 @pytest.mark.parametrize("scheme_name,layout", [("fp8_block", "contiguous"), ("int8_channel", "contiguous"),
                                                 ("int8_block", "contiguous"), ("int8_channel", "masked"),
-                                                ("int8_block", "masked"), ("int8_channel", "dense")])  # fmt: skip
+                                                ("int8_block", "masked"), ("int8_channel", "dense"),
+                                                ("int8_channel", "dense-pingpong")])  # fmt: skip
 def test_cutlass_dependent_launches_compute_what_plain_launches_do(scheme_name, layout, monkeypatch):
     """With PDL (the default on Hopper) the CUTLASS GEMMs and their block-table kernels launch as
     programmatic dependents: they may start while the kernel before still runs, and every warp
@@ -926,8 +927,10 @@ def test_cutlass_dependent_launches_compute_what_plain_launches_do(scheme_name, 
     scheduler's first call). A kernel that read early would see the previous replay's rows or
     table: the experts pass on the CUTLASS kernels (quantize, table, GEMM1, the activation's
     requantization, table, GEMM2, each kernel a dependent of the one before), the masked pass and
-    a dense INT8 linear, replayed from a CUDA graph on new inputs, equal the same with
-    ``EPMOE_PDL=0``, bit for bit (the rows each pass defines)."""
+    a dense INT8 linear (on the plan's CUTLASS kernel, and forced onto the pingpong one, whose
+    second consumer warpgroup advances before it asks for its first tile), replayed from a CUDA
+    graph on new inputs, equal the same with ``EPMOE_PDL=0``, bit for bit (the rows each pass
+    defines)."""
     from epmoe.experts import cutlass_backend as cb
     from epmoe.experts.base import ExpertWeights
     from epmoe.kernels.pdl import pdl_enabled
@@ -941,11 +944,20 @@ def test_cutlass_dependent_launches_compute_what_plain_launches_do(scheme_name, 
     g = torch.Generator(device="cuda").manual_seed(5)
     tokens = 1024  # top-4 of 16 experts: about 256 rows per expert, the CUTLASS kernels' sizes
     x = torch.randn(tokens, LH, device="cuda", generator=g).bfloat16()
-    if layout == "dense":
+    if layout.startswith("dense"):
         from epmoe import Int8Linear
 
         linear = Int8Linear.from_float(torch.nn.Linear(LH, 3 * LI, bias=False, device="cuda"), backend="cutlass")
         source, step, valid = x, (lambda: linear(x)), (lambda out: out)
+        if layout == "dense-pingpong":
+            from epmoe.kernels.dense_configs import CutlassLaunch
+            from epmoe.linear import _dense_kernels
+
+            if linear._impl.impl != "epmoe":
+                pytest.skip("sgl-kernel's int8_scaled_mm runs here, not the project's kernels")
+            pingpong = ("cutlass", CutlassLaunch(False, 4, "pingpong"))
+            monkeypatch.setattr(_dense_kernels(), "dense_plan", lambda *a: pingpong)
+            assert linear.plan(tokens) == pingpong
     else:
         scheme = get_scheme(scheme_name)
         extra = {"accumulator": "int32", "int8_kernel": "cutlass"} if scheme_name == "int8_channel" else \
