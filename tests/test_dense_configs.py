@@ -320,6 +320,9 @@ def test_table_booleans_must_be_booleans():
     with pytest.raises(ValueError, match="small-batch config fused='no'; allowed: true, false, 0 or 1"):
         SmallMConfig.from_dict({**CFG.to_dict(), "fused": "no"})
     assert dc.CutlassLaunch.from_dict({"raster_along_n": False}).raster_along_n is False
+    # A table's triton entry (a grouped-GEMM tile config) is checked the same way.
+    with pytest.raises(ValueError, match="TMA='false'; allowed: true, false, 0 or 1"):
+        dc.GemmConfig.from_dict({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "TMA": "false"})
 
 
 def test_cutlass_launch_kernel():
@@ -336,6 +339,3 @@ def test_cutlass_launch_kernel():
         dc.parse_table(bad)
     table = {"int8_channel_int32": {"N=576,K=7168": {"1024": [{"kernel": "cutlass", "config": pingpong.to_dict()}]}}}
     assert dc.parse_table({"configs": table})["int8_channel_int32"]["N=576,K=7168"][1] == ((("cutlass", pingpong),),)
-    # A table's triton entry (a grouped-GEMM tile config) is checked the same way.
-    with pytest.raises(ValueError, match="TMA='false'; allowed: true, false, 0 or 1"):
-        dc.GemmConfig.from_dict({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "TMA": "false"})

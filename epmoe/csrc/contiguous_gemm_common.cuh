@@ -16,6 +16,13 @@
 
 #include "cute/tensor.hpp"
 #include "cutlass/arch/grid_dependency_control.h"
+
+// A GEMM launched as a programmatic dependent (run_gemm's pdl) is safe only with CUTLASS's grid
+// dependency control compiled in: without it CUTLASS still sets the launch attribute, but its
+// kernels (and the scheduler's wait below) no longer wait for the kernel before.
+#if !defined(CUTLASS_ENABLE_GDC_FOR_SM90)
+#error "epmoe's CUTLASS GEMMs need -DCUTLASS_ENABLE_GDC_FOR_SM90 (NVCC_FLAGS in epmoe/experts/cutlass_backend.py)"
+#endif
 #include "cutlass/cutlass.h"
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
 #include "cutlass/kernel_hardware_info.h"
@@ -73,10 +80,12 @@ class ExpertBlockTileScheduler : public cutlass::gemm::kernel::detail::Persisten
   struct Arguments : Base::Arguments {
     const int32_t* block_expert = nullptr;  // [num_m_blocks] expert of each 128-row block, or -1
     int32_t num_m_blocks = 0;
+    bool pdl = false;  // launched as a programmatic dependent: trigger the next launch early
   };
   struct Params : Base::Params {
     const int32_t* block_expert = nullptr;
     int32_t num_m_blocks = 0;
+    bool pdl = false;
   };
 
   template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
@@ -92,6 +101,7 @@ class ExpertBlockTileScheduler : public cutlass::gemm::kernel::detail::Persisten
         epilogue_subtile, ktile_start_alignment_count);
     p.block_expert = arguments.block_expert;
     p.num_m_blocks = arguments.num_m_blocks;
+    p.pdl = arguments.pdl;
     return p;
   }
 
@@ -120,9 +130,15 @@ class ExpertBlockTileScheduler : public cutlass::gemm::kernel::detail::Persisten
   // Every warp of the kernel asks for its first tile before it touches global memory, and this
   // is its first read of the block table. Launched as a programmatic dependent (run_gemm with
   // pdl), the kernel starts while the kernels before it may still be writing the table, the
-  // operands or the scales, so every warp waits for them here; CUTLASS's own waits come after
-  // this read, in its producer warps only. Without PDL (or without CUTLASS_ENABLE_GDC_FOR_SM90)
-  // the wait returns at once.
+  // operands or the scales, so every warp waits for them here. CUTLASS's own waits come after
+  // this read and only in some warps: its mainloop and epilogue producers wait, but the
+  // auxiliary producer warp (which fetches the block-scaled kernels' weight scales) and the
+  // consumer warps (the table, the epilogue's scale vectors) have no wait of their own, so this
+  // one is theirs. What runs before it in every warp (the epilogue's constructors, TMA descriptor
+  // prefetches from the kernel parameters, shared-memory barriers) reads no global memory: the
+  // epilogues take scalars by value and their broadcasts have static strides; an alpha pointer or
+  // a runtime zero-stride broadcast would be read there, before this wait. Without PDL the wait
+  // returns at once.
   template <class ClusterShape>
   CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
     cutlass::arch::wait_on_dependent_grids();
@@ -155,8 +171,13 @@ class ExpertBlockTileScheduler : public cutlass::gemm::kernel::detail::Persisten
     return fetch_next_work(work);
   }
 
+  // CUTLASS calls this after each tile's MMAs only to let the next kernel launch once this CTA
+  // is on its last tile (the cooperative and pingpong kernels with grid dependency control).
+  // Without a programmatic dependent launch it answers no: EPMOE_PDL=0 then means that no kernel
+  // of the package triggers its dependents early, and no tile pays for the look-ahead.
   CUTLASS_DEVICE bool is_last_tile(WorkTileInfo&, uint32_t advance_count = 1) const {
-    return !work_at(next_expert_tile(tiles_ahead(linear_idx_, advance_count))).is_valid();
+    // next_expert_tile stops at a tile with an expert or past the problem: only the latter is last.
+    return params_.pdl && next_expert_tile(tiles_ahead(linear_idx_, advance_count)) >= params_.blocks_per_problem_;
   }
 
  private:
@@ -216,12 +237,15 @@ struct TileSchedulerSelector<epmoe::BlockSchedulerTag<Dense>, arch::Sm90, TileSh
 
 namespace epmoe {
 
-// The first statement of a kernel that launch_table may launch as a programmatic dependent: let
-// the GEMM after it launch now (its CTAs set up and then wait in the scheduler), then wait for
-// the kernel before, which may have written the offsets. No-ops on a plain launch.
-CUTLASS_DEVICE void dependent_start() {
-  cutlass::arch::launch_dependent_grids();
-  cutlass::arch::wait_on_dependent_grids();
+// The first statement of a kernel that launch_table launches, with the launch's pdl: as a
+// programmatic dependent, let the GEMM after it launch now (its CTAs set up and then wait in the
+// scheduler), then wait for the kernel before, which may have written the offsets. On a plain
+// launch nothing: the next kernel is not let in early.
+CUTLASS_DEVICE void dependent_start(bool pdl) {
+  if (pdl) {
+    cutlass::arch::launch_dependent_grids();
+    cutlass::arch::wait_on_dependent_grids();
+  }
 }
 
 // block_expert[b] = the e with offsets[e] <= 128 b < offsets[e + 1], else -1 (one thread a block).
@@ -230,8 +254,8 @@ CUTLASS_DEVICE void dependent_start() {
 // offending index and values are printed first.
 static __global__ void block_expert_kernel(int num_blocks, int num_experts, int64_t rows,
                                            const int32_t* __restrict__ offsets,
-                                           int32_t* block_expert) {
-  dependent_start();
+                                           int32_t* block_expert, bool pdl) {
+  dependent_start(pdl);
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t <= num_experts) {
     const int32_t o = offsets[t], previous = t == 0 ? 0 : offsets[t - 1];
@@ -263,8 +287,8 @@ static __global__ void block_expert_kernel(int num_blocks, int num_experts, int6
 // a bad batch stops with a device-side assert before the GEMM runs, without a host sync.
 static __global__ void masked_block_expert_kernel(int num_blocks, int num_experts, int max_m,
                                                   const int32_t* __restrict__ masked_m,
-                                                  int32_t* block_expert) {
-  dependent_start();
+                                                  int32_t* block_expert, bool pdl) {
+  dependent_start(pdl);
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t < num_experts) {
     const int32_t v = masked_m[t];
@@ -313,8 +337,9 @@ void set_block_table(SchedulerArguments& scheduler, const int32_t* block_expert,
 // with pdl as a programmatic dependent launch (the kernel's warps wait in the scheduler's
 // initial_work_tile_info before they read anything; its last tiles let the next kernel launch).
 template <class Gemm>
-void run_gemm(const typename Gemm::Arguments& args, const at::Tensor& a, bool pdl) {
+void run_gemm(typename Gemm::Arguments args, const at::Tensor& a, bool pdl) {
   auto stream = at::cuda::getCurrentCUDAStream(a.get_device());
+  args.scheduler.pdl = pdl;  // whether its last tiles let the next kernel launch (is_last_tile)
   Gemm gemm;
   EPMOE_CHECK_CUTLASS(gemm.can_implement(args), "can_implement");
   const size_t workspace_bytes = Gemm::get_workspace_size(args);
@@ -354,7 +379,7 @@ static at::Tensor block_expert_table(const at::Tensor& a, const at::Tensor& offs
   const int checks = std::max(num_blocks, num_experts + 1);
   launch_table(block_expert_kernel, (checks + threads - 1) / threads, threads, stream, pdl,
                num_blocks, num_experts, a.size(0), offsets.data_ptr<int32_t>(),
-               block_expert.data_ptr<int32_t>());
+               block_expert.data_ptr<int32_t>(), pdl);
   return block_expert;
 }
 
@@ -369,7 +394,7 @@ static at::Tensor masked_block_expert_table(const at::Tensor& a, const at::Tenso
   const int checks = std::max(num_blocks, num_experts);
   launch_table(masked_block_expert_kernel, (checks + threads - 1) / threads, threads, stream, pdl,
                num_blocks, num_experts, static_cast<int>(max_m), masked_m.data_ptr<int32_t>(),
-               block_expert.data_ptr<int32_t>());
+               block_expert.data_ptr<int32_t>(), pdl);
   return block_expert;
 }
 

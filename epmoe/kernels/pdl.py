@@ -12,9 +12,12 @@ Triggering dependents early is always safe: the dependent waits before it reads.
 that the dependent's programs may take SM slots (and issue their prefetches) while the trigger's
 kernel still runs, which is why the dense GEMM places its trigger where its own loads are done;
 the decode step's kernels trigger first thing (:func:`dependent_start`): every program of theirs
-is placed by then, and the dependent only waits. A kernel launched after one of these as a
-programmatic dependent (a third-party kernel with PDL on) must wait likewise before it reads
-their outputs; ``EPMOE_PDL=0`` launches them plainly.
+is placed by then, and the dependent only waits. The project's CUTLASS GEMMs follow the same
+decision (:func:`pdl_enabled`, passed to their ops as ``pdl``): their block-table kernels trigger
+first thing, the GEMMs from their last tiles, and every warp of a GEMM waits before its first
+read. A kernel launched after one of these as a programmatic dependent (a third-party kernel with
+PDL on) must wait likewise before it reads their outputs; ``EPMOE_PDL=0`` launches them plainly,
+and none then triggers its dependents early.
 """
 
 from __future__ import annotations

@@ -16,12 +16,21 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from epmoe.experts.cutlass_backend import INT8_BLOCK_SCHEDULES
+from epmoe.kernels.pdl import gdc_launch_dependents, gdc_wait
+
+try:  # Triton >= 3.4, as epmoe.kernels.pdl's grid dependency control (the tests using it skip without)
+    from triton.language.extra.cuda import globaltimer
+except ImportError:  # pragma: no cover
+    globaltimer = None
 from epmoe.quant import get_scheme
 from epmoe.quant.reference import dequantize_rows, dequantize_weight, quantize_rows, quantize_weight
 
@@ -922,15 +931,13 @@ def _graphed_outputs(step, source, inputs, valid):
                                                 ("int8_channel", "dense-pingpong")])  # fmt: skip
 def test_cutlass_dependent_launches_compute_what_plain_launches_do(scheme_name, layout, monkeypatch):
     """With PDL (the default on Hopper) the CUTLASS GEMMs and their block-table kernels launch as
-    programmatic dependents: they may start while the kernel before still runs, and every warp
-    waits for it before its first read (the table kernel first thing, the GEMM in its tile
-    scheduler's first call). A kernel that read early would see the previous replay's rows or
-    table: the experts pass on the CUTLASS kernels (quantize, table, GEMM1, the activation's
-    requantization, table, GEMM2, each kernel a dependent of the one before), the masked pass and
-    a dense INT8 linear (on the plan's CUTLASS kernel, and forced onto the pingpong one, whose
-    second consumer warpgroup advances before it asks for its first tile), replayed from a CUDA
-    graph on new inputs, equal the same with ``EPMOE_PDL=0``, bit for bit (the rows each pass
-    defines)."""
+    programmatic dependents (each wait is proven by the late-writer test below). Whole passes as
+    the layer runs them: the experts pass on the CUTLASS kernels (quantize, table, GEMM1, the
+    activation's requantization, table, GEMM2, each kernel a dependent of the one before), the
+    masked pass and a dense INT8 linear (on the plan's CUTLASS kernel, and forced onto the
+    pingpong one, whose second consumer warpgroup advances before it asks for its first tile),
+    replayed from a CUDA graph on new inputs, equal the same with ``EPMOE_PDL=0``, bit for bit
+    (the rows each pass defines)."""
     from epmoe.experts import cutlass_backend as cb
     from epmoe.experts.base import ExpertWeights
     from epmoe.kernels.pdl import pdl_enabled
@@ -949,12 +956,12 @@ def test_cutlass_dependent_launches_compute_what_plain_launches_do(scheme_name, 
 
         linear = Int8Linear.from_float(torch.nn.Linear(LH, 3 * LI, bias=False, device="cuda"), backend="cutlass")
         source, step, valid = x, (lambda: linear(x)), (lambda out: out)
+        if linear._impl.impl != "epmoe":
+            pytest.skip("sgl-kernel's int8_scaled_mm runs here, not the project's kernels")
         if layout == "dense-pingpong":
             from epmoe.kernels.dense_configs import CutlassLaunch
             from epmoe.linear import _dense_kernels
 
-            if linear._impl.impl != "epmoe":
-                pytest.skip("sgl-kernel's int8_scaled_mm runs here, not the project's kernels")
             pingpong = ("cutlass", CutlassLaunch(False, 4, "pingpong"))
             monkeypatch.setattr(_dense_kernels(), "dense_plan", lambda *a: pingpong)
             assert linear.plan(tokens) == pingpong
@@ -984,3 +991,161 @@ def test_cutlass_dependent_launches_compute_what_plain_launches_do(scheme_name, 
         assert torch.isfinite(want.float()).all() and want.float().abs().max() > 0
         assert torch.equal(got, want)
     assert not torch.equal(plain[0], plain[1])  # the replays did read the new inputs
+
+
+@triton.jit
+def _late_copy_kernel(SRC, DST, N, SPIN_NS: tl.constexpr, BLOCK: tl.constexpr):
+    """A programmatic dependent that lets the next kernel launch at once, then waits for its own
+    predecessor, spins ``SPIN_NS`` and only then copies ``SRC`` to ``DST`` (bytes; few programs,
+    all resident at once, so the trigger takes effect before any of them finishes)."""
+    gdc_launch_dependents()
+    gdc_wait()
+    t0 = globaltimer()
+    while globaltimer() - t0 < SPIN_NS:
+        pass
+    for start in range(tl.program_id(0) * BLOCK, N, tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(DST + offs, tl.load(SRC + offs, mask=offs < N), mask=offs < N)
+
+
+@triton.jit
+def _peek_kernel(SRC, OUT):
+    """Reads the first four bytes of ``SRC`` without waiting for the kernel before (what a
+    dependent that forgot its wait would see)."""
+    tl.store(OUT, tl.load(SRC.to(tl.pointer_type(tl.int32))))
+
+
+def _slab(specs):
+    """One uint8 buffer holding tensors of ``specs`` (``(shape, dtype)``, each at a 256-byte
+    offset) and the views; a late writer then replaces every input of an op with one copy."""
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
+    starts = [sum(-(-n // 256) * 256 for n in sizes[:i]) for i in range(len(sizes))]
+    slab = torch.zeros(starts[-1] + sizes[-1], dtype=torch.uint8, device="cuda")
+    views = [slab[o:o + n].view(dtype).view(shape) for (shape, dtype), o, n in zip(specs, starts, sizes)]
+    return slab, views
+
+
+def _fill(views, values):
+    for v, x in zip(views, values):
+        v.copy_(x)
+
+
+LATE_NS = 200_000
+"""How long the late writer holds its copy back after the next kernel may launch: far longer than
+any of these GEMMs takes to start and read its first tile."""
+
+
+def _op_case(op, g):
+    """``(specs, make_inputs(seed), run(views), valid_rows(inputs))`` of one CUTLASS op: every
+    tensor the op reads that a kernel before it could write (activations, their scales, the offsets
+    or masked_m) lives in the slab; the weights are fixed."""
+    from epmoe.experts import cutlass_backend as cb
+
+    e, n, k, m, max_m = 4, 512, 512, 1024, 256
+    fp8 = op == "fp8_grouped"
+    code = torch.float8_e4m3fn if fp8 else torch.int8
+    b = (torch.randn(e, n, k, device="cuda", generator=g) * 40).clamp(-127, 127)
+    b = b.to(code)
+    block = op in ("fp8_grouped", "int8_block_grouped", "int8_block_masked")
+    b_scale = torch.rand(*((e, n // 128, k // 128) if block else (e, n, 1)), device="cuda", generator=g) * 1e-3 + 1e-4
+    masked = op.endswith("masked")
+    dense = op.startswith("dense")
+    rows = e * max_m if masked else m
+    a_shape = (e, max_m, k) if masked else (m, k)
+    scale_cols = k // 128 if block else 1
+    # Block-scaled grouped ops read MN-major activation scales as they are (no transposing copy
+    # between the late writer and the op); the slab holds them as [scale_cols, rows] = MN-major.
+    mn_major = block and not masked
+    s_shape = (scale_cols, rows) if mn_major else ((e, max_m, scale_cols) if masked else (m, scale_cols))
+    specs = [(a_shape, code), (s_shape, torch.float32)]
+    if not dense:
+        specs.append(((e,) if masked else (e + 1,), torch.int32))
+    routings = {1: [256, 128, 384, 256], 2: [128, 512, 0, 384]} if not masked else \
+        {1: [256, 13, 200, 0], 2: [100, 256, 0, 129]}  # fmt: skip
+
+    def make_inputs(seed):
+        gg = torch.Generator(device="cuda").manual_seed(seed)
+        a = (torch.randn(a_shape, device="cuda", generator=gg) * 40).clamp(-127, 127).to(code)
+        sa = torch.rand(s_shape, device="cuda", generator=gg) * 1e-2 + 1e-3
+        out = [a, sa]
+        if not dense:
+            counts = routings[seed]
+            seg = counts if masked else [0] + list(torch.tensor(counts).cumsum(0).tolist())
+            out.append(torch.tensor(seg, dtype=torch.int32, device="cuda"))
+        return out
+
+    def scale_view(sa):
+        return sa.t() if mn_major else sa
+
+    def run(views):
+        a, sa = views[0], scale_view(views[1])
+        if op == "fp8_grouped":
+            return cb.grouped_gemm(a, sa, b, b_scale, views[2], impl="epmoe")
+        if op == "int8_grouped":
+            return cb.int8_grouped_gemm(a, sa, b, b_scale, views[2])
+        if op == "int8_block_grouped":
+            return cb.int8_block_grouped_gemm(a, sa, b, b_scale, views[2])
+        if op == "int8_masked":
+            return cb.int8_masked_gemm(a, sa, b, b_scale, views[2])
+        if op == "int8_block_masked":
+            return cb.int8_block_masked_gemm(a, sa, b, b_scale, views[2])
+        kernel = "pingpong" if op == "dense_pingpong" else "cooperative"
+        return cb.int8_dense_gemm(a, sa, b[0], b_scale[0], kernel=kernel)
+
+    def valid(out, inputs):
+        if dense:
+            return out
+        if masked:
+            keep = torch.arange(max_m, device="cuda")[None, :] < inputs[2][:, None]
+            return out[keep]
+        return out[: int(inputs[2][-1])]
+
+    return specs, make_inputs, run, valid
+
+
+@needs_cutlass
+@pytest.mark.parametrize("op", ["fp8_grouped", "int8_grouped", "int8_block_grouped", "int8_masked",
+                                "int8_block_masked", "dense_cooperative", "dense_pingpong"])  # fmt: skip
+def test_cutlass_ops_wait_for_a_late_writer(op, monkeypatch):
+    """Each CUTLASS op launched as a programmatic dependent waits for the kernel before it. That
+    kernel (a late writer: it lets the next kernel launch at once, then holds its copy of the op's
+    inputs back for 0.2 ms) replaces the activations, their scales and the routing (offsets or
+    masked_m, so the block table changes) of a first batch with a second's. The op's first kernel
+    (the block-table kernel, or the dense GEMM) starts during that wait; the GEMM after the table
+    kernel starts while the table kernel waits. A kernel that read before its wait would compute
+    with the first batch's rows, scales or table: the output must equal the second batch's computed
+    with plain launches, bit for bit. A kernel launched the same way that does not wait (the peek)
+    does see the first batch: the late writer does hold its copy back."""
+    from epmoe.kernels.pdl import pdl_enabled
+
+    if not pdl_enabled(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0+ and EPMOE_PDL not 0")
+    g = torch.Generator(device="cuda").manual_seed(11)
+    specs, make_inputs, run, valid = _op_case(op, g)
+    slab, views = _slab(specs)
+    late_slab, late_views = _slab(specs)
+    first, second = make_inputs(1), make_inputs(2)
+    _fill(late_views, second)
+    monkeypatch.setenv("EPMOE_PDL", "0")
+    _fill(views, second)
+    want = valid(run(views), second).clone()
+    _fill(views, first)
+    torch.cuda.synchronize()
+    assert not torch.equal(valid(run(views), second), want)  # the batches differ where it is read
+    monkeypatch.setenv("EPMOE_PDL", "1")
+    peek = torch.zeros(1, dtype=torch.int32, device="cuda")
+    words = [int(x[0].reshape(-1).view(torch.uint8)[:4].view(torch.int32)) for x in (first, second)]
+    assert words[0] != words[1]
+    for check in ("peek", "op"):
+        _fill(views, first)
+        torch.cuda.synchronize()
+        _late_copy_kernel[(64,)](late_slab, slab, slab.numel(), SPIN_NS=LATE_NS, BLOCK=1024, launch_pdl=True)
+        if check == "peek":
+            _peek_kernel[(1,)](slab, peek, launch_pdl=True)
+            torch.cuda.synchronize()
+            assert int(peek) == words[0], "the late writer did not hold its copy back: the test would prove nothing"
+            assert int(slab[:4].view(torch.int32)) == words[1]
+        else:
+            got = valid(run(views), second)
+            torch.cuda.synchronize()
+            assert torch.equal(got, want), op
