@@ -1030,9 +1030,9 @@ def _fill(views, values):
         v.copy_(x)
 
 
-LATE_NS = 200_000
+LATE_NS = 1_000_000
 """How long the late writer holds its copy back after the next kernel may launch: far longer than
-any of these GEMMs takes to start and read its first tile."""
+any of these GEMMs (or the peek, compiled beforehand) takes to start and read its first tile."""
 
 
 def _op_case(op, g):
@@ -1109,13 +1109,13 @@ def _op_case(op, g):
 def test_cutlass_ops_wait_for_a_late_writer(op, monkeypatch):
     """Each CUTLASS op launched as a programmatic dependent waits for the kernel before it. That
     kernel (a late writer: it lets the next kernel launch at once, then holds its copy of the op's
-    inputs back for 0.2 ms) replaces the activations, their scales and the routing (offsets or
+    inputs back for 1 ms) replaces the activations, their scales and the routing (offsets or
     masked_m, so the block table changes) of a first batch with a second's. The op's first kernel
     (the block-table kernel, or the dense GEMM) starts during that wait; the GEMM after the table
     kernel starts while the table kernel waits. A kernel that read before its wait would compute
     with the first batch's rows, scales or table: the output must equal the second batch's computed
     with plain launches, bit for bit. A kernel launched the same way that does not wait (the peek)
-    does see the first batch: the late writer does hold its copy back."""
+    does see the first batch: the late writer does hold its copy back (1 ms)."""
     from epmoe.kernels.pdl import pdl_enabled
 
     if not pdl_enabled(torch.device("cuda")):
@@ -1136,6 +1136,10 @@ def test_cutlass_ops_wait_for_a_late_writer(op, monkeypatch):
     peek = torch.zeros(1, dtype=torch.int32, device="cuda")
     words = [int(x[0].reshape(-1).view(torch.uint8)[:4].view(torch.int32)) for x in (first, second)]
     assert words[0] != words[1]
+    # Both kernels compiled before the sequence: a peek compiled on its first call, after the late
+    # writer's launch, can start after the copy is done (two such peeks saw the new word).
+    _late_copy_kernel[(64,)](late_slab, late_slab, 4, SPIN_NS=LATE_NS, BLOCK=1024, launch_pdl=True)
+    _peek_kernel[(1,)](slab, peek, launch_pdl=True)
     for check in ("peek", "op"):
         _fill(views, first)
         torch.cuda.synchronize()
