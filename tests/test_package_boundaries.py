@@ -53,3 +53,16 @@ def test_seams_keep_their_layering(seam, other):
     for path in (PACKAGE / seam).rglob("*.py"):
         bad = {n for n in _imports(path) if n == f"epmoe.{other}" or n.startswith(f"epmoe.{other}.")}
         assert not bad, (path, bad)
+
+
+def test_importing_the_layer_leaves_torch_dynamo_unimported():
+    """``torch._dynamo`` costs about a second to import (every spawned rank and CLI call pays it);
+    only the dispatchers and backends that need compiler decorators import it, when chosen."""
+    import subprocess
+    import sys
+
+    code = ("import sys, epmoe, epmoe.layer, epmoe.linear; assert 'torch._dynamo' not in sys.modules, "
+            "'imported torch._dynamo'; from epmoe.dispatch.deepep_dispatch import DeepEPNormalDispatcher; "
+            "assert 'torch._dynamo' in sys.modules")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent)
+    assert done.returncode == 0, done.stderr[-2000:]

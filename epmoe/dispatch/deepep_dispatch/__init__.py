@@ -5,8 +5,20 @@ tensors and plain values: the bodies of the ``epmoe::deepep_*`` custom ops) and 
 (normal, low-latency and auto).
 ``deep_ep`` is imported lazily: everything here imports without it."""
 
+import importlib
+
 from .buffer import DeepEPBuffer, DeepEPBufferError
-from .dispatchers import DeepEPAutoDispatcher, DeepEPLowLatencyDispatcher, DeepEPNormalDispatcher
+
+_DISPATCHERS = ("DeepEPAutoDispatcher", "DeepEPLowLatencyDispatcher", "DeepEPNormalDispatcher")
+
+
+def __getattr__(name: str):
+    # The dispatchers on first use (PEP 562): their torch.compiler.disable decorators import
+    # torch._dynamo (about a second), which a layer with another dispatcher never needs.
+    if name in _DISPATCHERS:
+        return getattr(importlib.import_module(".dispatchers", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DeepEPAutoDispatcher", "DeepEPBuffer", "DeepEPBufferError", "DeepEPLowLatencyDispatcher",
