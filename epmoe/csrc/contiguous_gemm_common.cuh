@@ -23,6 +23,10 @@
 #if !defined(CUTLASS_ENABLE_GDC_FOR_SM90)
 #error "epmoe's CUTLASS GEMMs need -DCUTLASS_ENABLE_GDC_FOR_SM90 (NVCC_FLAGS in epmoe/experts/cutlass_backend.py)"
 #endif
+// ... and a device pass for sm_90a: for plain sm_90 CUTLASS leaves the control out as well.
+#if defined(__CUDA_ARCH__) && !defined(CUTLASS_GDC_ENABLED)
+#error "epmoe's CUTLASS GEMMs are built for sm_90a (-gencode=arch=compute_90a,code=sm_90a)"
+#endif
 #include "cutlass/cutlass.h"
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
 #include "cutlass/kernel_hardware_info.h"

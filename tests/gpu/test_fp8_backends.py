@@ -18,6 +18,7 @@ import importlib.util
 import json
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -1030,15 +1031,18 @@ def _fill(views, values):
         v.copy_(x)
 
 
-LATE_NS = 1_000_000
-"""How long the late writer holds its copy back after the next kernel may launch: far longer than
-any of these GEMMs (or the peek, compiled beforehand) takes to start and read its first tile."""
+LATE_NS = 20_000_000
+"""How long the late writer holds its copy back after the next kernel may launch (20 ms): far
+longer than the host takes to enqueue an op (checked) and the op's kernels to start."""
 
 
 def _op_case(op, g):
-    """``(specs, make_inputs(seed), run(views), valid_rows(inputs))`` of one CUTLASS op: every
-    tensor the op reads that a kernel before it could write (activations, their scales, the offsets
-    or masked_m) lives in the slab; the weights are fixed."""
+    """``(specs, make_inputs(seed), new_output(), run(views, out), valid(out, inputs))`` of one
+    CUTLASS op: every tensor the op reads that a kernel before it could write (activations, their
+    scales, the offsets or masked_m) lives in the slab; the weights are fixed, the block scales already on the
+    kernels' grid (:func:`kernel_weight_scale`, as the backend prepares them: no repeat between the
+    table kernel and the GEMM). ``run`` writes into ``out``, filled with NaN by ``new_output``, so a
+    tile the GEMM skipped on a wrong table shows; it returns ``out`` (every wrapper does)."""
     from epmoe.experts import cutlass_backend as cb
 
     e, n, k, m, max_m = 4, 512, 512, 1024, 256
@@ -1048,6 +1052,8 @@ def _op_case(op, g):
     b = b.to(code)
     block = op in ("fp8_grouped", "int8_block_grouped", "int8_block_masked")
     b_scale = torch.rand(*((e, n // 128, k // 128) if block else (e, n, 1)), device="cuda", generator=g) * 1e-3 + 1e-4
+    if block:
+        b_scale = cb.kernel_weight_scale(b_scale)
     masked = op.endswith("masked")
     dense = op.startswith("dense")
     rows = e * max_m if masked else m
@@ -1077,20 +1083,23 @@ def _op_case(op, g):
     def scale_view(sa):
         return sa.t() if mn_major else sa
 
-    def run(views):
+    def new_output():
+        return torch.full((e, max_m, n) if masked else (m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+
+    def run(views, out):
         a, sa = views[0], scale_view(views[1])
         if op == "fp8_grouped":
-            return cb.grouped_gemm(a, sa, b, b_scale, views[2], impl="epmoe")
+            return cb.grouped_gemm(a, sa, b, b_scale, views[2], out, impl="epmoe")
         if op == "int8_grouped":
-            return cb.int8_grouped_gemm(a, sa, b, b_scale, views[2])
+            return cb.int8_grouped_gemm(a, sa, b, b_scale, views[2], out)
         if op == "int8_block_grouped":
-            return cb.int8_block_grouped_gemm(a, sa, b, b_scale, views[2])
+            return cb.int8_block_grouped_gemm(a, sa, b, b_scale, views[2], out)
         if op == "int8_masked":
-            return cb.int8_masked_gemm(a, sa, b, b_scale, views[2])
+            return cb.int8_masked_gemm(a, sa, b, b_scale, views[2], out)
         if op == "int8_block_masked":
-            return cb.int8_block_masked_gemm(a, sa, b, b_scale, views[2])
+            return cb.int8_block_masked_gemm(a, sa, b, b_scale, views[2], out)
         kernel = "pingpong" if op == "dense_pingpong" else "cooperative"
-        return cb.int8_dense_gemm(a, sa, b[0], b_scale[0], kernel=kernel)
+        return cb.int8_dense_gemm(a, sa, b[0], b_scale[0], out, kernel=kernel)
 
     def valid(out, inputs):
         if dense:
@@ -1100,7 +1109,7 @@ def _op_case(op, g):
             return out[keep]
         return out[: int(inputs[2][-1])]
 
-    return specs, make_inputs, run, valid
+    return specs, make_inputs, new_output, run, valid
 
 
 @needs_cutlass
@@ -1109,47 +1118,67 @@ def _op_case(op, g):
 def test_cutlass_ops_wait_for_a_late_writer(op, monkeypatch):
     """Each CUTLASS op launched as a programmatic dependent waits for the kernel before it. That
     kernel (a late writer: it lets the next kernel launch at once, then holds its copy of the op's
-    inputs back for 1 ms) replaces the activations, their scales and the routing (offsets or
+    inputs back for 20 ms) replaces the activations, their scales and the routing (offsets or
     masked_m, so the block table changes) of a first batch with a second's. The op's first kernel
     (the block-table kernel, or the dense GEMM) starts during that wait; the GEMM after the table
-    kernel starts while the table kernel waits. A kernel that read before its wait would compute
-    with the first batch's rows, scales or table: the output must equal the second batch's computed
-    with plain launches, bit for bit. A kernel launched the same way that does not wait (the peek)
-    does see the first batch: the late writer does hold its copy back (1 ms)."""
+    kernel starts while the table kernel waits (except in int8_block_masked, whose row-major
+    activation scales are transposed by plain torch kernels in between: its GEMM is
+    int8_block_grouped's configuration, tested there). A kernel that read before its wait would
+    compute with the first batch's rows, scales or table (a tile left out shows as NaN): the output
+    must equal the second batch's computed with plain launches, bit for bit. The host must have
+    enqueued the op well inside the hold-back (checked), and a kernel launched the same way that
+    does not wait (the peek) must see the first batch: the late writer does hold its copy back. A
+    kernel that read a half-copied table could stop the process with the table kernel's
+    device-side assert: the case that fails is then the one running."""
+    import gc
+
     from epmoe.kernels.pdl import pdl_enabled
 
     if not pdl_enabled(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs compute capability 9.0+ and EPMOE_PDL not 0")
     g = torch.Generator(device="cuda").manual_seed(11)
-    specs, make_inputs, run, valid = _op_case(op, g)
+    specs, make_inputs, new_output, run, valid = _op_case(op, g)
     slab, views = _slab(specs)
     late_slab, late_views = _slab(specs)
     first, second = make_inputs(1), make_inputs(2)
     _fill(late_views, second)
     monkeypatch.setenv("EPMOE_PDL", "0")
     _fill(views, second)
-    want = valid(run(views), second).clone()
+    want = valid(run(views, new_output()), second).clone()
+    assert not want.isnan().any()
     _fill(views, first)
     torch.cuda.synchronize()
-    assert not torch.equal(valid(run(views), second), want)  # the batches differ where it is read
+    assert not torch.equal(valid(run(views, new_output()), second), want)  # the batches differ where read
     monkeypatch.setenv("EPMOE_PDL", "1")
+    run(views, new_output())  # anything the PDL path compiles or loads, before the sequence
     peek = torch.zeros(1, dtype=torch.int32, device="cuda")
     words = [int(x[0].reshape(-1).view(torch.uint8)[:4].view(torch.int32)) for x in (first, second)]
     assert words[0] != words[1]
-    # Both kernels compiled before the sequence: a peek compiled on its first call, after the late
-    # writer's launch, can start after the copy is done (two such peeks saw the new word).
-    _late_copy_kernel[(64,)](late_slab, late_slab, 4, SPIN_NS=LATE_NS, BLOCK=1024, launch_pdl=True)
+    # Both kernels compiled before the sequence (the same specializations): a peek compiled on its
+    # first call, after the late writer's launch, started after the copy was done.
+    _late_copy_kernel[(64,)](late_slab, late_slab, late_slab.numel(), SPIN_NS=LATE_NS, BLOCK=1024, launch_pdl=True)
     _peek_kernel[(1,)](slab, peek, launch_pdl=True)
-    for check in ("peek", "op"):
-        _fill(views, first)
-        torch.cuda.synchronize()
-        _late_copy_kernel[(64,)](late_slab, slab, slab.numel(), SPIN_NS=LATE_NS, BLOCK=1024, launch_pdl=True)
-        if check == "peek":
-            _peek_kernel[(1,)](slab, peek, launch_pdl=True)
+    gc.collect()
+    gc.disable()  # no collection pause between the writer's launch and the op's
+    try:
+        for check in ("peek", "op"):
+            _fill(views, first)
+            out = new_output()
             torch.cuda.synchronize()
-            assert int(peek) == words[0], "the late writer did not hold its copy back: the test would prove nothing"
-            assert int(slab[:4].view(torch.int32)) == words[1]
-        else:
-            got = valid(run(views), second)
-            torch.cuda.synchronize()
-            assert torch.equal(got, want), op
+            t0 = time.perf_counter()
+            _late_copy_kernel[(64,)](late_slab, slab, slab.numel(), SPIN_NS=LATE_NS, BLOCK=1024, launch_pdl=True)
+            if check == "peek":
+                _peek_kernel[(1,)](slab, peek, launch_pdl=True)
+                enqueued = time.perf_counter() - t0
+                torch.cuda.synchronize()
+                assert enqueued < LATE_NS * 1e-9 / 2, f"the peek was enqueued {enqueued * 1e3:.1f} ms after the writer"
+                assert int(peek) == words[0], "the late writer did not hold its copy back: the test would prove nothing"
+                assert int(slab[:4].view(torch.int32)) == words[1]
+            else:
+                run(views, out)
+                enqueued = time.perf_counter() - t0
+                torch.cuda.synchronize()
+                assert enqueued < LATE_NS * 1e-9 / 2, f"{op} was enqueued {enqueued * 1e3:.1f} ms after the writer"
+                assert torch.equal(valid(out, second), want), op
+    finally:
+        gc.enable()
