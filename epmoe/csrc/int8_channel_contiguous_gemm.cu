@@ -16,11 +16,8 @@ void int8_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a, const at::T
                                const at::Tensor& segments, int64_t masked_max_m,
                                int64_t raster_along_n, int64_t max_swizzle, bool pdl) {
   auto block_expert = expert_block_table(a, segments, masked_max_m, pdl);
-  const int sm_count = at::cuda::getDeviceProperties(a.get_device())->multiProcessorCount;
-  auto args = make_int8_arguments<Int8Config>(out, a, a_scale, b, b_scale,
-                                              block_expert.data_ptr<int32_t>(), sm_count,
-                                              raster_along_n, max_swizzle);
-  run_gemm<Int8Config::Gemm>(args, a, pdl);
+  run_int8_gemm<Int8Config>(out, a, a_scale, b, b_scale, block_expert.data_ptr<int32_t>(),
+                            raster_along_n, max_swizzle, pdl);
 }
 
 // One weight over every row of a (a dense linear, b [1, N, K], rows a multiple of 128): the same
@@ -28,10 +25,7 @@ void int8_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a, const at::T
 void int8_dense_gemm_coop(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
                           const at::Tensor& b, const at::Tensor& b_scale, int64_t raster_along_n,
                           int64_t max_swizzle, bool pdl) {
-  const int sm_count = at::cuda::getDeviceProperties(a.get_device())->multiProcessorCount;
-  auto args = make_int8_arguments<Int8Config>(out, a, a_scale, b, b_scale, nullptr, sm_count,
-                                              raster_along_n, max_swizzle);
-  run_gemm<Int8Config::Gemm>(args, a, pdl);
+  run_int8_gemm<Int8Config>(out, a, a_scale, b, b_scale, nullptr, raster_along_n, max_swizzle, pdl);
 }
 
 }  // namespace epmoe

@@ -146,4 +146,16 @@ typename Cfg::Gemm::Arguments make_int8_arguments(at::Tensor& out, const at::Ten
   return args;
 }
 
+// The GEMM of configuration Cfg on a's device and current stream (block_expert as in
+// make_int8_arguments), as a programmatic dependent launch when pdl.
+template <class Cfg, class Table>
+void run_int8_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
+                   const at::Tensor& b, const at::Tensor& b_scale, Table block_expert,
+                   int64_t raster_along_n, int64_t max_swizzle, bool pdl) {
+  const int sm_count = at::cuda::getDeviceProperties(a.get_device())->multiProcessorCount;
+  run_gemm<typename Cfg::Gemm>(make_int8_arguments<Cfg>(out, a, a_scale, b, b_scale, block_expert,
+                                                        sm_count, raster_along_n, max_swizzle),
+                               a, pdl);
+}
+
 }  // namespace epmoe

@@ -29,10 +29,8 @@ using Int8PingpongConfig =
 void int8_dense_gemm_pingpong(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
                               const at::Tensor& b, const at::Tensor& b_scale,
                               int64_t raster_along_n, int64_t max_swizzle, bool pdl) {
-  const int sm_count = at::cuda::getDeviceProperties(a.get_device())->multiProcessorCount;
-  auto args = make_int8_arguments<Int8PingpongConfig>(out, a, a_scale, b, b_scale, nullptr,
-                                                      sm_count, raster_along_n, max_swizzle);
-  run_gemm<Int8PingpongConfig::Gemm>(args, a, pdl);
+  run_int8_gemm<Int8PingpongConfig>(out, a, a_scale, b, b_scale, nullptr, raster_along_n,
+                                    max_swizzle, pdl);
 }
 
 }  // namespace epmoe
