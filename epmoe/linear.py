@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .experts.select import BackendUnavailableError
-from .kernels.configs import DENSE_KERNELS, DENSE_SMALL_M_MAX, DENSE_TRITON_KERNELS
+from .kernels.configs import DENSE_KERNELS, DENSE_SMALL_M_MAX, DENSE_TRITON_KERNELS, ROW_QUANT_WORDS
 from .quant.reference import dequantize_rows, dequantize_weight, quantize_rows, quantize_weight
 from .quant.schemes import BLOCK, SCHEMES
 from .tensors import check_positive_int, keeping_dtypes
@@ -352,9 +352,11 @@ class _Planned:
     def gemm(self, lin, q, s, out_dtype, rows=None):
         kernel, launch = self.plan(lin, q.shape[0] if rows is None else rows)
         if kernel == "small_m":
-            # Codes with their scales: the same launch without the fused quantization (_replace
-            # costs ~1 us of host time, so only where the plan's launch is fused).
-            return _small_m(lin, q, s, out_dtype, launch._replace(fused=False) if launch.fused else launch)
+            # Codes with their scales: the same launch without its own quantization (_replace
+            # costs ~1 us of host time, so only where the plan's launch quantizes).
+            if launch.fused or launch.row_quant:
+                launch = launch._replace(fused=False, row_quant=False)
+            return _small_m(lin, q, s, out_dtype, launch)
         return self.tiled(kernel).tiled_gemm(lin, q, s, out_dtype, launch)
 
 
@@ -384,7 +386,8 @@ def _small_m(lin, x2, s, out_dtype, cfg):
     k = _dense_kernels()
     return k.dense_int8_small_m(x2, lin.weight, lin.weight_scale, lin.bias, scheme=lin.scheme,
                                 accumulator=lin.accumulator, x_scale=s, out_dtype=out_dtype,
-                                config=k.checked_launch(cfg, x2, lin.weight))  # fmt: skip
+                                config=k.checked_launch(cfg, x2, lin.weight),
+                                workspace=lin._row_quant_workspace)  # fmt: skip
 
 
 @functools.cache
@@ -496,7 +499,10 @@ class _CutlassGemm(_Impl):
         rows = max(ROW_BLOCK, -(-m // ROW_BLOCK) * ROW_BLOCK)
         q = torch.empty((rows, k), dtype=torch.int8, device=x2.device)
         s = torch.empty((rows, 1), dtype=torch.float32, device=x2.device)
-        token_quant(x2, None, 1, x2.shape, row_plan(None, x2.shape, x2.device), None, silu=False, out=(q[:m], s[:m]))
+        # A programmatic dependent (where enabled): the project's GEMM after it is one and waits for
+        # it, so the quantizer's launch and the GEMM's overlap the kernels before them.
+        token_quant(x2, None, 1, x2.shape, row_plan(None, x2.shape, x2.device), None, silu=False,
+                    out=(q[:m], s[:m]), pdl=True)  # fmt: skip
         return q, s
 
     def silu_quantize(self, gate_up, scheme):
@@ -585,6 +591,10 @@ class Int8Linear(nn.Module):
         self.weight_scale = nn.Parameter(torch.ones(shape, dtype=torch.float32, device=device), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
         self.register_buffer("_all_rows", torch.full((1,), _ALL_ROWS, dtype=torch.int32, device=device), persistent=False)
+        # The small-batch kernel's counters where its grid quantizes the activations itself
+        # (SmallMConfig.row_quant): zeros, and zeros again after every launch.
+        self.register_buffer("_row_quant_workspace", torch.zeros(ROW_QUANT_WORDS, dtype=torch.int32, device=device),
+                             persistent=False)  # fmt: skip
         self._impl: _Impl | None = None
         self._resolve()
 
@@ -619,6 +629,11 @@ class Int8Linear(nn.Module):
         before = self.weight.device
         out = super()._apply(keeping_dtypes(fn, [self.weight, self.weight_scale]), recurse)
         if self.weight.device != before:
+            if before.type == "meta":
+                # to_empty leaves buffers uninitialised; these two are constants, in no state dict.
+                with torch.no_grad():
+                    self._all_rows.fill_(_ALL_ROWS)
+                    self._row_quant_workspace.zero_()
             self._resolve()
         return out
 

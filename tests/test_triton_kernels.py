@@ -370,9 +370,16 @@ def test_launch_defaults_and_checks():
         launch = quantize.token_launch(m, k, "cuda")
         quantize.check_launch(launch)
         assert launch.block_k >= k or k > quantize.SINGLE_PASS_MAX
-    # the measured bandwidth-best launches (see quantize.LARGE_M)
+    # the measured bandwidth-best launches (see quantize.STREAM_M and LARGE_M)
     assert quantize.token_launch(262144, 7168, "cuda") == Launch(1, 8192, 4)
-    assert quantize.token_launch(4096, 7168, "cuda") == Launch(1, 8192, 8)
+    assert quantize.token_launch(4096, 7168, "cuda") == Launch(1, 8192, 4)
+    assert quantize.token_launch(1024, 7168, "cuda") == Launch(1, 8192, 4)
+    assert quantize.token_launch(4096, 1536, "cuda") == Launch(4, 2048, 4)
+    assert quantize.token_launch(1024, 1536, "cuda") == Launch(4, 2048, 16)
+    assert quantize.token_launch(4096, 16384, "cuda") == Launch(1, 16384, 8)
+    assert quantize.token_launch(1024, 18432, "cuda") == Launch(1, 4096, 8)
+    # the fused SiLU variant keeps the tile rule below LARGE_M (not measured with these)
+    assert quantize.token_launch(4096, 2048, "cuda", silu=True) == Launch(4, 2048, 16)
     assert quantize.group_launch(262144, 7168, 128, "cuda") == Launch(2, 1024, 4)
     assert quantize.group_launch(32768, 2048, 128, "cuda") == Launch(1, 2048, 4)
     for m in (4096, 262144):

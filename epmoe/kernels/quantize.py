@@ -95,14 +95,35 @@ def _rows_per_prog(m: int, block_k: int, device: torch.device | str | None = Non
 
 
 LARGE_M = 16384
-"""Rows from which the measured bandwidth-best launches below apply (H200, 2026-11-30: one row
-of up to 8192 elements on 4 warps per program, or 2048 elements of whole groups on 4 warps,
-reached 0.93-1.00 of copy bandwidth at 32768 and 262144 rows; 16 warps reached 0.8-0.85)."""
+"""Rows from which the measured bandwidth-best group launch applies (H200, 2026-11-30: 2048
+elements of whole groups on 4 warps per program reached 0.93-1.00 of copy bandwidth at 32768 and
+262144 rows; 16 warps reached 0.8-0.85)."""
+TWO_PASS_BLOCK = 4096
+"""Chunk of a per-token row too long for one pass (``K > SINGLE_PASS_MAX``)."""
+STREAM_M = 1024
+"""Rows from which the per-token quantizer is bound by memory bandwidth rather than latency, and
+the launches measured on the H200 (2026-12-02; plain rows of K = 1536, 2048, 7168, 16384 and 18432
+at 1024, 4096 and 16384 rows, CUDA graphs, every candidate in turns) apply; see
+:func:`token_launch`."""
 
 
-def token_launch(m: int, k: int, device: torch.device | str | None = None) -> Launch:
-    """Default launch of a per-token kernel over ``m`` rows of ``k`` elements."""
-    block_k = next_pow2(k) if next_pow2(k) <= SINGLE_PASS_MAX else 4096
+def token_launch(m: int, k: int, device: torch.device | str | None = None, *, silu: bool = False) -> Launch:
+    """Default launch of a per-token kernel over ``m`` rows of ``k`` elements (``silu``: the
+    fused ``silu(gate) * up`` variant, which reads two such rows).
+
+    From ``STREAM_M`` rows, for plain rows (measured on the H200): a row of 4096 to 8192
+    elements on 4 warps per program (8 warps: 4-7 % slower), short rows (at most 2048 elements)
+    four to a program on 4 warps from 4096 rows (16 warps: 20-34 % slower; at 1024 rows the tile
+    rule's 16 warps stay ahead), one 16384-element row on 8 warps, and a row too long for one pass
+    in 4096-element chunks on 8 warps (16 warps, two rows a program: 3-23 % slower). Elsewhere
+    the tile rule: up to ``TARGET_TILE`` elements a program on 4 to 16 warps, and from
+    ``LARGE_M`` rows one row of up to 8192 elements on 4 warps."""
+    block_k = next_pow2(k) if next_pow2(k) <= SINGLE_PASS_MAX else TWO_PASS_BLOCK
+    if m >= STREAM_M and not silu and not _on_cpu(device):
+        if block_k < k or block_k > TARGET_TILE:
+            return Launch(1, block_k, 8)
+        if block_k >= TARGET_TILE // 2 or m >= 4 * STREAM_M:
+            return Launch(max(1, TARGET_TILE // block_k), block_k, 4)
     if m >= LARGE_M and block_k <= TARGET_TILE and not _on_cpu(device):
         return Launch(1, block_k, 4)
     block_m = _rows_per_prog(m, block_k, device)
@@ -458,7 +479,7 @@ def token_quant(
         q.zero_()
         return q.reshape(out_shape), s.reshape(*shape[:-1], 1)
     if launch is None:
-        launch = token_launch(plan.rows, k, x2.device)
+        launch = token_launch(plan.rows, k, x2.device, silu=silu)
     else:
         check_launch(launch)
     grid, progs = plan.grid(m, launch.block_m)
