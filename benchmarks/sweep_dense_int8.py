@@ -27,9 +27,7 @@ layer's forward calls, activation quantization included):
 * on a Hopper GPU, the cell's fastest small-batch launch once more as a programmatic dependent
   launch (``SmallMConfig.pdl``: its kernel boundaries overlap the kernel before), and again with
   each weight prefetch of ``PREFETCH_CHOICES`` (``SmallMConfig.prefetch``: the first weight bytes
-  fetched into L2 while the kernel before finishes); for the channel scheme, where that launch
-  leaves the activations to the quantizer kernel, each of these twins again with the activations
-  quantized in its own grid, each row once (``SmallMConfig.row_quant``: no quantizer launch);
+  fetched into L2 while the kernel before finishes);
 
 at M = 1, 4, 16, 32, 64, 256, 1024, 4096 and 16384 (the table's row buckets).
 ``--update --small-from-table`` re-times, at up to 64 rows, only the table's own small-batch
@@ -187,21 +185,16 @@ def cell_entry(times: dict) -> list:
     return out
 
 
-def pdl_twins(times: dict, prefetch: tuple, row_quant: bool = False) -> list:
+def pdl_twins(times: dict, prefetch: tuple) -> list:
     """The fastest small-batch launch timed in a cell as a programmatic dependent launch (see
     ``SmallMConfig.pdl``), without and with each weight prefetch of ``prefetch`` (bytes per
-    program, ``SmallMConfig.prefetch``), and, with ``row_quant`` (the channel scheme) where that
-    launch leaves the activations to the quantizer kernel, each of these again quantizing them in
-    its own grid (``SmallMConfig.row_quant``); none where no small-batch launch was timed: a few
-    more candidates a cell instead of twins of every one."""
+    program, ``SmallMConfig.prefetch``); none where no small-batch launch was timed: a few more
+    candidates a cell instead of twins of every one."""
     small = [(us, launch) for (kernel, launch), us in times.items() if kernel == "small_m" and not launch.pdl]
     if not small:
         return []
     twin = min(small, key=lambda t: t[0])[1]._replace(pdl=True)
-    twins = [twin] + [twin._replace(prefetch=b) for b in prefetch]
-    if row_quant and not twin.fused:
-        twins += [t._replace(row_quant=True) for t in twins]
-    return twins
+    return [twin] + [twin._replace(prefetch=b) for b in prefetch]
 
 
 OUTPUT_TOLERANCE = 1e-2
@@ -264,8 +257,7 @@ def prior_launches(prior: dict, mode: str, n: int, k: int, m: int) -> list:
     hit = prior.get(mode, {}).get(shape_key(n, k))
     if not hit or m not in hit[0]:
         return []
-    plain = [launch._replace(pdl=False, prefetch=0, row_quant=False)
-             for kernel, launch in hit[1][hit[0].index(m)] if kernel == "small_m"]  # fmt: skip
+    plain = [launch._replace(pdl=False, prefetch=0) for kernel, launch in hit[1][hit[0].index(m)] if kernel == "small_m"]
     return list(dict.fromkeys(plain))
 
 
@@ -340,8 +332,7 @@ def sweep(args, prior: dict | None = None) -> dict:
                     ref = reference_output(mods[0], x, scheme)
                     for kernel, launch in cands:
                         time_candidate(kernel, launch, ref=ref)
-                    twins = pdl_twins(times, args.prefetch, scheme == "int8_channel")
-                    for twin in twins if cuda and pdl_enabled(dev) else []:
+                    for twin in pdl_twins(times, args.prefetch) if cuda and pdl_enabled(dev) else []:
                         time_candidate("small_m", twin, ref=ref)
                 if not times:
                     skipped.append(f"{mode} {name} M={m}")

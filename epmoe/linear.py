@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .experts.select import BackendUnavailableError
-from .kernels.configs import DENSE_KERNELS, DENSE_SMALL_M_MAX, DENSE_TRITON_KERNELS, ROW_QUANT_WORDS
+from .kernels.configs import DENSE_KERNELS, DENSE_SMALL_M_MAX, DENSE_TRITON_KERNELS
 from .quant.reference import dequantize_rows, dequantize_weight, quantize_rows, quantize_weight
 from .quant.schemes import BLOCK, SCHEMES
 from .tensors import check_positive_int, keeping_dtypes
@@ -352,11 +352,9 @@ class _Planned:
     def gemm(self, lin, q, s, out_dtype, rows=None):
         kernel, launch = self.plan(lin, q.shape[0] if rows is None else rows)
         if kernel == "small_m":
-            # Codes with their scales: the same launch without its own quantization (_replace
-            # costs ~1 us of host time, so only where the plan's launch quantizes).
-            if launch.fused or launch.row_quant:
-                launch = launch._replace(fused=False, row_quant=False)
-            return _small_m(lin, q, s, out_dtype, launch)
+            # Codes with their scales: the same launch without the fused quantization (_replace
+            # costs ~1 us of host time, so only where the plan's launch is fused).
+            return _small_m(lin, q, s, out_dtype, launch._replace(fused=False) if launch.fused else launch)
         return self.tiled(kernel).tiled_gemm(lin, q, s, out_dtype, launch)
 
 
@@ -386,8 +384,7 @@ def _small_m(lin, x2, s, out_dtype, cfg):
     k = _dense_kernels()
     return k.dense_int8_small_m(x2, lin.weight, lin.weight_scale, lin.bias, scheme=lin.scheme,
                                 accumulator=lin.accumulator, x_scale=s, out_dtype=out_dtype,
-                                config=k.checked_launch(cfg, x2, lin.weight),
-                                workspace=lin._row_quant_workspace)  # fmt: skip
+                                config=k.checked_launch(cfg, x2, lin.weight))  # fmt: skip
 
 
 @functools.cache
@@ -591,10 +588,6 @@ class Int8Linear(nn.Module):
         self.weight_scale = nn.Parameter(torch.ones(shape, dtype=torch.float32, device=device), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
         self.register_buffer("_all_rows", torch.full((1,), _ALL_ROWS, dtype=torch.int32, device=device), persistent=False)
-        # The small-batch kernel's counters where its grid quantizes the activations itself
-        # (SmallMConfig.row_quant): zeros, and zeros again after every launch.
-        self.register_buffer("_row_quant_workspace", torch.zeros(ROW_QUANT_WORDS, dtype=torch.int32, device=device),
-                             persistent=False)  # fmt: skip
         self._impl: _Impl | None = None
         self._resolve()
 
@@ -630,10 +623,9 @@ class Int8Linear(nn.Module):
         out = super()._apply(keeping_dtypes(fn, [self.weight, self.weight_scale]), recurse)
         if self.weight.device != before:
             if before.type == "meta":
-                # to_empty leaves buffers uninitialised; these two are constants, in no state dict.
+                # to_empty leaves buffers uninitialised; this one is a constant, in no state dict.
                 with torch.no_grad():
                     self._all_rows.fill_(_ALL_ROWS)
-                    self._row_quant_workspace.zero_()
             self._resolve()
         return out
 

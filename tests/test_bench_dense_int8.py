@@ -251,13 +251,6 @@ def test_sweep_pdl_twins_are_the_fastest_small_batch_launch(capsys):
     assert len(PREFETCH_CHOICES) >= 1 and all(SmallMConfig.from_dict(t.to_dict()) == t for t in twins)
     assert sweep.pdl_twins({("small_m", a): 9.0}, ()) == [a._replace(pdl=True)]
     assert sweep.pdl_twins({("triton", None): 1.0}, PREFETCH_CHOICES) == []
-    # Channel scheme: an unfused fastest launch also gets twins that quantize in their own grid;
-    # a fused one (its programs quantize already) does not.
-    rq = sweep.pdl_twins({("small_m", a): 9.0}, (4096,), row_quant=True)
-    assert rq == [a._replace(pdl=True), a._replace(pdl=True, prefetch=4096),
-                  a._replace(pdl=True, row_quant=True), a._replace(pdl=True, prefetch=4096, row_quant=True)]
-    assert all(SmallMConfig.from_dict(t.to_dict()) == t for t in rq)
-    assert sweep.pdl_twins({("small_m", b): 9.0}, (), row_quant=True) == [b._replace(pdl=True)]
     with pytest.raises(SystemExit) as exit_:
         sweep.main(["--device", "cpu", "--out", "unused.json", "--prefetch", "0"])
     assert exit_.value.code == 2 and "--prefetch" in capsys.readouterr().err

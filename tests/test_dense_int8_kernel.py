@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epmoe.kernels import dense_int8
 from epmoe.kernels.dense_int8 import SmallMConfig, dense_int8_small_m, small_m_config, split_plan
 from test_linear import ref_quant_rows  # tests/ is on sys.path (conftest)
 
@@ -74,61 +73,6 @@ def test_fused_equals_quantize_then_gemm(scheme, acc):
     torch.testing.assert_close(fused, plain, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("acc", ["int32", "fp32"])
-@pytest.mark.parametrize("m,split,row_block", [(1, 1, None), (7, 3, None), (72, 1, 256), (20, 3, 256)],
-                         ids=["1-row", "7-rows-split", "72-rows-two-pass", "20-rows-split-two-pass"])  # fmt: skip
-def test_row_quant_against_float64_and_the_quantizer(acc, m, split, row_block, monkeypatch):
-    """The grid's own per-token quantization (``row_quant``: rows claimed, quantized once, waited
-    for) against the float64 reference, and equal to the quantizer kernel then the GEMM bit for
-    bit (the same codes); one pass over a row, or two (``ROW_QUANT_BLOCK`` shortened below K),
-    with and without split-K; the workspace the call was given is zero again afterwards and
-    serves the next call."""
-    if row_block is not None:
-        monkeypatch.setattr(dense_int8, "ROW_QUANT_BLOCK", row_block)
-    gen = torch.Generator().manual_seed(300 + m)
-    n, k = 40, 1000  # K not a multiple of the K step, nor of the two-pass block
-    w, ws = _weights(n, k, "int8_channel", gen)
-    x = torch.randn(m, k, generator=gen)
-    x[0, 999] = -13.0  # the outlier in the last, partial block
-    bias = torch.randn(n, generator=gen) if m % 2 else None
-    cfg = SmallMConfig(16 if m <= 16 else 64, 16, 128, 4, 2, False, split)
-    dev = [t if t is None else t.to(DEVICE) for t in (x, w, ws, bias)]
-    workspace = torch.zeros(dense_int8.ROW_QUANT_WORDS, dtype=torch.int32, device=DEVICE)
-    for _ in range(2):
-        out = dense_int8_small_m(*dev, scheme="int8_channel", accumulator=acc, config=cfg._replace(row_quant=True),
-                                 workspace=workspace)  # fmt: skip
-        assert torch.equal(workspace.cpu(), torch.zeros(dense_int8.ROW_QUANT_WORDS, dtype=torch.int32))
-    assert out.dtype == torch.float32 and out.shape == (m, n)
-    assert _rel(out, _ref(x, w, ws, bias, "int8_channel")) <= TIGHT
-    plain = dense_int8_small_m(*dev, scheme="int8_channel", accumulator=acc, config=cfg)
-    torch.testing.assert_close(out, plain, rtol=0, atol=0)
-    # Without a workspace the call makes a zeroed one of its own.
-    again = dense_int8_small_m(*dev, scheme="int8_channel", accumulator=acc, config=cfg._replace(row_quant=True))
-    torch.testing.assert_close(again, plain, rtol=0, atol=0)
-
-
-def test_row_quant_refusals():
-    w = torch.zeros(16, 128, dtype=torch.int8, device=DEVICE)
-    ws = torch.ones(16, 1, device=DEVICE)
-    x = torch.zeros(2, 128, device=DEVICE)
-    cfg = SmallMConfig(16, 16, 128, 4, 2, False, row_quant=True)
-    with pytest.raises(ValueError, match="row_quant=True quantize float x"):
-        dense_int8_small_m(x.to(torch.int8), w, ws, scheme="int8_channel", accumulator="int32",
-                           x_scale=torch.ones(2, 1, device=DEVICE), config=cfg)  # fmt: skip
-    with pytest.raises(ValueError, match="scheme='int8_block' needs row_quant=False"):
-        dense_int8_small_m(x, w, torch.ones(1, 1, device=DEVICE), scheme="int8_block", accumulator="fp32", config=cfg)
-    with pytest.raises(ValueError, match="workspace: torch.int64"):
-        dense_int8_small_m(x, w, ws, scheme="int8_channel", accumulator="int32", config=cfg,
-                           workspace=torch.zeros(4, dtype=torch.int64, device=DEVICE))  # fmt: skip
-    with pytest.raises(ValueError, match="at most one of them"):
-        SmallMConfig(16, 16, 128, 4, 2, True, row_quant=True).validate()
-    # Tables written before the field existed read as row_quant=False; the field round-trips.
-    old = SmallMConfig(16, 16, 128, 4, 2, False).to_dict()
-    old.pop("row_quant")
-    assert SmallMConfig.from_dict(old).row_quant is False
-    assert SmallMConfig.from_dict(cfg.to_dict()) == cfg
-
-
 def _fp16_channel(seed, n, k, m, config=None):
     """One channel int32 call of fp16 ``[m, k]`` activations, checked (fp16 out, within 2e-3 of
     the float64 reference); returns the output and the call's device tensors."""
@@ -171,11 +115,11 @@ def test_config_rule():
     (twice them when K is split); longer K steps and deeper stages where programs have SMs to
     themselves."""
     sms = 132
-    assert small_m_config(1, 576, 7168, "int8_channel", sms) == (16, 16, 512, 4, 5, True, 8, 1, False, 0, False)  # kv_a: 36 N tiles
+    assert small_m_config(1, 576, 7168, "int8_channel", sms) == (16, 16, 512, 4, 5, True, 8, 1, False, 0)  # kv_a: 36 N tiles
     assert split_plan(7168, small_m_config(1, 576, 7168, "int8_channel", sms)) == (1024, 7)
-    assert small_m_config(16, 576, 7168, "int8_channel", sms) == (16, 16, 512, 4, 4, False, 8, 1, False, 0, False)
+    assert small_m_config(16, 576, 7168, "int8_channel", sms) == (16, 16, 512, 4, 4, False, 8, 1, False, 0)
     assert small_m_config(64, 576, 7168, "int8_channel", sms)[:2] == (64, 32)
-    assert small_m_config(16, 36864, 7168, "int8_channel", sms) == (16, 128, 128, 4, 4, False, 1, 1, False, 0, False)  # 288 programs
+    assert small_m_config(16, 36864, 7168, "int8_channel", sms) == (16, 128, 128, 4, 4, False, 1, 1, False, 0)  # 288 programs
     assert small_m_config(4, 36864, 7168, "int8_channel", sms).fused is True
     assert small_m_config(16, 36864, 1536, "int8_channel", sms).fused is False  # past FUSED_M_MAX
     assert not any(small_m_config(m, 24576, 1536, "int8_block", sms).fused for m in (1, 4, 16, 64))
@@ -261,29 +205,25 @@ from epmoe.kernels.dense_int8 import amax_unroll, dense_small_m_kernel as fn, sm
 
 for scheme, m, n, k, kw in (("int8_channel", 1, 576, 7168, {}), ("int8_channel", 16, 1536, 7168, {}),
                             ("int8_block", 2, 24576, 1536, dict(fused=True)), ("int8_channel", 64, 7168, 2048, {}),
-                            ("int8_block", 4096, 7168, 2048, dict(fused=False, block_m=128, block_n=128)),
-                            ("int8_channel", 2, 24576, 1536, dict(fused=False)),
-                            ("int8_channel", 16, 576, 18432, dict(fused=False, split_k=8))):
+                            ("int8_block", 4096, 7168, 2048, dict(fused=False, block_m=128, block_n=128))):
     cfg = small_m_config(m, n, k, scheme, 132, **kw)
-    row_quant = kw.get("fused") is False and scheme == "int8_channel"  # the last two: the grid quantizes
     sig = {a: "i32" for a in fn.arg_names}
     split = cfg.split_k > 1
     out = ("*i32" if scheme == "int8_channel" else "*fp32") if split else "*bf16"
     sig.update(X="*bf16" if cfg.fused else "*i8", XS="*fp32", W="*i8", WS="*fp32", BIAS="*fp32", OUT=out,
-               SA_OUT="*fp32", XF="*bf16", SYNC="*i32")
-    const = dict(ROW_QUANT=row_quant, ROW_BLOCK=min(next_pow2(k), 8192) if row_quant else 1, FUSED=cfg.fused, BLOCK_SCALES=scheme == "int8_block", INT_ACC=scheme == "int8_channel",
+               SA_OUT="*fp32")
+    const = dict(FUSED=cfg.fused, BLOCK_SCALES=scheme == "int8_block", INT_ACC=scheme == "int8_channel",
                  HAS_BIAS=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=True,
                  X_ROWS=min(next_pow2(m), cfg.block_m), QMAX=127.0, SCALE=128, SPLIT=split, GROUP_M=cfg.group_m,
-                 AMAX_UNROLL=amax_unroll(cfg, m) if cfg.fused and scheme == "int8_channel" else 1,
-                 PDL=m <= 2 or row_quant, PREFETCH=256 if m <= 2 or row_quant else 0)
+                 AMAX_UNROLL=amax_unroll(cfg, m) if cfg.fused and scheme == "int8_channel" else 1, PDL=m <= 2,
+                 PREFETCH=256 if m <= 2 else 0)
     sig.update({c: "constexpr" for c in const})
     # What the JIT infers for these shapes: 16-byte aligned pointers, strides and sizes divisible by 16.
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
-             for a in ("X", "XS", "W", "WS", "BIAS", "OUT", "N", "K", "stride_xm", "stride_wn", "stride_om", "XF",
-                       "SYNC", "stride_xfm")}
+             for a in ("X", "XS", "W", "WS", "BIAS", "OUT", "N", "K", "stride_xm", "stride_wn", "stride_om")}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(c),): v for c, v in const.items()}, attrs=attrs)
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=m <= 2 or row_quant))
+                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=m <= 2))
     ptx = ck.asm["ptx"]
     assert ck.asm["cubin"]  # ptxas took the PTX (the prefetch's inline asm included)
     wait, trigger = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
@@ -292,13 +232,6 @@ for scheme, m, n, k, kw in (("int8_channel", 1, 576, 7168, {}), ("int8_channel",
     # after the wait with a split (our reduction), else after the last MMA (the loop's end).
     order = ("none" if wait < 0 else "prefetch-wait-trigger-mma" if -1 < prefetch < wait < trigger < ptx.find("mma")
              else "prefetch-wait-mma-trigger" if -1 < prefetch < wait < ptx.rfind("mma") < trigger else "other")
-    if row_quant:
-        # The rows' handshake: claims and counts by one thread (relaxed; the count done a release
-        # after a CTA barrier), the wait an acquire load; all of it after the grid dependency wait.
-        claims = [ptx.find(s) for s in ("atom.global.gpu.relaxed.add", "atom.global.gpu.release.add",
-                                        "ld.global.gpu.acquire")]
-        assert wait < 0 or -1 < wait < min(claims), claims
-        assert min(claims) > -1 and ptx.rfind("bar.sync", 0, claims[1]) > claims[0], claims
     print(scheme, m, cfg.fused, ck.metadata.shared, ptx.count("cp.async"), ptx.count("mma"),
           ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents"), int(ck.metadata.launch_pdl),
           ptx.count("cp.async.bulk.prefetch"), order)
@@ -323,11 +256,8 @@ def test_small_m_kernel_compiles_for_sm90():
     """The kernel compiles for an H100/H200 (sm_90, the triton wheel's ptxas; no GPU needed) with
     its weight loads pipelined through shared memory (cp.async): a fused split-K config (kv_a at
     one row), an unfused one, the block scheme, an unfused split at 64 rows, 128-row tiles in
-    groups of 8 row tiles (block scheme, 4096 rows), two launches whose grid quantizes the
-    activations itself (row_quant: one pass, and two passes with split-K; their row handshake's
-    atomics and acquire load come after the grid dependency wait, the release after a CTA
-    barrier); and the split-K reduction for both schemes.
-    The first two, the row_quant ones and a reduction are also compiled as programmatic dependent launches
+    groups of 8 row tiles (block scheme, 4096 rows); and the split-K reduction for both schemes.
+    The first two and a reduction are also compiled as programmatic dependent launches
     (SmallMConfig.pdl, with a weight prefetch): their PTX prefetches into L2, then waits on the grid
     dependency, and the GEMM triggers its dependents (right after the wait with a split, after
     its K loop without); the others have no such instruction.
@@ -344,18 +274,16 @@ def test_small_m_kernel_compiles_for_sm90():
                                          env.get("PYTHONPATH", "")])  # fmt: skip
     done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.split("\n")[:7]
+    lines = done.stdout.split("\n")[:5]
     assert [ln.split()[:3] for ln in lines] == [["int8_channel", "1", "True"], ["int8_channel", "16", "False"],
                                                 ["int8_block", "2", "True"], ["int8_channel", "64", "False"],
-                                                ["int8_block", "4096", "False"], ["int8_channel", "2", "False"],
-                                                ["int8_channel", "16", "False"]]  # fmt: skip
-    assert done.stdout.split("\n")[7] == "reduce ok"
-    orders = ["prefetch-wait-trigger-mma", "none", "prefetch-wait-mma-trigger", "none", "none",
-              "prefetch-wait-mma-trigger", "prefetch-wait-trigger-mma"]
+                                                ["int8_block", "4096", "False"]]  # fmt: skip
+    assert done.stdout.split("\n")[5] == "reduce ok"
+    orders = ["prefetch-wait-trigger-mma", "none", "prefetch-wait-mma-trigger", "none", "none"]
     for i, ln in enumerate(lines):
         shared, cp_async, mma, wait, trigger, pdl, prefetch = map(int, ln.split()[3:-1])
         assert cp_async > 0 and mma > 0 and shared <= 227 * 1024
-        assert (wait > 0, trigger > 0, pdl, prefetch > 0) == ((True, True, 1, True) if i in (0, 2, 5, 6)
+        assert (wait > 0, trigger > 0, pdl, prefetch > 0) == ((True, True, 1, True) if i < 3 and i != 1
                                                               else (False, False, 0, False))
         assert ln.split()[-1] == orders[i], ln
 

@@ -159,32 +159,9 @@ def test_meta_device_defers_backend():
     mod = mod.to_empty(device="cpu")
     assert mod.backend_name == "torch" and mod.weight.dtype == torch.int8
     assert mod._all_rows.device.type == "cpu"
-    # to_empty leaves buffers uninitialised; the module's two constants are set again.
-    assert mod._all_rows.tolist() == [2**31 - 1] and not mod._row_quant_workspace.any()
+    # to_empty leaves buffers uninitialised; the module's constant is set again.
+    assert mod._all_rows.tolist() == [2**31 - 1]
     assert mod.plan(1) == ("tiled", None)  # the torch backend's only path
-
-
-def test_triton_forward_with_a_row_quant_plan_uses_the_modules_workspace(monkeypatch):
-    """A plan whose small-batch launch quantizes in its own grid (``row_quant``) runs through
-    the module's workspace (zero again afterwards) and gives the quantizer kernel's output bit
-    for bit; codes handed to the GEMM (the MLP's down projection) run that launch without it."""
-    from epmoe.kernels.dense_int8 import SmallMConfig
-
-    _, mod = make(256, 48, "int8_channel", "int32", False, "triton")
-    cfg = SmallMConfig(16, 16, 128, 4, 2, False)
-    x = torch.randn(5, 256, device=DEVICE)
-    monkeypatch.setattr(type(mod._impl), "plan", lambda self, lin, m: ("small_m", cfg))
-    plain = mod(x)
-    monkeypatch.setattr(type(mod._impl), "plan", lambda self, lin, m: ("small_m", cfg._replace(row_quant=True)))
-    from epmoe.kernels import dense_int8
-
-    given = []
-    real = dense_int8._row_quant_workspace
-    monkeypatch.setattr(dense_int8, "_row_quant_workspace", lambda ws, dev: given.append(ws) or real(ws, dev))
-    assert torch.equal(mod(x), plain) and not mod._row_quant_workspace.any()
-    assert len(given) == 1 and given[0] is mod._row_quant_workspace
-    q, s = mod._impl.quantize(x, "int8_channel")
-    assert torch.equal(mod._impl.gemm(mod, q, s, x.dtype), plain)
 
 
 # ------------------------------------------------------------------------------------ checkpoints

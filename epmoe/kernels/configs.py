@@ -51,10 +51,6 @@ a gain where K is short and the epilogue a large share of a tile). Here so that 
 check them without loading the CUTLASS backend."""
 INT32_ACC_MODE = "int8_channel_int32"
 """Mode key of the int32-accumulator variant; its buckets override ``int8_channel``'s one by one."""
-ROW_QUANT_WORDS = 4
-"""int32 words of the small-batch dense kernel's workspace where its grid quantizes the
-activations itself (``SmallMConfig.row_quant``): rows claimed, rows done, programs past the wait,
-one spare; zero between launches."""
 
 
 def mode_and_accumulator(key: str) -> tuple[str, str]:

@@ -20,10 +20,6 @@ is one kernel that
   never stored. Every program repeats this work, so the default rule chooses it only at a few
   rows (:func:`small_m_config`); otherwise a per-token / per-group quantizer runs first and the
   GEMM reads the codes;
-* or quantizes them once in the grid (``row_quant``, channel scheme): programs claim rows, each
-  claimed row is quantized by its claimer into a scratch buffer, and every program waits until
-  all rows are done before its K loop, so the quantizer's launch and its kernel boundary go
-  without each program repeating the work (:func:`quantize_claimed_rows`);
 * applies both scales (and the bias, in fp32) in the epilogue and stores the output dtype.
 
 The codes are those of :mod:`epmoe.kernels.quantize` bit for bit (the same device functions:
@@ -46,9 +42,8 @@ import triton.language as tl
 from .. import devices
 from ..tensors import check_bool
 from .common import next_pow2, placeholder
-from .configs import ROW_QUANT_WORDS
 from .pdl import PREFETCH_ALIGN, dependent, gdc_launch_dependents, gdc_wait, prefetch_rows_l2
-from .quantize import INT8_QMAX, amax_bits, codes, codes_for, per_group_quant, per_token_quant_int8, scale_of
+from .quantize import INT8_QMAX, amax_bits, codes, per_group_quant, per_token_quant_int8, scale_of
 
 SCHEMES = ("int8_channel", "int8_block")
 SCALE_BLOCK = 128
@@ -110,13 +105,6 @@ class SmallMConfig(NamedTuple):
     weight is larger than L2, a whole-slice prefetch would evict itself. 0: none; skipped where
     the weight rows are not 16-byte aligned (the bulk prefetch's granularity)."""
 
-    row_quant: bool = False
-    """Float activations quantized per token by the GEMM's own grid, each row once
-    (:func:`quantize_claimed_rows`), instead of by the quantizer kernel before it (channel scheme,
-    with ``fused`` off). Needs an int32 workspace of ``ROW_QUANT_WORDS`` zeros, which the grid
-    leaves zeroed; two launches must not share one at the same time (one module's calls run in
-    stream order; the workspace is the module's, as vLLM's Marlin kernels keep theirs)."""
-
     def to_dict(self) -> dict:
         return self._asdict()
 
@@ -127,7 +115,7 @@ class SmallMConfig(NamedTuple):
         if unknown or missing:
             raise ValueError(f"small-batch config {d}: unknown keys {sorted(unknown)}, missing {sorted(missing)}; "
                              f"allowed: {list(cls._fields)}")  # fmt: skip
-        cfg = cls(**{k: (check_bool(f"small-batch config {k}", v) if k in ("fused", "pdl", "row_quant") else int(v))
+        cfg = cls(**{k: (check_bool(f"small-batch config {k}", v) if k in ("fused", "pdl") else int(v))
                      for k, v in d.items()})  # fmt: skip
         cfg.validate()
         return cfg
@@ -141,9 +129,6 @@ class SmallMConfig(NamedTuple):
             raise ValueError(f"small-batch config split_k={self.split_k}, group_m={self.group_m}; allowed: >= 1")
         if self.block_m < 16 or self.block_n < 16 or self.block_k < 32 or self.num_stages < 1:
             raise ValueError(f"small-batch config {self}: block_m, block_n >= 16, block_k >= 32, num_stages >= 1")
-        if self.row_quant and self.fused:
-            raise ValueError("small-batch config fused=True, row_quant=True; allowed: at most one of them (both say "
-                             "who quantizes the activations: every program, or the grid once)")  # fmt: skip
         if self.prefetch < 0 or (self.prefetch and not self.pdl):
             raise ValueError(f"small-batch config prefetch={self.prefetch}, pdl={self.pdl}; allowed: prefetch >= 0, "
                              "and above 0 only with pdl=True (the bytes a dependent launch fetches before it waits)")
@@ -310,65 +295,12 @@ def _tile_order(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M
     return pid_n, pid_m
 
 
-ROW_QUANT_BLOCK = 8192
-"""Most elements of a row one program quantizes in one pass (64 fp32 values per thread of 4
-warps); a longer row takes two passes of this many (the second from L2)."""
-
-
-@triton.jit
-def quantize_claimed_rows(XF, Q, S, SYNC, M, K, stride_xfm, stride_qm, NPROGS,
-                          QMAX: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    """Quantize the ``M`` rows of ``XF`` per token into ``Q`` (int8 codes) and ``S`` (scales),
-    each row once across the grid, and return when every row is done (``SYNC``: the
-    ``ROW_QUANT_WORDS`` workspace, zero on entry and zero again once the last program leaves).
-
-    A program claims rows (``SYNC[0]``, an atomic ticket) until none is left, quantizing each
-    claimed row (:func:`~epmoe.kernels.quantize.codes`, the quantizer's rule bit for bit) and
-    counting it done with a release (``SYNC[1]``); then it waits, with acquire loads, until all
-    rows are done. This never deadlocks, whichever programs are resident: a row is claimed only
-    by a running program, which finishes it without waiting on anything, and a program waits only
-    after every row has been claimed. The last program past the wait (``SYNC[2]``) zeroes the
-    workspace; no program touches it after its own count, and the next launch reads it only after
-    this one completes (stream order, or ``griddepcontrol.wait``)."""
-    offs = tl.arange(0, BLOCK)
-    row = tl.atomic_add(SYNC, 1, sem="relaxed")
-    while row < M:
-        src = XF + row.to(tl.int64) * stride_xfm
-        dst = Q + row.to(tl.int64) * stride_qm
-        if BLOCK >= K:
-            ok = offs < K
-            x = tl.load(src + offs, mask=ok, other=0.0).to(tl.float32)
-            scale = scale_of(amax_bits(x, 0), QMAX)
-            tl.store(dst + offs, codes_for(x, scale, QMAX, False), mask=ok)
-        else:
-            run = tl.zeros([BLOCK], dtype=tl.int32)
-            for k0 in range(0, K, BLOCK):
-                x = tl.load(src + k0 + offs, mask=offs < K - k0, other=0.0).to(tl.float32)
-                run = tl.maximum(run, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
-            scale = scale_of(tl.max(run, 0), QMAX)
-            for k0 in range(0, K, BLOCK):
-                ok = offs < K - k0
-                x = tl.load(src + k0 + offs, mask=ok, other=0.0).to(tl.float32)
-                tl.store(dst + k0 + offs, codes_for(x, scale, QMAX, False), mask=ok)
-        tl.store(S + row, scale)
-        # Every thread's stores before the one thread's release (a CTA barrier, then a release
-        # at GPU scope, as CUTLASS's semaphores do).
-        tl.debug_barrier()
-        tl.atomic_add(SYNC + 1, 1, sem="release")
-        row = tl.atomic_add(SYNC, 1, sem="relaxed")
-    while tl.atomic_add(SYNC + 1, 0, sem="acquire") < M:
-        pass
-    tl.debug_barrier()
-    if tl.atomic_add(SYNC + 2, 1, sem="relaxed") == NPROGS - 1:
-        tl.store(SYNC + tl.arange(0, 4), tl.zeros([4], dtype=tl.int32))
-
-
 @triton.jit
 def dense_small_m_kernel(
-    X, XS, W, WS, BIAS, OUT, SA_OUT, XF, SYNC,
-    M, N, K, K_SPLIT, NPROGS,
-    stride_xm, stride_xsm, stride_wn, stride_wsn, stride_wsk, stride_om, stride_os, stride_xfm,
-    ROW_QUANT: tl.constexpr, ROW_BLOCK: tl.constexpr, FUSED: tl.constexpr, BLOCK_SCALES: tl.constexpr, INT_ACC: tl.constexpr, HAS_BIAS: tl.constexpr,
+    X, XS, W, WS, BIAS, OUT, SA_OUT,
+    M, N, K, K_SPLIT,
+    stride_xm, stride_xsm, stride_wn, stride_wsn, stride_wsk, stride_om, stride_os,
+    FUSED: tl.constexpr, BLOCK_SCALES: tl.constexpr, INT_ACC: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     X_ROWS: tl.constexpr, QMAX: tl.constexpr, SCALE: tl.constexpr, SPLIT: tl.constexpr,
     GROUP_M: tl.constexpr, AMAX_UNROLL: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
@@ -376,10 +308,7 @@ def dense_small_m_kernel(
     """``OUT[m, n] = sa . sw . sum_k q[m, k] w[n, k] (+ bias[n])`` for one ``[BLOCK_M, BLOCK_N]``
     tile. ``FUSED``: ``X`` is float and quantized here (``XS`` unused), ``X_ROWS`` rows of it at
     a time (the batch's rows, a power of two up to ``BLOCK_M``); else ``X`` holds int8 codes and
-    ``XS`` their scales (``[M, 1]`` channel, ``[M, K / SCALE]`` block). ``ROW_QUANT``: ``X`` and
-    ``XS`` are scratch for the codes and scales of the float rows ``XF``, which the grid fills
-    first (:func:`quantize_claimed_rows`, ``ROW_BLOCK`` elements a pass; workspace ``SYNC``,
-    ``NPROGS`` programs in all).
+    ``XS`` their scales (``[M, 1]`` channel, ``[M, K / SCALE]`` block).
 
     Each K step of ``BLOCK_K`` columns is ``BLOCK_K / SUB`` sub-steps of ``SUB`` columns: one
     for the channel scheme, one per ``SCALE``-column block for the block scheme (whose scales
@@ -409,8 +338,6 @@ def dense_small_m_kernel(
         gdc_wait()
         if SPLIT:
             gdc_launch_dependents()
-    if ROW_QUANT:
-        quantize_claimed_rows(XF, X, XS, SYNC, M, K, stride_xfm, stride_xm, NPROGS, QMAX, ROW_BLOCK)
     if not SPLIT:
         sw, bias = _column_operands(WS, BIAS, cols, stride_wsn, BLOCK_SCALES, HAS_BIAS)
     offs_s = tl.arange(0, SUB)
@@ -569,15 +496,6 @@ def split_k_reduce_kernel(
     _epilogue(acc, sa, sw, bias, OUT, rows, offs_n, m_ok, n_ok, stride_om, BLOCK_SCALES, HAS_BIAS)
 
 
-def _row_quant_workspace(workspace: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    if workspace is None:
-        return torch.zeros(ROW_QUANT_WORDS, dtype=torch.int32, device=device)
-    if workspace.dtype != torch.int32 or workspace.numel() < ROW_QUANT_WORDS or workspace.device != device:
-        raise ValueError(f"workspace: {workspace.dtype} of {workspace.numel()} elements on {workspace.device}; allowed: "
-                         f"int32 of at least {ROW_QUANT_WORDS} elements (zeros) on {device}")  # fmt: skip
-    return workspace
-
-
 def _sms(device: torch.device) -> int:
     return devices.sm_count(device) if device.type == "cuda" else 4
 
@@ -593,7 +511,6 @@ def dense_int8_small_m(
     x_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     config: SmallMConfig | None = None,
-    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x [M, K] @ dequant(weight [N, K])^T (+ bias)`` with W8A8 INT8 codes, for small ``M``.
 
@@ -610,11 +527,8 @@ def dense_int8_small_m(
         x_scale: fp32 scales of int8 ``x``: ``[M, 1]`` or ``[M, K/128]``.
         out_dtype: the output dtype (default: ``x``'s; bf16 for int8 ``x``).
         config: a launch, run as given (default :func:`small_m_config` through
-            :func:`checked_launch`, unfused for int8 ``x``); a fused or ``row_quant`` config with
-            int8 ``x`` is refused, and ``row_quant`` with the block scheme.
-        workspace: with a ``row_quant`` config, int32 ``[ROW_QUANT_WORDS]`` zeros on ``x``'s
-            device, left zeroed (:attr:`SmallMConfig.row_quant`); ``None``: a zeroed one for this
-            call (one more launch).
+            :func:`checked_launch`, unfused for int8 ``x``); a fused config with int8 ``x`` is
+            refused.
 
     Returns:
         ``[M, N]`` of ``out_dtype``.
@@ -638,11 +552,8 @@ def dense_int8_small_m(
     cfg = config
     if cfg is None:
         cfg = checked_launch(small_m_config(m, n, k, scheme, _sms(x.device), False if quantized else None), x, weight)
-    if (cfg.fused or cfg.row_quant) and quantized:
-        raise ValueError(f"config fused={cfg.fused}, row_quant={cfg.row_quant} quantize float x; int8 x with x_scale "
-                         "needs both False")  # fmt: skip
-    if cfg.row_quant and block:
-        raise ValueError("config.row_quant=True quantizes per token; scheme='int8_block' needs row_quant=False")
+    if cfg.fused and quantized:
+        raise ValueError("config.fused=True quantizes float x; int8 x with x_scale needs fused=False")
     if block and (cfg.block_k % SCALE_BLOCK or k % cfg.block_k):
         raise ValueError(
             f"config.block_k={cfg.block_k}; scheme='int8_block' needs a multiple of {SCALE_BLOCK} dividing K={k}"
@@ -655,14 +566,7 @@ def dense_int8_small_m(
         return out
     launch = dependent(device, cfg.pdl)  # PDL and the launch option, together
     pdl = launch["PDL"]
-    xf = placeholder(device, torch.float32)  # read only with row_quant, as is the workspace
-    sync = placeholder(device, torch.int32)
-    if cfg.row_quant:
-        sync = _row_quant_workspace(workspace, device)
-        xf = x
-        x = torch.empty((m, k), dtype=torch.int8, device=device)
-        x_scale = torch.empty((m, 1), dtype=torch.float32, device=device)
-    elif not cfg.fused and not quantized:
+    if not cfg.fused and not quantized:
         # The quantizer launched as a dependent too, so that this GEMM can launch (and prefetch)
         # during it: it lets its dependents launch before it waits.
         x, x_scale = per_group_quant(x, SCALE_BLOCK, torch.int8, pdl=pdl) if block else per_token_quant_int8(x, pdl=pdl)
@@ -684,11 +588,10 @@ def dense_int8_small_m(
     if pdl and cfg.prefetch and weight.data_ptr() % PREFETCH_ALIGN == 0 and weight.stride(0) % PREFETCH_ALIGN == 0:
         prefetch = (cfg.prefetch // cfg.block_n) // PREFETCH_ALIGN * PREFETCH_ALIGN
     dense_small_m_kernel[grid](
-        x, xs, weight, ws, b, part, sa_out, xf, sync,
-        m, n, k, k_split, grid[0] * grid[1],
+        x, xs, weight, ws, b, part, sa_out,
+        m, n, k, k_split,
         x.stride(0), xs.stride(0), weight.stride(0), ws.stride(0), ws.stride(1), part.stride(-2),
-        part.stride(0) if split else 0, xf.stride(0) if cfg.row_quant else 0,
-        ROW_QUANT=cfg.row_quant, ROW_BLOCK=min(next_pow2(k), ROW_QUANT_BLOCK) if cfg.row_quant else 1,
+        part.stride(0) if split else 0,
         FUSED=cfg.fused, BLOCK_SCALES=block, INT_ACC=int_acc, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
         X_ROWS=min(next_pow2(m), cfg.block_m) if cfg.fused else cfg.block_m,  # unused unless fused: one compile

@@ -345,24 +345,6 @@ def test_every_planned_kernel_of_the_cutlass_backend(m, monkeypatch):
 
 
 # ------------------------------------------------------------------ programmatic dependent launch
-def _graph_after_writer(x: torch.Tensor, fn):
-    """``(graph, src, out)``: a CUDA graph of ``xin = 2 src`` (the kernel right before the launch
-    under test writes its input) then ``out = fn(xin)``, captured after one warm-up on a side
-    stream; a test refills ``src`` before each replay."""
-    src, xin = x.clone(), torch.empty_like(x)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        torch.mul(src, 2.0, out=xin)
-        fn(xin)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        torch.mul(src, 2.0, out=xin)
-        out = fn(xin)
-    return graph, src, out
-
-
 @pytest.mark.parametrize("m,n,k,kw", [(1, 576, 7168, {}), (16, 576, 7168, dict(fused=False)),
                                       (64, 1536, 7168, dict(fused=False, split_k=1))],
                          ids=["fused-split", "unfused-split", "unfused"])  # fmt: skip
@@ -386,55 +368,23 @@ def test_pdl_launch_bit_for_bit_and_ordered(m, n, k, kw):
     plain = run(x, cfg)
     _check_every_element(plain, x, w, ws, bias, "int8_channel")
     assert torch.equal(run(x, pdl), plain)
-    graph, src, out = _graph_after_writer(x, lambda xin: run(xin, pdl))
+    src, xin = x.clone(), torch.empty_like(x)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.mul(src, 2.0, out=xin)
+        run(xin, pdl)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.mul(src, 2.0, out=xin)  # the kernel right before the dependent launch writes its input
+        out = run(xin, pdl)
     g = torch.Generator(device=DEV).manual_seed(1)
     for _ in range(5):
         src.copy_(torch.randn(m, k, device=DEV, generator=g).to(torch.bfloat16))
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, run(src * 2.0, cfg))
-
-
-@pytest.mark.parametrize("m,n,k,kw", [(16, 24576, 1536, {}), (64, 7168, 2048, dict(split_k=1)),
-                                      (16, 576, 18432, dict(split_k=8)), (7, 1536, 7168, {})],
-                         ids=["q_b-384-programs", "64-rows", "two-pass-split", "7-rows"])  # fmt: skip
-def test_row_quant_bit_for_bit_in_graphs_and_back_to_back(m, n, k, kw):
-    """The grid quantizing the activations itself (``row_quant``: rows claimed and waited for
-    across hundreds of programs, one pass over a row or two, with split-K) gives the quantizer
-    kernel's launch bit for bit: eagerly, twenty launches back to back on fresh rows without a
-    synchronization between them (a workspace not zeroed in time would hang or mix batches), and
-    in a CUDA graph right after the kernel that writes its input, replayed on fresh rows; every
-    element within the float64 bound, and the workspace zero after every launch."""
-    from epmoe.kernels.configs import ROW_QUANT_WORDS
-    from epmoe.kernels.dense_int8 import dense_int8_small_m, small_m_config
-    from epmoe.kernels.pdl import pdl_enabled
-
-    x, w, ws, bias = _small_inputs(m, n, k, "int8_channel", torch.bfloat16)
-    cfg = small_m_config(m, n, k, "int8_channel", _sms(), False, **kw)._replace(pdl=pdl_enabled(DEV))
-    workspace = torch.zeros(ROW_QUANT_WORDS, dtype=torch.int32, device=DEV)
-    zeros = torch.zeros_like(workspace)
-
-    def run(inp, row_quant=True):
-        return dense_int8_small_m(inp, w, ws, bias, scheme="int8_channel", accumulator="int32",
-                                  config=cfg._replace(row_quant=row_quant), workspace=workspace)  # fmt: skip
-
-    plain = run(x, False)
-    _check_every_element(plain, x, w, ws, bias, "int8_channel")
-    assert torch.equal(run(x), plain) and torch.equal(workspace, zeros)
-    g = torch.Generator(device=DEV).manual_seed(2)
-    rows = [torch.randn(m, k, device=DEV, generator=g).to(torch.bfloat16) for _ in range(20)]
-    outs = [run(r) for r in rows]
-    torch.cuda.synchronize()
-    assert torch.equal(workspace, zeros)
-    for r, out in zip(rows, outs):
-        assert torch.equal(out, run(r, False))
-    graph, src, out = _graph_after_writer(x, run)
-    for _ in range(5):
-        src.copy_(torch.randn(m, k, device=DEV, generator=g).to(torch.bfloat16))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(workspace, zeros)
-        assert torch.equal(out, run(src * 2.0, False))
 
 
 PREFETCH_CASES = [("int8_channel", "int32", 1, dict(fused=True)), ("int8_channel", "int32", 16, dict(fused=False)),
@@ -479,7 +429,17 @@ def test_pdl_prefetch_bit_for_bit_and_ordered(scheme, acc, m, kw, prefetch):
         def chain(inp):
             return run(run(inp, w1, ws1, bias, l1), w2, ws2, None, l2)
 
-        graph, src, out = _graph_after_writer(x, chain)
+        src, xin = x.clone(), torch.empty_like(x)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.mul(src, 2.0, out=xin)
+            chain(xin)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.mul(src, 2.0, out=xin)
+            out = chain(xin)
         g = torch.Generator(device=DEV).manual_seed(b)
         for _ in range(5):
             src.copy_(torch.randn(m, k, device=DEV, generator=g).to(torch.bfloat16))
