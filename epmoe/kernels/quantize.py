@@ -111,13 +111,14 @@ def token_launch(m: int, k: int, device: torch.device | str | None = None, *, si
     """Default launch of a per-token kernel over ``m`` rows of ``k`` elements (``silu``: the
     fused ``silu(gate) * up`` variant, which reads two such rows).
 
-    From ``STREAM_M`` rows, for plain rows (measured on the H200): a row of 4096 to 8192
-    elements on 4 warps per program (8 warps: 4-7 % slower), short rows (at most 2048 elements)
-    four to a program on 4 warps from 4096 rows (16 warps: 20-34 % slower; at 1024 rows the tile
-    rule's 16 warps stay ahead), one 16384-element row on 8 warps, and a row too long for one pass
-    in 4096-element chunks on 8 warps (16 warps, two rows a program: 3-23 % slower). Elsewhere
-    the tile rule: up to ``TARGET_TILE`` elements a program on 4 to 16 warps, and from
-    ``LARGE_M`` rows one row of up to 8192 elements on 4 warps."""
+    From ``STREAM_M`` rows, for plain rows: ``TARGET_TILE``-element tiles on 4 warps where a row
+    has more than 2048 elements (measured on the H200 at K = 7168: one row a program; 8 warps
+    were 4-7 % slower), and from 4096 rows also for shorter rows (K = 1536 and 2048: four rows a
+    program; the tile rule's 16 warps were 20-34 % slower, but stayed ahead at 1024 rows); one
+    16384-element row on 8 warps; a row too long for one pass in 4096-element chunks on 8 warps
+    (16 warps, two rows a program: 3-23 % slower). Elsewhere the tile rule: up to
+    ``TARGET_TILE`` elements a program on 4 to 16 warps, and from ``LARGE_M`` rows one row of up
+    to 8192 elements on 4 warps."""
     block_k = next_pow2(k) if next_pow2(k) <= SINGLE_PASS_MAX else TWO_PASS_BLOCK
     if m >= STREAM_M and not silu and not _on_cpu(device):
         if block_k < k or block_k > TARGET_TILE:
