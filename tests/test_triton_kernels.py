@@ -410,6 +410,30 @@ def test_interpreter_fma_is_fused():
 
 
 @triton.jit
+def _to_bf16(X, Y, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(Y + offs, tl.load(X + offs).to(tl.bfloat16))
+
+
+def test_kernel_bf16_conversion_rounds_to_nearest_even():
+    """A kernel's float32 -> bfloat16 conversion equals torch's (round to nearest, ties to even),
+    as the GPU's does; under the interpreter through the tests' patch (Triton 3.6 truncates):
+    ties both ways, overflow to Inf, subnormals, signed zero, NaN, and random values over a wide
+    range."""
+    ties = [1 + 2.0**-8, 1 + 3 * 2.0**-8, -(1 + 2.0**-8), 1 + 2.0**-8 + 2.0**-20]
+    special = [3.4e38, -3.4e38, float("inf"), -float("inf"), -0.0, 0.0, 1e-40, -1e-39, float("nan")]
+    g = torch.Generator().manual_seed(3)
+    rand = torch.randn(4096 - len(ties) - len(special), generator=g) * torch.exp(torch.randn(4096 - 13, generator=g) * 20)
+    x = torch.cat([torch.tensor(ties + special), rand]).float().to(DEVICE)
+    y = torch.empty(4096, dtype=torch.bfloat16, device=DEVICE)
+    _to_bf16[(1,)](x, y, N=4096)
+    want = x.to(torch.bfloat16)
+    assert torch.equal(y.isnan(), want.isnan())
+    keep = ~want.isnan()
+    assert torch.equal(y[keep].view(torch.int16), want[keep].view(torch.int16))
+
+
+@triton.jit
 def _sort_rows(X, Y, DESCENDING: tl.constexpr):
     offs = tl.arange(0, 4)[:, None] * 128 + tl.arange(0, 128)[None, :]
     tl.store(Y + offs, tl.sort(tl.load(X + offs), descending=DESCENDING))
