@@ -78,6 +78,22 @@ def exact_fma(x: np.ndarray, y: np.ndarray, z: np.ndarray) -> np.ndarray:
     return np.asarray(out, dtype=np.float32)
 
 
+def _replace_builder_method(name: str, make) -> None:
+    """Set the interpreter builder's method ``name`` to ``make(original, interpreter module)``,
+    once, and not at all where Triton or the method does not exist."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    original = getattr(builder, name, None)
+    if original is None or getattr(original, "_epmoe_test_fixed", False):
+        return
+    method = make(original, interpreter)
+    method._epmoe_test_fixed = True
+    setattr(builder, name, method)
+
+
 def patch_fma() -> None:
     """Make the interpreter's ``tl.fma`` a fused multiply-add (one rounding), as on the GPU.
 
@@ -85,20 +101,14 @@ def patch_fma() -> None:
     the exact residuals the quantizers' division relies on (``fma(-q, b, a)`` is exact only when
     fused). Compiled kernels are unaffected.
     """
-    try:
-        from triton.runtime import interpreter
-    except ImportError:
-        return
-    builder = getattr(interpreter, "InterpreterBuilder", None)
-    original = getattr(builder, "create_fma", None)
-    if original is None or getattr(original, "_epmoe_test_fixed", False):
-        return
 
-    def create_fma(self, x, y, z):
-        return interpreter.TensorHandle(exact_fma(x.data, y.data, z.data), z.dtype.scalar)
+    def make(original, interpreter):
+        def create_fma(self, x, y, z):
+            return interpreter.TensorHandle(exact_fma(x.data, y.data, z.data), z.dtype.scalar)
 
-    create_fma._epmoe_test_fixed = True
-    builder.create_fma = create_fma
+        return create_fma
+
+    _replace_builder_method("create_fma", make)
 
 
 def patch_sort() -> None:
@@ -143,21 +153,18 @@ def patch_bf16_rounding() -> None:
     elements. Compiled kernels are unaffected."""
     try:
         import triton.language as tl
-        from triton.runtime import interpreter
     except ImportError:
         return
-    builder = getattr(interpreter, "InterpreterBuilder", None)
-    original = getattr(builder, "cast_impl", None)
-    if original is None or getattr(original, "_epmoe_test_fixed", False):
-        return
 
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            return interpreter.TensorHandle(fp32_to_bf16_rne(src.data), dst_type.scalar)
-        return original(self, src, dst_type)
+    def make(original, interpreter):
+        def cast_impl(self, src, dst_type):
+            if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+                return interpreter.TensorHandle(fp32_to_bf16_rne(src.data), dst_type.scalar)
+            return original(self, src, dst_type)
 
-    cast_impl._epmoe_test_fixed = True
-    builder.cast_impl = cast_impl
+        return cast_impl
+
+    _replace_builder_method("cast_impl", make)
 
 
 def apply() -> None:
