@@ -19,8 +19,9 @@ if not torch.cuda.is_available():
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# The interpreter's fixes (loop bounds under NumPy >= 2.4, a fused fma, a fast tl.sort) belong to
-# the tests, not to the package; compiled kernels never see them.
+# The interpreter's fixes (loop bounds under NumPy >= 2.4, a fused fma, a fast tl.sort, bf16
+# conversion rounded to nearest even) belong to the tests, not to the package; compiled kernels
+# never see them.
 import interpreter_patches  # noqa: E402
 
 interpreter_patches.apply()

@@ -150,6 +150,8 @@ def test_dtype_casts_keep_int8_and_fp32():
 
 
 def test_meta_device_defers_backend():
+    from epmoe.linear import _ALL_ROWS
+
     mod = Int8Linear(128, 64, scheme="int8_channel", device="meta")
     assert mod.backend_name is None
     with pytest.raises(RuntimeError, match="meta"):
@@ -160,7 +162,7 @@ def test_meta_device_defers_backend():
     assert mod.backend_name == "torch" and mod.weight.dtype == torch.int8
     assert mod._all_rows.device.type == "cpu"
     # to_empty leaves buffers uninitialised; the module's constant is set again.
-    assert mod._all_rows.tolist() == [2**31 - 1]
+    assert mod._all_rows.tolist() == [_ALL_ROWS]
     assert mod.plan(1) == ("tiled", None)  # the torch backend's only path
 
 

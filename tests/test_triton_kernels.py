@@ -378,6 +378,9 @@ def test_launch_defaults_and_checks():
     assert quantize.token_launch(1024, 1536, "cuda") == Launch(4, 2048, 16)
     assert quantize.token_launch(4096, 16384, "cuda") == Launch(1, 16384, 8)
     assert quantize.token_launch(1024, 18432, "cuda") == Launch(1, 4096, 8)
+    # row lengths the measurement did not cover keep the tile rule
+    assert quantize.token_launch(4096, 3000, "cuda") == Launch(2, 4096, 16)
+    assert quantize.token_launch(4096, 16, "cuda") == quantize.token_launch(4096, 16, "cuda", silu=True)
     # the fused SiLU variant keeps the tile rule below LARGE_M (not measured with these)
     assert quantize.token_launch(4096, 2048, "cuda", silu=True) == Launch(4, 2048, 16)
     assert quantize.group_launch(262144, 7168, 128, "cuda") == Launch(2, 1024, 4)
@@ -423,7 +426,8 @@ def test_kernel_bf16_conversion_rounds_to_nearest_even():
     ties = [1 + 2.0**-8, 1 + 3 * 2.0**-8, -(1 + 2.0**-8), 1 + 2.0**-8 + 2.0**-20]
     special = [3.4e38, -3.4e38, float("inf"), -float("inf"), -0.0, 0.0, 1e-40, -1e-39, float("nan")]
     g = torch.Generator().manual_seed(3)
-    rand = torch.randn(4096 - len(ties) - len(special), generator=g) * torch.exp(torch.randn(4096 - 13, generator=g) * 20)
+    n = 4096 - len(ties) - len(special)
+    rand = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 20)
     x = torch.cat([torch.tensor(ties + special), rand]).float().to(DEVICE)
     y = torch.empty(4096, dtype=torch.bfloat16, device=DEVICE)
     _to_bf16[(1,)](x, y, N=4096)

@@ -95,15 +95,17 @@ def _rows_per_prog(m: int, block_k: int, device: torch.device | str | None = Non
 
 
 LARGE_M = 16384
-"""Rows from which the measured bandwidth-best group launch applies (H200, 2026-11-30: 2048
-elements of whole groups on 4 warps per program reached 0.93-1.00 of copy bandwidth at 32768 and
-262144 rows; 16 warps reached 0.8-0.85)."""
+"""Rows from which the measured bandwidth-best launches of the tile rule apply (H200, 2026-11-30:
+2048 elements of whole groups, or one row of up to 8192 elements, on 4 warps per program reached
+0.93-1.00 of copy bandwidth at 32768 and 262144 rows; 16 warps reached 0.8-0.85): the group
+launch, and the per-token one where :data:`STREAM_M`'s measured launches do not apply (the fused
+SiLU variant, and row lengths not measured there)."""
 TWO_PASS_BLOCK = 4096
 """Chunk of a per-token row too long for one pass (``K > SINGLE_PASS_MAX``)."""
 STREAM_M = 1024
-"""Rows from which the per-token quantizer is bound by memory bandwidth rather than latency, and
-the launches measured on the H200 (2026-12-02; plain rows of K = 1536, 2048, 7168, 16384 and 18432
-at 1024, 4096 and 16384 rows, CUDA graphs, every candidate in turns) apply; see
+"""Rows from which the per-token quantizer of plain rows is bound by memory bandwidth rather than
+latency, and the launches measured for it on the H200 apply (2026-12-02: rows of K = 1536, 2048,
+7168, 16384 and 18432 at 1024, 4096 and 16384 rows, CUDA graphs, every candidate in turns); see
 :func:`token_launch`."""
 
 
@@ -111,26 +113,26 @@ def token_launch(m: int, k: int, device: torch.device | str | None = None, *, si
     """Default launch of a per-token kernel over ``m`` rows of ``k`` elements (``silu``: the
     fused ``silu(gate) * up`` variant, which reads two such rows).
 
-    From ``STREAM_M`` rows, for plain rows: ``TARGET_TILE``-element tiles on 4 warps where a row
-    has more than 2048 elements (measured on the H200 at K = 7168: one row a program; 8 warps
-    were 4-7 % slower), and from 4096 rows also for shorter rows (K = 1536 and 2048: four rows a
-    program; the tile rule's 16 warps were 20-34 % slower, but stayed ahead at 1024 rows); one
-    16384-element row on 8 warps; a row too long for one pass in 4096-element chunks on 8 warps
-    (16 warps, two rows a program: 3-23 % slower). Elsewhere the tile rule: up to
-    ``TARGET_TILE`` elements a program on 4 to 16 warps, and from ``LARGE_M`` rows one row of up
-    to 8192 elements on 4 warps."""
+    From ``STREAM_M`` rows, for plain rows, the measured launches (H200), each only for the row
+    lengths it was measured on: a row of 4097-8192 elements alone on 4 warps (K = 7168; 8 warps
+    were 4-7 % slower); from 4096 rows, four rows of 1025-2048 elements on 4 warps (K = 1536 and
+    2048; the tile rule's 16 warps were 20-34 % slower there, and stayed ahead at 1024 rows); a
+    row too long for one pass in 4096-element chunks on 8 warps (K = 18432; 16 warps, two rows a
+    program: 3-23 % slower). Everything else takes the tile rule: up to ``TARGET_TILE`` elements
+    a program on 4 to 16 warps (a 16384-element row on 8 warps, which the measurement confirmed),
+    and from ``LARGE_M`` rows one row of up to 8192 elements on 4 warps."""
     block_k = next_pow2(k) if next_pow2(k) <= SINGLE_PASS_MAX else TWO_PASS_BLOCK
     if m >= STREAM_M and not silu and not _on_cpu(device):
-        if block_k < k or block_k > TARGET_TILE:
-            return Launch(1, block_k, 8)
-        if block_k >= TARGET_TILE // 2 or m >= 4 * STREAM_M:
-            return Launch(max(1, TARGET_TILE // block_k), block_k, 4)
+        if k > SINGLE_PASS_MAX:
+            return Launch(1, TWO_PASS_BLOCK, 8)
+        if block_k == TARGET_TILE or (block_k == TARGET_TILE // 4 and m >= 4 * STREAM_M):
+            return Launch(TARGET_TILE // block_k, block_k, 4)
     if m >= LARGE_M and block_k <= TARGET_TILE and not _on_cpu(device):
         return Launch(1, block_k, 4)
     block_m = _rows_per_prog(m, block_k, device)
     warps = _warps(block_m * block_k)
     if block_m == 1 and not _on_cpu(device):
-        warps = min(warps, 8)  # one 8192-wide row: 8 warps beat 16 at 4096 rows (H200)
+        warps = min(warps, 8)  # one row of 8192-16384 elements: 8 warps beat 16 (H200)
     return Launch(block_m, block_k, warps)
 
 
