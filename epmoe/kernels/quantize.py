@@ -115,10 +115,11 @@ def token_launch(m: int, k: int, device: torch.device | str | None = None, *, si
 
     From ``STREAM_M`` rows, for plain rows, the measured launches (H200), each for the class of
     row lengths (one tile shape) it was measured on: a row of 4097-8192 elements alone on 4 warps
-    (K = 7168; 8 warps were 4-7 % slower); from 4096 rows, four rows of 1025-2048 elements on 4
-    warps (K = 1536 and 2048; the tile rule's 16 warps were 20-34 % slower there, and stayed
-    ahead at 1024 rows); a row too long for one pass in 4096-element chunks on 8 warps
-    (K = 18432; 16 warps, two rows a program: 3-23 % slower). Everything else takes the tile rule: up to ``TARGET_TILE`` elements
+    (K = 7168; 8 warps were 5-7 % slower); from 4096 rows, four rows of 1025-2048 elements on 4
+    warps (K = 1536 and 2048; the tile rule's 16 warps were 30-34 % slower at 4096 rows, one row a
+    program 8-10 % slower at 16384, and the tile rule stayed ahead at 1024 rows); a row too long
+    for one pass in 4096-element chunks on 8 warps (K = 18432; two rows on 16 warps were 3-6 %
+    slower, one row on 4 warps 23 % slower at 16384 rows). Everything else takes the tile rule: up to ``TARGET_TILE`` elements
     a program on 4 to 16 warps (a 16384-element row on 8 warps, which the measurement confirmed),
     and from ``LARGE_M`` rows one row of up to 8192 elements on 4 warps."""
     block_k = next_pow2(k) if next_pow2(k) <= SINGLE_PASS_MAX else TWO_PASS_BLOCK
