@@ -35,7 +35,8 @@
 // partial sums are: accum += float(partial) * SFA[row] * SFB[group] (see S32InF32Registers).
 // The INT8 kernel comes in variants (kInt8BlockVariants, one source file each, picked at run
 // time): the consumer warpgroups' schedule (BlockScaledSchedule: how a K block's MMAs overlap the
-// promotion), where each K block's sums start (kZeroStart), and the tile's width (128, 192 or
+// promotion), where each K block's sums start (kZeroStart), how a sum becomes a float
+// (kNativeConvert), and the tile's width (128, 192 or
 // 256; 128 and 256 divide the DeepSeek-V3 N of 4096 and 7168 and read one weight scale per 128
 // columns).
 // Why not CUTLASS's ptr-array grouped kernel: it rewrites and fences the TMA descriptors of A, B
@@ -77,7 +78,8 @@ using namespace cute;
 // block from kInt32InFloatBias, the bits of 1.5 * 2^23, and adds the int32 sum x to those bits:
 // for |x| < 2^22 they are the bits of the float 1.5 * 2^23 + x (one unit per ulp at that
 // exponent), so x = value - 1.5 * 2^23 exactly, with one FADD. An I2F conversion instead runs at
-// a quarter of the FMA rate on SM90 and would outlast the MMAs.
+// a quarter of the FMA rate on SM90 and would outlast the MMAs; sm_90a compiles __int2float_rn to
+// I2FP.F32.S32 instead, whose rate is not documented: the kNativeConvert variants measure it.
 template <class Op>
 struct S32InF32Registers : Op {};
 constexpr float kInt32InFloatBias = 12582912.0f;  // 1.5 * 2^23: bits 0x4B400000
@@ -122,6 +124,10 @@ enum BlockScaledSchedule : int { kLockstep = 0, kStaggered = 1, kSplitN = 2, kSp
 // each chunk a set of its own (the moves start a new value) and spilled at 256-wide tiles.
 constexpr int kZeroStart = 8;
 constexpr int schedule_kind(int schedule) { return schedule & (kZeroStart - 1); }
+// Added to a kZeroStart schedule: the promotion converts each zero-started int32 sum with
+// __int2float_rn (exact: |sum| <= 2^21) and multiplies it into the accumulator, two instructions
+// an element where the bias takes three (IADD, FADD, FFMA); the same floats, bit for bit.
+constexpr int kNativeConvert = 16;
 
 // The N chunks a warpgroup's MMAs are issued in and the partial accumulators they rotate through.
 template <int Schedule>
@@ -294,6 +300,8 @@ struct Sm90BlockScaledMainloop : Base {
   static constexpr bool kZero = (Schedule & kZeroStart) != 0;
   static_assert(!kZero || (kIntegerMma && ChunksOf<Schedule>::kChunked),
                 "zero-started partials: the INT8 chunked schedules (int32 fragments)");
+  static constexpr bool kNative = (Schedule & kNativeConvert) != 0;
+  static_assert(!kNative || kZero, "the native conversion reads zero-started int32 sums (kZeroStart)");
   // kStaggered's named barriers (user ids, above CUTLASS's reserved ones): warpgroup w waits on
   // kTurnBarrier + w before it issues a K block's MMAs and arrives on the other's after.
   static constexpr uint32_t kTurnBarrier = 0;
@@ -567,10 +575,15 @@ struct Sm90BlockScaledMainloop : Base {
     }
   }
   // The same from an int32 fragment (the chunked schedules' partials): its bits are the biased
-  // float, or with kZeroStart the sum itself, which the bias bits turn into that float.
+  // float, or with kZeroStart the sum itself, which the bias bits turn into that float (or,
+  // with kNativeConvert, a conversion instruction).
   CUTLASS_DEVICE static float promote_partial(int32_t v) {
-    if constexpr (kZero) v += kInt32InFloatBiasBits;
-    return __int_as_float(v) - kInt32InFloatBias;
+    if constexpr (kNative) {
+      return __int2float_rn(v);
+    } else {
+      if constexpr (kZero) v += kInt32InFloatBiasBits;
+      return __int_as_float(v) - kInt32InFloatBias;
+    }
   }
 
   // mma released every stage it read.
@@ -975,6 +988,8 @@ constexpr Int8BlockVariant kInt8BlockVariants[] = {
     {kSplitN4 + kZeroStart, 256},
     {kSerialHalves + kZeroStart, 256},
     {kSplitN + kZeroStart, 128},
+    {kSplitN4 + kZeroStart + kNativeConvert, 256},
+    {kSerialHalves + kZeroStart + kNativeConvert, 256},
 };
 constexpr int kNumInt8BlockVariants = sizeof(kInt8BlockVariants) / sizeof(kInt8BlockVariants[0]);
 
