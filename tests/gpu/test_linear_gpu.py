@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
 
 from epmoe.experts.select import BackendUnavailableError  # noqa: E402
 from epmoe.linear import Int8Linear, Int8MLP  # noqa: E402
+from epmoe.quant.reference import dequantize_rows  # noqa: E402
 from test_linear import ref_linear, ref_mlp, ref_weight, rel  # noqa: E402  (tests/ is on sys.path: conftest)
 
 from benchmarks.bench_dense_int8 import ref_codes  # noqa: E402  (plain torch; the repository root is on sys.path)
@@ -73,9 +74,8 @@ def test_mlp_against_float64(backend, scheme, acc, m, monkeypatch):
     # Each stage within bf16 output rounding of float64: GEMM1, and the down projection of the
     # forward's own intermediate codes (the forward is exactly these stages).
     assert rel(gate_up, ref_linear(mlp.gate_up_proj, x)) <= TIGHT
-    group = None if scheme == "int8_channel" else 128
-    codes = q.double().cpu().reshape(m, -1, group or i) * s.double().cpu().reshape(m, -1, 1)
-    assert rel(y, codes.reshape(m, i) @ ref_weight(down).t()) <= TIGHT
+    codes = dequantize_rows(q.cpu(), s.cpu(), torch.float64)
+    assert rel(y, codes @ ref_weight(down).t()) <= TIGHT
     # End to end against float64 throughout: the reference quantizes with float64 scales where the
     # kernels follow the rule's fp32 ones, and bf16 inputs often sit exactly on a rounding tie, so
     # a few activation codes differ by one, GEMM1's outputs with them, and the intermediate's
