@@ -128,6 +128,11 @@ constexpr int schedule_kind(int schedule) { return schedule & (kZeroStart - 1); 
 // __int2float_rn (exact: |sum| <= 2^21) and multiplies it into the accumulator, two instructions
 // an element where the bias takes three (IADD, FADD, FFMA); the same floats, bit for bit.
 constexpr int kNativeConvert = 16;
+// Added to a schedule: CUTLASS's subtiled epilogue at every K (LongKConfig), where the whole-tile
+// epilogue would otherwise run (K <= kWholeTileEpilogueMaxK). Its smaller buffer leaves room for
+// one more mainloop stage: a 128 x 256 tile's short-K GEMM gets four stages instead of three.
+// The mainloop ignores the bit.
+constexpr int kSubtiledEpilogue = 32;
 
 // The N chunks a warpgroup's MMAs are issued in and the partial accumulators they rotate through.
 template <int Schedule>
@@ -963,7 +968,7 @@ void run_block_scaled_by_k(at::Tensor& out, const at::Tensor& a, const at::Tenso
                            const at::Tensor& b, const at::Tensor& b_scale,
                            const at::Tensor& block_expert, int64_t raster_along_n,
                            int64_t max_swizzle, bool pdl) {
-  if (b.size(2) <= kWholeTileEpilogueMaxK) {
+  if (!(Schedule & kSubtiledEpilogue) && b.size(2) <= kWholeTileEpilogueMaxK) {
     run_block_scaled_gemm<ShortKConfig<Element, Schedule, TileN>>(
         out, a, a_scale, b, b_scale, block_expert, raster_along_n, max_swizzle, pdl);
   } else {
@@ -990,6 +995,8 @@ constexpr Int8BlockVariant kInt8BlockVariants[] = {
     {kSplitN + kZeroStart, 128},
     {kSplitN4 + kZeroStart + kNativeConvert, 256},
     {kSerialHalves + kZeroStart + kNativeConvert, 256},
+    {kSplitN4 + kZeroStart + kNativeConvert + kSubtiledEpilogue, 256},
+    {kSerialHalves + kZeroStart + kNativeConvert + kSubtiledEpilogue, 256},
 };
 constexpr int kNumInt8BlockVariants = sizeof(kInt8BlockVariants) / sizeof(kInt8BlockVariants[0]);
 

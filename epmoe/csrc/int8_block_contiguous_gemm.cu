@@ -20,7 +20,9 @@ EPMOE_INT8_BLOCK_ELSEWHERE(5)
 EPMOE_INT8_BLOCK_ELSEWHERE(6)
 EPMOE_INT8_BLOCK_ELSEWHERE(7)
 EPMOE_INT8_BLOCK_ELSEWHERE(8)
-static_assert(kNumInt8BlockVariants == 9, "one case below and one source file per variant");
+EPMOE_INT8_BLOCK_ELSEWHERE(9)
+EPMOE_INT8_BLOCK_ELSEWHERE(10)
+static_assert(kNumInt8BlockVariants == 11, "one case below and one source file per variant");
 
 // segments, masked_max_m: as expert_block_table's; variant: an index of kInt8BlockVariants
 // (checked by the caller).
@@ -43,6 +45,8 @@ void int8_block_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a,
     case 6: run(Int<6>{}); break;
     case 7: run(Int<7>{}); break;
     case 8: run(Int<8>{}); break;
+    case 9: run(Int<9>{}); break;
+    case 10: run(Int<10>{}); break;
     default: run(Int<0>{});
   }
 }

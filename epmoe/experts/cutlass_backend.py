@@ -96,6 +96,8 @@ SOURCES = (
     "int8_block_n128_split_n_gemm.cu",
     "int8_block_n256_quarters_i2f_gemm.cu",
     "int8_block_n256_halves_i2f_gemm.cu",
+    "int8_block_n256_quarters_i2f_s4_gemm.cu",
+    "int8_block_n256_halves_i2f_s4_gemm.cu",
     "int8_channel_contiguous_gemm.cu",
     "int8_dense_pingpong_gemm.cu",
 )
@@ -104,7 +106,7 @@ ROW_BLOCK = 128
 """Rows of a tile of the project's kernel: every expert segment starts and ends on a multiple."""
 INT8_BLOCK_SCHEDULES = (
     "lockstep", "staggered", "split_n", "split_n_zero", "n256_quarters", "n256_halves", "n128_split_n",
-    "n256_quarters_i2f", "n256_halves_i2f",
+    "n256_quarters_i2f", "n256_halves_i2f", "n256_quarters_i2f_s4", "n256_halves_i2f_s4",
 )  # fmt: skip
 """The INT8 block kernel's variants (``kInt8BlockVariants`` in ``block_scaled_contiguous_gemm.cuh``,
 in this order: the op takes the index): how its two consumer warpgroups overlap a K block's MMAs
@@ -120,9 +122,12 @@ through two partials, each promoted while the next runs) and ``n256_halves`` (tw
 through one partial, each promoted before the next is issued); on 128 x 128 tiles
 ``n128_split_n`` (``split_n``'s halves). The ``_i2f`` twins of the two 256-wide ones convert each
 int32 sum with a conversion instruction (``__int2float_rn``, sm_90a's I2FP) instead of through the
-float bias: two instructions an element in the promotion instead of three, the same floats."""
+float bias: two instructions an element in the promotion instead of three, the same floats. Their
+``_s4`` twins run CUTLASS's subtiled epilogue at every K (``kSubtiledEpilogue``): four mainloop
+stages where the whole-tile epilogue leaves a 256-wide tile three (the K = 2048 GEMM)."""
 INT8_BLOCK_TILE_N = {name: 192 for name in ("lockstep", "staggered", "split_n", "split_n_zero")} | {
     "n256_quarters": 256, "n256_halves": 256, "n128_split_n": 128, "n256_quarters_i2f": 256, "n256_halves_i2f": 256,
+    "n256_quarters_i2f_s4": 256, "n256_halves_i2f_s4": 256,
 }  # fmt: skip
 """Tile width of each INT8 block variant: a 192-wide tile reads the weight scales on a 64-column
 grid (:func:`kernel_weight_scale`, repeated per call from the stored ``[E, N/128, K/128]``), the
