@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ from .quant.payload import choose_payloads
 from .quant.schemes import BLOCK, get_scheme
 from .kernels.common import prep_refusal
 from .routing import check_routing_config, fused_refusal, select_experts
-from .tensors import as_contiguous, check_positive_int, host_reads_allowed, keeping_dtypes
+from .tensors import as_contiguous, check_positive_int, host_reads_allowed, keeping_dtypes, resolve_device
 from .timing import phase
 
 log = logging.getLogger("epmoe")
@@ -43,27 +43,6 @@ def _resolve_group(group) -> tuple[object, int, int]:
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return None, 1, 0
     return group, dist.get_world_size(group), dist.get_rank(group)
-
-
-def _default_device(device) -> torch.device:
-    """The layer's device with its index filled in (``"cuda"`` means the current CUDA device)."""
-    asked = device
-    device = torch.device(device) if device is not None else None
-    if device is None and torch.get_default_device().type == "meta":
-        device = torch.device("meta")  # under `with torch.device("meta"):`, as large models are built
-    if device is None:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"device={asked!r}: CUDA is not available here (torch {torch.__version__}, "
-                f"built with CUDA {torch.version.cuda}); use device='cpu'"
-            )
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        elif device.index >= torch.cuda.device_count():
-            raise ValueError(f"device={asked!r}: this process sees {torch.cuda.device_count()} CUDA device(s)")
-    return device
 
 
 class DeepEPMoELayer(nn.Module):
@@ -194,7 +173,7 @@ class DeepEPMoELayer(nn.Module):
         self.num_local_experts = num_experts // self.world_size
         self.first_expert = self.rank * self.num_local_experts
         self.params_dtype = params_dtype
-        self.device = _default_device(device)
+        self.device = resolve_device(device)
         self.routing = dict(
             renormalize=renormalize,
             scoring_func=scoring_func,
@@ -318,7 +297,7 @@ class DeepEPMoELayer(nn.Module):
         if self.backend is None and self.w13_weight.device.type != "meta":
             # Materialized from the meta device (to_empty / to): select for the landing device now;
             # a forced choice that cannot run there raises here.
-            self.device = _default_device(self.w13_weight.device)
+            self.device = resolve_device(self.w13_weight.device)
             self._build_seams(agree=False)  # materializing does not communicate; the first forward does
         return out
 
@@ -346,7 +325,7 @@ class DeepEPMoELayer(nn.Module):
 
     def load_weights(
         self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
         strict: bool = True,
         *,
         prefix: str | None = None,
@@ -363,8 +342,8 @@ class DeepEPMoELayer(nn.Module):
         with another's experts. Every tensor is checked before any is copied.
 
         Args:
-            named_tensors: ``(name, tensor)`` pairs: one MoE layer's, or a whole checkpoint's with
-                ``prefix``.
+            named_tensors: ``(name, tensor)`` pairs or a mapping (``safetensors.load_file``, a
+                ``state_dict``): one MoE layer's, or a whole checkpoint's with ``prefix``.
             strict: as in ``nn.Module.load_state_dict``: every tensor of this rank's experts (and
                 the correction bias, when the layer has one) must be given, else ``ValueError``
                 naming the first missing ones and the count (:meth:`expected_weight_names` lists

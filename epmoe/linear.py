@@ -58,7 +58,7 @@ from .experts.select import BackendUnavailableError
 from .kernels.configs import DENSE_KERNELS, DENSE_SMALL_M_MAX, DENSE_TRITON_KERNELS
 from .quant.reference import dequantize_rows, dequantize_weight, quantize_rows, quantize_weight
 from .quant.schemes import BLOCK, SCHEMES
-from .tensors import check_positive_int, keeping_dtypes
+from .tensors import check_positive_int, keeping_dtypes, named_pairs, resolve_device
 
 log = logging.getLogger("epmoe")
 
@@ -580,7 +580,7 @@ class Int8Linear(nn.Module):
             raise TypeError(f"bias={bias!r}; allowed: True or False")
         _check_choice("backend", backend, ("auto", *DENSE_BACKENDS))
         self.backend = backend
-        device = torch.device("cpu" if device is None else device)
+        device = resolve_device("cpu" if device is None else device)
         shape = weight_scale_shape(scheme, out_features, in_features)
         self.weight = nn.Parameter(
             torch.zeros(out_features, in_features, dtype=torch.int8, device=device), requires_grad=False
@@ -677,7 +677,7 @@ class Int8Linear(nn.Module):
             ValueError / TypeError: unknown or repeated names, a missing weight, wrong shapes or
             dtypes (each message names the tensor, what it got and what is allowed).
         """
-        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        items = named_pairs(named_tensors)
         got: dict[str, tuple[str, torch.Tensor]] = {}
         allowed = ("weight", "weight_scale", "weight_scale_inv", "bias")
         for name, t in items:
@@ -817,7 +817,7 @@ class Int8MLP(nn.Module):
         :meth:`Int8Linear.load_weights`). Gate and up are fused into ``gate_up_proj`` in their
         float values (FP8 and mismatched INT8 inputs are dequantized first), so a block scale is
         never shared across the two."""
-        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        items = named_pairs(named_tensors)
         parts: dict[str, dict[str, torch.Tensor]] = {"gate_proj": {}, "up_proj": {}, "down_proj": {}}
         for name, t in items:
             pieces = name.split(".")

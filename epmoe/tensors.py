@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
@@ -29,6 +30,30 @@ def check_positive_int(name: str, value, *, optional: bool = False) -> int | Non
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive integer" + (" or None" if optional else ""))
     return int(value)
+
+
+def _shown(value) -> str:
+    """A value in an error message: strings as written, anything else by its type (a message must
+    not print a checkpoint's tensors)."""
+    return repr(value) if isinstance(value, str) else type(value).__name__
+
+
+def named_pairs(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> Iterator[tuple]:
+    """The ``(name, tensor)`` pairs of a mapping (``safetensors.load_file``, a ``state_dict``) or
+    of an iterable of pairs (``named_parameters``, a checkpoint reader); raises ``TypeError``
+    naming the item that is not a pair. The tensors themselves are the caller's to check."""
+    if isinstance(named_tensors, Mapping):
+        yield from named_tensors.items()
+        return
+    if isinstance(named_tensors, (str, bytes, torch.Tensor)):
+        raise TypeError(f"named_tensors: got {type(named_tensors).__name__}; "
+                        "allowed: (name, tensor) pairs, or a mapping name -> tensor")
+    for item in named_tensors:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            shown = f"({', '.join(map(_shown, item))})" if isinstance(item, tuple) else _shown(item)
+            raise TypeError(f"named_tensors item {shown}; allowed: (name: str, tensor) pairs, "
+                            "or a mapping name -> tensor")
+        yield item
 
 
 def check_bool(name: str, value) -> bool:
@@ -79,3 +104,26 @@ def keeping_dtypes(fn, fixed: list[torch.Tensor | None]):
         return t.to(device=probe.device)
 
     return apply
+
+
+def resolve_device(device) -> torch.device:
+    """``device`` with its index filled in (``"cuda"`` means the current CUDA device); ``None``:
+    meta under ``with torch.device("meta")``, else CUDA where available, else the CPU. Raises
+    ``ValueError`` naming ``device`` for a CUDA device this process cannot use."""
+    asked = device
+    device = torch.device(device) if device is not None else None
+    if device is None and torch.get_default_device().type == "meta":
+        device = torch.device("meta")  # under `with torch.device("meta"):`, as large models are built
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device={asked!r}: CUDA is not available here (torch {torch.__version__}, "
+                f"built with CUDA {torch.version.cuda}); use device='cpu'"
+            )
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        elif device.index >= torch.cuda.device_count():
+            raise ValueError(f"device={asked!r}: this process sees {torch.cuda.device_count()} CUDA device(s)")
+    return device

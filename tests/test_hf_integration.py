@@ -112,6 +112,27 @@ def test_loader_reads_a_save_pretrained_directory(tmp_path, family, shard):
     assert report.bytes_read == report.checkpoint_bytes and report.local_experts == report.num_experts
 
 
+@torch.no_grad()
+def test_loader_skips_what_transformers_ignores_and_names_a_tensor_with_no_place(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model, ids = _model("deepseek_v3"), _ids()
+    ref = model(ids).logits
+    model.save_pretrained(tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    # DeepSeek-V3's checkpoints carry the multi-token-prediction layer after the last one
+    # (transformers' _keys_to_ignore_on_load_unexpected: model.layers.61.*).
+    sd["model.layers.61.shared_head.norm.weight"] = torch.ones(8)
+    save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    loaded = et.from_pretrained(tmp_path, backend="torch", device="cpu")
+    assert _rel(loaded(ids).logits, ref) <= 1e-5
+    sd["model.layers.9.self_attn.extra.weight"] = torch.ones(8)
+    save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"^checkpoint tensor 'model.layers.9.self_attn.extra.weight' has no place in "
+                                         r"DeepseekV3ForCausalLM; allowed: the names of its state_dict"):
+        et.from_pretrained(tmp_path, backend="torch", device="cpu")
+
+
 def _fp8_checkpoint(model, path):
     """Save ``model`` DeepSeek-style: every projection weight float8_e4m3fn with 128x128
     ``weight_scale_inv`` (embeddings, norms, router and head stay float); sets the model's own

@@ -150,12 +150,28 @@ def test_load_weights_by_checkpoint_names():
             (p + "up_proj.weight_scale_inv", s13[e, I // 128 :]),
             (p + "down_proj.weight_scale_inv", s2[e]),
         ]  # fmt: skip
-    layer = DeepEPMoELayer(E, K, H, I, quant="int8_block", device="cpu", params_dtype=torch.float32)
-    loaded = layer.load_weights(named)
-    assert len(loaded) == len(named)
     ref_layer, _ = build("int8_block", dispatch="local", backend="torch")
     x, ids, w = make_case("random", 0, E, K, H)
-    torch.testing.assert_close(layer(x, topk_ids=ids, topk_weights=w), ref_layer(x, topk_ids=ids, topk_weights=w))
+    # Pairs, and a mapping as safetensors.load_file returns it.
+    for given in (named, dict(named)):
+        layer = DeepEPMoELayer(E, K, H, I, quant="int8_block", device="cpu", params_dtype=torch.float32)
+        loaded = layer.load_weights(given)
+        assert len(loaded) == len(named)
+        torch.testing.assert_close(layer(x, topk_ids=ids, topk_weights=w), ref_layer(x, topk_ids=ids, topk_weights=w))
+
+
+@pytest.mark.parametrize("given, shown", [
+    ([("experts.0.gate_proj.weight", torch.zeros(1), "extra")], r"\('experts.0.gate_proj.weight', Tensor, 'extra'\)"),
+    (["ab"], "'ab'"),
+    ([torch.zeros(2)], "Tensor"),
+    ("experts.0.gate_proj.weight", None),
+])  # fmt: skip
+def test_load_weights_refuses_what_is_not_name_tensor_pairs(given, shown):
+    layer, _ = build("bf16", dispatch="local", backend="torch")
+    match = rf"^named_tensors item {shown}; allowed: \(name: str, tensor\) pairs" if shown else (
+        r"^named_tensors: got str; allowed: \(name, tensor\) pairs, or a mapping name -> tensor$")
+    with pytest.raises(TypeError, match=match):
+        layer.load_weights(given)
 
 
 def test_load_weights_channel_scales():

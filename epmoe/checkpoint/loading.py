@@ -3,12 +3,12 @@ each tensor fills, and the checks made before anything is copied."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
 from ..quant.schemes import BLOCK, QuantScheme
-from ..tensors import check_tensor
+from ..tensors import check_tensor, named_pairs
 from .names import (
     CORRECTION_BIAS,
     EXPECTED_FORMS,
@@ -142,7 +142,8 @@ def _plan_fused(layer, copies: dict, name: str, proj: str, tensor: torch.Tensor)
 
 @torch.no_grad()
 def load_weights(
-    layer, named_tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = True, prefix: str | None = None
+    layer, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], strict: bool = True,
+    prefix: str | None = None,
 ) -> set[str]:
     """Copy checkpoint tensors named the DeepSeek/HF way into ``layer``'s parameters
     (``DeepEPMoELayer.load_weights`` documents the rules). Returns the names loaded."""
@@ -152,7 +153,7 @@ def load_weights(
     copies: dict[tuple, tuple[str, torch.Tensor, torch.Tensor]] = {}
     i, h = layer.intermediate_size, layer.hidden_size
     seen_prefix = None  # without prefix=, missing names are reported under the one the tensors had
-    for name, tensor in named_tensors:
+    for name, tensor in named_pairs(named_tensors):
         key = name
         if prefix is not None:
             # One layer's tensors picked out of a whole checkpoint: everything outside the prefix,

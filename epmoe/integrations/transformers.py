@@ -47,6 +47,7 @@ from ..checkpoint.formats import INDEX_NAME
 from ..checkpoint.reading import checkpoint_scheme
 from ..quant.reference import dequantize_weight, quantize_weight
 from ..quant.schemes import SCHEMES, get_scheme
+from ..tensors import resolve_device
 
 log = logging.getLogger("epmoe")
 
@@ -431,10 +432,16 @@ def _set_int8_linear(model: nn.Module, base: str, tensors: dict[str, torch.Tenso
 
 def _set_tensor(model: nn.Module, key: str, tensor: torch.Tensor, device) -> None:
     path, _, attr = key.rpartition(".")
-    module = model.get_submodule(path)
-    current = module._parameters.get(attr, module._buffers.get(attr))
+    try:
+        module = model.get_submodule(path)
+    except AttributeError:
+        module = None
+    current = None if module is None else module._parameters.get(attr, module._buffers.get(attr))
     if current is None:
-        raise ValueError(f"checkpoint tensor {key!r} has no place in {type(model).__name__}")
+        raise ValueError(
+            f"checkpoint tensor {key!r} has no place in {type(model).__name__}; allowed: the names of "
+            "its state_dict (or of its _keys_to_ignore_on_load_unexpected, which are skipped)"
+        )
     if tuple(current.shape) != tuple(tensor.shape):
         raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(tensor.shape)}; the model has {tuple(current.shape)}")
     value = tensor.to(device=device, dtype=current.dtype if current.is_floating_point() else tensor.dtype)
@@ -504,9 +511,7 @@ def from_pretrained(
             f"int8_dense=True needs INT8 linear weights; {root} stores {stored} (convert the FP8 "
             "checkpoint with `epmoe convert --dense` first)"
         )
-    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = resolve_device(device)
     config = AutoConfig.from_pretrained(root)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights are dequantized / handed to the layers here
@@ -550,11 +555,17 @@ def from_pretrained(
         loaded.add((mod, e))
         del experts[(mod, e)]
 
+    # What transformers skips too (DeepSeek-V3's multi-token-prediction layer 61): never read.
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    skipped = 0
     for shard in _shards(root):
         f = SafetensorsFile(root / shard)
         for raw in sorted(f.tensors, key=lambda n: f.tensors[n].begin):
             total += f.tensors[raw].nbytes
             key = rename(raw)
+            if any(p.search(key) for p in ignored):
+                skipped += 1
+                continue
             m = expert_re.match(key)
             if m is not None and m["module"] in layers:
                 mod, e, layer = m["module"], int(m["e"]), layers[m["module"]]
@@ -604,6 +615,9 @@ def from_pretrained(
         num_experts=first.num_experts,
     )
     model.epmoe_load_report = report
+    if skipped:
+        log.info("epmoe: skipped %d checkpoint tensors that %s ignores (_keys_to_ignore_on_load_unexpected: %s)",
+                 skipped, type(model).__name__, [p.pattern for p in ignored])
     log.info(
         "epmoe: loaded %s (%s experts, %d of %d per layer on rank %d): read %.1f of %.1f MB, peak RSS "
         "%.1f MB, peak GPU %.1f MB", root, quant, first.num_local_experts, first.num_experts, first.rank,
