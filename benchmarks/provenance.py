@@ -9,15 +9,18 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def git_commit(given: str | None = None, fallback: str | None = "unknown") -> str | None:
-    """``given`` (a ``--commit`` argument), else this checkout's ``git rev-parse HEAD``, else
-    ``fallback`` (no git, or not a checkout: the GPU machine's copy of the tree)."""
+    """``given`` (a ``--commit`` argument), else this checkout's ``git rev-parse HEAD`` (with
+    ``-dirty`` appended when its tracked files differ from it: the tree measured is not that
+    commit, as on a machine that received a copy of a working tree over an older checkout), else
+    ``fallback`` (no git, or not a checkout)."""
     if given:
         return given
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT,
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT,
                               check=True).stdout.strip()  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
         return fallback
+    return head + "-dirty" if git_dirty() else head
 
 
 def git_dirty() -> bool | None:
