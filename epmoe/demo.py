@@ -138,11 +138,20 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
         except ValueError as exc:
             p.error(f"--schemes: {exc}")
     args.schemes = names
-    for name in ("ranks", "experts", "top_k", "hidden", "intermediate", "tokens", "iters"):
+    for name in ("ranks", "experts", "top_k", "groups", "topk_groups", "hidden", "intermediate", "tokens", "iters"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.experts % args.ranks:
         p.error(f"--experts={args.experts} must be divisible by --ranks={args.ranks}")
+    # The routing's own conditions, by the flags' names (the layer's messages name its arguments).
+    if args.experts % args.groups:
+        p.error(f"--groups={args.groups}; allowed: a divisor of --experts={args.experts}")
+    if args.topk_groups > args.groups:
+        p.error(f"--topk-groups={args.topk_groups}; allowed: 1 to --groups={args.groups}")
+    reachable = args.experts // args.groups * args.topk_groups
+    if args.top_k > reachable:
+        p.error(f"--top-k={args.top_k}; allowed: at most the {reachable} experts of --topk-groups={args.topk_groups} "
+                f"groups of --experts={args.experts} / --groups={args.groups}")
     if args.device == "auto":
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         args.device = "cuda" if gpus >= args.ranks else "cpu"

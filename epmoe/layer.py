@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import numbers
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -42,6 +41,8 @@ def _resolve_group(group) -> tuple[object, int, int]:
     """``(group, world_size, rank)``; ``None`` means the default group when one exists."""
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return None, 1, 0
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group={group!r}; allowed: None or a torch.distributed ProcessGroup")
     return group, dist.get_world_size(group), dist.get_rank(group)
 
 
@@ -140,13 +141,7 @@ class DeepEPMoELayer(nn.Module):
                 ("intermediate_size", intermediate_size), ("max_tokens_per_rank", max_tokens_per_rank),
             )
         )  # fmt: skip
-        check_routing_config(num_experts, top_k, scoring_func, num_expert_group, topk_group)
-        if (
-            not isinstance(routed_scaling_factor, numbers.Real)
-            or not math.isfinite(routed_scaling_factor)
-            or routed_scaling_factor <= 0
-        ):
-            raise ValueError(f"routed_scaling_factor={routed_scaling_factor!r} must be a finite number > 0")
+        check_routing_config(num_experts, top_k, scoring_func, num_expert_group, topk_group, routed_scaling_factor)
         for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
             if self.scheme.needs_block_alignment and value % BLOCK:
                 raise ValueError(
@@ -252,6 +247,15 @@ class DeepEPMoELayer(nn.Module):
                 "rank %d: backend %s needs host-side segment sizes: with normal_max_tokens_per_rank "
                 "the layer reads the receive counts back itself (one host sync per normal batch)",
                 self.rank, self.backend.name,
+            )  # fmt: skip
+        if self.decode_prep and not (
+            self.dispatcher.keeps_rows and (self.backend.device_segments or self.backend.compile_segments)
+        ):
+            log.warning(
+                "rank %d: decode_prep=True has no effect with dispatch=%s and backend=%s (it needs a "
+                "dispatcher that moves nothing, 'local', and a backend that takes the segment sizes on "
+                "the device, 'triton' or 'cutlass'): the routing, layout and quantization kernels run "
+                "one by one", self.rank, self.dispatcher.name, self.backend.name,
             )  # fmt: skip
         if agree and not self._agreed:
             self._agree(self.device)

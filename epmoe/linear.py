@@ -824,9 +824,9 @@ class Int8MLP(nn.Module):
             proj = pieces[-2] if len(pieces) >= 2 else ""
             if proj not in parts:
                 raise ValueError(f"tensor {name!r}: allowed: names '<prefix>.(gate_proj|up_proj|down_proj).<suffix>'")
-            parts[proj][pieces[-1]] = t
+            parts[proj][name] = t  # whole names: Int8Linear refuses a repeat by both names
         for proj, d in parts.items():
-            if "weight" not in d:
+            if not any(n.rsplit(".", 1)[-1] == "weight" for n in d):
                 raise ValueError(f"no {proj}.weight given; an Int8MLP needs gate_proj, up_proj and down_proj")
         self.down_proj.load_weights(parts["down_proj"])
         i = self.intermediate_size
@@ -846,7 +846,7 @@ class Int8MLP(nn.Module):
         else:
             w = torch.cat([dequantize_weight(m.weight.unsqueeze(0), m.weight_scale.unsqueeze(0))[0] for m in gate_up.values()])
             self.gate_up_proj._set_float_weight(w)
-        return set(parts_names(parts))
+        return {name for d in parts.values() for name in d}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., H]`` (bf16, fp16 or fp32) -> ``[..., H]`` of ``x``'s dtype."""
@@ -860,7 +860,3 @@ class Int8MLP(nn.Module):
         h, hs = self.down_proj._impl.silu_quantize(gate_up, gu.scheme)
         out = self.down_proj._impl.gemm(self.down_proj, h, hs, x.dtype, rows=m)[:m]
         return out.reshape(x.shape)
-
-
-def parts_names(parts: dict[str, dict[str, torch.Tensor]]) -> list[str]:
-    return [f"{proj}.{suffix}" for proj, d in parts.items() for suffix in d]

@@ -27,9 +27,13 @@ practice).
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from . import ops
+from .tensors import check_tensor
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 
@@ -48,18 +52,34 @@ def fused_refusal(num_experts: int, top_k: int) -> str | None:
     return None
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_routing_config(
     num_experts: int,
     top_k: int,
     scoring_func: str,
     num_expert_group: int | None,
     topk_group: int | None,
+    routed_scaling_factor: float = 1.0,
 ) -> None:
-    """Raise ``ValueError`` naming the argument when the routing options do not fit together."""
-    if not isinstance(num_experts, int) or num_experts < 1:
+    """Raise ``ValueError`` naming the argument when the routing options do not fit together
+    (integers may be NumPy's; ``bool`` is not one)."""
+    if not _is_int(num_experts) or num_experts < 1:
         raise ValueError(f"num_experts={num_experts!r} must be a positive integer")
-    if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+    if not _is_int(top_k) or not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k={top_k!r} must be an integer in [1, num_experts={num_experts}]")
+    if (
+        not isinstance(routed_scaling_factor, numbers.Real)
+        or isinstance(routed_scaling_factor, bool)
+        or not math.isfinite(routed_scaling_factor)
+        or routed_scaling_factor <= 0
+    ):
+        raise ValueError(f"routed_scaling_factor={routed_scaling_factor!r} must be a finite number > 0")
+    for name, value in (("num_expert_group", num_expert_group), ("topk_group", topk_group)):
+        if value is not None and not _is_int(value):
+            raise ValueError(f"{name}={value!r}; allowed: None or a positive integer")
     if scoring_func not in SCORING_FUNCS:
         raise ValueError(f"scoring_func={scoring_func!r}; allowed: {list(SCORING_FUNCS)}")
     if (num_expert_group is None) != (topk_group is None):
@@ -115,13 +135,15 @@ def select_experts(
     Returns:
         ``topk_ids [T, k]`` int64 and ``topk_weights [T, k]`` fp32.
     """
+    check_tensor("router_logits", router_logits)
+    check_tensor("correction_bias", correction_bias, optional=True)
     if router_logits.dim() != 2 or not router_logits.is_floating_point():
         raise ValueError(
             "router_logits must be a floating-point [T, num_experts] tensor; got "
             f"shape {tuple(router_logits.shape)} dtype {router_logits.dtype}"
         )
     t, e = router_logits.shape
-    check_routing_config(e, top_k, scoring_func, num_expert_group, topk_group)
+    check_routing_config(e, top_k, scoring_func, num_expert_group, topk_group, routed_scaling_factor)
     if correction_bias is not None and correction_bias.shape != (e,):
         raise ValueError(f"correction_bias must have shape [{e}]; got {tuple(correction_bias.shape)}")
     if correction_bias is not None and correction_bias.device != router_logits.device:

@@ -43,6 +43,18 @@ def test_unknown_commands_and_options_exit_2_naming_them(argv, named, capsys):
     assert named in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, named", [
+    (["--groups", "3"], "--groups=3; allowed: a divisor of --experts=32"),
+    (["--topk-groups", "5"], "--topk-groups=5; allowed: 1 to --groups=4"),
+    (["--top-k", "20", "--topk-groups", "2"], "--top-k=20; allowed: at most the 16 experts of --topk-groups=2"),
+    (["--groups", "0"], "--groups=0 must be >= 1"),
+])  # fmt: skip
+def test_demo_routing_flags_are_checked_by_their_names(argv, named, capsys):
+    # An argument error, not a 'skipped' row of every scheme.
+    assert cli.main(["demo", "--experts", "32", *argv]) == 2
+    assert named in capsys.readouterr().err
+
+
 def test_help_of_every_command_exits_0_without_importing_torch():
     """One subprocess: every --help parses, shows defaults, and leaves torch unimported."""
     code = (

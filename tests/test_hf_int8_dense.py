@@ -101,3 +101,10 @@ def test_without_dense_only_the_shared_experts_are_int8(fp8_dir, tmp_path):
 def test_int8_dense_needs_an_int8_checkpoint(fp8_dir):
     with pytest.raises(ValueError, match="int8_dense=True needs INT8 linear weights.*epmoe convert --dense"):
         et.from_pretrained(fp8_dir, backend="torch", device="cpu", int8_dense=True)
+
+
+@pytest.mark.parametrize("int8_dense", [True, False])
+def test_bad_dense_backend_is_refused_before_anything_is_read(fp8_dir, int8_dense):
+    # Refused by its own name and up front, also where no INT8 linear would be built.
+    with pytest.raises(ValueError, match=r"^dense_backend='bogus'; allowed: \['auto', 'cutlass', 'triton', 'torch'\]$"):
+        et.from_pretrained(fp8_dir, backend="torch", device="cpu", int8_dense=int8_dense, dense_backend="bogus")

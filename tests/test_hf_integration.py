@@ -220,6 +220,15 @@ def test_second_enable_and_bad_quant_are_refused():
         et.enable(model, backend="torch")
 
 
+@pytest.mark.parametrize("kw", [dict(routed_scaling_factor=2.5), dict(renormalize=False), dict(num_expert_group=2)])
+def test_routing_arguments_are_refused(kw):
+    # The model's router gives the layer its experts and weights: a routing argument would be
+    # silently ignored.
+    (name, value), = kw.items()
+    with pytest.raises(ValueError, match=rf"^{name}={value!r}: the model's own router picks and weighs the experts"):
+        et.enable(_model("qwen3_moe"), backend="torch", **kw)
+
+
 def test_model_without_moe_is_refused():
     cfg = AutoConfig.for_model("llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                num_attention_heads=2, num_key_value_heads=2)  # fmt: skip

@@ -128,6 +128,24 @@ def test_nan_in_one_token_stays_in_that_token():
     torch.testing.assert_close(out[others], clean[others])
 
 
+def test_group_that_is_not_a_process_group_is_refused():
+    with pytest.raises(TypeError, match=r"^group=\[0, 1\]; allowed: None or a torch.distributed ProcessGroup$"):
+        DeepEPMoELayer(E, K, H, I, device="cpu", group=[0, 1])
+
+
+@pytest.mark.parametrize("dispatch,warned", [("local", False), ("all_to_all", True)])
+def test_decode_prep_without_effect_is_logged(caplog, dispatch, warned):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with caplog.at_level(logging.WARNING, logger="epmoe"):
+            DeepEPMoELayer(E, K, H, I, device="cpu", dispatch=dispatch, backend="torch", decode_prep=True)
+    finally:
+        dist.destroy_process_group()
+    assert ("decode_prep=True has no effect with dispatch=all_to_all and backend=torch" in caplog.text) == warned
+
+
 def test_logs_choice_and_refusals(caplog):
     with caplog.at_level(logging.INFO, logger="epmoe"):
         DeepEPMoELayer(E, K, H, I, quant="fp8_block", device="cpu")

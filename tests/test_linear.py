@@ -272,6 +272,21 @@ def test_mlp_fused_gate_up_from_checkpoint(checkpoints):
     assert torch.equal(mlp.gate_up_proj.weight.cpu()[:i], t[prefix + ".gate_proj.weight"])
     assert torch.equal(mlp.gate_up_proj.weight_scale.cpu()[: i // 128], t[prefix + ".gate_proj.weight_scale_inv"])
     assert torch.equal(mlp.down_proj.weight.cpu(), t[prefix + ".down_proj.weight"])
+    assert mlp.load_weights(t) == set(t)  # the names given
+
+
+def test_mlp_load_refuses_a_second_layer_and_names_the_tensor():
+    h, i = 128, 256
+    mlp = Int8MLP(h, i, backend="torch", device=DEVICE)
+    one = {f"layers.3.mlp.{p}.weight": torch.randn(*((h, i) if p == "down_proj" else (i, h)))
+           for p in ("gate_proj", "up_proj", "down_proj")}  # fmt: skip
+    two = dict(one) | {"layers.4.mlp.gate_proj.weight": torch.randn(i, h)}
+    with pytest.raises(ValueError, match=r"^tensor 'layers.4.mlp.gate_proj.weight': a second 'weight' "
+                                         r"\(first 'layers.3.mlp.gate_proj.weight'\)"):
+        mlp.load_weights(two)
+    bad = dict(one) | {"layers.3.mlp.up_proj.weight": torch.randn(i, i)}
+    with pytest.raises(ValueError, match=r"^tensor 'layers.3.mlp.up_proj.weight': shape \(256, 256\); allowed: \[256, 128\]"):
+        mlp.load_weights(bad)
 
 
 # ------------------------------------------------------------------------------------ errors

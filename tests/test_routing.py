@@ -104,6 +104,11 @@ def test_empty_batch():
         (dict(num_expert_group=4), "must be given together"),
         (dict(num_expert_group=4, topk_group=5), r"topk_group=5 must be in \[1, num_expert_group=4\]"),
         (dict(top_k=8, num_expert_group=4, topk_group=1), "hold fewer than top_k=8 experts"),
+        (dict(num_expert_group=2.0, topk_group=1), r"^num_expert_group=2.0; allowed: None or a positive integer$"),
+        (dict(num_expert_group="2", topk_group=1), r"^num_expert_group='2'; allowed: None or a positive integer$"),
+        (dict(num_expert_group=2, topk_group=True), r"^topk_group=True; allowed: None or a positive integer$"),
+        (dict(routed_scaling_factor=float("nan")), r"^routed_scaling_factor=nan must be a finite number > 0$"),
+        (dict(routed_scaling_factor=0), r"^routed_scaling_factor=0 must be a finite number > 0$"),
     ],
 )
 def test_bad_config(kwargs, match):
@@ -113,7 +118,18 @@ def test_bad_config(kwargs, match):
         select_experts(torch.randn(3, 16), args.pop("top_k"), **args)
 
 
+def test_numpy_integers_are_integers():
+    import numpy as np
+
+    ids, _ = select_experts(torch.randn(3, 16), np.int64(4), num_expert_group=np.int32(4), topk_group=np.int64(2))
+    assert ids.shape == (3, 4)
+
+
 def test_bad_logits():
+    with pytest.raises(TypeError, match="^router_logits must be a torch.Tensor; got list$"):
+        select_experts([[0.0] * 16], 2)
+    with pytest.raises(TypeError, match="^correction_bias must be a torch.Tensor or None; got list$"):
+        select_experts(torch.randn(3, 16), 2, correction_bias=[0.0] * 16)
     with pytest.raises(ValueError, match="router_logits must be a floating-point"):
         select_experts(torch.ones(3, 16, dtype=torch.int64), 2)
     with pytest.raises(ValueError, match=r"correction_bias must have shape \[16\]"):

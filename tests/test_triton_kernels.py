@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import json
+import logging
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -745,8 +747,10 @@ def test_tma_fallback_decisions():
 
 
 @pytest.mark.parametrize("k,shift", [(200, 0), (48, 8)], ids=["k_unaligned", "base_unaligned"])
-def test_grouped_gemm_tma_falls_back(k, shift):
-    """A TMA config on operands TMA cannot read runs the pointer kernel, with the same result."""
+def test_grouped_gemm_tma_falls_back(k, shift, caplog):
+    """A TMA config on operands TMA cannot read runs the pointer kernel, with the same result, and
+    says so (once per reason)."""
+    grouped_gemm._log_tma_fallback.cache_clear()
     counts = [3, 0, 21]
     offsets_t, offsets = _segments(counts)
     m = offsets[-1]
@@ -758,11 +762,14 @@ def test_grouped_gemm_tma_falls_back(k, shift):
     sa = torch.rand(m, 1, generator=g) + 0.5
     sb = torch.rand(3, 40, 1, generator=g) / 100
     cfg = configs.GemmConfig(16, 32, 64, 1, tma=True, persistent=True, num_stages=2)
-    assert grouped_gemm.tma_fallback_reason(a, b.to(DEVICE), cfg) is not None
-    res = grouped_gemm.grouped_gemm_contiguous(
-        a, b.to(DEVICE), offsets_t.to(DEVICE), mode="int8_channel", a_scale=sa.to(DEVICE), b_scale=sb.to(DEVICE),
-        accumulator="int32", out_dtype=torch.float32, config=cfg,
-    ).cpu().double()
+    reason = grouped_gemm.tma_fallback_reason(a, b.to(DEVICE), cfg)
+    assert reason is not None
+    with caplog.at_level(logging.INFO, logger="epmoe"):
+        res = grouped_gemm.grouped_gemm_contiguous(
+            a, b.to(DEVICE), offsets_t.to(DEVICE), mode="int8_channel", a_scale=sa.to(DEVICE), b_scale=sb.to(DEVICE),
+            accumulator="int32", out_dtype=torch.float32, config=cfg,
+        ).cpu().double()
+    assert f"grouped GEMM config with TMA=True runs the pointer kernel: {reason}" in caplog.text
     a64 = a_host.double() * sa.double()
     for e in range(3):
         rows = slice(offsets[e], offsets[e + 1])
@@ -851,6 +858,15 @@ def test_get_config_reads_tma_entries(config_dir):
     assert cfg.tma and cfg.persistent and cfg.to_dict() == dict(entry, SWAP_AB=False)
     # the fp32-accumulator lookup does not see the int32 entry
     assert not configs.get_config("int8_channel", 4096, 7168, 300, device=DEVICE, accumulator="fp32").tma
+
+
+def test_int8_block_entry_with_a_long_k_step_is_refused(config_dir):
+    entry = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 256, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+    config_dir({"configs": {"int8_block": {"N=4096,K=7168": {"512": entry}}}})
+    name = configs.config_filename(configs.device_name(DEVICE))
+    with pytest.raises(ValueError, match=rf"^{re.escape(name)}: int8_block N=4096,K=7168 bucket 512: BLOCK_K=256; "
+                                         r"allowed: a BLOCK_K dividing 128 \(the scale block\)$"):
+        configs.get_config("int8_block", 4096, 7168, 300, device=DEVICE)
 
 
 def test_int32_entries_override_bucket_by_bucket(config_dir):

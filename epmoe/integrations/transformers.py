@@ -47,6 +47,7 @@ from ..checkpoint.formats import INDEX_NAME
 from ..checkpoint.reading import checkpoint_scheme
 from ..quant.reference import dequantize_weight, quantize_weight
 from ..quant.schemes import SCHEMES, get_scheme
+from ..linear import DENSE_BACKENDS
 from ..tensors import resolve_device
 
 log = logging.getLogger("epmoe")
@@ -167,6 +168,11 @@ def _top_k(module: nn.Module) -> int:
 
 
 # -------------------------------------------------------------------------------- the layer
+ROUTING_KWARGS = ("renormalize", "scoring_func", "num_expert_group", "topk_group", "routed_scaling_factor")
+"""``DeepEPMoELayer`` arguments of its own routing, refused by the integration: the model's router
+gives the layer its experts and weights."""
+
+
 def build_layer(module: nn.Module, quant: str = "bf16", group=None, *, device=None, **layer_kwargs) -> DeepEPMoELayer:
     """A ``DeepEPMoELayer`` for one experts module, without touching the module.
 
@@ -195,6 +201,12 @@ def build_layer(module: nn.Module, quant: str = "bf16", group=None, *, device=No
         if w13.device.type == "meta":
             raise ValueError(f"{type(module).__name__} is on the meta device: pass device=")
         device = w13.device
+    given = [k for k in ROUTING_KWARGS if k in layer_kwargs]
+    if given:
+        raise ValueError(
+            f"{given[0]}={layer_kwargs[given[0]]!r}: the model's own router picks and weighs the experts "
+            f"here, so routing arguments have no effect; allowed: none of {list(ROUTING_KWARGS)}"
+        )
     kwargs = dict(layer_kwargs)
     kwargs.setdefault("validate", VALIDATE_DEFAULT)
     if not get_scheme(quant).quantized:
@@ -289,7 +301,7 @@ def enable(model: nn.Module, quant: str = "bf16", group=None, **layer_kwargs) ->
             initialized, else one process). Every rank runs the whole model on its own batch.
         **layer_kwargs: more ``DeepEPMoELayer`` arguments (``backend``, ``dispatch``,
             ``accumulator``, ...; ``validate`` defaults to ``False``, :data:`VALIDATE_DEFAULT`);
-            routing arguments have no effect here.
+            routing arguments (:data:`ROUTING_KWARGS`) are refused: the model routes.
 
     Returns:
         ``model``, converted in place.
@@ -506,6 +518,10 @@ def from_pretrained(
             f"{root} stores {stored} experts; quant={quant!r} would requantize INT8 codes (load it "
             f"with quant={stored!r}, or convert the FP8 source to {quant!r})"
         )
+    if not isinstance(int8_dense, bool):
+        raise TypeError(f"int8_dense={int8_dense!r}; allowed: True or False")
+    if dense_backend not in ("auto", *DENSE_BACKENDS):
+        raise ValueError(f"dense_backend={dense_backend!r}; allowed: {['auto', *DENSE_BACKENDS]}")
     if int8_dense and stored not in ("int8_channel", "int8_block"):
         raise ValueError(
             f"int8_dense=True needs INT8 linear weights; {root} stores {stored} (convert the FP8 "

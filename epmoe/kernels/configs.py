@@ -249,7 +249,12 @@ def _tuned_configs(name: str, mode: str, shape: str, accumulator: str) -> tuple[
     for bucket, entry in buckets.items():
         cfg = GemmConfig.from_dict(entry)
         if mode == "int8_block" and 128 % cfg.block_k:
-            cfg = replace(cfg, block_k=128)
+            # Refused as an explicit config is: the kernel would run another K step than the
+            # table's measurement says.
+            raise ValueError(
+                f"{config_filename(name)}: int8_block {shape} bucket {bucket}: BLOCK_K={cfg.block_k}; "
+                "allowed: a BLOCK_K dividing 128 (the scale block)"
+            )
         parsed[int(bucket)] = cfg
     order = sorted(parsed)
     result = (tuple(order), tuple(parsed[b] for b in order))

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import logging
 
 import torch
 import triton
@@ -482,7 +483,10 @@ def _launch(a, b, out, a_scale, b_scale, seg, e, cap, grid_m, mode, accumulator,
         GROUP_M=cfg.group_m, SCALE_BLOCK=SCALE_BLOCK, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **dependent(a.device),
     )
-    if cfg.tma and tma_fallback_reason(a, b, cfg) is None:
+    fallback = tma_fallback_reason(a, b, cfg) if cfg.tma else None
+    if fallback is not None:
+        _log_tma_fallback(fallback)
+    if cfg.tma and fallback is None:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         # The weights' descriptor is built on the host: it travels by value in the kernel's
@@ -531,6 +535,13 @@ def with_scratch_allocator(device: torch.device, launch):
 def _launch_with_allocator(device, launch):
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
     return launch()
+
+
+@functools.lru_cache(maxsize=None)
+def _log_tma_fallback(reason: str) -> None:
+    """Say once per reason that a TMA config runs the pointer kernel (the result is the same; only
+    the speed measured for the config differs)."""
+    logging.getLogger("epmoe").info("grouped GEMM config with TMA=True runs the pointer kernel: %s", reason)
 
 
 def tma_fallback_reason(a: torch.Tensor, b: torch.Tensor, cfg: GemmConfig) -> str | None:
