@@ -350,7 +350,9 @@ def report(docs: list[dict]) -> str:
                     f"{_fmt(fig.get('dc_share') and 100 * fig['dc_share'], '.0f', '%')} | {over} |"
                 )  # fmt: skip
         what = [f"N = {n}: {', '.join(doc.get('machine', {}).get('gpu_names', [])[:1]) or '?'} x {n}, "
-                f"commit {doc.get('commit') or '?'}{' (dirty)' if doc.get('dirty') else ''}, {doc.get('date', '?')}"]
+                f"commit {doc.get('commit') or '?'}"
+                f"{' (dirty)' if doc.get('dirty') and not str(doc.get('commit')).endswith('-dirty') else ''}, "
+                f"{doc.get('date', '?')}"]
         tests = doc.get("tests")
         if tests:
             c = tests["counts"]

@@ -41,7 +41,7 @@ def _resolve_group(group) -> tuple[object, int, int]:
     """``(group, world_size, rank)``; ``None`` means the default group when one exists."""
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return None, 1, 0
-    if group is not None and not isinstance(group, dist.ProcessGroup):
+    if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
         raise TypeError(f"group={group!r}; allowed: None or a torch.distributed ProcessGroup")
     return group, dist.get_world_size(group), dist.get_rank(group)
 
@@ -141,7 +141,9 @@ class DeepEPMoELayer(nn.Module):
                 ("intermediate_size", intermediate_size), ("max_tokens_per_rank", max_tokens_per_rank),
             )
         )  # fmt: skip
-        check_routing_config(num_experts, top_k, scoring_func, num_expert_group, topk_group, routed_scaling_factor)
+        _, num_expert_group, topk_group = check_routing_config(
+            num_experts, top_k, scoring_func, num_expert_group, topk_group, routed_scaling_factor
+        )
         for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
             if self.scheme.needs_block_alignment and value % BLOCK:
                 raise ValueError(
@@ -248,14 +250,14 @@ class DeepEPMoELayer(nn.Module):
                 "the layer reads the receive counts back itself (one host sync per normal batch)",
                 self.rank, self.backend.name,
             )  # fmt: skip
-        if self.decode_prep and not (
-            self.dispatcher.keeps_rows and (self.backend.device_segments or self.backend.compile_segments)
-        ):
+        if self.decode_prep and not (self.dispatcher.keeps_rows and self.backend.device_segments):
             log.warning(
-                "rank %d: decode_prep=True has no effect with dispatch=%s and backend=%s (it needs a "
+                "rank %d: decode_prep=True has no effect with dispatch=%s and backend=%s%s (it needs a "
                 "dispatcher that moves nothing, 'local', and a backend that takes the segment sizes on "
-                "the device, 'triton' or 'cutlass'): the routing, layout and quantization kernels run "
-                "one by one", self.rank, self.dispatcher.name, self.backend.name,
+                "the device, 'triton' or 'cutlass', or 'torch' under torch.compile): the routing, "
+                "layout and quantization kernels run one by one", self.rank, self.dispatcher.name,
+                self.backend.name, " outside torch.compile" if self.dispatcher.keeps_rows
+                and self.backend.compile_segments else "",
             )  # fmt: skip
         if agree and not self._agreed:
             self._agree(self.device)

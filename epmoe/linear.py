@@ -817,25 +817,37 @@ class Int8MLP(nn.Module):
         :meth:`Int8Linear.load_weights`). Gate and up are fused into ``gate_up_proj`` in their
         float values (FP8 and mismatched INT8 inputs are dequantized first), so a block scale is
         never shared across the two."""
-        items = named_pairs(named_tensors)
         parts: dict[str, dict[str, torch.Tensor]] = {"gate_proj": {}, "up_proj": {}, "down_proj": {}}
-        for name, t in items:
+        prefix = None
+        for name, t in named_pairs(named_tensors):
             pieces = name.split(".")
             proj = pieces[-2] if len(pieces) >= 2 else ""
             if proj not in parts:
                 raise ValueError(f"tensor {name!r}: allowed: names '<prefix>.(gate_proj|up_proj|down_proj).<suffix>'")
+            here = ".".join(pieces[:-2])
+            if prefix is not None and here != prefix:
+                raise ValueError(f"tensor {name!r}: prefix {here!r}, where the first tensor had {prefix!r}; "
+                                 "allowed: one MLP's tensors per call")
+            prefix = here
+            if name in parts[proj]:
+                raise ValueError(f"tensor {name!r} given twice; allowed: each tensor once")
             parts[proj][name] = t  # whole names: Int8Linear refuses a repeat by both names
         for proj, d in parts.items():
             if not any(n.rsplit(".", 1)[-1] == "weight" for n in d):
                 raise ValueError(f"no {proj}.weight given; an Int8MLP needs gate_proj, up_proj and down_proj")
-        self.down_proj.load_weights(parts["down_proj"])
-        i = self.intermediate_size
-        gate_up = {}
-        for proj in ("gate_proj", "up_proj"):
-            tmp = Int8Linear(self.hidden_size, i, False, self.gate_up_proj.scheme, self.gate_up_proj.accumulator,
-                             "torch", device=self.gate_up_proj.weight.device)  # fmt: skip
+        # All three checked (and quantized) in modules of their own before any is copied in.
+        loaded = {}
+        for proj, out_f, in_f in (("gate_proj", self.intermediate_size, self.hidden_size),
+                                  ("up_proj", self.intermediate_size, self.hidden_size),
+                                  ("down_proj", self.hidden_size, self.intermediate_size)):  # fmt: skip
+            dst = self.down_proj if proj == "down_proj" else self.gate_up_proj
+            tmp = Int8Linear(in_f, out_f, False, dst.scheme, dst.accumulator, "torch", device=dst.weight.device)
             tmp.load_weights(parts[proj])
-            gate_up[proj] = tmp
+            loaded[proj] = tmp
+        self.down_proj.weight.copy_(loaded["down_proj"].weight)
+        self.down_proj.weight_scale.copy_(loaded["down_proj"].weight_scale)
+        i = self.intermediate_size
+        gate_up = {p: loaded[p] for p in ("gate_proj", "up_proj")}
         chan = self.gate_up_proj.scheme == "int8_channel"
         if chan or i % BLOCK == 0:
             # Channel scales, or blocks that never straddle gate and up: concatenated as they are.

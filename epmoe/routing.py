@@ -63,9 +63,10 @@ def check_routing_config(
     num_expert_group: int | None,
     topk_group: int | None,
     routed_scaling_factor: float = 1.0,
-) -> None:
-    """Raise ``ValueError`` naming the argument when the routing options do not fit together
-    (integers may be NumPy's; ``bool`` is not one)."""
+) -> tuple[int, int | None, int | None]:
+    """``(top_k, num_expert_group, topk_group)`` as Python ints (the Triton kernels take their
+    sizes as constants, which NumPy integers are not); raises ``ValueError`` naming the argument
+    when the routing options do not fit together (integers may be NumPy's; ``bool`` is not one)."""
     if not _is_int(num_experts) or num_experts < 1:
         raise ValueError(f"num_experts={num_experts!r} must be a positive integer")
     if not _is_int(top_k) or not 1 <= top_k <= num_experts:
@@ -103,6 +104,8 @@ def check_routing_config(
                 f"topk_group={topk_group} groups of {per_group} experts hold fewer than "
                 f"top_k={top_k} experts"
             )
+        return int(top_k), int(num_expert_group), int(topk_group)
+    return int(top_k), None, None
 
 
 def select_experts(
@@ -143,7 +146,9 @@ def select_experts(
             f"shape {tuple(router_logits.shape)} dtype {router_logits.dtype}"
         )
     t, e = router_logits.shape
-    check_routing_config(e, top_k, scoring_func, num_expert_group, topk_group, routed_scaling_factor)
+    top_k, num_expert_group, topk_group = check_routing_config(
+        e, top_k, scoring_func, num_expert_group, topk_group, routed_scaling_factor
+    )
     if correction_bias is not None and correction_bias.shape != (e,):
         raise ValueError(f"correction_bias must have shape [{e}]; got {tuple(correction_bias.shape)}")
     if correction_bias is not None and correction_bias.device != router_logits.device:

@@ -45,12 +45,13 @@ def named_pairs(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str,
     if isinstance(named_tensors, Mapping):
         yield from named_tensors.items()
         return
-    if isinstance(named_tensors, (str, bytes, torch.Tensor)):
+    if isinstance(named_tensors, (str, bytes, torch.Tensor)) or not isinstance(named_tensors, Iterable):
         raise TypeError(f"named_tensors: got {type(named_tensors).__name__}; "
                         "allowed: (name, tensor) pairs, or a mapping name -> tensor")
     for item in named_tensors:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-            shown = f"({', '.join(map(_shown, item))})" if isinstance(item, tuple) else _shown(item)
+            shown = f"({', '.join(map(_shown, item))})" if isinstance(item, tuple) else (
+                f"[{', '.join(map(_shown, item))}]" if isinstance(item, list) else _shown(item))
             raise TypeError(f"named_tensors item {shown}; allowed: (name: str, tensor) pairs, "
                             "or a mapping name -> tensor")
         yield item

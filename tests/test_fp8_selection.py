@@ -1376,3 +1376,31 @@ def test_cutlass_int8_small_batches_are_laid_out_for_the_triton_pass(monkeypatch
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     finally:
         cb._rule.cache_clear()
+
+
+def test_int8_block_variants_agree_across_the_sources():
+    # The variant list lives in the header (kInt8BlockVariants), the dispatch switch, the binding's
+    # bound, the build's source list and the Python names; a new variant must touch them all.
+    import re
+
+    from epmoe.experts import cutlass_backend as cb
+
+    header = (cb.CSRC / "block_scaled_contiguous_gemm.cuh").read_text()
+    table = header[header.index("kInt8BlockVariants[] = {"):]
+    table = table[: table.index("};")]
+    tiles = [int(t) for t in re.findall(r"\{[^{}]*,\s*(\d+)\}", table)]
+    assert len(tiles) == len(cb.INT8_BLOCK_SCHEDULES)
+    assert tiles == [cb.INT8_BLOCK_TILE_N[s] for s in cb.INT8_BLOCK_SCHEDULES]
+    n = len(tiles)
+    binding = (cb.CSRC / "fp8_block_contiguous_gemm_binding.cpp").read_text()
+    assert f"kInt8BlockVariants = {n};" in binding
+    dispatch = (cb.CSRC / "int8_block_contiguous_gemm.cu").read_text()
+    assert f"kNumInt8BlockVariants == {n}" in dispatch
+    assert sorted(int(v) for v in re.findall(r"case (\d+): run", dispatch)) == list(range(1, n))
+    # Variant 0 is built by the dispatch file; every other one by a file of its own, in SOURCES.
+    built = {}
+    for src in cb.SOURCES:
+        m = re.search(r"template void int8_block_gemm_variant<(\d+)>", (cb.CSRC / src).read_text())
+        if m:
+            built[int(m.group(1))] = src
+    assert sorted(built) == list(range(1, n))

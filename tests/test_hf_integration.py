@@ -133,6 +133,23 @@ def test_loader_skips_what_transformers_ignores_and_names_a_tensor_with_no_place
         et.from_pretrained(tmp_path, backend="torch", device="cpu")
 
 
+@torch.no_grad()
+def test_loader_reads_a_layer_that_an_ignore_pattern_names_when_the_model_has_it(tmp_path):
+    # GLM-4.5's patterns name layer 46: the MTP layer of the 46-layer Air, a real layer of the
+    # 92-layer model. transformers skips a matching tensor only when the model has no place for it.
+    config = et.tiny_config("glm4_moe")
+    config.num_hidden_layers = 48
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.set_experts_implementation("eager")
+    assert any("46" in p for p in model._keys_to_ignore_on_load_unexpected)
+    ids = _ids()
+    ref = model(ids).logits
+    model.save_pretrained(tmp_path)
+    loaded = et.from_pretrained(tmp_path, backend="torch", device="cpu")
+    assert _rel(loaded(ids).logits, ref) <= 1e-5
+
+
 def _fp8_checkpoint(model, path):
     """Save ``model`` DeepSeek-style: every projection weight float8_e4m3fn with 128x128
     ``weight_scale_inv`` (embeddings, norms, router and head stay float); sets the model's own
@@ -220,7 +237,8 @@ def test_second_enable_and_bad_quant_are_refused():
         et.enable(model, backend="torch")
 
 
-@pytest.mark.parametrize("kw", [dict(routed_scaling_factor=2.5), dict(renormalize=False), dict(num_expert_group=2)])
+@pytest.mark.parametrize("kw", [dict(routed_scaling_factor=2.5), dict(renormalize=False), dict(num_expert_group=2),
+                                dict(use_correction_bias=True)])
 def test_routing_arguments_are_refused(kw):
     # The model's router gives the layer its experts and weights: a routing argument would be
     # silently ignored.

@@ -133,17 +133,25 @@ def test_group_that_is_not_a_process_group_is_refused():
         DeepEPMoELayer(E, K, H, I, device="cpu", group=[0, 1])
 
 
-@pytest.mark.parametrize("dispatch,warned", [("local", False), ("all_to_all", True)])
-def test_decode_prep_without_effect_is_logged(caplog, dispatch, warned):
+@pytest.mark.parametrize("dispatch,backend,said", [
+    ("local", "triton", None),
+    ("local", "torch", "dispatch=local and backend=torch outside torch.compile (it needs"),
+    ("all_to_all", "torch", "dispatch=all_to_all and backend=torch (it needs"),
+    ("all_to_all", "triton", "dispatch=all_to_all and backend=triton (it needs"),
+])  # fmt: skip
+def test_decode_prep_without_effect_is_logged(caplog, dispatch, backend, said):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with caplog.at_level(logging.WARNING, logger="epmoe"):
-            DeepEPMoELayer(E, K, H, I, device="cpu", dispatch=dispatch, backend="torch", decode_prep=True)
+            DeepEPMoELayer(E, K, H, I, device="cpu", dispatch=dispatch, backend=backend, decode_prep=True)
     finally:
         dist.destroy_process_group()
-    assert ("decode_prep=True has no effect with dispatch=all_to_all and backend=torch" in caplog.text) == warned
+    if said is None:
+        assert "decode_prep=True has no effect" not in caplog.text
+    else:
+        assert f"decode_prep=True has no effect with {said}" in caplog.text
 
 
 def test_logs_choice_and_refusals(caplog):
@@ -183,11 +191,13 @@ def test_load_weights_by_checkpoint_names():
     (["ab"], "'ab'"),
     ([torch.zeros(2)], "Tensor"),
     ("experts.0.gate_proj.weight", None),
+    (None, None),
+    ([["experts.0.gate_proj.weight", torch.zeros(1)]], r"\['experts.0.gate_proj.weight', Tensor\]"),
 ])  # fmt: skip
 def test_load_weights_refuses_what_is_not_name_tensor_pairs(given, shown):
     layer, _ = build("bf16", dispatch="local", backend="torch")
     match = rf"^named_tensors item {shown}; allowed: \(name: str, tensor\) pairs" if shown else (
-        r"^named_tensors: got str; allowed: \(name, tensor\) pairs, or a mapping name -> tensor$")
+        rf"^named_tensors: got {type(given).__name__}; allowed: \(name, tensor\) pairs, or a mapping name -> tensor$")
     with pytest.raises(TypeError, match=match):
         layer.load_weights(given)
 

@@ -280,13 +280,23 @@ def test_mlp_load_refuses_a_second_layer_and_names_the_tensor():
     mlp = Int8MLP(h, i, backend="torch", device=DEVICE)
     one = {f"layers.3.mlp.{p}.weight": torch.randn(*((h, i) if p == "down_proj" else (i, h)))
            for p in ("gate_proj", "up_proj", "down_proj")}  # fmt: skip
+    mlp.load_weights(one)
+    before = [t.clone() for t in (mlp.gate_up_proj.weight, mlp.down_proj.weight)]
     two = dict(one) | {"layers.4.mlp.gate_proj.weight": torch.randn(i, h)}
-    with pytest.raises(ValueError, match=r"^tensor 'layers.4.mlp.gate_proj.weight': a second 'weight' "
-                                         r"\(first 'layers.3.mlp.gate_proj.weight'\)"):
+    with pytest.raises(ValueError, match=r"^tensor 'layers.4.mlp.gate_proj.weight': prefix 'layers.4.mlp', where the "
+                                         r"first tensor had 'layers.3.mlp'; allowed: one MLP's tensors per call$"):
         mlp.load_weights(two)
-    bad = dict(one) | {"layers.3.mlp.up_proj.weight": torch.randn(i, i)}
+    mixed = {k.replace("layers.3", "layers.4") if "up_proj" in k else k: v for k, v in one.items()}
+    with pytest.raises(ValueError, match="allowed: one MLP's tensors per call"):
+        mlp.load_weights(mixed)
+    with pytest.raises(ValueError, match=r"^tensor 'layers.3.mlp.gate_proj.weight' given twice"):
+        mlp.load_weights(list(one.items()) + [("layers.3.mlp.gate_proj.weight", torch.randn(i, h))])
+    bad = {k: v for k, v in one.items()} | {"layers.3.mlp.up_proj.weight": torch.randn(i, i)}
+    bad["layers.3.mlp.down_proj.weight"] = torch.randn(h, i)  # a new down, refused with the rest
     with pytest.raises(ValueError, match=r"^tensor 'layers.3.mlp.up_proj.weight': shape \(256, 256\); allowed: \[256, 128\]"):
         mlp.load_weights(bad)
+    # Nothing was copied: every tensor is checked first.
+    assert all(torch.equal(a, b) for a, b in zip(before, (mlp.gate_up_proj.weight, mlp.down_proj.weight)))
 
 
 # ------------------------------------------------------------------------------------ errors
@@ -308,6 +318,14 @@ def test_bad_construction(kwargs, words):
         Int8Linear(**args)
     for w in words:
         assert w in str(exc.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cuda_device_without_cuda_is_refused():
+    with pytest.raises(ValueError, match=r"^device='cuda': CUDA is not available here"):
+        Int8Linear(128, 64, device="cuda")
+    with pytest.raises(ValueError, match=r"^device='cuda:0': CUDA is not available here"):
+        Int8MLP(128, 256, device="cuda:0")
 
 
 def test_bad_forward_and_load():

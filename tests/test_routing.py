@@ -6,6 +6,8 @@ import torch
 
 from epmoe.routing import select_experts
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 
 def reference_route(logits, top_k, scoring, n_group, topk_group, bias, renorm, scale, near_ties=None):
     """Per-token float64 transcription of DeepSeek-V3's MoEGate (noaux_tc) and V2's group_limited_greedy.
@@ -118,11 +120,14 @@ def test_bad_config(kwargs, match):
         select_experts(torch.randn(3, 16), args.pop("top_k"), **args)
 
 
-def test_numpy_integers_are_integers():
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "triton"])
+def test_numpy_integers_are_integers(kernel):
     import numpy as np
 
-    ids, _ = select_experts(torch.randn(3, 16), np.int64(4), num_expert_group=np.int32(4), topk_group=np.int64(2))
-    assert ids.shape == (3, 4)
+    logits = torch.randn(3, 16, device=DEVICE)
+    got = select_experts(logits, np.int64(4), num_expert_group=np.int32(4), topk_group=np.int64(2), kernel=kernel)
+    want = select_experts(logits, 4, num_expert_group=4, topk_group=2, kernel=kernel)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 def test_bad_logits():

@@ -863,8 +863,9 @@ def test_get_config_reads_tma_entries(config_dir):
 def test_int8_block_entry_with_a_long_k_step_is_refused(config_dir):
     entry = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 256, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
     config_dir({"configs": {"int8_block": {"N=4096,K=7168": {"512": entry}}}})
-    name = configs.config_filename(configs.device_name(DEVICE))
-    with pytest.raises(ValueError, match=rf"^{re.escape(name)}: int8_block N=4096,K=7168 bucket 512: BLOCK_K=256; "
+    path = configs.find_config_file(configs.config_filename(configs.device_name(DEVICE)))
+    assert str(path).startswith(os.environ["EPMOE_CONFIG_DIR"])  # the user's table, named by its path
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: int8_block N=4096,K=7168 bucket 512: BLOCK_K=256; "
                                          r"allowed: a BLOCK_K dividing 128 \(the scale block\)$"):
         configs.get_config("int8_block", 4096, 7168, 300, device=DEVICE)
 

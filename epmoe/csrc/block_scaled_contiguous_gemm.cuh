@@ -29,7 +29,9 @@
 //  * the pipeline stage is released as soon as its MMAs retire, before the promotion;
 //  * clusters pair two M blocks and multicast their B tile when both belong to one expert (a
 //    second descriptor without multicast serves pairs that straddle two experts).
-// For short k loops the epilogue is replaced too (Sm90WholeTileEpilogue, DeepGEMM's).
+// For short k loops the epilogue is replaced too (Sm90WholeTileEpilogue, DeepGEMM's), except in
+// the INT8 variants that keep CUTLASS's subtiled one for its extra mainloop stage
+// (kSubtiledEpilogue).
 // INT8: the same kernel with int8 x int8 -> int32 warpgroup MMAs. The sum of one 128-wide K block
 // is exact in int32 (|sum| <= 128 * 128 * 128 = 2^21) and is promoted once per K block, as FP8's
 // partial sums are: accum += float(partial) * SFA[row] * SFB[group] (see S32InF32Registers).
@@ -968,13 +970,16 @@ void run_block_scaled_by_k(at::Tensor& out, const at::Tensor& a, const at::Tenso
                            const at::Tensor& b, const at::Tensor& b_scale,
                            const at::Tensor& block_expert, int64_t raster_along_n,
                            int64_t max_swizzle, bool pdl) {
-  if (!(Schedule & kSubtiledEpilogue) && b.size(2) <= kWholeTileEpilogueMaxK) {
-    run_block_scaled_gemm<ShortKConfig<Element, Schedule, TileN>>(
-        out, a, a_scale, b, b_scale, block_expert, raster_along_n, max_swizzle, pdl);
-  } else {
-    run_block_scaled_gemm<LongKConfig<Element, Schedule, TileN>>(
-        out, a, a_scale, b, b_scale, block_expert, raster_along_n, max_swizzle, pdl);
+  // A kSubtiledEpilogue variant never runs the whole-tile configuration: not built for it.
+  if constexpr ((Schedule & kSubtiledEpilogue) == 0) {
+    if (b.size(2) <= kWholeTileEpilogueMaxK) {
+      run_block_scaled_gemm<ShortKConfig<Element, Schedule, TileN>>(
+          out, a, a_scale, b, b_scale, block_expert, raster_along_n, max_swizzle, pdl);
+      return;
+    }
   }
+  run_block_scaled_gemm<LongKConfig<Element, Schedule, TileN>>(
+      out, a, a_scale, b, b_scale, block_expert, raster_along_n, max_swizzle, pdl);
 }
 
 // The INT8 block kernel's variants, in the order of the op's `schedule` index (named by

@@ -48,7 +48,7 @@ from ..checkpoint.reading import checkpoint_scheme
 from ..quant.reference import dequantize_weight, quantize_weight
 from ..quant.schemes import SCHEMES, get_scheme
 from ..linear import DENSE_BACKENDS
-from ..tensors import resolve_device
+from ..tensors import check_bool, resolve_device
 
 log = logging.getLogger("epmoe")
 
@@ -168,7 +168,9 @@ def _top_k(module: nn.Module) -> int:
 
 
 # -------------------------------------------------------------------------------- the layer
-ROUTING_KWARGS = ("renormalize", "scoring_func", "num_expert_group", "topk_group", "routed_scaling_factor")
+ROUTING_KWARGS = (
+    "renormalize", "scoring_func", "num_expert_group", "topk_group", "routed_scaling_factor", "use_correction_bias",
+)  # fmt: skip
 """``DeepEPMoELayer`` arguments of its own routing, refused by the integration: the model's router
 gives the layer its experts and weights."""
 
@@ -442,6 +444,16 @@ def _set_int8_linear(model: nn.Module, base: str, tensors: dict[str, torch.Tenso
     setattr(parent, attr, module)
 
 
+def _has_place(key: str, expert, places: set[str], layers: dict) -> bool:
+    """Whether checkpoint tensor ``key`` (``expert``: its match of the experts' name pattern) goes
+    somewhere in the model: a parameter or buffer (a scale: beside its weight), or an expert of one
+    of its MoE layers."""
+    if expert is not None:
+        return expert["module"] in layers
+    base, _, kind = key.rpartition(".")
+    return key in places or (kind in _SCALE_SUFFIXES and base + ".weight" in places)
+
+
 def _set_tensor(model: nn.Module, key: str, tensor: torch.Tensor, device) -> None:
     path, _, attr = key.rpartition(".")
     try:
@@ -518,8 +530,7 @@ def from_pretrained(
             f"{root} stores {stored} experts; quant={quant!r} would requantize INT8 codes (load it "
             f"with quant={stored!r}, or convert the FP8 source to {quant!r})"
         )
-    if not isinstance(int8_dense, bool):
-        raise TypeError(f"int8_dense={int8_dense!r}; allowed: True or False")
+    int8_dense = check_bool("int8_dense", int8_dense)
     if dense_backend not in ("auto", *DENSE_BACKENDS):
         raise ValueError(f"dense_backend={dense_backend!r}; allowed: {['auto', *DENSE_BACKENDS]}")
     if int8_dense and stored not in ("int8_channel", "int8_block"):
@@ -571,18 +582,21 @@ def from_pretrained(
         loaded.add((mod, e))
         del experts[(mod, e)]
 
-    # What transformers skips too (DeepSeek-V3's multi-token-prediction layer 61): never read.
+    # What transformers skips too (DeepSeek-V3's multi-token-prediction layer 61): never read. As
+    # there, a pattern only skips a tensor the model has no place for (GLM-4.5's patterns name its
+    # layer 46, the MTP layer of the 46-layer Air and a real layer of the 92-layer model).
     ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    places = set(model.state_dict())
     skipped = 0
     for shard in _shards(root):
         f = SafetensorsFile(root / shard)
         for raw in sorted(f.tensors, key=lambda n: f.tensors[n].begin):
             total += f.tensors[raw].nbytes
             key = rename(raw)
-            if any(p.search(key) for p in ignored):
+            m = expert_re.match(key)
+            if any(p.search(key) for p in ignored) and not _has_place(key, m, places, layers):
                 skipped += 1
                 continue
-            m = expert_re.match(key)
             if m is not None and m["module"] in layers:
                 mod, e, layer = m["module"], int(m["e"]), layers[m["module"]]
                 if not layer.first_expert <= e < layer.first_expert + layer.num_local_experts:

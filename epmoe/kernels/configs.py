@@ -252,8 +252,8 @@ def _tuned_configs(name: str, mode: str, shape: str, accumulator: str) -> tuple[
             # Refused as an explicit config is: the kernel would run another K step than the
             # table's measurement says.
             raise ValueError(
-                f"{config_filename(name)}: int8_block {shape} bucket {bucket}: BLOCK_K={cfg.block_k}; "
-                "allowed: a BLOCK_K dividing 128 (the scale block)"
+                f"{find_config_file(config_filename(name))}: int8_block {shape} bucket {bucket}: "
+                f"BLOCK_K={cfg.block_k}; allowed: a BLOCK_K dividing 128 (the scale block)"
             )
         parsed[int(bucket)] = cfg
     order = sorted(parsed)
