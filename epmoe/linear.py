@@ -58,7 +58,7 @@ from .experts.select import BackendUnavailableError
 from .kernels.configs import DENSE_KERNELS, DENSE_SMALL_M_MAX, DENSE_TRITON_KERNELS
 from .quant.reference import dequantize_rows, dequantize_weight, quantize_rows, quantize_weight
 from .quant.schemes import BLOCK, SCHEMES
-from .tensors import check_positive_int, keeping_dtypes, named_pairs, resolve_device
+from .tensors import check_choice, check_positive_int, keeping_dtypes, named_pairs, resolve_device
 
 log = logging.getLogger("epmoe")
 
@@ -79,18 +79,13 @@ _ALL_ROWS = 2**31 - 1
 
 
 # ------------------------------------------------------------------------------ argument checks
-def _check_choice(name: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r}; allowed: {list(allowed)}")
-
-
 def resolve_accumulator(scheme: str, accumulator: str | None) -> str:
     """``accumulator`` checked against ``scheme``; ``None`` is the scheme's natural one: int32 for
     ``int8_channel`` (exact K sum, fastest), fp32 for ``int8_block`` (scaled per K block)."""
-    _check_choice("scheme", scheme, LINEAR_SCHEMES)
+    check_choice("scheme", scheme, LINEAR_SCHEMES)
     if accumulator is None:
         return "int32" if scheme == "int8_channel" else "fp32"
-    _check_choice("accumulator", accumulator, ACCUMULATORS)
+    check_choice("accumulator", accumulator, ACCUMULATORS)
     if scheme == "int8_block" and accumulator != "fp32":
         raise ValueError(
             f"accumulator={accumulator!r} with scheme='int8_block'; allowed: 'fp32' (each K block "
@@ -202,7 +197,7 @@ def dense_backend_decisions(
     env = os.environ if env is None else env
     out = []
     for name in candidates:
-        _check_choice("backend", name, DENSE_BACKENDS)
+        check_choice("backend", name, DENSE_BACKENDS)
         if name == "cutlass":
             impl, reason = _cutlass_decision(scheme, accumulator, device, in_features, out_features, env)
             out.append((name, impl is not None, reason))
@@ -233,7 +228,7 @@ def select_dense_backend(
     """The implementation for ``requested`` (``"auto"`` or a backend name) and the log lines
     (the choice and every refusal). A named backend that cannot run raises
     :class:`BackendUnavailableError` with the reason."""
-    _check_choice("backend", requested, ("auto", *DENSE_BACKENDS))
+    check_choice("backend", requested, ("auto", *DENSE_BACKENDS))
     candidates = AUTO_ORDER[scheme] if requested == "auto" else (requested,)
     lines = []
     for name, ok, reason in dense_backend_decisions(scheme, accumulator, device, k, n, candidates=candidates):
@@ -578,7 +573,7 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = _check_features(in_features, out_features, scheme)
         if not isinstance(bias, bool):
             raise TypeError(f"bias={bias!r}; allowed: True or False")
-        _check_choice("backend", backend, ("auto", *DENSE_BACKENDS))
+        check_choice("backend", backend, ("auto", *DENSE_BACKENDS))
         self.backend = backend
         device = resolve_device("cpu" if device is None else device)
         shape = weight_scale_shape(scheme, out_features, in_features)
@@ -846,17 +841,13 @@ class Int8MLP(nn.Module):
             loaded[proj] = tmp
         self.down_proj.weight.copy_(loaded["down_proj"].weight)
         self.down_proj.weight_scale.copy_(loaded["down_proj"].weight_scale)
-        i = self.intermediate_size
-        gate_up = {p: loaded[p] for p in ("gate_proj", "up_proj")}
-        chan = self.gate_up_proj.scheme == "int8_channel"
-        if chan or i % BLOCK == 0:
+        gate, up = loaded["gate_proj"], loaded["up_proj"]
+        if self.gate_up_proj.scheme == "int8_channel" or self.intermediate_size % BLOCK == 0:
             # Channel scales, or blocks that never straddle gate and up: concatenated as they are.
-            self.gate_up_proj.weight.copy_(torch.cat([gate_up["gate_proj"].weight, gate_up["up_proj"].weight]))
-            self.gate_up_proj.weight_scale.copy_(
-                torch.cat([gate_up["gate_proj"].weight_scale, gate_up["up_proj"].weight_scale])
-            )
+            self.gate_up_proj.weight.copy_(torch.cat([gate.weight, up.weight]))
+            self.gate_up_proj.weight_scale.copy_(torch.cat([gate.weight_scale, up.weight_scale]))
         else:
-            w = torch.cat([dequantize_weight(m.weight.unsqueeze(0), m.weight_scale.unsqueeze(0))[0] for m in gate_up.values()])
+            w = torch.cat([dequantize_weight(m.weight.unsqueeze(0), m.weight_scale.unsqueeze(0))[0] for m in (gate, up)])
             self.gate_up_proj._set_float_weight(w)
         return {name for d in parts.values() for name in d}
 

@@ -33,7 +33,7 @@ import numbers
 import torch
 
 from . import ops
-from .tensors import check_tensor
+from .tensors import check_tensor, is_integer
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 
@@ -52,10 +52,6 @@ def fused_refusal(num_experts: int, top_k: int) -> str | None:
     return None
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def check_routing_config(
     num_experts: int,
     top_k: int,
@@ -67,9 +63,9 @@ def check_routing_config(
     """``(top_k, num_expert_group, topk_group)`` as Python ints (the Triton kernels take their
     sizes as constants, which NumPy integers are not); raises ``ValueError`` naming the argument
     when the routing options do not fit together (integers may be NumPy's; ``bool`` is not one)."""
-    if not _is_int(num_experts) or num_experts < 1:
+    if not is_integer(num_experts) or num_experts < 1:
         raise ValueError(f"num_experts={num_experts!r} must be a positive integer")
-    if not _is_int(top_k) or not 1 <= top_k <= num_experts:
+    if not is_integer(top_k) or not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k={top_k!r} must be an integer in [1, num_experts={num_experts}]")
     if (
         not isinstance(routed_scaling_factor, numbers.Real)
@@ -79,7 +75,7 @@ def check_routing_config(
     ):
         raise ValueError(f"routed_scaling_factor={routed_scaling_factor!r} must be a finite number > 0")
     for name, value in (("num_expert_group", num_expert_group), ("topk_group", topk_group)):
-        if value is not None and not _is_int(value):
+        if value is not None and not is_integer(value):
             raise ValueError(f"{name}={value!r}; allowed: None or a positive integer")
     if scoring_func not in SCORING_FUNCS:
         raise ValueError(f"scoring_func={scoring_func!r}; allowed: {list(SCORING_FUNCS)}")

@@ -22,12 +22,23 @@ def host_reads_allowed(device: torch.device) -> bool:
     return not torch.compiler.is_compiling() and not capturing(device)
 
 
+def is_integer(value) -> bool:
+    """Whether ``value`` is an integer: Python's or NumPy's, not ``bool``."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_choice(name: str, value, allowed) -> None:
+    """Raise ``ValueError`` naming ``name``, ``value`` and ``allowed`` unless ``value`` is one of them."""
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}; allowed: {list(allowed)}")
+
+
 def check_positive_int(name: str, value, *, optional: bool = False) -> int | None:
     """``value`` as an ``int``; raises ``ValueError`` naming ``name`` unless it is an integer >= 1
     (or ``None`` when ``optional``). NumPy integers count, ``bool`` does not."""
     if optional and value is None:
         return None
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+    if not is_integer(value) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive integer" + (" or None" if optional else ""))
     return int(value)
 

@@ -47,8 +47,8 @@ from ..checkpoint.formats import INDEX_NAME
 from ..checkpoint.reading import checkpoint_scheme
 from ..quant.reference import dequantize_weight, quantize_weight
 from ..quant.schemes import SCHEMES, get_scheme
-from ..linear import DENSE_BACKENDS
-from ..tensors import check_bool, resolve_device
+from ..linear import DENSE_BACKENDS, Int8Linear
+from ..tensors import check_bool, check_choice, resolve_device
 
 log = logging.getLogger("epmoe")
 
@@ -423,8 +423,6 @@ def _set_int8_linear(model: nn.Module, base: str, tensors: dict[str, torch.Tenso
     """Replace the ``nn.Linear`` at ``base`` by an :class:`~epmoe.linear.Int8Linear` holding its
     stored INT8 weight and scale (``weight_scale`` ``[N, 1]``: ``int8_channel``; block
     ``weight_scale_inv``: ``int8_block``)."""
-    from ..linear import Int8Linear
-
     parent_name, _, attr = base.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     linear = getattr(parent, attr, None)
@@ -531,8 +529,7 @@ def from_pretrained(
             f"with quant={stored!r}, or convert the FP8 source to {quant!r})"
         )
     int8_dense = check_bool("int8_dense", int8_dense)
-    if dense_backend not in ("auto", *DENSE_BACKENDS):
-        raise ValueError(f"dense_backend={dense_backend!r}; allowed: {['auto', *DENSE_BACKENDS]}")
+    check_choice("dense_backend", dense_backend, ("auto", *DENSE_BACKENDS))
     if int8_dense and stored not in ("int8_channel", "int8_block"):
         raise ValueError(
             f"int8_dense=True needs INT8 linear weights; {root} stores {stored} (convert the FP8 "
@@ -586,7 +583,7 @@ def from_pretrained(
     # there, a pattern only skips a tensor the model has no place for (GLM-4.5's patterns name its
     # layer 46, the MTP layer of the 46-layer Air and a real layer of the 92-layer model).
     ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
-    places = set(model.state_dict())
+    places = set(model.state_dict()) if ignored else set()
     skipped = 0
     for shard in _shards(root):
         f = SafetensorsFile(root / shard)
