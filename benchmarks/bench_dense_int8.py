@@ -400,7 +400,8 @@ def summary(rows: list[dict]) -> dict:
     """Per variant: median and worst ratio to bf16 for M <= 64 and M >= 1024 (graph time, and
     do_bench for reference), in how many cells it is slower than int_mm+quant (graph time where
     measured) and in how many its eager calls are host-bound. The targets are judged on the
-    graph-time medians (``target_*_met``) and on every cell (``every_cell_*_met``)."""
+    graph-time medians (``target_*_met``) and on every cell (``every_cell_*_met``). Under ``bf16``:
+    :func:`at_bf16_fixed_cost`, the yardstick of the M <= 64 target."""
     out = {}
     cells = [r for r in rows if "us" in r]
 
@@ -438,7 +439,27 @@ def summary(rows: list[dict]) -> dict:
                 d["target_never_slower_than_int_mm_quant_met"] = d["slower_than_int_mm_quant"] == 0
         d["cells"] = len(rs)
         out[v] = d
+    fixed = at_bf16_fixed_cost(list(bf16.values()))
+    if fixed:
+        out["bf16"] = fixed
     return out
+
+
+def at_bf16_fixed_cost(bf16_rows: list[dict]) -> dict:
+    """What the M <= 64 target asks against what a single-kernel INT8 linear could reach: per cell,
+    the ratio an INT8 linear would have if it cost BF16's graph time minus half BF16's weight-read
+    floor (half the weight bytes at ``BANDWIDTH``, the same time beside that read: launch, ramp,
+    tail, activations, output), ``bf16_us / (bf16_us - N K / BANDWIDTH)``; its median and range.
+    Only up to 64 rows, where the weight read is what INT8 halves. Not a bound (a kernel may cost
+    less beside its read than cuBLAS's), a yardstick: the INT8 path runs a quantizer and a GEMM
+    (and a split-K reduction) where BF16 runs one kernel."""
+    vals = [r["graph_us"] / (r["graph_us"] - r["N"] * r["K"] / BANDWIDTH * 1e6)
+            for r in bf16_rows if r["M"] <= 64 and r.get("graph_us") and "N" in r and "K" in r]
+    if not vals:
+        return {}
+    return {"median_ratio_at_bf16_fixed_cost_graph_m_le_64": round(statistics.median(vals), 4),
+            "min_ratio_at_bf16_fixed_cost_graph_m_le_64": round(min(vals), 4),
+            "max_ratio_at_bf16_fixed_cost_graph_m_le_64": round(max(vals), 4)}
 
 
 def plot(result: dict, path: str) -> None:
@@ -506,6 +527,19 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def resummarize(path: Path) -> int:
+    """``--summarize``: the summary of ``path`` derived again from its rows by this version of
+    :func:`summary` (fields added since it was measured), the rows and header untouched."""
+    result = json.loads(path.read_text())
+    if not isinstance(result, dict) or not isinstance(result.get("rows"), list):
+        raise SystemExit(f"--summarize {path}: not a result of this script (no 'rows' list)")
+    result["summary"] = summary(result["rows"])
+    path.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result["summary"], indent=1))
+    print(f"rewrote the summary of {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench_dense_int8.json", help="JSON result path")
@@ -522,7 +556,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="cpu: a dry run of the script's logic (wall-clock times; the graph turns time one "
                    "call per turn, no graphs; use with --tiny)")
     p.add_argument("--tiny", action="store_true", help=f"tiny shapes {TINY_SHAPES} and M {TINY_MS} instead")
+    p.add_argument("--summarize", metavar="JSON", default=None,
+                   help="measure nothing: recompute the summary of this earlier result from its rows and rewrite it")
     args = p.parse_args(argv)
+    if args.summarize:
+        return resummarize(Path(args.summarize))
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA GPU here (--device cpu --tiny dry-runs the script)")
     if args.rounds < 1:

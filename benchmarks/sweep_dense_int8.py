@@ -15,8 +15,9 @@ layer's forward calls, activation quantization included):
 * the small-batch kernel's default launch for the batch (the rule of
   :func:`epmoe.kernels.dense_int8.small_m_config`) and its neighbours: every N tile (16 to 128)
   at the rule's K split, half and twice that split (and none) at the rule's N tile, the
-  activation quantization fused or not (channel scheme up to 8 rows; elsewhere fusion never won
-  on the H200); from 256 rows, unfused 64- and 128-row tiles with and without a K split;
+  activation quantization fused or not (channel scheme up to 8 rows, ``--fuse-up-to`` for more;
+  elsewhere fusion never won on the H200); from 256 rows, unfused 64- and 128-row tiles with and
+  without a K split;
 * above :data:`~epmoe.kernels.dense_configs.SMALL_M_MAX` rows (below, the tiled GEMMs lost to the
   small-batch kernel in every cell on the H200): the Triton tiled GEMM (its own tile config, and on
   the GPU persistent TMA tiles of 128 x 128 and 128 x 64, for the narrow layers), and with
@@ -76,8 +77,10 @@ def _mode(mode: str) -> tuple[str, str]:
     return scheme, acc
 
 
-def candidates(m: int, n: int, k: int, scheme: str, sms: int) -> list:
-    """Small-batch launches worth timing for one cell (deduplicated, the default first)."""
+def candidates(m: int, n: int, k: int, scheme: str, sms: int, fuse_up_to: int | None = None) -> list:
+    """Small-batch launches worth timing for one cell (deduplicated, the default first);
+    ``fuse_up_to``: the most rows at which fused launches are candidates (default
+    :data:`~epmoe.kernels.dense_int8.FUSED_M_MAX`)."""
     from epmoe.kernels.dense_int8 import FUSED_M_MAX, small_m_config
 
     out = []
@@ -92,7 +95,7 @@ def candidates(m: int, n: int, k: int, scheme: str, sms: int) -> list:
         add()
         # Fusion only where it ever won on the H200 (channel scheme, a few rows; see FUSED_M_MAX):
         # half the launches to compile and time.
-        fuse_ok = scheme == "int8_channel" and m <= FUSED_M_MAX and base.block_m <= 32
+        fuse_ok = scheme == "int8_channel" and m <= (FUSED_M_MAX if fuse_up_to is None else fuse_up_to) and base.block_m <= 32
         tiles = {bn: -(-n // bn) * -(-m // base.block_m) for bn in (16, 32, 64, 128) if bn >= base.block_m // 2}
         splits = {1, max(1, base.split_k // 2), base.split_k, base.split_k * 2}
         # Every N tile at the rule's split, every split at the rule's N tile (skipping grids of
@@ -154,12 +157,13 @@ def triton_launches(tma: bool) -> list:
     return out
 
 
-def cell_candidates(m: int, n: int, k: int, scheme: str, sms: int, kernels: tuple[str, ...], tma: bool = False) -> list:
+def cell_candidates(m: int, n: int, k: int, scheme: str, sms: int, kernels: tuple[str, ...], tma: bool = False,
+                    fuse_up_to: int | None = None) -> list:
     """``[(kernel, launch)]`` timed in one cell by a backend that runs ``kernels`` (``tma``: see
-    :func:`triton_launches`)."""
+    :func:`triton_launches`; ``fuse_up_to``: see :func:`candidates`)."""
     from epmoe.kernels.dense_configs import SMALL_M_MAX
 
-    out = [("small_m", cfg) for cfg in candidates(m, n, k, scheme, sms)]
+    out = [("small_m", cfg) for cfg in candidates(m, n, k, scheme, sms, fuse_up_to)]
     if m > SMALL_M_MAX:
         if "triton" in kernels:
             out.extend(("triton", launch) for launch in triton_launches(tma))
@@ -323,7 +327,7 @@ def sweep(args, prior: dict | None = None) -> dict:
                         failures.append(f"{mode} {name} M={m} {_label(kernel, launch)}: "
                                         f"{type(exc).__name__}: {str(exc)[:200]}")  # fmt: skip
 
-                cands = cell_candidates(m, n, k, scheme, sms, impl.kernels, tma=cuda)
+                cands = cell_candidates(m, n, k, scheme, sms, impl.kernels, tma=cuda, fuse_up_to=args.fuse_up_to)
                 if args.small_from_table and m <= SMALL_M_MAX:
                     # Only the table's launch (and below its PDL twins): no neighbour search, no compiles
                     # for it; the rule's candidates where the table has none for this bucket.
@@ -380,7 +384,7 @@ def _merge(old: dict, new: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from epmoe.kernels.dense_configs import SMALL_M_MAX, parse_table, table_path, write_dense_table
-    from epmoe.kernels.dense_int8 import PREFETCH_CHOICES
+    from epmoe.kernels.dense_int8 import FUSED_M_MAX, PREFETCH_CHOICES
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="table path (default: the package's epmoe/configs/dense_int8_<device>.json)")
@@ -402,7 +406,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefetch", type=int, nargs="*", default=list(PREFETCH_CHOICES),
                    help=f"weight bytes per program the PDL twins prefetch, one twin each (default {PREFETCH_CHOICES}; "
                         "none: only the plain PDL twin)")
+    p.add_argument("--fuse-up-to", type=int, default=None, metavar="M",
+                   help=f"also time fused launches (channel scheme, 16- and 32-row tiles) up to M rows (default "
+                        f"{FUSED_M_MAX}: where fusion ever won on the H200); a study, e.g. --fuse-up-to 32 --m 16 32")
     args = p.parse_args(argv)
+    if args.fuse_up_to is not None and args.fuse_up_to < 0:
+        p.error(f"--fuse-up-to {args.fuse_up_to}: a row count >= 0")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA GPU here; the table records this GPU's measurements")
     if args.device == "cpu" and not args.out:

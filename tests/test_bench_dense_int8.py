@@ -60,6 +60,28 @@ def test_targets_are_judged_on_unrounded_ratios():
     assert s["target_m_ge_1024_met"] is False
 
 
+def test_fixed_cost_yardstick_and_resummarize(tmp_path):
+    """The M <= 64 yardstick: BF16's graph time with half its weight-read floor taken off (the INT8
+    read), per cell, its median; only rows up to 64. ``--summarize`` recomputes a stored result's
+    summary from its rows and leaves the rest alone."""
+    n, k = 1000, 4300  # 4.3 MB of bf16 weight: a 2 us floor at 4.3 TB/s, 1 us for INT8
+    rows = [dict(shape="s", N=n, K=k, M=m, variant="bf16", us=us, graph_us=us) for m, us in ((1, 3.0), (16, 5.0), (64, 9.0))]
+    rows.append(dict(shape="s", N=n, K=k, M=1024, variant="bf16", us=1.5, graph_us=1.5))  # not counted (would divide by ~0.5)
+    got = bench.at_bf16_fixed_cost(rows)
+    assert got["median_ratio_at_bf16_fixed_cost_graph_m_le_64"] == pytest.approx(5.0 / 4.0, abs=1e-4)
+    assert got["min_ratio_at_bf16_fixed_cost_graph_m_le_64"] == pytest.approx(9.0 / 8.0, abs=1e-4)
+    assert got["max_ratio_at_bf16_fixed_cost_graph_m_le_64"] == pytest.approx(1.5, abs=1e-4)
+    assert bench.at_bf16_fixed_cost([]) == {}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"date": "d", "rows": rows, "summary": {"old": 1}}))
+    assert bench.main(["--summarize", str(path)]) == 0
+    again = json.loads(path.read_text())
+    assert again["date"] == "d" and again["rows"] == rows and again["summary"] == {"bf16": got}
+    path.write_text("[1, 2]")
+    with pytest.raises(SystemExit, match="no 'rows' list"):
+        bench.main(["--summarize", str(path)])
+
+
 class _Graph:
     """A stand-in for a captured CUDA graph (weak-referenceable, unlike a tuple)."""
 
@@ -150,7 +172,8 @@ def test_dry_run_writes_rows_for_every_variant(tmp_path, monkeypatch):
         # The turns ran (one wall-clock call a turn on CPU): the median of the 2 rounds, its spread.
         assert len(r["graph_us_rounds"]) == 2 and r["graph_us_min"] <= r["graph_us"] <= r["graph_us_max"]
         assert r["ratio_graph_us"] is not None
-    assert set(result["summary"]) == variants - {"bf16"}
+    assert set(result["summary"]) == variants  # bf16's entry: the fixed-cost yardstick
+    assert result["summary"]["bf16"]["median_ratio_at_bf16_fixed_cost_graph_m_le_64"] >= 1.0
     assert "tiny_a" in bench.table(result)
     if importlib.util.find_spec("matplotlib") is not None:  # the plot extra
         bench.plot(result, str(tmp_path / "dense.png"))
@@ -256,6 +279,23 @@ def test_sweep_pdl_twins_are_the_fastest_small_batch_launch(capsys):
     assert exit_.value.code == 2 and "--prefetch" in capsys.readouterr().err
     entry = sweep.cell_entry({("small_m", a): 9.0, ("small_m", a._replace(pdl=True)): 7.5})
     assert entry == [{"kernel": "small_m", "config": {**a.to_dict(), "pdl": True}, "us": 7.5}]
+
+
+def test_sweep_fuse_up_to_widens_the_fused_candidates():
+    """Fused launches are candidates up to FUSED_M_MAX rows, or up to ``--fuse-up-to`` (a study of
+    whether fusion wins at 16 or 32 rows); never on 64-row tiles, never for the block scheme."""
+    from benchmarks import sweep_dense_int8 as sweep
+    from epmoe.kernels.dense_int8 import FUSED_M_MAX
+
+    def fused(m, scheme="int8_channel", up_to=None):
+        return [c for c in sweep.candidates(m, 24576, 1536, scheme, 132, up_to) if c.fused]
+
+    assert FUSED_M_MAX < 16 and fused(FUSED_M_MAX) and not fused(16)
+    assert fused(16, up_to=32) and fused(32, up_to=32) and not fused(64, up_to=64)
+    assert all(c.block_m <= 32 for c in fused(32, up_to=32))
+    assert not fused(16, "int8_block", 32)
+    with pytest.raises(SystemExit):
+        sweep.main(["--fuse-up-to", "-1"])
 
 
 def test_sweep_cell_entry_and_cutlass_walks():
