@@ -122,15 +122,19 @@ def _per_group_quant(
     masked_m: torch.Tensor | None,
     expected_m: int | None,
     row_expert: torch.Tensor | None,
+    scale_mn_major: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _kernels()[3].per_group_quant(x, group_size, dtype, x_scale, masked_m=masked_m, expected_m=expected_m,
-                                         row_expert=row_expert)  # fmt: skip
+                                         row_expert=row_expert, scale_mn_major=scale_mn_major)  # fmt: skip
 
 
 @_per_group_quant.register_fake
-def _(x, group_size, dtype, x_scale, masked_m, expected_m, row_expert):
+def _(x, group_size, dtype, x_scale, masked_m, expected_m, row_expert, scale_mn_major):
     groups = x.shape[-1] // group_size
-    return x.new_empty(x.shape, dtype=dtype), x.new_empty((*x.shape[:-1], groups), dtype=torch.float32)
+    lead = x.shape[:-1]
+    if scale_mn_major:  # the kernel's strides: an MN-major buffer, seen [rows, groups]
+        return x.new_empty(x.shape, dtype=dtype), mn_major_scales(math.prod(lead), groups, None, like=x).reshape(*lead, groups)
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty((*lead, groups), dtype=torch.float32)
 
 
 def per_token_quant_int8(x, x_scale=None, *, masked_m=None, expected_m=None, row_expert=None):
@@ -139,9 +143,9 @@ def per_token_quant_int8(x, x_scale=None, *, masked_m=None, expected_m=None, row
 
 
 def per_group_quant(x, group_size=128, dtype=torch.int8, x_scale=None, *, masked_m=None, expected_m=None,
-                    row_expert=None):  # fmt: skip
+                    row_expert=None, scale_mn_major=False):  # fmt: skip
     """:func:`epmoe.kernels.quantize.per_group_quant`."""
-    return _per_group_quant(x, group_size, dtype, x_scale, masked_m, expected_m, row_expert)
+    return _per_group_quant(x, group_size, dtype, x_scale, masked_m, expected_m, row_expert, scale_mn_major)
 
 
 # ----------------------------------------------------------------------------------- activation

@@ -67,7 +67,8 @@ def _op_cases():
     slot_pos = torch.tensor([[0, 3], [1, -1], [2, 4]], dtype=torch.int64)
     return {
         "epmoe::per_token_quant_int8": ((x, None, None, None, None), {}),
-        "epmoe::per_group_quant": ((q8.float(), 16, torch.int8, None, None, None, None), {}),
+        "epmoe::per_group_quant": ((q8.float(), 16, torch.int8, None, None, None, None, False), {}),
+        "epmoe::per_group_quant[mn_major]": ((q8.float()[:5], 16, torch.int8, None, None, None, None, True), {}),
         "epmoe::silu_and_mul": ((gate_up, torch.float32, full, 2), {}),
         "epmoe::silu_and_mul_quant": ((gate_up.reshape(-1, 2 * k_dim), "group", 16, torch.int8, None, None, None, False),
                                       {}),

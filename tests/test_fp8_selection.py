@@ -1404,3 +1404,45 @@ def test_int8_block_variants_agree_across_the_sources():
         if m:
             built[int(m.group(1))] = src
     assert sorted(built) == list(range(1, n))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter on CPU")
+@pytest.mark.parametrize("scheme_name", ["int8_channel", "int8_block", "fp8_block"])
+def test_cutlass_pass_writes_scales_in_the_kernels_layout(monkeypatch, scheme_name):
+    """The project's block-scaled CUTLASS GEMMs read activation scales MN-major; given row-major
+    ones they copy them transposed on every call (on one H200: 0.16 ms of a 24 ms int8_block pass at
+    2048 rows per expert). The pass's quantizers write them MN-major for both GEMMs (int8_block,
+    fp8_block on the project's kernel); per-token scales stay a column. The GEMMs are stand-ins
+    here that record what they are given."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from helpers import make_weights
+
+    from epmoe import ops
+    from epmoe.experts import cutlass_backend as cb
+    from epmoe.experts.base import ExpertWeights
+    from epmoe.layouts import to_contiguous
+    from epmoe.quant import get_scheme
+
+    scheme = get_scheme(scheme_name)
+    acc = "int32" if scheme_name == "int8_channel" else "fp32"
+    monkeypatch.setattr(cb, "own_kernel_missing", lambda: None)
+    backend = cb.CutlassBackend(scheme, accumulator=acc)
+    stored, _ = make_weights(PE, PH, PI, scheme_name)
+    weights = backend.prepare_weights(ExpertWeights(scheme, *stored))
+    seen = []
+
+    def gemm(kind, a, a_scale, b, b_scale, offsets, schedule="lockstep", impl="auto"):
+        seen.append((kind, a.shape[0], tuple(a_scale.shape), cb.is_mn_major(a_scale)))
+        return torch.zeros(a.shape[0], b.shape[1], dtype=torch.bfloat16)
+
+    monkeypatch.setattr(ops, "cutlass_grouped_gemm", gemm)
+    ids = torch.arange(6 * PK).remainder(PE).view(6, PK)
+    batch = to_contiguous(torch.randn(6, PH), None, ids, PE, backend.alignment)
+    backend.run_kernel(batch, weights, torch.bfloat16, "cutlass")
+    rows = batch.x.shape[0]
+    if scheme_name == "int8_channel":
+        assert seen == [("int8_channel", rows, (rows, 1), False)] * 2
+    else:
+        assert seen == [(scheme_name, rows, (rows, PH // 128), True), (scheme_name, rows, (rows, PI // 128), True)]

@@ -995,6 +995,24 @@ def test_activation_scales_mn_major(lead):
         activation.silu_and_mul_quant(x, "token", scale_mn_major=True)
 
 
+@pytest.mark.parametrize("lead", [(10,), (1, 10)], ids=["flat", "slab"])
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "e4m3"])
+def test_group_quant_scales_mn_major(lead, dtype):
+    """``per_group_quant(scale_mn_major=True)``: the same codes and scales, stored as the CUTLASS
+    block-scaled GEMMs read them (a [groups, M rounded up to 4] buffer seen transposed), so they
+    need no transposing copy per GEMM; the requantizing path (int8 codes with scales in) too."""
+    x = torch.randn(*lead, 384).to(DEVICE)
+    want_q, want_s = quantize.per_group_quant(x, 128, dtype)
+    q, s = quantize.per_group_quant(x, 128, dtype, scale_mn_major=True)
+    assert s.shape == want_s.shape and s.stride()[-2:] == (1, 12)
+    assert torch.equal(s, want_s) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    xq, xs = quantize.per_token_quant_int8(x)
+    want_q, want_s = quantize.per_group_quant(xq, 128, dtype, xs)
+    q, s = quantize.per_group_quant(xq, 128, dtype, xs, scale_mn_major=True)
+    assert s.stride()[-2:] == (1, 12) and torch.equal(s, want_s)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
 def test_row_expert_must_match_the_rows():
     x = torch.randn(4, 256, device=DEVICE)
     with pytest.raises(ValueError, match=r"row_expert must be an int32 \[4\] tensor"):

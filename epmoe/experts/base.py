@@ -211,13 +211,15 @@ def fp8_gemm_input(
     masked_m: torch.Tensor | None = None,
     expected_m: int | None = None,
     row_expert: torch.Tensor | None = None,
+    scale_mn_major: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GEMM1's operand as e4m3 with ``[.., K/128]`` fp32 scales: used as it is when it arrived so
     (DeepEP low-latency FP8 keeps its MN-major, TMA-aligned scales), else quantized (float input)
     or requantized (another quantized format) with the Triton quantizer of
     :mod:`epmoe.kernels.quantize` (through :mod:`epmoe.ops`); ``masked_m`` (masked layout) limits that to the
     valid rows, ``expected_m`` (with it) sizes the quantizer's grid, ``row_expert`` (a contiguous
-    layout's ``m_indices``) skips its padding rows."""
+    layout's ``m_indices``) skips its padding rows; ``scale_mn_major``: scales it writes are stored
+    MN-major (:func:`~epmoe.kernels.common.mn_major_scales`)."""
     from .. import ops
 
     if x.shape[-1] != hidden:
@@ -227,8 +229,8 @@ def fp8_gemm_input(
         if not x.is_floating_point():
             raise TypeError(f"x of dtype {x.dtype} arrived without x_scale")
         return ops.per_group_quant(x, BLOCK, torch.float8_e4m3fn, masked_m=masked_m, expected_m=rows,
-                                   row_expert=row_expert)  # fmt: skip
+                                   row_expert=row_expert, scale_mn_major=scale_mn_major)  # fmt: skip
     if x.dtype == torch.float8_e4m3fn and x_scale.shape[-1] == hidden // BLOCK:
         return x, x_scale.float()
     return ops.per_group_quant(x, BLOCK, torch.float8_e4m3fn, x_scale, masked_m=masked_m, expected_m=rows,
-                               row_expert=row_expert)
+                               row_expert=row_expert, scale_mn_major=scale_mn_major)  # fmt: skip

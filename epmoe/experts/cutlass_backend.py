@@ -1382,7 +1382,8 @@ class CutlassBackend(ExpertsBackend):
         gemm = functools.partial(ops.cutlass_grouped_gemm, "fp8_block", impl="sgl" if self._sgl_fp8 else "epmoe")
         padding = stages.padding_rows(batch)
         with phase("epmoe.quantize"):
-            a, a_scale = fp8_gemm_input(lift(batch.x), lift(batch.x_scale), hidden, *bound, padding)
+            a, a_scale = fp8_gemm_input(lift(batch.x), lift(batch.x_scale), hidden, *bound, padding,
+                                        scale_mn_major=self.mn_major_scales)  # fmt: skip
         with phase("epmoe.gemm1"):
             gate_up = gemm(drop(a), drop(a_scale), weights.w13, weights.w13_scale, offsets)
         with phase("epmoe.activation"):
@@ -1408,12 +1409,15 @@ class CutlassBackend(ExpertsBackend):
         offsets = batch.expert_offsets
         bound, lift, drop = spare_row_slab(batch)
         padding = stages.padding_rows(batch)
+        # The block kernel reads its activation scales MN-major: written so, no transposing copy per GEMM.
+        mn_major = scheme.act_granularity != "token"
         with phase("epmoe.quantize"):
-            a, a_scale = stages.gemm1_input(scheme, lift(batch.x), lift(batch.x_scale), weights, *bound, padding)
+            a, a_scale = stages.gemm1_input(scheme, lift(batch.x), lift(batch.x_scale), weights, *bound, padding,
+                                            scale_mn_major=mn_major)  # fmt: skip
         with phase("epmoe.gemm1"):
             gate_up = gemm(drop(a), drop(a_scale), weights.w13, weights.w13_scale, offsets)
         with phase("epmoe.activation"):
-            h, h_scale = stages.activation(scheme, lift(gate_up), weights, *bound, padding)
+            h, h_scale = stages.activation(scheme, lift(gate_up), weights, *bound, padding, scale_mn_major=mn_major)
         with phase("epmoe.gemm2"):
             return gemm(drop(h), drop(h_scale), weights.w2, weights.w2_scale, offsets)
 

@@ -44,6 +44,7 @@ def gemm1_input(
     masked_m: torch.Tensor | None,
     expected_m: int | None = None,
     row_expert: torch.Tensor | None = None,
+    scale_mn_major: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """GEMM1's operand in ``scheme``'s format (quantize, pass through, or requantize).
 
@@ -51,7 +52,10 @@ def gemm1_input(
     quantized in another (``x_scale`` then its scales). ``masked_m``: ``[E]`` valid rows per
     segment of an ``[E, cap, H]`` ``x``; ``expected_m``: the rows per segment the row-wise kernels'
     grid is sized for; ``row_expert``: skip the rows of expert -1 when quantizing (see
-    :func:`padding_rows`). Returns the operand and its fp32 scales (``None`` for BF16)."""
+    :func:`padding_rows`); ``scale_mn_major``: per-group scales it writes are stored MN-major
+    (:func:`~epmoe.kernels.common.mn_major_scales`: what the project's CUTLASS block-scaled GEMMs read
+    without a transposing copy; scales that arrived are passed on as they are). Returns the operand
+    and its fp32 scales (``None`` for BF16)."""
     hidden = x.shape[-1]
     if hidden != weights.hidden_size:
         raise ValueError(f"x has hidden size {hidden} but w13 {tuple(weights.w13.shape)} expects {weights.hidden_size}")
@@ -70,7 +74,8 @@ def gemm1_input(
     rows = row_args(masked_m, expected_m)
     if scheme.act_granularity == "token":
         return ops.per_token_quant_int8(x, x_scale, row_expert=row_expert, **rows)
-    return ops.per_group_quant(x, BLOCK, torch.int8, x_scale, row_expert=row_expert, **rows)
+    return ops.per_group_quant(x, BLOCK, torch.int8, x_scale, row_expert=row_expert, scale_mn_major=scale_mn_major,
+                               **rows)  # fmt: skip
 
 
 def activation(
@@ -80,16 +85,19 @@ def activation(
     masked_m: torch.Tensor | None,
     expected_m: int | None = None,
     row_expert: torch.Tensor | None = None,
+    scale_mn_major: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``silu(gate) * up`` of GEMM1's output ``gate_up`` (``[..., 2I]``), requantized for a
     quantized ``scheme`` (per token or per 1x128 group, as its activations); rows as in
     :func:`gemm1_input`; ``row_expert`` (quantized schemes): skip the rows of expert -1 (see
-    :func:`padding_rows`). Returns GEMM2's operand and its scales (``None`` for BF16)."""
+    :func:`padding_rows`); ``scale_mn_major``: per-group scales stored MN-major (as in
+    :func:`gemm1_input`). Returns GEMM2's operand and its scales (``None`` for BF16)."""
     rows = row_args(masked_m, expected_m)
     if not scheme.quantized:
         return ops.silu_and_mul(gate_up, weights.w2.dtype, **rows), None
     granularity = "token" if scheme.act_granularity == "token" else "group"
-    return ops.silu_and_mul_quant(gate_up, granularity, BLOCK, torch.int8, row_expert=row_expert, **rows)
+    return ops.silu_and_mul_quant(gate_up, granularity, BLOCK, torch.int8, row_expert=row_expert,
+                                  scale_mn_major=scale_mn_major and granularity == "group", **rows)  # fmt: skip
 
 
 def padding_rows(batch: ContiguousBatch) -> torch.Tensor | None:

@@ -510,6 +510,7 @@ def per_group_quant(
     row_expert: torch.Tensor | None = None,
     launch: Launch | None = None,
     pdl: bool = False,
+    scale_mn_major: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale per 1 x ``group_size`` group, INT8 (qmax 127) or FP8 e4m3 (qmax 448).
 
@@ -521,12 +522,16 @@ def per_group_quant(
         masked_m, expected_m, row_expert: as in :func:`per_token_quant_int8`.
         launch: tile and warps of the kernel (checked); ``None``: :func:`group_launch`.
         pdl: as in :func:`per_token_quant_int8`.
+        scale_mn_major: the scales stored MN-major (:func:`~epmoe.kernels.common.mn_major_scales`:
+            the layout the project's CUTLASS block-scaled GEMMs read without a transposing copy),
+            over ``x``'s rows with the leading dims flattened.
 
     Returns:
         ``q [..., K]`` of ``dtype`` and ``scale [..., K / group_size]`` fp32.
     """
     x2, xs2, in_group, shape, plan = _operands(x, x_scale, masked_m, expected_m, row_expert)
-    return group_quant(x2, xs2, in_group, shape, plan, group_size, dtype, launch, silu=False, pdl=pdl)
+    return group_quant(x2, xs2, in_group, shape, plan, group_size, dtype, launch, silu=False, pdl=pdl,
+                       scale_mn_major=scale_mn_major)  # fmt: skip
 
 
 def _check_group_args(k: int, group_size: int, dtype: torch.dtype, name: str = "x's last dim K") -> None:
