@@ -396,7 +396,7 @@ def path_of(mod, m: int, gemm_config) -> dict:
     return out
 
 
-def summary(rows: list[dict]) -> dict:
+def summary(rows: list[dict], bandwidth: float = BANDWIDTH) -> dict:
     """Per variant: median and worst ratio to bf16 for M <= 64 and M >= 1024 (graph time, and
     do_bench for reference), in how many cells it is slower than int_mm+quant (graph time where
     measured) and in how many its eager calls are host-bound. The targets are judged on the
@@ -439,22 +439,25 @@ def summary(rows: list[dict]) -> dict:
                 d["target_never_slower_than_int_mm_quant_met"] = d["slower_than_int_mm_quant"] == 0
         d["cells"] = len(rs)
         out[v] = d
-    fixed = at_bf16_fixed_cost(list(bf16.values()))
+    fixed = at_bf16_fixed_cost(list(bf16.values()), bandwidth)
     if fixed:
         out["bf16"] = fixed
     return out
 
 
-def at_bf16_fixed_cost(bf16_rows: list[dict]) -> dict:
+def at_bf16_fixed_cost(bf16_rows: list[dict], bandwidth: float = BANDWIDTH) -> dict:
     """What the M <= 64 target asks against what a single-kernel INT8 linear could reach: per cell,
     the ratio an INT8 linear would have if it cost BF16's graph time minus half BF16's weight-read
     floor (half the weight bytes at ``BANDWIDTH``, the same time beside that read: launch, ramp,
-    tail, activations, output), ``bf16_us / (bf16_us - N K / BANDWIDTH)``; its median and range.
+    tail, activations, output), ``bf16_us / (bf16_us - N K / bandwidth)``; its median and range
+    (``bandwidth``: the result's ``bandwidth_Bps``; a cell whose BF16 time is not above that read
+    is left out).
     Only up to 64 rows, where the weight read is what INT8 halves. Not a bound (a kernel may cost
     less beside its read than cuBLAS's), a yardstick: the INT8 path runs a quantizer and a GEMM
     (and a split-K reduction) where BF16 runs one kernel."""
-    vals = [r["graph_us"] / (r["graph_us"] - r["N"] * r["K"] / BANDWIDTH * 1e6)
-            for r in bf16_rows if r["M"] <= 64 and r.get("graph_us") and "N" in r and "K" in r]
+    cells = [(r["graph_us"], r["N"] * r["K"] / bandwidth * 1e6)
+             for r in bf16_rows if r["M"] <= 64 and r.get("graph_us") and "N" in r and "K" in r]
+    vals = [us / (us - read) for us, read in cells if us > read]
     if not vals:
         return {}
     return {"median_ratio_at_bf16_fixed_cost_graph_m_le_64": round(statistics.median(vals), 4),
@@ -533,7 +536,7 @@ def resummarize(path: Path) -> int:
     result = json.loads(path.read_text())
     if not isinstance(result, dict) or not isinstance(result.get("rows"), list):
         raise SystemExit(f"--summarize {path}: not a result of this script (no 'rows' list)")
-    result["summary"] = summary(result["rows"])
+    result["summary"] = summary(result["rows"], result.get("bandwidth_Bps", BANDWIDTH))
     path.write_text(json.dumps(result, indent=1))
     print(json.dumps(result["summary"], indent=1))
     print(f"rewrote the summary of {path}")

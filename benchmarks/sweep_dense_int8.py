@@ -79,8 +79,8 @@ def _mode(mode: str) -> tuple[str, str]:
 
 def candidates(m: int, n: int, k: int, scheme: str, sms: int, fuse_up_to: int | None = None) -> list:
     """Small-batch launches worth timing for one cell (deduplicated, the default first);
-    ``fuse_up_to``: the most rows at which fused launches are candidates (default
-    :data:`~epmoe.kernels.dense_int8.FUSED_M_MAX`)."""
+    ``fuse_up_to``: fused launches are candidates up to this many rows as well (never fewer than
+    :data:`~epmoe.kernels.dense_int8.FUSED_M_MAX`, where fusion won on the H200)."""
     from epmoe.kernels.dense_int8 import FUSED_M_MAX, small_m_config
 
     out = []
@@ -95,7 +95,7 @@ def candidates(m: int, n: int, k: int, scheme: str, sms: int, fuse_up_to: int | 
         add()
         # Fusion only where it ever won on the H200 (channel scheme, a few rows; see FUSED_M_MAX):
         # half the launches to compile and time.
-        fuse_ok = scheme == "int8_channel" and m <= (FUSED_M_MAX if fuse_up_to is None else fuse_up_to) and base.block_m <= 32
+        fuse_ok = scheme == "int8_channel" and m <= max(FUSED_M_MAX, fuse_up_to or 0) and base.block_m <= 32
         tiles = {bn: -(-n // bn) * -(-m // base.block_m) for bn in (16, 32, 64, 128) if bn >= base.block_m // 2}
         splits = {1, max(1, base.split_k // 2), base.split_k, base.split_k * 2}
         # Every N tile at the rule's split, every split at the rule's N tile (skipping grids of
@@ -410,8 +410,9 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"also time fused launches (channel scheme, 16- and 32-row tiles) up to M rows (default "
                         f"{FUSED_M_MAX}: where fusion ever won on the H200); a study, e.g. --fuse-up-to 32 --m 16 32")
     args = p.parse_args(argv)
-    if args.fuse_up_to is not None and args.fuse_up_to < 0:
-        p.error(f"--fuse-up-to {args.fuse_up_to}: a row count >= 0")
+    if args.fuse_up_to is not None and args.fuse_up_to <= FUSED_M_MAX:
+        p.error(f"--fuse-up-to {args.fuse_up_to}: more than {FUSED_M_MAX} rows (fused launches are timed up to "
+                f"{FUSED_M_MAX} already)")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA GPU here; the table records this GPU's measurements")
     if args.device == "cpu" and not args.out:

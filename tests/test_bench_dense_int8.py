@@ -65,18 +65,23 @@ def test_fixed_cost_yardstick_and_resummarize(tmp_path):
     read), per cell, its median; only rows up to 64. ``--summarize`` recomputes a stored result's
     summary from its rows and leaves the rest alone."""
     n, k = 1000, 4300  # 4.3 MB of bf16 weight: a 2 us floor at 4.3 TB/s, 1 us for INT8
-    rows = [dict(shape="s", N=n, K=k, M=m, variant="bf16", us=us, graph_us=us) for m, us in ((1, 3.0), (16, 5.0), (64, 9.0))]
-    rows.append(dict(shape="s", N=n, K=k, M=1024, variant="bf16", us=1.5, graph_us=1.5))  # not counted (would divide by ~0.5)
+    # do_bench's us differ from the graph times: the yardstick reads graph_us.
+    rows = [dict(shape="s", N=n, K=k, M=m, variant="bf16", us=2 * us, graph_us=us) for m, us in ((1, 3.0), (16, 5.0), (64, 9.0))]
+    rows.append(dict(shape="s", N=n, K=k, M=1024, variant="bf16", us=1.5, graph_us=1.5))  # not counted: M > 64
+    rows.append(dict(shape="t", N=n, K=k, M=4, variant="bf16", us=0.4, graph_us=0.4))  # faster than its read: left out
     got = bench.at_bf16_fixed_cost(rows)
     assert got["median_ratio_at_bf16_fixed_cost_graph_m_le_64"] == pytest.approx(5.0 / 4.0, abs=1e-4)
     assert got["min_ratio_at_bf16_fixed_cost_graph_m_le_64"] == pytest.approx(9.0 / 8.0, abs=1e-4)
     assert got["max_ratio_at_bf16_fixed_cost_graph_m_le_64"] == pytest.approx(1.5, abs=1e-4)
     assert bench.at_bf16_fixed_cost([]) == {}
+    # The result's own bandwidth: at twice 4.3 TB/s the INT8 read is 0.5 us.
+    faster = bench.at_bf16_fixed_cost(rows, 2 * bench.BANDWIDTH)
+    assert faster["median_ratio_at_bf16_fixed_cost_graph_m_le_64"] == pytest.approx(5.0 / 4.5, abs=1e-4)
     path = tmp_path / "r.json"
-    path.write_text(json.dumps({"date": "d", "rows": rows, "summary": {"old": 1}}))
+    path.write_text(json.dumps({"date": "d", "bandwidth_Bps": 2 * bench.BANDWIDTH, "rows": rows, "summary": {"old": 1}}))
     assert bench.main(["--summarize", str(path)]) == 0
     again = json.loads(path.read_text())
-    assert again["date"] == "d" and again["rows"] == rows and again["summary"] == {"bf16": got}
+    assert again["date"] == "d" and again["rows"] == rows and again["summary"] == {"bf16": faster}
     path.write_text("[1, 2]")
     with pytest.raises(SystemExit, match="no 'rows' list"):
         bench.main(["--summarize", str(path)])
@@ -281,7 +286,7 @@ def test_sweep_pdl_twins_are_the_fastest_small_batch_launch(capsys):
     assert entry == [{"kernel": "small_m", "config": {**a.to_dict(), "pdl": True}, "us": 7.5}]
 
 
-def test_sweep_fuse_up_to_widens_the_fused_candidates():
+def test_sweep_fuse_up_to_widens_the_fused_candidates(capsys):
     """Fused launches are candidates up to FUSED_M_MAX rows, or up to ``--fuse-up-to`` (a study of
     whether fusion wins at 16 or 32 rows); never on 64-row tiles, never for the block scheme."""
     from benchmarks import sweep_dense_int8 as sweep
@@ -293,9 +298,11 @@ def test_sweep_fuse_up_to_widens_the_fused_candidates():
     assert FUSED_M_MAX < 16 and fused(FUSED_M_MAX) and not fused(16)
     assert fused(16, up_to=32) and fused(32, up_to=32) and not fused(64, up_to=64)
     assert all(c.block_m <= 32 for c in fused(32, up_to=32))
-    assert not fused(16, "int8_block", 32)
-    with pytest.raises(SystemExit):
-        sweep.main(["--fuse-up-to", "-1"])
+    assert not fused(16, "int8_block", 32) and fused(FUSED_M_MAX, up_to=2) == fused(FUSED_M_MAX)
+    for bad in ("-1", str(FUSED_M_MAX)):
+        with pytest.raises(SystemExit):
+            sweep.main(["--device", "cpu", "--tiny", "--out", "/nonexistent/t.json", "--fuse-up-to", bad])
+        assert f"--fuse-up-to {bad}: more than {FUSED_M_MAX} rows" in capsys.readouterr().err
 
 
 def test_sweep_cell_entry_and_cutlass_walks():

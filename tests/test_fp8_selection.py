@@ -1407,13 +1407,15 @@ def test_int8_block_variants_agree_across_the_sources():
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter on CPU")
+@pytest.mark.parametrize("expected_m", [None, 3], ids=["host_sized", "device_sized"])
 @pytest.mark.parametrize("scheme_name", ["int8_channel", "int8_block", "fp8_block"])
-def test_cutlass_pass_writes_scales_in_the_kernels_layout(monkeypatch, scheme_name):
+def test_cutlass_pass_writes_scales_in_the_kernels_layout(monkeypatch, scheme_name, expected_m):
     """The project's block-scaled CUTLASS GEMMs read activation scales MN-major; given row-major
     ones they copy them transposed on every call (on one H200: 0.16 ms of a 24 ms int8_block pass at
     2048 rows per expert). The pass's quantizers write them MN-major for both GEMMs (int8_block,
-    fp8_block on the project's kernel); per-token scales stay a column. The GEMMs are stand-ins
-    here that record what they are given."""
+    fp8_block on the project's kernel); per-token scales stay a column; the same with the sizes on
+    the device (the row-wise stages then see one [1, M] slab). The GEMMs are stand-ins here that
+    record what they are given."""
     import sys
 
     sys.path.insert(0, os.path.dirname(__file__))
@@ -1422,7 +1424,7 @@ def test_cutlass_pass_writes_scales_in_the_kernels_layout(monkeypatch, scheme_na
     from epmoe import ops
     from epmoe.experts import cutlass_backend as cb
     from epmoe.experts.base import ExpertWeights
-    from epmoe.layouts import to_contiguous
+    from epmoe.layouts import _to_contiguous_kernels
     from epmoe.quant import get_scheme
 
     scheme = get_scheme(scheme_name)
@@ -1439,7 +1441,8 @@ def test_cutlass_pass_writes_scales_in_the_kernels_layout(monkeypatch, scheme_na
 
     monkeypatch.setattr(ops, "cutlass_grouped_gemm", gemm)
     ids = torch.arange(6 * PK).remainder(PE).view(6, PK)
-    batch = to_contiguous(torch.randn(6, PH), None, ids, PE, backend.alignment)
+    batch = _to_contiguous_kernels(torch.randn(6, PH), None, ids, PE, backend.alignment, None, expected_m=expected_m)
+    assert batch.expected_m == expected_m
     backend.run_kernel(batch, weights, torch.bfloat16, "cutlass")
     rows = batch.x.shape[0]
     if scheme_name == "int8_channel":
