@@ -131,10 +131,7 @@ def _per_group_quant(
 @_per_group_quant.register_fake
 def _(x, group_size, dtype, x_scale, masked_m, expected_m, row_expert, scale_mn_major):
     groups = x.shape[-1] // group_size
-    lead = x.shape[:-1]
-    if scale_mn_major:  # the kernel's strides: an MN-major buffer, seen [rows, groups]
-        return x.new_empty(x.shape, dtype=dtype), mn_major_scales(math.prod(lead), groups, None, like=x).reshape(*lead, groups)
-    return x.new_empty(x.shape, dtype=dtype), x.new_empty((*lead, groups), dtype=torch.float32)
+    return x.new_empty(x.shape, dtype=dtype), _fake_scales(x.shape[:-1], groups, x, scale_mn_major)
 
 
 def per_token_quant_int8(x, x_scale=None, *, masked_m=None, expected_m=None, row_expert=None):
@@ -182,10 +179,7 @@ def _(gate_up, granularity, group_size, dtype, masked_m, expected_m, row_expert,
     inter = gate_up.shape[-1] // 2
     cols = 1 if granularity == "token" else inter // group_size
     lead = gate_up.shape[:-1]
-    q = gate_up.new_empty((*lead, inter), dtype=dtype)
-    if scale_mn_major:  # the kernel's strides: an MN-major buffer, seen [rows, groups]
-        return q, mn_major_scales(math.prod(lead), cols, None, like=gate_up).reshape(*lead, cols)
-    return q, gate_up.new_empty((*lead, cols), dtype=torch.float32)
+    return gate_up.new_empty((*lead, inter), dtype=dtype), _fake_scales(lead, cols, gate_up, scale_mn_major)
 
 
 def silu_and_mul(gate_up, out_dtype=None, *, masked_m=None, expected_m=None):
@@ -254,11 +248,12 @@ def _slot_layout_scatter(
     return list(out[:5]) if out[5] is None else list(out)
 
 
-def _fake_scales(rows: int, x_scale: torch.Tensor, mn_major: bool) -> torch.Tensor:
-    """The kernels' output scales ``[rows, S]`` (their strides too) for a fake implementation."""
+def _fake_scales(lead, cols: int, like: torch.Tensor, mn_major: bool, dtype=torch.float32) -> torch.Tensor:
+    """A kernel's output scales ``[*lead, cols]`` with its strides, for a fake implementation:
+    MN-major (fp32, one buffer over the flattened rows, seen transposed) or row-major ``dtype``."""
     if mn_major:
-        return mn_major_scales(rows, x_scale.shape[1], None, like=x_scale)
-    return x_scale.new_empty((rows, x_scale.shape[1]))
+        return mn_major_scales(math.prod(lead), cols, None, like=like).reshape(*lead, cols)
+    return like.new_empty((*lead, cols), dtype=dtype)
 
 
 @_slot_layout_scatter.register_fake
@@ -272,7 +267,7 @@ def _(topk_ids, num_experts, alignment, x, x_scale, scale_mn_major):
         x.new_empty((rows, x.shape[1])),
     ]  # fmt: skip
     if x_scale is not None:
-        out.append(_fake_scales(rows, x_scale, scale_mn_major))
+        out.append(_fake_scales((rows,), x_scale.shape[1], x_scale, scale_mn_major, x_scale.dtype))
     return out
 
 
@@ -305,7 +300,7 @@ def _scatter_rows(
 def _(x, slot_pos, num_out_rows, x_scale, fill_unused, scale_mn_major):
     out = [x.new_empty((num_out_rows, x.shape[1]))]
     if x_scale is not None:
-        out.append(_fake_scales(num_out_rows, x_scale, scale_mn_major))
+        out.append(_fake_scales((num_out_rows,), x_scale.shape[1], x_scale, scale_mn_major, x_scale.dtype))
     return out
 
 
