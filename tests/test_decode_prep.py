@@ -196,6 +196,23 @@ def check_rank_against_rounds(payload: str, device, hidden: int) -> None:
             assert torch.equal(got[6][got[3].reshape(-1)], x[rows].repeat_interleave(k, 0))
 
 
+@pytest.mark.parametrize("alignment", [128, 1])
+def test_prep_int8_group_scales_mn_major_as_the_cutlass_int8_block_backend_asks(alignment):
+    """CutlassBackend(int8_block) asks the prep for MN-major scales (``mn_major_scales``), laid out
+    for its kernel (128-row segments) or, below the INT8 crossover, for the Triton pass (no
+    padding): the same layout, codes and scales as row-major, stored MN-major."""
+    logits, bias, x = _inputs(7, "E128_flat", seed=3)
+    e, k, scoring, ng, tg, _, renorm, rscale = ROUTES["E128_flat"]
+    row, mn = (prep.decode_prep(logits, k, renorm, scoring, ng, tg, bias, rscale, x, alignment, "int8_group", m)
+               for m in (False, True))  # fmt: skip
+    rows = max_rows(7, k, e, alignment)
+    assert mn[7].stride() == (1, -(-rows // 4) * 4) and row[7].stride() == (HIDDEN // 128, 1)
+    for a, b in zip(row[:6], mn[:6]):
+        assert torch.equal(a, b)
+    dst = row[3].reshape(-1)
+    assert torch.equal(mn[6][dst], row[6][dst]) and torch.equal(mn[7][dst], row[7][dst])
+
+
 @pytest.mark.parametrize("warps", [1, 8])
 def test_prep_on_other_warp_counts_writes_the_same(warps, monkeypatch):
     """The routing and layout compares split over other warp counts; one warp reads a long row in chunks."""

@@ -494,7 +494,7 @@ _BAD_OPERANDS = [
      ValueError, "non-decreasing multiples of 128"),
     ("int8_block", _int8_block_operands, lambda o: {}, ValueError, "a must be a CUDA tensor"),
     ("int8_block", _int8_block_operands, lambda o: dict(schedule="pingpong"), ValueError,
-     r"schedule='pingpong'; allowed: \['lockstep', 'staggered', 'split_n', 'split_n_zero', 'n256_quarters', 'n256_halves', 'n128_split_n', 'n256_quarters_i2f', 'n256_halves_i2f', 'n256_quarters_i2f_s4', 'n256_halves_i2f_s4'\]"),
+     r"schedule='pingpong'; allowed: \['lockstep', 'staggered', 'split_n', 'split_n_zero', 'n256_quarters', 'n256_halves', 'n128_split_n', 'n256_quarters_i2f', 'n256_halves_i2f', 'n256_quarters_i2f_s4', 'n256_halves_i2f_s4', 'n256_quarters_rs', 'n256_halves_rs', 'n256_quarters_run2', 'n256_quarters_run4'\]"),
     # the masked layout: whole 128-row blocks per expert, masked_m within them, the kind's scales
     ("int8_block_masked", _int8_block_masked_operands,
      lambda o: dict(a=torch.zeros(2, 96, 256, dtype=torch.int8), a_scale=torch.ones(2, 96, 2)), ValueError,
@@ -948,7 +948,7 @@ def test_int8_block_schedule_choice(monkeypatch, caplog):
     monkeypatch.setenv(cb.INT8_BLOCK_SCHEDULE_ENV, "pingpong")
     with pytest.raises(ValueError, match=r"EPMOE_INT8_BLOCK_SCHEDULE \(from the environment\)='pingpong'; allowed"):
         cb.CutlassBackend(block)
-    with pytest.raises(ValueError, match=r"^schedule='fast'; allowed: \['lockstep', 'staggered', 'split_n', 'split_n_zero', 'n256_quarters', 'n256_halves', 'n128_split_n', 'n256_quarters_i2f', 'n256_halves_i2f', 'n256_quarters_i2f_s4', 'n256_halves_i2f_s4'\]"):
+    with pytest.raises(ValueError, match=r"^schedule='fast'; allowed: \['lockstep', 'staggered', 'split_n', 'split_n_zero', 'n256_quarters', 'n256_halves', 'n128_split_n', 'n256_quarters_i2f', 'n256_halves_i2f', 'n256_quarters_i2f_s4', 'n256_halves_i2f_s4', 'n256_quarters_rs', 'n256_halves_rs', 'n256_quarters_run2', 'n256_quarters_run4'\]"):
         cb.CutlassBackend(block, schedule="fast")
     # Only int8_block has schedules: the bad environment value does not stop the other schemes.
     for other in (cb.CutlassBackend(get_scheme("fp8_block")), cb.CutlassBackend(get_scheme("int8_channel"), accumulator="int32")):
@@ -1449,3 +1449,101 @@ def test_cutlass_pass_writes_scales_in_the_kernels_layout(monkeypatch, scheme_na
         assert seen == [("int8_channel", rows, (rows, 1), False)] * 2
     else:
         assert seen == [(scheme_name, rows, (rows, PH // 128), True), (scheme_name, rows, (rows, PI // 128), True)]
+
+
+def test_cutlass_mn_major_scales_by_scheme(monkeypatch):
+    """The layer asks the scatter (and the decode prep) for MN-major activation scales where the
+    backend's kernel reads them so: the per-1x128-group schemes on the project's kernels
+    (int8_block, fp8_block); not int8_channel (one scale per token: a column, no layout to choose)
+    nor FP8 on sgl-kernel's op (row-major)."""
+    from epmoe.experts import cutlass_backend as cb
+    from epmoe.quant import get_scheme
+
+    monkeypatch.setattr(cb, "_use_sgl", lambda: False)
+    assert cb.CutlassBackend(get_scheme("int8_block")).mn_major_scales is True
+    assert cb.CutlassBackend(get_scheme("int8_channel"), accumulator="int32").mn_major_scales is False
+    assert cb.CutlassBackend(get_scheme("fp8_block")).mn_major_scales is True
+    monkeypatch.setattr(cb, "_use_sgl", lambda: True)
+    assert cb.CutlassBackend(get_scheme("fp8_block")).mn_major_scales is False
+    assert cb.CutlassBackend(get_scheme("int8_block")).mn_major_scales is True  # no sgl INT8 op
+
+
+def _int8_block_scattered(backend, expected_m, alignment=None, scale_mn_major=None):
+    """An int8_group payload scattered as the layer scatters it for ``backend`` (on CPU through
+    the Triton scatter under the interpreter), and the weights."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from helpers import make_weights
+
+    from epmoe.experts.base import ExpertWeights
+    from epmoe.layouts import _to_contiguous_kernels
+    from epmoe.quant.payload import quantize_payload
+
+    stored, _ = make_weights(PE, PH, PI, "int8_block")
+    weights = backend.prepare_weights(ExpertWeights(backend.scheme, *stored))
+    xq, xs = quantize_payload(torch.randn(6, PH, generator=torch.Generator().manual_seed(1)), "int8_group")
+    ids = torch.arange(6 * PK).remainder(PE).view(6, PK)
+    mn = backend.mn_major_scales if scale_mn_major is None else scale_mn_major
+    align = backend.alignment if alignment is None else alignment
+    batch = _to_contiguous_kernels(xq, xs, ids, PE, align, None, expected_m=expected_m, scale_mn_major=mn)
+    return batch, weights
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter on CPU")
+@pytest.mark.parametrize("expected_m", [None, 3], ids=["host_sized", "device_sized"])
+def test_cutlass_int8_block_gemm1_takes_the_scattered_mn_major_scales_as_they_are(monkeypatch, expected_m):
+    """int8_block: the layer's scatter writes the dispatched activation scales MN-major
+    (CutlassBackend.mn_major_scales), and GEMM1 gets that very tensor (no transposing copy,
+    the same values as a row-major scatter's); GEMM2's come MN-major from the activation. The
+    GEMMs are stand-ins that record what they are given."""
+    from epmoe import ops
+    from epmoe.experts import cutlass_backend as cb
+    from epmoe.quant import get_scheme
+
+    monkeypatch.setattr(cb, "own_kernel_missing", lambda: None)
+    backend = cb.CutlassBackend(get_scheme("int8_block"))
+    batch, weights = _int8_block_scattered(backend, expected_m)
+    row_major, _ = _int8_block_scattered(backend, expected_m, scale_mn_major=False)
+    assert cb.is_mn_major(batch.x_scale) and not cb.is_mn_major(row_major.x_scale)
+    seen = []
+
+    def gemm(kind, a, a_scale, b, b_scale, offsets, schedule="lockstep", impl="auto"):
+        seen.append((a, a_scale))
+        return torch.zeros(a.shape[0], b.shape[1], dtype=torch.bfloat16)
+
+    monkeypatch.setattr(ops, "cutlass_grouped_gemm", gemm)
+    backend.run_kernel(batch, weights, torch.bfloat16, "cutlass")
+    (a1, s1), (_, s2) = seen
+    assert a1.data_ptr() == batch.x.data_ptr()  # the int8 payload passes through
+    assert s1.data_ptr() == batch.x_scale.data_ptr() and s1.stride() == batch.x_scale.stride() and cb.is_mn_major(s1)
+    assert cb.kernel_act_scale(s1) is s1  # what the kernel wrapper then hands the extension
+    valid = batch.m_indices >= 0  # padding and spare rows hold anything
+    assert torch.equal(valid, row_major.m_indices >= 0)
+    assert torch.equal(s1[valid], row_major.x_scale[valid])
+    assert cb.is_mn_major(s2) and s2.shape == (batch.x.shape[0], PI // 128)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter on CPU")
+@pytest.mark.parametrize("expected_m", [None, 3], ids=["host_sized", "device_sized"])
+def test_cutlass_int8_block_triton_pass_reads_mn_major_scales_in_place(monkeypatch, expected_m):
+    """Below the INT8 crossover the cutlass backend runs the Triton pass on the batch laid out for
+    it (alignment 1), whose scales the scatter still writes MN-major: its GEMM1 reads them through
+    their strides (no copy) and gives the same bits as from row-major scales."""
+    from epmoe.experts import cutlass_backend as cb
+    from epmoe.kernels import grouped_gemm
+    from epmoe.quant import get_scheme
+
+    monkeypatch.setattr(cb, "own_kernel_missing", lambda: None)
+    backend = cb.CutlassBackend(get_scheme("int8_block"), int8_kernel="triton")
+    batch, weights = _int8_block_scattered(backend, expected_m, alignment=1)
+    row_major, _ = _int8_block_scattered(backend, expected_m, alignment=1, scale_mn_major=False)
+    assert batch.alignment == 1 and cb.is_mn_major(batch.x_scale)
+    handed = []
+    real = grouped_gemm._scale_rows
+    monkeypatch.setattr(grouped_gemm, "_scale_rows", lambda s, rows: handed.append(real(s, rows)) or handed[-1])
+    got = backend.run_contiguous(batch, weights, torch.bfloat16)
+    assert handed[0].data_ptr() == batch.x_scale.data_ptr() and handed[0].stride()[0] == 1
+    want = backend.run_contiguous(row_major, weights, torch.bfloat16)
+    valid = batch.m_indices >= 0
+    assert torch.equal(got[valid], want[valid])

@@ -40,7 +40,7 @@ SILU_TYPES = dict(X="*bf16", Y="*bf16", MASKED_M="*i32", M="i32", I="i32", CAP="
                   stride_ym="i32")  # fmt: skip
 GEMM_TYPES = dict(A="*i8", B="*i8", C="*bf16", AS="*fp32", BS="*fp32", SEG="*i32", N="i32", K="i32", E="i32", CAP="i32",
                   GRID_M="i32", stride_am="i32", stride_be="i32", stride_bn="i32", stride_cm="i32", stride_asm="i32",
-                  stride_bse="i32", stride_bsn="i32", stride_bsk="i32")  # fmt: skip
+                  stride_ask="i32", stride_bse="i32", stride_bsn="i32", stride_bsk="i32")  # fmt: skip
 
 CASES = {
     # name: (module, kernel, argument types, constexprs)
@@ -81,6 +81,11 @@ CASES = {
         HAS_MASK=False, GROUP=128, BLOCK_M=1, BLOCK_K=2048, PDL=True)),
     "pdl_grouped_gemm": ("epmoe.kernels.grouped_gemm", "_grouped_gemm_kernel", GEMM_TYPES, dict(
         MODE=2, MASKED=False, E_PAD=128, FP32_IEEE=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, SWAP_AB=True,
+        EVEN_K=True, SCALE_BLOCK=128, PDL=True)),
+    # The int8_block K step, which reads the activation scales through both strides (MN-major ones
+    # from the layer's scatter, row-major ones from elsewhere).
+    "pdl_grouped_gemm_int8_block": ("epmoe.kernels.grouped_gemm", "_grouped_gemm_kernel", GEMM_TYPES, dict(
+        MODE=3, MASKED=False, E_PAD=128, FP32_IEEE=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, SWAP_AB=True,
         EVEN_K=True, SCALE_BLOCK=128, PDL=True)),
     "pdl_prep_one_token_int8_token": ("epmoe.kernels.prep", "_decode_prep_kernel", PREP_TYPES, dict(
         **FLAT_128, **PREP_LAYOUT, BLOCK_T=1, RANK=True, ALIGN=1, QUANT=1, QMAX=127.0, TO_E4M3=False, BLOCK_H=128,

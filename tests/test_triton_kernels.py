@@ -540,6 +540,32 @@ def test_grouped_gemm_masked(mode, acc, expected_m):
         assert torch.isnan(res[e, n:]).all(), "rows past masked_m must not be written"
 
 
+@pytest.mark.parametrize("cfg", [*CONFIGS, configs.GemmConfig(16, 32, 128, 1, tma=True, persistent=True, num_stages=2)],
+                         ids=["default", "bm16", "swap_ab", "wide_n", "tma"])
+def test_int8_block_reads_mn_major_activation_scales_in_place(monkeypatch, cfg):
+    """int8_block ``a_scale`` stored MN-major (what the layer's scatter writes for the CUTLASS
+    backend, whose Triton pass below the INT8 crossover takes the same batch): the kernel reads it
+    through its strides, no copy, and gives the same bits as from row-major scales."""
+    from epmoe.kernels.common import mn_major_scales
+
+    offsets_t, offsets = _segments(COUNTS)
+    m = offsets[-1]  # 45 rows: the MN-major buffer's rows are padded to 48
+    a, b, sa, sb, _, _ = _operands("int8_block", m)
+    mn = mn_major_scales(m, sa.shape[1], DEVICE).copy_(sa.to(DEVICE))
+    assert mn.stride() == (1, -(-m // 4) * 4)
+    handed = []
+    real = grouped_gemm._scale_rows
+    monkeypatch.setattr(grouped_gemm, "_scale_rows", lambda s, rows: handed.append(real(s, rows)) or handed[-1])
+    run = lambda scales: grouped_gemm.grouped_gemm_contiguous(  # noqa: E731
+        a.to(DEVICE), b.to(DEVICE), offsets_t.to(DEVICE), mode="int8_block", a_scale=scales, b_scale=sb.to(DEVICE),
+        out_dtype=torch.float32, config=cfg,
+    ).cpu()
+    want = run(sa.to(DEVICE).contiguous())
+    got = run(mn)
+    assert handed[-1].data_ptr() == mn.data_ptr() and handed[-1].stride() == mn.stride()
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("mode", ["int8_channel", "int8_block"])
 def test_int8_k_step_exact_at_the_extremes(mode):
     """Int8 extremes (-128, 127) over a 256-wide K give int32 tile products of 2**22 and

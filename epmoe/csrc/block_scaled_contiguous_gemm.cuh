@@ -135,6 +135,18 @@ constexpr int kNativeConvert = 16;
 // one more mainloop stage: a 128 x 256 tile's short-K GEMM gets four stages instead of three.
 // The mainloop ignores the bit.
 constexpr int kSubtiledEpilogue = 32;
+// Added to a kNativeConvert chunked schedule: the chunks' MMAs read A from registers (wgmma's RS
+// form), loaded from shared memory once per K block with ldmatrix, instead of from shared memory
+// (SS). A 64 x N/kChunks x 32 SS MMA reads its 64 x 32 A slice from shared memory again for each
+// chunk: with four 64-column chunks a K block reads A four times, and a 64 x 64 x 32 MMA's 4 KB
+// of operands take as many cycles at 128 B per cycle as its MACs take on the tensor cores. From
+// registers, each chunk reads only its B slice. Costs 16 registers per thread (a 64 x 128 int8
+// slice per warpgroup).
+constexpr int kRegisterA = 64;
+// Added to a chunked two-partial schedule: K blocks in runs of two (kUnroll2) or four
+// (kUnroll4), the MMAs drained once per run instead of once per K block (see mma_chunked).
+constexpr int kUnroll2 = 128;
+constexpr int kUnroll4 = 256;
 
 // The N chunks a warpgroup's MMAs are issued in and the partial accumulators they rotate through.
 template <int Schedule>
@@ -144,6 +156,18 @@ struct ChunksOf {
   static constexpr int kBuffers = kKind == kSerialHalves ? 1 : 2;
   static constexpr bool kChunked = kKind == kSplitN || kKind == kSplitN4 || kKind == kSerialHalves;
 };
+
+// f(Int<0>{}), ..., f(Int<N - 1>{}), inlined: cute::for_each calls f from a lambda of its own
+// that is not inlined by force, and once a K block's code is large enough ptxas gets a function
+// call with MMAs in flight, serializes them (C7510) and puts the accumulators on the stack.
+template <int... I, class F>
+CUTLASS_DEVICE void unrolled(std::integer_sequence<int, I...>, F&& f) {
+  (f(Int<I>{}), ...);
+}
+template <int N, class F>
+CUTLASS_DEVICE void unrolled(F&& f) {
+  unrolled(std::make_integer_sequence<int, N>{}, f);
+}
 
 template <class Base, int Schedule = kLockstep>
 struct Sm90BlockScaledMainloop : Base {
@@ -309,6 +333,12 @@ struct Sm90BlockScaledMainloop : Base {
                 "zero-started partials: the INT8 chunked schedules (int32 fragments)");
   static constexpr bool kNative = (Schedule & kNativeConvert) != 0;
   static_assert(!kNative || kZero, "the native conversion reads zero-started int32 sums (kZeroStart)");
+  static constexpr bool kRegA = (Schedule & kRegisterA) != 0;
+  static constexpr int kRun = (Schedule & kUnroll4) ? 4 : (Schedule & kUnroll2) ? 2 : 1;
+  static_assert(kRun == 1 || (ChunksOf<Schedule>::kChunked && ChunksOf<Schedule>::kBuffers == 2 && !kRegA),
+                "runs of K blocks: the two-partial chunked schedules, A from shared memory (the next "
+                "K block's A would overwrite registers an MMA in flight reads)");
+  static_assert(!kRegA || kNative, "register A: the native-conversion chunked schedules");
   // kStaggered's named barriers (user ids, above CUTLASS's reserved ones): warpgroup w waits on
   // kTurnBarrier + w before it issues a K block's MMAs and arrives on the other's after.
   static constexpr uint32_t kTurnBarrier = 0;
@@ -396,6 +426,8 @@ struct Sm90BlockScaledMainloop : Base {
 
   // One K block's MMAs of this warpgroup (all of its K steps) into partial, committed as one
   // group, not waited for.
+  // tCrA: shared-memory descriptors with a stage mode (SS MMAs), or this K block's registers
+  // (kRegA: no stage mode).
   template <class Mma, class FragA, class FragB, class Partial>
   CUTLASS_DEVICE static void issue_k_block(Mma& tiled_mma, FragA const& tCrA, FragB const& tCrB,
                                            Partial& partial, int stage) {
@@ -404,7 +436,11 @@ struct Sm90BlockScaledMainloop : Base {
     cute::warpgroup_arrive();
     CUTLASS_PRAGMA_UNROLL
     for (int k = 0; k < size<2>(tCrA); ++k) {
-      cute::gemm(tiled_mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage), partial);
+      if constexpr (decltype(rank(tCrA))::value == 4) {
+        cute::gemm(tiled_mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage), partial);
+      } else {
+        cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k, stage), partial);
+      }
       tiled_mma.accumulate_ = cute::GMMA::ScaleOut::One;
     }
     cute::warpgroup_commit_batch();
@@ -476,11 +512,17 @@ struct Sm90BlockScaledMainloop : Base {
   // floats: reinterpreting the registers of an MMA in flight moves them through float registers
   // right after the issue, which ptxas answers by waiting for the MMA there (C7514), serializing
   // the chunks. The bits are read as the biased float after the wait (promote_partial).
-  using ChunkMma = decltype(make_tiled_mma(
-      decltype(cute::GMMA::ss_op_selector<int8_t, int8_t, int32_t,
-                                          Shape<Int<kTileM>, Int<kChunkN>, Int<kTileK>>,
-                                          cute::GMMA::Major::K, cute::GMMA::Major::K>()){},
-      Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
+  using ChunkShape = Shape<Int<kTileM>, Int<kChunkN>, Int<kTileK>>;
+  using ChunkOp = cute::conditional_t<
+      kRegA,
+      decltype(cute::GMMA::rs_op_selector<int8_t, int8_t, int32_t, ChunkShape, cute::GMMA::Major::K,
+                                          cute::GMMA::Major::K>()),
+      decltype(cute::GMMA::ss_op_selector<int8_t, int8_t, int32_t, ChunkShape, cute::GMMA::Major::K,
+                                          cute::GMMA::Major::K>())>;
+  using ChunkMma = decltype(make_tiled_mma(ChunkOp{}, Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
+  // kRegA: A's K block from shared memory into the RS MMAs' fragment, four 8 x 16-byte matrices
+  // per ldmatrix (the int8 K-major fragment of an m16n8k32 MMA, which the RS form reads).
+  using SmemCopyA = Copy_Atom<SM75_U32x4_LDSM_N, int8_t>;
 
   // Chunk C's partial (a compile-time choice: the registers are named, never indexed at run time).
   template <int C, class Partial>
@@ -508,14 +550,32 @@ struct Sm90BlockScaledMainloop : Base {
     ChunkMma chunk_mma;
     auto thread_mma = chunk_mma.get_slice(
         make_layout(Int<kWarpGroups>{}, Int<cutlass::NumThreadsPerWarpGroup>{})(warp_group));
-    Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));
-    auto fragment_b = [&](auto c) {
+    // SS: A's descriptors for every stage. kRegA: one K block's registers (tCrA) and the
+    // ldmatrix copy that fills them from a stage (load_a).
+    auto a_operand = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+      if constexpr (kRegA) {
+        return chunk_mma.get_thread_slice(thread_idx).partition_fragment_A(sA(_, _, Int<0>{}));
+      } else {
+        return thread_mma.make_fragment_A(thread_mma.partition_A(sA));
+      }
+    };
+    Tensor tCrA = a_operand();
+    auto load_a = [&](int stage) CUTLASS_LAMBDA_FUNC_INLINE {
+      if constexpr (kRegA) {
+        auto copy_a = make_tiled_copy_A(SmemCopyA{}, chunk_mma);
+        auto thread_copy_a = copy_a.get_thread_slice(thread_idx);
+        Tensor tArA = thread_copy_a.retile_D(tCrA);
+        copy(copy_a, thread_copy_a.partition_S(sA)(_, _, _, stage), tArA);
+      }
+    };
+    auto fragment_b = [&](auto c) CUTLASS_LAMBDA_FUNC_INLINE {
       return thread_mma.make_fragment_B(thread_mma.partition_B(sB_chunks(make_coord(_, c), _, _)));
     };
     Tensor p0 = partition_fragment_C(chunk_mma, Shape<Int<kTileM>, Int<kChunkN>>{});
     Tensor p1 = make_fragment_like(p0);
     static_assert(size(decltype(p0){}) * kChunks == size(FrgTensorC{}), "the chunks make the accumulator");
-    auto partial = [&](auto c) -> decltype(p0)& { return chunk_partial<decltype(c)::value>(p0, p1); };
+    auto partial = [&](auto c) CUTLASS_LAMBDA_FUNC_INLINE -> decltype(p0)& {
+      return chunk_partial<decltype(c)::value>(p0, p1); };
     const int row = first_row(warp_group, thread_idx);
 
     if constexpr (kBuffers == 1) {
@@ -525,7 +585,8 @@ struct Sm90BlockScaledMainloop : Base {
         pipeline.consumer_wait(smem_pipe_read, pipeline.consumer_try_wait(smem_pipe_read));
         const int stage = smem_pipe_read.index();
         const KBlockScales scales = read_scales(sSFA, sSFB, row, stage);
-        cute::for_each(cute::make_seq<kChunks>{}, [&](auto c) {
+        load_a(stage);
+        unrolled<kChunks>([&](auto c) CUTLASS_LAMBDA_FUNC_INLINE {
           issue_k_block(chunk_mma, tCrA, fragment_b(c), p0, stage);
           cute::warpgroup_wait<0>();
           cute::warpgroup_fence_operand(p0);
@@ -538,18 +599,38 @@ struct Sm90BlockScaledMainloop : Base {
       }
       return;
     } else {
-      // Nothing is in flight where an iteration starts or ends (ptxas serializes the MMAs when
-      // the registers of one in flight are carried around a loop): each chunk's MMAs run while
-      // the chunk before is promoted; the last chunk of a K block is promoted while the next
-      // K block's first chunk runs.
-      auto k_block = [&](auto first, KBlockScales const& previous) {
+      // K blocks go in runs of kRun (kUnroll2, kUnroll4; else 1). Inside a run, a K block's last
+      // chunk stays in flight while the next K block's first chunk is issued; where a run ends
+      // every MMA has retired (ptxas serializes the MMAs when the registers of one in flight are
+      // carried around a loop), and both warpgroups, in step, leave the tensor cores idle until
+      // the next run's first MMAs. Each chunk's MMAs run while the chunk before is promoted; the
+      // last chunk of a K block is promoted while the next K block's first runs.
+      // first: the mainloop's first K block (nothing to promote before it); after_in_flight: the
+      // K block before left its last chunk in flight (its stage is released here, once that
+      // chunk retires); drain: this K block ends its run.
+      PipelineState smem_pipe_release = smem_pipe_read;
+      auto release = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+        pipeline.consumer_release(smem_pipe_release);
+        ++smem_pipe_release;
+      };
+      // Every lambda here is inlined by force (see unrolled): a K block is called from up to
+      // six places.
+      auto k_block = [&](auto first, auto after_in_flight, auto drain,
+                         KBlockScales const& previous) CUTLASS_LAMBDA_FUNC_INLINE {
         pipeline.consumer_wait(smem_pipe_read, pipeline.consumer_try_wait(smem_pipe_read));
         const int stage = smem_pipe_read.index();
+        ++smem_pipe_read;
         const KBlockScales scales = read_scales(sSFA, sSFB, row, stage);
-        cute::for_each(cute::make_seq<kChunks>{}, [&](auto c) {
+        load_a(stage);  // the previous K block's MMAs, readers of these registers, have retired
+        unrolled<kChunks>([&](auto c) CUTLASS_LAMBDA_FUNC_INLINE {
           constexpr int kC = decltype(c)::value;
           issue_k_block(chunk_mma, tCrA, fragment_b(c), partial(c), stage);
           if constexpr (kC == 0) {
+            if constexpr (decltype(after_in_flight)::value) {
+              cute::warpgroup_wait<1>();
+              cute::warpgroup_fence_operand(partial(Int<kChunks - 1>{}));
+              release();
+            }
             if constexpr (!decltype(first)::value) {
               promote<(kChunks - 1) * kChunkBlocks, kChunkBlocks>(accum, partial(Int<kChunks - 1>{}),
                                                                   previous);
@@ -560,15 +641,30 @@ struct Sm90BlockScaledMainloop : Base {
             promote<(kC - 1) * kChunkBlocks, kChunkBlocks>(accum, partial(Int<kC - 1>{}), scales);
           }
         });
-        cute::warpgroup_wait<0>();
-        cute::warpgroup_fence_operand(partial(Int<kChunks - 1>{}));
-        pipeline.consumer_release(smem_pipe_read);
-        ++smem_pipe_read;
+        if constexpr (decltype(drain)::value) {
+          cute::warpgroup_wait<0>();
+          cute::warpgroup_fence_operand(partial(Int<kChunks - 1>{}));
+          release();
+        }
         return scales;
       };
-      KBlockScales previous = k_block(cute::true_type{}, KBlockScales{});
+      // The first K block on its own (no branch on whether a block is the first: ptxas
+      // serializes the MMAs over a divergent path, C7520), then single K blocks until the rest
+      // is whole runs.
+      using cute::false_type;
+      using cute::true_type;
+      KBlockScales previous = k_block(true_type{}, false_type{}, true_type{}, KBlockScales{});
+      const int lead = (k_tile_count - 1) % kRun;
       CUTLASS_PRAGMA_NO_UNROLL
-      for (--k_tile_count; k_tile_count > 0; --k_tile_count) previous = k_block(cute::false_type{}, previous);
+      for (int i = 0; i < lead; ++i) previous = k_block(false_type{}, false_type{}, true_type{}, previous);
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (k_tile_count -= 1 + lead; k_tile_count > 0; k_tile_count -= kRun) {
+        unrolled<kRun>([&](auto j) CUTLASS_LAMBDA_FUNC_INLINE {
+          constexpr int kJ = decltype(j)::value;
+          previous = k_block(false_type{}, cute::bool_constant<(kJ > 0)>{},
+                             cute::bool_constant<kJ == kRun - 1>{}, previous);
+        });
+      }
       promote<(kChunks - 1) * kChunkBlocks, kChunkBlocks>(accum, partial(Int<kChunks - 1>{}), previous);
     }
   }
@@ -1002,6 +1098,10 @@ constexpr Int8BlockVariant kInt8BlockVariants[] = {
     {kSerialHalves + kZeroStart + kNativeConvert, 256},
     {kSplitN4 + kZeroStart + kNativeConvert + kSubtiledEpilogue, 256},
     {kSerialHalves + kZeroStart + kNativeConvert + kSubtiledEpilogue, 256},
+    {kSplitN4 + kZeroStart + kNativeConvert + kSubtiledEpilogue + kRegisterA, 256},
+    {kSerialHalves + kZeroStart + kNativeConvert + kSubtiledEpilogue + kRegisterA, 256},
+    {kSplitN4 + kZeroStart + kNativeConvert + kSubtiledEpilogue + kUnroll2, 256},
+    {kSplitN4 + kZeroStart + kNativeConvert + kSubtiledEpilogue + kUnroll4, 256},
 };
 constexpr int kNumInt8BlockVariants = sizeof(kInt8BlockVariants) / sizeof(kInt8BlockVariants[0]);
 

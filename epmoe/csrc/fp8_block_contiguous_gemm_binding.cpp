@@ -36,7 +36,7 @@ void int8_dense_gemm_pingpong(at::Tensor& out, const at::Tensor& a, const at::Te
 // int8_dense_gemm's kernel argument (epmoe.kernels.configs.CUTLASS_DENSE_KERNELS, in this order).
 constexpr int64_t kInt8DenseCooperative = 0;
 constexpr int64_t kInt8DensePingpong = 1;
-constexpr int64_t kInt8BlockVariants = 11;  // kNumInt8BlockVariants in block_scaled_contiguous_gemm.cuh
+constexpr int64_t kInt8BlockVariants = 15;  // kNumInt8BlockVariants in block_scaled_contiguous_gemm.cuh
 constexpr int64_t kRowBlock = 128;
 }  // namespace epmoe
 

@@ -22,7 +22,11 @@ EPMOE_INT8_BLOCK_ELSEWHERE(7)
 EPMOE_INT8_BLOCK_ELSEWHERE(8)
 EPMOE_INT8_BLOCK_ELSEWHERE(9)
 EPMOE_INT8_BLOCK_ELSEWHERE(10)
-static_assert(kNumInt8BlockVariants == 11, "one case below and one source file per variant");
+EPMOE_INT8_BLOCK_ELSEWHERE(11)
+EPMOE_INT8_BLOCK_ELSEWHERE(12)
+EPMOE_INT8_BLOCK_ELSEWHERE(13)
+EPMOE_INT8_BLOCK_ELSEWHERE(14)
+static_assert(kNumInt8BlockVariants == 15, "one case below and one source file per variant");
 
 // segments, masked_max_m: as expert_block_table's; variant: an index of kInt8BlockVariants
 // (checked by the caller).
@@ -47,6 +51,10 @@ void int8_block_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a,
     case 8: run(Int<8>{}); break;
     case 9: run(Int<9>{}); break;
     case 10: run(Int<10>{}); break;
+    case 11: run(Int<11>{}); break;
+    case 12: run(Int<12>{}); break;
+    case 13: run(Int<13>{}); break;
+    case 14: run(Int<14>{}); break;
     default: run(Int<0>{});
   }
 }

@@ -98,6 +98,10 @@ SOURCES = (
     "int8_block_n256_halves_i2f_gemm.cu",
     "int8_block_n256_quarters_i2f_s4_gemm.cu",
     "int8_block_n256_halves_i2f_s4_gemm.cu",
+    "int8_block_n256_quarters_rs_gemm.cu",
+    "int8_block_n256_halves_rs_gemm.cu",
+    "int8_block_n256_quarters_run2_gemm.cu",
+    "int8_block_n256_quarters_run4_gemm.cu",
     "int8_channel_contiguous_gemm.cu",
     "int8_dense_pingpong_gemm.cu",
 )
@@ -106,7 +110,8 @@ ROW_BLOCK = 128
 """Rows of a tile of the project's kernel: every expert segment starts and ends on a multiple."""
 INT8_BLOCK_SCHEDULES = (
     "lockstep", "staggered", "split_n", "split_n_zero", "n256_quarters", "n256_halves", "n128_split_n",
-    "n256_quarters_i2f", "n256_halves_i2f", "n256_quarters_i2f_s4", "n256_halves_i2f_s4",
+    "n256_quarters_i2f", "n256_halves_i2f", "n256_quarters_i2f_s4", "n256_halves_i2f_s4", "n256_quarters_rs",
+    "n256_halves_rs", "n256_quarters_run2", "n256_quarters_run4",
 )  # fmt: skip
 """The INT8 block kernel's variants (``kInt8BlockVariants`` in ``block_scaled_contiguous_gemm.cuh``,
 in this order: the op takes the index): how its two consumer warpgroups overlap a K block's MMAs
@@ -124,10 +129,14 @@ through one partial, each promoted before the next is issued); on 128 x 128 tile
 int32 sum with a conversion instruction (``__int2float_rn``, sm_90a's I2FP) instead of through the
 float bias: two instructions an element in the promotion instead of three, the same floats. Their
 ``_s4`` twins run CUTLASS's subtiled epilogue at every K (``kSubtiledEpilogue``): four mainloop
-stages where the whole-tile epilogue leaves a 256-wide tile three (the K = 2048 GEMM)."""
+stages where the whole-tile epilogue leaves a 256-wide tile three (the K = 2048 GEMM). The ``_rs``
+twins of the ``_s4`` ones have the MMAs read A from registers, loaded from shared memory once per
+K block (``kRegisterA``), where the others' MMAs read it from shared memory once per N chunk (four
+times a K block in the quarters)."""
 INT8_BLOCK_TILE_N = {name: 192 for name in ("lockstep", "staggered", "split_n", "split_n_zero")} | {
     "n256_quarters": 256, "n256_halves": 256, "n128_split_n": 128, "n256_quarters_i2f": 256, "n256_halves_i2f": 256,
-    "n256_quarters_i2f_s4": 256, "n256_halves_i2f_s4": 256,
+    "n256_quarters_i2f_s4": 256, "n256_halves_i2f_s4": 256, "n256_quarters_rs": 256, "n256_halves_rs": 256,
+    "n256_quarters_run2": 256, "n256_quarters_run4": 256,
 }  # fmt: skip
 """Tile width of each INT8 block variant: a 192-wide tile reads the weight scales on a 64-column
 grid (:func:`kernel_weight_scale`, repeated per call from the stored ``[E, N/128, K/128]``), the
@@ -1225,9 +1234,14 @@ class CutlassBackend(ExpertsBackend):
 
     @property
     def mn_major_scales(self) -> bool:  # type: ignore[override]
-        """FP8 on the project's kernel reads activation scales MN-major: the layout and the
-        activation write them so (:func:`kernel_act_scale` then passes them through)."""
-        return not self.int8 and not self._sgl_fp8
+        """The per-1x128-group schemes on the project's kernels (fp8_block, int8_block) read
+        activation scales MN-major, so the layer's scatter (and the decode prep) write them so
+        and GEMM1 takes them as they arrive (:func:`kernel_act_scale` passes them through; given
+        row-major ones the kernel would copy them transposed on every call). Below the INT8
+        crossover the Triton pass reads the same scales through their strides. int8_channel's
+        scales are one per token, a ``[M, 1]`` column with no layout to choose; sgl-kernel's FP8
+        op reads them row-major."""
+        return self.scheme.act_granularity == "group" and not self._sgl_fp8
 
     device_segments = True
     """Batches may keep their segment sizes on the device: the GEMMs read the offsets there and
@@ -1409,8 +1423,9 @@ class CutlassBackend(ExpertsBackend):
         offsets = batch.expert_offsets
         bound, lift, drop = spare_row_slab(batch)
         padding = stages.padding_rows(batch)
-        # The block kernel reads its activation scales MN-major: written so, no transposing copy per GEMM.
-        mn_major = scheme.act_granularity != "token"
+        # The block kernel reads its activation scales MN-major: written so (by the layer's scatter
+        # too: mn_major_scales), no transposing copy per GEMM.
+        mn_major = self.mn_major_scales
         with phase("epmoe.quantize"):
             a, a_scale = stages.gemm1_input(scheme, lift(batch.x), lift(batch.x_scale), weights, *bound, padding,
                                             scale_mn_major=mn_major)  # fmt: skip

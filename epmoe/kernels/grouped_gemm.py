@@ -11,7 +11,8 @@ Modes:
   tile. ``accumulator="fp32"`` sums K steps in fp32 (the default, as in the INT8 DeepSeek-R1
   work), ``"int32"`` keeps the whole K sum in the MMA's int32 accumulator (exact, no per-step
   conversion, faster).
-* ``"int8_block"``: int8 operands, ``a_scale [M, K/128]`` per 1x128 group and
+* ``"int8_block"``: int8 operands, ``a_scale [M, K/128]`` per 1x128 group (any strides: row-major,
+  or MN-major as the CUTLASS kernels read it, without a copy) and
   ``b_scale [E, ceil(N/128), ceil(K/128)]`` per 128x128 block; every K step is scaled before
   it is added to the fp32 accumulator, so ``BLOCK_K`` divides 128.
 
@@ -122,7 +123,7 @@ def _zero_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexp
 @triton.jit
 def _k_step(
     a, b, acc, kk, AS, BS, rows, e64, n_first, cols,
-    stride_asm, stride_bse, stride_bsn, stride_bsk,
+    stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
     MODE: tl.constexpr, FP32_IEEE: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
 ):
@@ -139,7 +140,7 @@ def _k_step(
         acc += _mma_int8(a, b, None, SWAP_AB).to(tl.float32)
     else:
         kb = (kk * BLOCK_K) // SCALE_BLOCK
-        sa = tl.load(AS + rows * stride_asm + kb)
+        sa = tl.load(AS + rows * stride_asm + kb * stride_ask)
         part = _mma_int8(a, b, None, SWAP_AB).to(tl.float32)
         if BLOCK_N <= SCALE_BLOCK:
             # The tile lies inside one weight block: one scalar, and a row vector instead
@@ -160,7 +161,7 @@ def _grouped_gemm_kernel(
     A, B, C, AS, BS, SEG,
     N, K, E, CAP, GRID_M,
     stride_am, stride_be, stride_bn, stride_cm,
-    stride_asm, stride_bse, stride_bsn, stride_bsk,
+    stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
     MODE: tl.constexpr, MASKED: tl.constexpr, E_PAD: tl.constexpr, FP32_IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
@@ -221,7 +222,7 @@ def _grouped_gemm_kernel(
                 a = tl.load(a_ptrs, mask=k_ok[None, :], other=0)
                 b = tl.load(b_ptrs, mask=k_ok[None, :], other=0)
             acc = _k_step(
-                a, b, acc, kk, AS, BS, rows, e64, pid_n * BLOCK_N, cols, stride_asm, stride_bse,
+                a, b, acc, kk, AS, BS, rows, e64, pid_n * BLOCK_N, cols, stride_asm, stride_ask, stride_bse,
                 stride_bsn, stride_bsk, MODE, FP32_IEEE, SWAP_AB, BLOCK_N, BLOCK_K, SCALE_BLOCK,
             )
             a_ptrs += BLOCK_K
@@ -268,7 +269,7 @@ def _write_tile_table(SEG, TB, E, CAP, MASKED: tl.constexpr, E_PAD: tl.constexpr
 def _grouped_gemm_tma_kernel(
     A, b_desc, C, AS, BS, SEG, TB,
     M, E, N, K, CAP, NUM_PROGRAMS,
-    stride_cm, stride_asm, stride_bse, stride_bsn, stride_bsk,
+    stride_cm, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
     MODE: tl.constexpr, MASKED: tl.constexpr, E_PAD: tl.constexpr, LOG_E: tl.constexpr, FP32_IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_BLOCK: tl.constexpr, FLATTEN: tl.constexpr, PDL: tl.constexpr,
@@ -340,7 +341,7 @@ def _grouped_gemm_tma_kernel(
             a = a_desc.load([row0, kk * BLOCK_K])
             b = b_desc.load([brow0, kk * BLOCK_K])
             acc = _k_step(
-                a, b, acc, kk, AS, BS, rows, e64, n0, cols_b, stride_asm, stride_bse,
+                a, b, acc, kk, AS, BS, rows, e64, n0, cols_b, stride_asm, stride_ask, stride_bse,
                 stride_bsn, stride_bsk, MODE, FP32_IEEE, False, BLOCK_N, BLOCK_K, SCALE_BLOCK,
             )
 
@@ -473,7 +474,10 @@ def _launch(a, b, out, a_scale, b_scale, seg, e, cap, grid_m, mode, accumulator,
     k = a.shape[1]
     n = b.shape[1]
     unused = placeholder(a.device, torch.float32).view(1, 1, 1)  # never read without scales
-    as_ = unused[0] if a_scale is None else as_contiguous(a_scale.reshape(a.shape[0], -1), torch.float32)
+    # The activation scales are read through both strides: MN-major ones (the layer's scatter
+    # writes int8_block's so for the CUTLASS kernel, CutlassBackend.mn_major_scales, and its
+    # Triton pass below the crossover gets the same batch) need no transposing copy here.
+    as_ = unused[0] if a_scale is None else _scale_rows(a_scale, a.shape[0])
     bs = unused if b_scale is None else as_contiguous(b_scale, torch.float32)
     block_k = cfg.block_k if mode != "int8_block" else min(cfg.block_k, SCALE_BLOCK)
     num_pid_n = triton.cdiv(n, cfg.block_n)
@@ -500,7 +504,7 @@ def _launch(a, b, out, a_scale, b_scale, seg, e, cap, grid_m, mode, accumulator,
             _grouped_gemm_tma_kernel[(programs,)],
             a, b_desc, out, as_, bs, seg, table,
             a.shape[0], e, n, k, cap, programs,
-            out.stride(0), as_.stride(0), bs.stride(0), bs.stride(1), bs.stride(2),
+            out.stride(0), as_.stride(0), as_.stride(1), bs.stride(0), bs.stride(1), bs.stride(2),
             LOG_E=common["E_PAD"].bit_length() - 1, FLATTEN=cfg.flatten,
             **common,
         )
@@ -512,9 +516,18 @@ def _launch(a, b, out, a_scale, b_scale, seg, e, cap, grid_m, mode, accumulator,
         a, b, out, as_, bs, seg,
         n, k, e, cap, grid_m,
         a.stride(0), b.stride(0), b.stride(1), out.stride(0),
-        as_.stride(0), bs.stride(0), bs.stride(1), bs.stride(2),
+        as_.stride(0), as_.stride(1), bs.stride(0), bs.stride(1), bs.stride(2),
         SWAP_AB=cfg.swap_ab, EVEN_K=k % block_k == 0, **common,
     )
+
+
+def _scale_rows(a_scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """``a_scale`` as fp32 ``[rows, S]`` for the kernels, which read it through both strides:
+    a view where one exists (row-major, or MN-major as
+    :func:`~epmoe.kernels.common.mn_major_scales` makes it), copied only to change the dtype or
+    where no 2-D view of those rows exists."""
+    s = a_scale.reshape(rows, -1)
+    return s if s.dtype == torch.float32 else s.float()
 
 
 def with_scratch_allocator(device: torch.device, launch):
