@@ -1,0 +1,37 @@
+"""benchmarks/int8_block_gemms.py without a GPU: its arguments (every refusal names the value and
+what is allowed) and its refusal to run without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import int8_block_gemms as ibg
+from epmoe.experts.cutlass_backend import INT8_BLOCK_SCHEDULES, INT8_BLOCK_TILE_N
+
+
+def test_defaults_are_the_256_wide_variants():
+    args = ibg.parse_args(["--out", "x.json"])
+    assert args.variants == [v for v in INT8_BLOCK_SCHEDULES if INT8_BLOCK_TILE_N[v] == 256]
+    assert "n256_quarters_run2" in args.variants and "lockstep" not in args.variants
+    assert args.ms == [512, 2048] and args.rounds == 3
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--variants", "n256_quarters,fast"], "allowed are names of"),
+    (["--variants", ""], "allowed are names of"),
+    (["--rounds", "0"], "--rounds must be >= 1; got 0"),
+    (["--m", "512,x"], "--m='512,x'"),
+    (["--m", "0"], "--m='0'"),
+])  # fmt: skip
+def test_bad_arguments_are_refused_by_name(argv, said, capsys):
+    with pytest.raises(SystemExit):
+        ibg.parse_args(["--out", "x.json", *argv])
+    assert said in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal without CUDA")
+def test_refuses_without_cuda(tmp_path, capsys):
+    assert ibg.main(["--out", str(tmp_path / "x.json")]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
