@@ -39,7 +39,7 @@ def parse_args(argv):
     p.add_argument("--out", required=True, help="write the JSON here")
     p.add_argument("--variants", default=",".join(v for v in INT8_BLOCK_SCHEDULES if INT8_BLOCK_TILE_N[v] == 256),
                    help="comma-separated INT8 block variants (default: the 256-wide ones)")
-    p.add_argument("--m", default="512,2048", help="rows per expert, comma separated")
+    p.add_argument("--m", default="512,2048", help="rows per expert, comma-separated multiples of 128")
     p.add_argument("--experts", type=int, default=128, help="experts (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=3, help="rounds in which the kernels take turns (>= 1)")
     p.add_argument("--rep-ms", type=float, default=60.0, help="do_bench repetition time per measurement")
@@ -55,8 +55,11 @@ def parse_args(argv):
         ms = [int(v) for v in args.m.split(",")]
     except ValueError:
         p.error(f"--m={args.m!r}: comma-separated positive integers")
-    if not ms or min(ms) < 1:
-        p.error(f"--m={args.m!r}: comma-separated positive integers")
+    if not ms or min(ms) < 1 or any(m % 128 for m in ms):
+        p.error(f"--m={args.m!r}: comma-separated multiples of 128 (the kernels' row block: every "
+                "expert's segment starts and ends on one)")
+    if args.experts < 1:
+        p.error(f"--experts must be >= 1; got {args.experts}")
     args.variants, args.ms = variants, ms
     return args
 
@@ -67,6 +70,7 @@ def main(argv=None) -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     from epmoe.experts.cutlass_backend import load_extension
+    from epmoe.kernels.common import mn_major_scales
 
     ext = load_extension()
     dev = torch.device("cuda")
@@ -78,7 +82,8 @@ def main(argv=None) -> int:
         for gemm, (n, k) in GEMMS.items():
             total = e * m
             a = torch.randint(-127, 128, (total, k), dtype=torch.int8, device=dev, generator=g)
-            a_block = (torch.rand(k // 128, total, device=dev, generator=g) + 0.5).t()  # MN-major view
+            a_block = mn_major_scales(total, k // 128, dev)  # the layout the pass hands over
+            a_block.copy_(torch.rand(total, k // 128, device=dev, generator=g) + 0.5)
             a_token = torch.rand(total, 1, device=dev, generator=g) + 0.5
             b = torch.randint(-127, 128, (e, n, k), dtype=torch.int8, device=dev, generator=g)
             b_block = torch.rand(e, n // 128, k // 128, device=dev, generator=g) + 0.5

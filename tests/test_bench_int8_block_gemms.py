@@ -23,6 +23,8 @@ def test_defaults_are_the_256_wide_variants():
     (["--rounds", "0"], "--rounds must be >= 1; got 0"),
     (["--m", "512,x"], "--m='512,x'"),
     (["--m", "0"], "--m='0'"),
+    (["--m", "512,100"], "--m='512,100': comma-separated multiples of 128"),
+    (["--experts", "0"], "--experts must be >= 1; got 0"),
 ])  # fmt: skip
 def test_bad_arguments_are_refused_by_name(argv, said, capsys):
     with pytest.raises(SystemExit):

@@ -197,10 +197,9 @@ def check_rank_against_rounds(payload: str, device, hidden: int) -> None:
 
 
 @pytest.mark.parametrize("alignment", [128, 1])
-def test_prep_int8_group_scales_mn_major_as_the_cutlass_int8_block_backend_asks(alignment):
-    """CutlassBackend(int8_block) asks the prep for MN-major scales (``mn_major_scales``), laid out
-    for its kernel (128-row segments) or, below the INT8 crossover, for the Triton pass (no
-    padding): the same layout, codes and scales as row-major, stored MN-major."""
+def test_prep_int8_group_scales_mn_major(alignment):
+    """int8_group scales asked MN-major, laid out for the CUTLASS kernel (128-row segments) or for
+    the Triton pass (no padding): the same layout, codes and scales as row-major, stored MN-major."""
     logits, bias, x = _inputs(7, "E128_flat", seed=3)
     e, k, scoring, ng, tg, _, renorm, rscale = ROUTES["E128_flat"]
     row, mn = (prep.decode_prep(logits, k, renorm, scoring, ng, tg, bias, rscale, x, alignment, "int8_group", m)

@@ -1452,20 +1452,20 @@ def test_cutlass_pass_writes_scales_in_the_kernels_layout(monkeypatch, scheme_na
 
 
 def test_cutlass_mn_major_scales_by_scheme(monkeypatch):
-    """The layer asks the scatter (and the decode prep) for MN-major activation scales where the
-    backend's kernel reads them so: the per-1x128-group schemes on the project's kernels
-    (int8_block, fp8_block); not int8_channel (one scale per token: a column, no layout to choose)
-    nor FP8 on sgl-kernel's op (row-major)."""
+    """The layer asks the scatter (and the decode prep) for MN-major activation scales for FP8 on
+    the project's kernel only: not int8_channel (one scale per token: a column, no layout to
+    choose), not int8_block (measured slower in the layer on the H200), nor FP8 on sgl-kernel's op
+    (row-major)."""
     from epmoe.experts import cutlass_backend as cb
     from epmoe.quant import get_scheme
 
     monkeypatch.setattr(cb, "_use_sgl", lambda: False)
-    assert cb.CutlassBackend(get_scheme("int8_block")).mn_major_scales is True
+    assert cb.CutlassBackend(get_scheme("int8_block")).mn_major_scales is False
     assert cb.CutlassBackend(get_scheme("int8_channel"), accumulator="int32").mn_major_scales is False
     assert cb.CutlassBackend(get_scheme("fp8_block")).mn_major_scales is True
     monkeypatch.setattr(cb, "_use_sgl", lambda: True)
     assert cb.CutlassBackend(get_scheme("fp8_block")).mn_major_scales is False
-    assert cb.CutlassBackend(get_scheme("int8_block")).mn_major_scales is True  # no sgl INT8 op
+    assert cb.CutlassBackend(get_scheme("int8_block")).mn_major_scales is False
 
 
 def _int8_block_scattered(backend, expected_m, alignment=None, scale_mn_major=None):
@@ -1493,17 +1493,17 @@ def _int8_block_scattered(backend, expected_m, alignment=None, scale_mn_major=No
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter on CPU")
 @pytest.mark.parametrize("expected_m", [None, 3], ids=["host_sized", "device_sized"])
 def test_cutlass_int8_block_gemm1_takes_the_scattered_mn_major_scales_as_they_are(monkeypatch, expected_m):
-    """int8_block: the layer's scatter writes the dispatched activation scales MN-major
-    (CutlassBackend.mn_major_scales), and GEMM1 gets that very tensor (no transposing copy,
-    the same values as a row-major scatter's); GEMM2's come MN-major from the activation. The
-    GEMMs are stand-ins that record what they are given."""
+    """int8_block: dispatched activation scales that a scatter wrote MN-major (the layer asks for
+    row-major, CutlassBackend.mn_major_scales; a caller may hand a batch so) reach GEMM1 as that
+    very tensor (no transposing copy, the same values as a row-major scatter's); GEMM2's come
+    MN-major from the activation. The GEMMs are stand-ins that record what they are given."""
     from epmoe import ops
     from epmoe.experts import cutlass_backend as cb
     from epmoe.quant import get_scheme
 
     monkeypatch.setattr(cb, "own_kernel_missing", lambda: None)
     backend = cb.CutlassBackend(get_scheme("int8_block"))
-    batch, weights = _int8_block_scattered(backend, expected_m)
+    batch, weights = _int8_block_scattered(backend, expected_m, scale_mn_major=True)
     row_major, _ = _int8_block_scattered(backend, expected_m, scale_mn_major=False)
     assert cb.is_mn_major(batch.x_scale) and not cb.is_mn_major(row_major.x_scale)
     seen = []
@@ -1528,15 +1528,15 @@ def test_cutlass_int8_block_gemm1_takes_the_scattered_mn_major_scales_as_they_ar
 @pytest.mark.parametrize("expected_m", [None, 3], ids=["host_sized", "device_sized"])
 def test_cutlass_int8_block_triton_pass_reads_mn_major_scales_in_place(monkeypatch, expected_m):
     """Below the INT8 crossover the cutlass backend runs the Triton pass on the batch laid out for
-    it (alignment 1), whose scales the scatter still writes MN-major: its GEMM1 reads them through
-    their strides (no copy) and gives the same bits as from row-major scales."""
+    it (alignment 1); given scales written MN-major, its GEMM1 reads them through their strides
+    (no copy) and gives the same bits as from row-major scales."""
     from epmoe.experts import cutlass_backend as cb
     from epmoe.kernels import grouped_gemm
     from epmoe.quant import get_scheme
 
     monkeypatch.setattr(cb, "own_kernel_missing", lambda: None)
     backend = cb.CutlassBackend(get_scheme("int8_block"), int8_kernel="triton")
-    batch, weights = _int8_block_scattered(backend, expected_m, alignment=1)
+    batch, weights = _int8_block_scattered(backend, expected_m, alignment=1, scale_mn_major=True)
     row_major, _ = _int8_block_scattered(backend, expected_m, alignment=1, scale_mn_major=False)
     assert batch.alignment == 1 and cb.is_mn_major(batch.x_scale)
     handed = []

@@ -141,10 +141,13 @@ constexpr int kSubtiledEpilogue = 32;
 // chunk: with four 64-column chunks a K block reads A four times, and a 64 x 64 x 32 MMA's 4 KB
 // of operands take as many cycles at 128 B per cycle as its MACs take on the tensor cores. From
 // registers, each chunk reads only its B slice. Costs 16 registers per thread (a 64 x 128 int8
-// slice per warpgroup).
+// slice per warpgroup). On the H200 it was slower than its SS twin at every size (docs/fp8.md):
+// shared-memory bandwidth is not what holds the quarters back, and the ldmatrix sits between a K
+// block's stage wait and its first MMA.
 constexpr int kRegisterA = 64;
 // Added to a chunked two-partial schedule: K blocks in runs of two (kUnroll2) or four
-// (kUnroll4), the MMAs drained once per run instead of once per K block (see mma_chunked).
+// (kUnroll4), the MMAs drained once per run instead of once per K block (see mma_chunked):
+// both warpgroups drain at the same time, leaving the tensor cores idle until one issues again.
 constexpr int kUnroll2 = 128;
 constexpr int kUnroll4 = 256;
 
@@ -162,7 +165,7 @@ struct ChunksOf {
 // call with MMAs in flight, serializes them (C7510) and puts the accumulators on the stack.
 template <int... I, class F>
 CUTLASS_DEVICE void unrolled(std::integer_sequence<int, I...>, F&& f) {
-  (f(Int<I>{}), ...);
+  ((void)f(Int<I>{}), ...);
 }
 template <int N, class F>
 CUTLASS_DEVICE void unrolled(F&& f) {
@@ -334,6 +337,7 @@ struct Sm90BlockScaledMainloop : Base {
   static constexpr bool kNative = (Schedule & kNativeConvert) != 0;
   static_assert(!kNative || kZero, "the native conversion reads zero-started int32 sums (kZeroStart)");
   static constexpr bool kRegA = (Schedule & kRegisterA) != 0;
+  static_assert(!((Schedule & kUnroll2) && (Schedule & kUnroll4)), "one run length");
   static constexpr int kRun = (Schedule & kUnroll4) ? 4 : (Schedule & kUnroll2) ? 2 : 1;
   static_assert(kRun == 1 || (ChunksOf<Schedule>::kChunked && ChunksOf<Schedule>::kBuffers == 2 && !kRegA),
                 "runs of K blocks: the two-partial chunked schedules, A from shared memory (the next "

@@ -132,7 +132,8 @@ float bias: two instructions an element in the promotion instead of three, the s
 stages where the whole-tile epilogue leaves a 256-wide tile three (the K = 2048 GEMM). The ``_rs``
 twins of the ``_s4`` ones have the MMAs read A from registers, loaded from shared memory once per
 K block (``kRegisterA``), where the others' MMAs read it from shared memory once per N chunk (four
-times a K block in the quarters)."""
+times a K block in the quarters). ``n256_quarters_run2`` / ``_run4`` are ``n256_quarters_i2f_s4``
+with K blocks in runs of two / four: the MMAs drained once per run instead of once per K block."""
 INT8_BLOCK_TILE_N = {name: 192 for name in ("lockstep", "staggered", "split_n", "split_n_zero")} | {
     "n256_quarters": 256, "n256_halves": 256, "n128_split_n": 128, "n256_quarters_i2f": 256, "n256_halves_i2f": 256,
     "n256_quarters_i2f_s4": 256, "n256_halves_i2f_s4": 256, "n256_quarters_rs": 256, "n256_halves_rs": 256,
@@ -504,7 +505,8 @@ def grouped_gemm(
 
     Args:
         a: ``[M, K]`` e4m3, contiguous.
-        a_scale: ``[M, K/128]`` fp32 (made contiguous row-major here).
+        a_scale: ``[M, K/128]`` fp32; MN-major (:func:`is_mn_major`) passes to the project's kernel
+            as it is, any other layout is made contiguous row-major (and sgl-kernel's op always gets that).
         b: ``[E, N, K]`` e4m3 contiguous; ``b_scale`` ``[E, N/128, K/128]`` fp32.
         expert_offsets: ``[E+1]`` int32 row offsets, multiples of 128 (empty segments allowed);
             on the host they are checked by :func:`check_block_offsets` and copied to ``a``'s
@@ -1234,14 +1236,16 @@ class CutlassBackend(ExpertsBackend):
 
     @property
     def mn_major_scales(self) -> bool:  # type: ignore[override]
-        """The per-1x128-group schemes on the project's kernels (fp8_block, int8_block) read
-        activation scales MN-major, so the layer's scatter (and the decode prep) write them so
-        and GEMM1 takes them as they arrive (:func:`kernel_act_scale` passes them through; given
-        row-major ones the kernel would copy them transposed on every call). Below the INT8
-        crossover the Triton pass reads the same scales through their strides. int8_channel's
-        scales are one per token, a ``[M, 1]`` column with no layout to choose; sgl-kernel's FP8
-        op reads them row-major."""
-        return self.scheme.act_granularity == "group" and not self._sgl_fp8
+        """FP8 on the project's kernel reads activation scales MN-major: the layer's scatter (and
+        the decode prep) write them so and GEMM1 takes them as they arrive
+        (:func:`kernel_act_scale` passes them through). Not INT8: int8_channel's scales are one per
+        token (a ``[M, 1]`` column, no layout to choose), and int8_block's written MN-major by the
+        scatter made the layer slower on one H200 (decode at 128 tokens, where the Triton pass
+        below the crossover runs, 3.51 against 3.36 ms; prefill at 4096 tokens no faster), so its
+        scatter writes them row-major and the CUTLASS GEMM1 copies them transposed (its pass's
+        own quantizers write MN-major, see :meth:`_run_int8`). sgl-kernel's FP8 op reads them
+        row-major."""
+        return not self.int8 and not self._sgl_fp8
 
     device_segments = True
     """Batches may keep their segment sizes on the device: the GEMMs read the offsets there and
@@ -1423,9 +1427,9 @@ class CutlassBackend(ExpertsBackend):
         offsets = batch.expert_offsets
         bound, lift, drop = spare_row_slab(batch)
         padding = stages.padding_rows(batch)
-        # The block kernel reads its activation scales MN-major: written so (by the layer's scatter
-        # too: mn_major_scales), no transposing copy per GEMM.
-        mn_major = self.mn_major_scales
+        # The block kernel reads its activation scales MN-major: the pass's quantizers write them
+        # so, no transposing copy per GEMM.
+        mn_major = scheme.act_granularity != "token"
         with phase("epmoe.quantize"):
             a, a_scale = stages.gemm1_input(scheme, lift(batch.x), lift(batch.x_scale), weights, *bound, padding,
                                             scale_mn_major=mn_major)  # fmt: skip

@@ -646,7 +646,9 @@ def int8_block_reference(a, sa, b, sb, lo, hi, x):
     "counts,n,k,spare",
     [([128, 0, 384, 256], 256, 256, 64), ([256] * 6 + [0, 128], 4096, 512, 0), ([0, 0, 128], 128, 128, 128),
      ([640, 128, 0, 1024], 7168, 2048, 256), ([0, 0, 0], 128, 128, 128),
-     ([384, 256, 0, 128], 384, 7168, 128)],  # K > 4096: the long-K configuration; 6 blocks; 1.5 256-wide tiles of N
+     ([384, 256, 0, 128], 384, 7168, 128),  # K > 4096: the long-K configuration; 6 blocks; 1.5 256-wide tiles of N
+     # 3, 5 and 9 K blocks: the run variants' single K blocks before whole runs (none, one, two)
+     ([256, 128], 256, 384, 0), ([128, 256], 512, 640, 0), ([256, 0, 128], 256, 1152, 0)],
 )  # fmt: skip
 def test_cutlass_int8_block_gemm(counts, n, k, spare, schedule):
     """Every element against float64: each 128-wide K block's int32 sum is exact, so what remains
