@@ -474,9 +474,8 @@ def _launch(a, b, out, a_scale, b_scale, seg, e, cap, grid_m, mode, accumulator,
     k = a.shape[1]
     n = b.shape[1]
     unused = placeholder(a.device, torch.float32).view(1, 1, 1)  # never read without scales
-    # The activation scales are read through both strides: MN-major ones (the layer's scatter
-    # writes int8_block's so for the CUTLASS kernel, CutlassBackend.mn_major_scales, and its
-    # Triton pass below the crossover gets the same batch) need no transposing copy here.
+    # The activation scales are read through both strides: MN-major ones (the CUTLASS kernels'
+    # layout, in which a caller may hand a batch) need no transposing copy here.
     as_ = unused[0] if a_scale is None else _scale_rows(a_scale, a.shape[0])
     bs = unused if b_scale is None else as_contiguous(b_scale, torch.float32)
     block_k = cfg.block_k if mode != "int8_block" else min(cfg.block_k, SCALE_BLOCK)
