@@ -3,8 +3,9 @@
 The two GEMMs of the DeepSeek-V3 experts pass on the contiguous layout (E = 128 experts by
 default, GEMM1 N = 4096 K = 7168, GEMM2 N = 7168 K = 2048), every expert with ``m`` rows, random
 int8 operands and scales (activation scales MN-major, as the pass hands them over), the shipped
-tile order. Each GEMM is the median of ``triton.testing.do_bench``; the variants and the channel
-kernel take turns for ``--rounds`` rounds and the median of the rounds is reported, with TOP/s and
+tile order. Each GEMM is the median of ``triton.testing.do_bench`` (``epmoe.timing.kernel_ms``);
+the variants and the channel kernel take turns for ``--rounds`` rounds (``epmoe.timing.in_turns``)
+and the median of the rounds is reported, with TOP/s and
 the fraction of the datasheet INT8 peak. Where `int8_block_schedules.py` times whole passes, this
 separates the GEMMs from the quantizers and the activation between them. Needs a GPU with
 ``SGLANG_CUTLASS_MOE=1`` and the CUTLASS headers (the first run compiles the kernels).
@@ -25,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks.pr
 from benchmarks.provenance import git_commit  # noqa: E402
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 
+from epmoe.bench.experts import DATASHEET  # noqa: E402
 from epmoe.experts.cutlass_backend import INT8_BLOCK_SCHEDULES, INT8_BLOCK_TILE_N, TILE_ORDER  # noqa: E402
+from epmoe.timing import in_turns, kernel_ms  # noqa: E402
 
-INT8_PEAK_TOPS = 1979.0  # H100 / H200 SXM datasheet, dense
 GEMMS = {"gemm1": (4096, 7168), "gemm2": (7168, 2048)}
 CHANNEL = "channel"
 
@@ -42,7 +43,7 @@ def parse_args(argv):
     p.add_argument("--m", default="512,2048", help="rows per expert, comma-separated multiples of 128")
     p.add_argument("--experts", type=int, default=128, help="experts (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=3, help="rounds in which the kernels take turns (>= 1)")
-    p.add_argument("--rep-ms", type=float, default=60.0, help="do_bench repetition time per measurement")
+    p.add_argument("--rep-ms", type=float, default=60.0, help="do_bench repetition time per measurement (ms)")
     p.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
     args = p.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
@@ -64,48 +65,52 @@ def parse_args(argv):
     return args
 
 
+def time_gemm(ext, args, m: int, gemm: str, g: torch.Generator) -> list[dict]:
+    """One GEMM at ``m`` rows per expert: every variant and the channel kernel in turns, a row
+    each (its operands are freed on return, before the next GEMM's are made)."""
+    from epmoe.kernels.common import mn_major_scales
+
+    dev, e, (n, k) = g.device, args.experts, GEMMS[gemm]
+    raster, swizzle = TILE_ORDER
+    total = e * m
+    a = torch.randint(-127, 128, (total, k), dtype=torch.int8, device=dev, generator=g)
+    a_block = mn_major_scales(total, k // 128, dev)  # the layout the pass hands over
+    a_block.copy_(torch.rand(total, k // 128, device=dev, generator=g) + 0.5)
+    a_token = torch.rand(total, 1, device=dev, generator=g) + 0.5
+    b = torch.randint(-127, 128, (e, n, k), dtype=torch.int8, device=dev, generator=g)
+    b_block = torch.rand(e, n // 128, k // 128, device=dev, generator=g) + 0.5
+    b_channel = torch.rand(e, n, device=dev, generator=g) + 0.5
+    offsets = torch.arange(e + 1, device=dev, dtype=torch.int32) * m
+    out = torch.empty(total, n, dtype=torch.bfloat16, device=dev)
+    fns = {
+        v: (lambda i=INT8_BLOCK_SCHEDULES.index(v): ext.int8_block_contiguous_gemm(
+            out, a, a_block, b, b_block, offsets, raster, swizzle, i, True))
+        for v in args.variants
+    }  # fmt: skip
+    fns[CHANNEL] = lambda: ext.int8_contiguous_gemm(out, a, a_token, b, b_channel, offsets, raster, swizzle, True)
+    times = in_turns(fns, args.rounds, lambda fn: kernel_ms(fn, rep_ms=args.rep_ms, device=dev))
+    ops = 2 * total * n * k
+    rows = []
+    for name, t in times.items():
+        ms = statistics.median(t)
+        rows.append({"m": m, "gemm": gemm, "n": n, "k": k, "kernel": name, "ms": ms, "rounds_ms": t,
+                     "TOPS": ops / ms / 1e9, "frac_peak_datasheet": ops / ms / 1e9 / DATASHEET["int8"]})  # fmt: skip
+    return rows
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+        print("benchmarks/int8_block_gemms.py needs a CUDA GPU", file=sys.stderr)
         return 2
     from epmoe.experts.cutlass_backend import load_extension
-    from epmoe.kernels.common import mn_major_scales
 
     ext = load_extension()
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(0)
-    e = args.experts
-    raster, swizzle = TILE_ORDER
+    g = torch.Generator(device=torch.device("cuda")).manual_seed(0)
     rows = []
     for m in args.ms:
-        for gemm, (n, k) in GEMMS.items():
-            total = e * m
-            a = torch.randint(-127, 128, (total, k), dtype=torch.int8, device=dev, generator=g)
-            a_block = mn_major_scales(total, k // 128, dev)  # the layout the pass hands over
-            a_block.copy_(torch.rand(total, k // 128, device=dev, generator=g) + 0.5)
-            a_token = torch.rand(total, 1, device=dev, generator=g) + 0.5
-            b = torch.randint(-127, 128, (e, n, k), dtype=torch.int8, device=dev, generator=g)
-            b_block = torch.rand(e, n // 128, k // 128, device=dev, generator=g) + 0.5
-            b_channel = torch.rand(e, n, device=dev, generator=g) + 0.5
-            offsets = torch.arange(e + 1, device=dev, dtype=torch.int32) * m
-            out = torch.empty(total, n, dtype=torch.bfloat16, device=dev)
-            fns = {
-                v: (lambda i=INT8_BLOCK_SCHEDULES.index(v): ext.int8_block_contiguous_gemm(
-                    out, a, a_block, b, b_block, offsets, raster, swizzle, i, True))
-                for v in args.variants
-            }  # fmt: skip
-            fns[CHANNEL] = lambda: ext.int8_contiguous_gemm(out, a, a_token, b, b_channel, offsets, raster, swizzle, True)
-            times = {name: [] for name in fns}
-            for _ in range(args.rounds):
-                for name, fn in fns.items():
-                    times[name].append(triton.testing.do_bench(fn, warmup=10, rep=args.rep_ms, return_mode="median"))
-            ops = 2 * total * n * k
-            for name, t in times.items():
-                ms = statistics.median(t)
-                rows.append({"m": m, "gemm": gemm, "n": n, "k": k, "kernel": name, "ms": ms, "rounds_ms": t,
-                             "TOPS": ops / ms / 1e9, "frac_peak_datasheet": ops / ms / 1e9 / INT8_PEAK_TOPS})  # fmt: skip
-            del a, b, out
+        for gemm in GEMMS:
+            rows += time_gemm(ext, args, m, gemm, g)
             torch.cuda.empty_cache()
     names = args.variants + [CHANNEL]
     cell = {(r["m"], r["gemm"], r["kernel"]): r for r in rows}
@@ -121,7 +126,7 @@ def main(argv=None) -> int:
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "command": " ".join(["python", "benchmarks/int8_block_gemms.py", *(argv if argv is not None else sys.argv[1:])]),
-        "experts": e, "tile_order": list(TILE_ORDER), "rounds": args.rounds, "rows": rows,
+        "experts": args.experts, "tile_order": list(TILE_ORDER), "rounds": args.rounds, "rows": rows,
     }  # fmt: skip
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")

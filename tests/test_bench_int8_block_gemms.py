@@ -37,3 +37,27 @@ def test_refuses_without_cuda(tmp_path, capsys):
     assert ibg.main(["--out", str(tmp_path / "x.json")]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_time_gemm_times_every_kernel_in_turns_on_its_shape():
+    """One GEMM's rows with a stand-in extension (CPU timing): every variant and the channel
+    kernel, each called with the GEMM's operands (A MN-major scales for the block kernel), a time
+    per round."""
+    calls = []
+
+    class Ext:
+        def int8_block_contiguous_gemm(self, out, a, a_scale, b, b_scale, offsets, raster, swizzle, variant, pdl):
+            calls.append(("block", variant, tuple(a.shape), tuple(b.shape), a_scale.stride()))
+
+        def int8_contiguous_gemm(self, out, a, a_scale, b, b_scale, offsets, raster, swizzle, pdl):
+            calls.append(("channel", None, tuple(a.shape), tuple(b.shape), a_scale.stride()))
+
+    args = ibg.parse_args(["--out", "x.json", "--m", "128", "--experts", "2", "--rounds", "2",
+                           "--variants", "n256_quarters_run4,n256_quarters_rs"])  # fmt: skip
+    rows = ibg.time_gemm(Ext(), args, 128, "gemm2", torch.Generator().manual_seed(0))
+    assert [r["kernel"] for r in rows] == ["n256_quarters_run4", "n256_quarters_rs", "channel"]
+    assert all(len(r["rounds_ms"]) == 2 and r["n"] == 7168 and r["k"] == 2048 for r in rows)
+    blocks = {c[1] for c in calls if c[0] == "block"}
+    assert blocks == {INT8_BLOCK_SCHEDULES.index("n256_quarters_run4"), INT8_BLOCK_SCHEDULES.index("n256_quarters_rs")}
+    assert all(c[2] == (256, 2048) and c[3] == (2, 7168, 2048) for c in calls)
+    assert all(c[4] == (1, 256) for c in calls if c[0] == "block")  # MN-major, as the pass hands them
