@@ -6,7 +6,10 @@ int8 operands and scales (activation scales MN-major, as the pass hands them ove
 tile order. Each GEMM is the median of ``triton.testing.do_bench`` (``epmoe.timing.kernel_ms``);
 the variants and the channel kernel take turns for ``--rounds`` rounds (``epmoe.timing.in_turns``)
 and the median of the rounds is reported, with TOP/s and
-the fraction of the datasheet INT8 peak. Where `int8_block_schedules.py` times whole passes, this
+the fraction of the datasheet INT8 peak. GEMM1 also times the variants built with the activation in
+the epilogue (``<variant>+silu``: ``silu(gate) * up`` requantized to 1x128 int8 instead of the bf16
+output) and, for the others, the Triton kernel that does that after them (``activation``): the
+fused GEMM1 against GEMM1 plus ``activation``. Where `int8_block_schedules.py` times whole passes, this
 separates the GEMMs from the quantizers and the activation between them. Needs a GPU with
 ``SGLANG_CUTLASS_MOE=1`` and the CUTLASS headers (the first run compiles the kernels).
 
@@ -28,11 +31,14 @@ from benchmarks.provenance import git_commit  # noqa: E402
 import torch  # noqa: E402
 
 from epmoe.bench.experts import DATASHEET  # noqa: E402
-from epmoe.experts.cutlass_backend import INT8_BLOCK_SCHEDULES, INT8_BLOCK_TILE_N, TILE_ORDER  # noqa: E402
+from epmoe.experts.cutlass_backend import (  # noqa: E402
+    INT8_BLOCK_SCHEDULES, INT8_BLOCK_TILE_N, SILU_FUSED_SCHEDULES, TILE_ORDER,
+)  # fmt: skip
 from epmoe.timing import in_turns, kernel_ms  # noqa: E402
 
 GEMMS = {"gemm1": (4096, 7168), "gemm2": (7168, 2048)}
 CHANNEL = "channel"
+ACTIVATION = "activation"
 
 
 def parse_args(argv):
@@ -66,8 +72,10 @@ def parse_args(argv):
 
 
 def time_gemm(ext, args, m: int, gemm: str, g: torch.Generator) -> list[dict]:
-    """One GEMM at ``m`` rows per expert: every variant and the channel kernel in turns, a row
-    each (its operands are freed on return, before the next GEMM's are made)."""
+    """One GEMM at ``m`` rows per expert: every variant and the channel kernel in turns (GEMM1:
+    with the fused variants and the activation kernel), a row each (its operands are freed on
+    return, before the next GEMM's are made)."""
+    from epmoe.kernels.activation import silu_and_mul_quant
     from epmoe.kernels.common import mn_major_scales
 
     dev, e, (n, k) = g.device, args.experts, GEMMS[gemm]
@@ -88,13 +96,22 @@ def time_gemm(ext, args, m: int, gemm: str, g: torch.Generator) -> list[dict]:
         for v in args.variants
     }  # fmt: skip
     fns[CHANNEL] = lambda: ext.int8_contiguous_gemm(out, a, a_token, b, b_channel, offsets, raster, swizzle, True)
+    if gemm == "gemm1":
+        q, q_scale = torch.empty(total, n // 2, dtype=torch.int8, device=dev), mn_major_scales(total, n // 256, dev)
+        for v in args.variants:
+            if v in SILU_FUSED_SCHEDULES:
+                fns[f"{v}+silu"] = lambda i=INT8_BLOCK_SCHEDULES.index(v): ext.int8_block_silu_gemm(
+                    q, q_scale, a, a_block, b, b_block, offsets, raster, swizzle, i, True)  # fmt: skip
+        gate_up = torch.randn(total, n, device=dev, generator=g).to(torch.bfloat16)
+        fns[ACTIVATION] = lambda: silu_and_mul_quant(gate_up, "group", 128, torch.int8, scale_mn_major=True)
     times = in_turns(fns, args.rounds, lambda fn: kernel_ms(fn, rep_ms=args.rep_ms, device=dev))
     ops = 2 * total * n * k
     rows = []
     for name, t in times.items():
         ms = statistics.median(t)
-        rows.append({"m": m, "gemm": gemm, "n": n, "k": k, "kernel": name, "ms": ms, "rounds_ms": t,
-                     "TOPS": ops / ms / 1e9, "frac_peak_datasheet": ops / ms / 1e9 / DATASHEET["int8"]})  # fmt: skip
+        rate = None if name == ACTIVATION else ops / ms / 1e9  # the activation does no GEMM
+        rows.append({"m": m, "gemm": gemm, "n": n, "k": k, "kernel": name, "ms": ms, "rounds_ms": t, "TOPS": rate,
+                     "frac_peak_datasheet": None if rate is None else rate / DATASHEET["int8"]})  # fmt: skip
     return rows
 
 
@@ -112,14 +129,12 @@ def main(argv=None) -> int:
         for gemm in GEMMS:
             rows += time_gemm(ext, args, m, gemm, g)
             torch.cuda.empty_cache()
-    names = args.variants + [CHANNEL]
-    cell = {(r["m"], r["gemm"], r["kernel"]): r for r in rows}
-    width = max(len(n) for n in names)
-    print(f"{'m':>5} {'gemm':6} " + " ".join(f"{n:>{width}}" for n in names) + "   (ms, fraction of the INT8 datasheet peak)")
+    print("    m gemm   kernel: ms (fraction of the INT8 datasheet peak; the activation: ms)")
     for m in args.ms:
         for gemm in GEMMS:
-            print(f"{m:5d} {gemm:6} " + " ".join(
-                f"{cell[m, gemm, n]['ms']:>{width - 7}.3f} {cell[m, gemm, n]['frac_peak_datasheet']:5.1%}" for n in names))  # fmt: skip
+            cells = [r for r in rows if r["m"] == m and r["gemm"] == gemm]
+            print(f"{m:5d} {gemm:6} " + "  ".join(f"{r['kernel']}: {r['ms']:.3f}"
+                  + ("" if r["kernel"] == ACTIVATION else f" ({r['frac_peak_datasheet']:.1%})") for r in cells))  # fmt: skip
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(args.commit),

@@ -42,7 +42,9 @@ def capability_rows(device: "torch.device") -> list[tuple[str, str, str]]:
                 status = "available (contiguous layout only)" if cls else reason
             rows.append(("backend", f"{name} {key}", status))
     # Which INT8 kernel the cutlass backend runs at which rows per expert (measured crossovers).
-    from .experts.cutlass_backend import INT8_BLOCK_SCHEDULE_ENV, INT8_BLOCK_TILE_N, int8_block_schedule, int8_rule
+    from .experts.cutlass_backend import (
+        INT8_BLOCK_SCHEDULE_ENV, INT8_BLOCK_TILE_N, gemm1_note, int8_block_schedule, int8_rule,
+    )  # fmt: skip
 
     for key in ("int8_channel_int32", "int8_block"):
         quant, _ = mode_and_accumulator(key)
@@ -50,7 +52,7 @@ def capability_rows(device: "torch.device") -> list[tuple[str, str, str]]:
     try:  # what a cutlass backend built now would run (a bad value is shown, not raised)
         name = int8_block_schedule(device)
         schedule = (f"{name} (128 x {INT8_BLOCK_TILE_N[name]} tiles; ${INT8_BLOCK_SCHEDULE_ENV}, else the one "
-                    "measured for this GPU, else the default)")  # fmt: skip
+                    f"measured for this GPU, else the default); {gemm1_note(name)}")  # fmt: skip
     except ValueError as exc:
         schedule = str(exc)
     rows.append(("int8 rule", "cutlass int8_block schedule", schedule))

@@ -444,6 +444,51 @@ def cutlass_masked_gemm(kind, a, a_scale, b, b_scale, masked_m, schedule="lockst
     return _cutlass_masked_gemm(kind, a, a_scale, b, b_scale, masked_m, schedule)
 
 
+@_op("cutlass_silu_gemm")
+def _cutlass_silu_gemm(
+    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, expert_offsets: torch.Tensor,
+    schedule: str,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    from .experts import cutlass_backend as cb
+
+    return cb.int8_block_silu_grouped_gemm(a, a_scale, b, b_scale, expert_offsets, schedule=schedule)
+
+
+@_cutlass_silu_gemm.register_fake
+def _(a, a_scale, b, b_scale, expert_offsets, schedule):
+    cols = b.shape[1] // 2
+    return a.new_empty((a.shape[0], cols), dtype=torch.int8), mn_major_scales(a.shape[0], cols // 128, None, like=a)
+
+
+def cutlass_silu_gemm(a, a_scale, b, b_scale, expert_offsets, schedule="n256_quarters_run4"):
+    """:func:`epmoe.experts.cutlass_backend.int8_block_silu_grouped_gemm`: GEMM1 of an INT8 block
+    pass with ``silu(gate) * up`` requantized in its epilogue; ``(q [M, N/2] int8, q_scale
+    [M, N/256] fp32 MN-major)``."""
+    return _cutlass_silu_gemm(a, a_scale, b, b_scale, expert_offsets, schedule)
+
+
+@_op("cutlass_silu_masked_gemm")
+def _cutlass_silu_masked_gemm(
+    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, masked_m: torch.Tensor,
+    schedule: str,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    from .experts import cutlass_backend as cb
+
+    return cb.int8_block_silu_masked_gemm(a, a_scale, b, b_scale, masked_m, schedule=schedule)
+
+
+@_cutlass_silu_masked_gemm.register_fake
+def _(a, a_scale, b, b_scale, masked_m, schedule):
+    cols = b.shape[1] // 2
+    return a.new_empty((*a.shape[:2], cols), dtype=torch.int8), a.new_empty((*a.shape[:2], cols // 128), dtype=torch.float32)
+
+
+def cutlass_silu_masked_gemm(a, a_scale, b, b_scale, masked_m, schedule="n256_quarters_run4"):
+    """:func:`epmoe.experts.cutlass_backend.int8_block_silu_masked_gemm`: ``(q [E, max_m, N/2]
+    int8, q_scale [E, max_m, N/256] fp32)``."""
+    return _cutlass_silu_masked_gemm(a, a_scale, b, b_scale, masked_m, schedule)
+
+
 def _deepgemm():
     from .experts import deepgemm_backend
 

@@ -61,3 +61,30 @@ def test_time_gemm_times_every_kernel_in_turns_on_its_shape():
     assert blocks == {INT8_BLOCK_SCHEDULES.index("n256_quarters_run4"), INT8_BLOCK_SCHEDULES.index("n256_quarters_rs")}
     assert all(c[2] == (256, 2048) and c[3] == (2, 7168, 2048) for c in calls)
     assert all(c[4] == (1, 256) for c in calls if c[0] == "block")  # MN-major, as the pass hands them
+
+
+def test_time_gemm_times_the_fused_gemm1_and_the_activation(monkeypatch):
+    """GEMM1's rows add the fused builds of the variants that have one (``<variant>+silu``, int8
+    codes [M, N/2] and MN-major scales out) and the activation kernel the others need after them."""
+    calls = []
+
+    class Ext:
+        def int8_block_contiguous_gemm(self, out, a, a_scale, b, b_scale, offsets, raster, swizzle, variant, pdl):
+            calls.append(("block", variant))
+
+        def int8_block_silu_gemm(self, q, q_scale, a, a_scale, b, b_scale, offsets, raster, swizzle, variant, pdl):
+            calls.append(("silu", variant, tuple(q.shape), q.dtype, q_scale.stride()))
+
+        def int8_contiguous_gemm(self, out, a, a_scale, b, b_scale, offsets, raster, swizzle, pdl):
+            calls.append(("channel", None))
+
+    monkeypatch.setattr("epmoe.kernels.activation.silu_and_mul_quant", lambda *a, **k: calls.append(("act", a[1:4], k)))
+    args = ibg.parse_args(["--out", "x.json", "--m", "128", "--experts", "1", "--rounds", "1",
+                           "--variants", "n256_quarters_run4,n256_quarters_rs"])  # fmt: skip
+    rows = ibg.time_gemm(Ext(), args, 128, "gemm1", torch.Generator().manual_seed(0))
+    assert [r["kernel"] for r in rows] == ["n256_quarters_run4", "n256_quarters_rs", "channel",
+                                           "n256_quarters_run4+silu", ibg.ACTIVATION]  # fmt: skip
+    assert ("silu", INT8_BLOCK_SCHEDULES.index("n256_quarters_run4"), (128, 2048), torch.int8, (1, 128)) in calls
+    assert ("act", ("group", 128, torch.int8), {"scale_mn_major": True}) in calls
+    act = rows[-1]
+    assert act["TOPS"] is None and act["frac_peak_datasheet"] is None and rows[0]["TOPS"] > 0

@@ -101,7 +101,8 @@ def _op_cases():
     }
 
 
-GPU_ONLY = {"epmoe::cutlass_grouped_gemm", "epmoe::cutlass_masked_gemm", "epmoe::deepgemm_contiguous",
+GPU_ONLY = {"epmoe::cutlass_grouped_gemm", "epmoe::cutlass_masked_gemm", "epmoe::cutlass_silu_gemm",
+            "epmoe::cutlass_silu_masked_gemm", "epmoe::deepgemm_contiguous",
             "epmoe::deepgemm_masked"}
 """CUTLASS and DeepGEMM run on a GPU only: opchecked in tests/gpu/test_compile_gpu.py."""
 

@@ -925,6 +925,91 @@ def test_cutlass_int8_plumbing_masked(monkeypatch, scheme_name):
     assert len(calls) == 6
 
 
+def _fake_int8_block_silu_gemm(a, a_scale, b, b_scale, expert_offsets, *, schedule):
+    """The fused GEMM1's contract in float64: the block kernel's sums of b's rows (w13's gate rows
+    then up rows), silu(gate) * up, quantized per 1 x 128 by the reference rule; scales row-major
+    (the real op's are MN-major, which GEMM2 reads either way)."""
+    from epmoe.experts.cutlass_backend import SILU_FUSED_SCHEDULES
+    from epmoe.quant.reference import quantize_rows
+
+    assert schedule in SILU_FUSED_SCHEDULES, schedule
+    m, n = a.shape[0], b.shape[1]
+    gate_up = torch.full((m, n), float("nan"), dtype=torch.float64)
+    _fake_int8_block_grouped_gemm(a, a_scale, b, b_scale, expert_offsets, gate_up, schedule=schedule)
+    h = torch.nn.functional.silu(gate_up[:, : n // 2]) * gate_up[:, n // 2 :]
+    return quantize_rows(h.float().nan_to_num(), torch.int8, 127.0, 128)
+
+
+def _fake_int8_block_silu_masked(calls):
+    def masked(a, a_scale, b, b_scale, masked_m, *, schedule):
+        e, max_m, k = a.shape
+        assert max_m % 128 == 0, a.shape
+        calls.append(("fused", schedule))
+        offsets = torch.arange(e + 1, dtype=torch.int32) * max_m
+        q, s = _fake_int8_block_silu_gemm(a.reshape(e * max_m, k), a_scale.reshape(e * max_m, -1), b, b_scale,
+                                          offsets, schedule=schedule)  # fmt: skip
+        return q.view(e, max_m, -1), s.view(e, max_m, -1)
+
+    return masked
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter on CPU")
+def test_cutlass_int8_block_fused_activation_plumbing(monkeypatch):
+    """int8_block on a schedule with a fused build: GEMM1 with the activation in its epilogue (a
+    stand-in here) and GEMM2 on its codes, on the contiguous layout (spare rows too) and the
+    masked one, the weights as stored; activation="separate" runs GEMM1 and the Triton activation
+    instead; both within the scheme's bound of float64 and close to each other."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from cases import make_case
+    from helpers import make_weights
+    from reference import moe_reference, rel_err
+
+    from epmoe.experts import cutlass_backend as cb
+    from epmoe.experts.base import ExpertWeights
+    from epmoe.layouts import _to_contiguous_kernels, gather_weighted, to_masked
+    from epmoe.quant import get_scheme
+
+    block = get_scheme("int8_block")
+    calls = []
+
+    def gemm(*args, schedule, **kw):
+        calls.append(("gemm", args[2].shape[1]))
+        return _fake_int8_block_grouped_gemm(*args, schedule=schedule, **kw)
+
+    def fused(*args, schedule):
+        calls.append(("fused", schedule))
+        return _fake_int8_block_silu_gemm(*args, schedule=schedule)
+
+    monkeypatch.setattr(cb, "int8_block_grouped_gemm", gemm)
+    monkeypatch.setattr(cb, "int8_block_silu_grouped_gemm", fused)
+    monkeypatch.setattr(cb, "int8_block_silu_masked_gemm", _fake_int8_block_silu_masked(calls))
+    monkeypatch.setattr(cb, "int8_block_masked_gemm", _fake_masked(_fake_int8_block_grouped_gemm, calls))
+    stored, (w13, w2) = make_weights(PE, PH, PI, "int8_block")
+    x, ids, w = make_case("empty_experts", 0, PE, PK, PH)
+    ref = moe_reference(x, ids, w, w13, w2, "int8_block")
+    outs = {}
+    for activation in cb.ACTIVATIONS:
+        backend = cb.CutlassBackend(block, schedule="n256_quarters_run4", activation=activation)
+        weights = backend.prepare_weights(ExpertWeights(block, *stored))
+        assert torch.equal(weights.w13, stored[0])
+        for spare in (None, 4):
+            calls.clear()
+            batch = _to_contiguous_kernels(x, None, ids, PE, backend.alignment, None, expected_m=spare)
+            got = gather_weighted(backend.run_contiguous(batch, weights, torch.float32), batch.slot_pos, w)
+            assert rel_err(got, ref) < block.rel_error_bound, (activation, spare, rel_err(got, ref))
+            want = [("fused", "n256_quarters_run4"), ("gemm", PH)] if activation == "fused" else [("gemm", 2 * PI), ("gemm", PH)]
+            assert calls == want, (activation, calls)
+            outs[activation, spare] = got
+        calls.clear()
+        masked, slot_pos = to_masked(x, None, ids, PE, capacity=x.shape[0])
+        got = gather_weighted(backend.run_masked(masked, weights, torch.float32).reshape(-1, PH), slot_pos, w)
+        assert rel_err(got, ref) < block.rel_error_bound, (activation, "masked", rel_err(got, ref))
+        assert calls[0] == (("fused", "n256_quarters_run4") if activation == "fused" else "n256_quarters_run4"), calls
+    assert rel_err(outs["fused", None], outs["separate", None]) < 2e-2
+
+
 def test_int8_block_schedule_choice(monkeypatch, caplog):
     """The schedule of the INT8 block kernel: the argument, else the environment (read when the
     backend is built), else the measured one or the default; a name not in the list is refused with
@@ -1547,3 +1632,21 @@ def test_cutlass_int8_block_triton_pass_reads_mn_major_scales_in_place(monkeypat
     want = backend.run_contiguous(row_major, weights, torch.bfloat16)
     valid = batch.m_indices >= 0
     assert torch.equal(got[valid], want[valid])
+
+
+def test_cutlass_backend_activation_argument(caplog):
+    """``activation`` is one of ACTIVATIONS (refused by name otherwise), and the backend's log and
+    gemm1_note say which GEMM1 a schedule runs: fused only on the variants with a fused build."""
+    import logging
+
+    from epmoe.experts import cutlass_backend as cb
+    from epmoe.quant import get_scheme
+
+    with pytest.raises(ValueError, match=r"activation='fast'; allowed: \['fused', 'separate'\]"):
+        cb.CutlassBackend(get_scheme("int8_block"), activation="fast")
+    assert "in its epilogue" in cb.gemm1_note("n256_quarters_run4")
+    assert "by its own kernel" in cb.gemm1_note("n256_quarters_run4", "separate")
+    assert "by its own kernel" in cb.gemm1_note("n256_quarters_i2f_s4")
+    with caplog.at_level(logging.INFO, logger="epmoe"):
+        cb.CutlassBackend(get_scheme("int8_block"), schedule="n256_quarters_run2")
+    assert "variant n256_quarters_run2" in caplog.text and "in its epilogue" in caplog.text

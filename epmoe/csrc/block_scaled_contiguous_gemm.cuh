@@ -69,6 +69,7 @@
 #include "cutlass/kernel_hardware_info.h"
 
 #include "contiguous_gemm_common.cuh"
+#include "silu_quant_epilogue.cuh"
 
 namespace epmoe {
 
@@ -172,7 +173,11 @@ CUTLASS_DEVICE void unrolled(F&& f) {
   unrolled(std::make_integer_sequence<int, N>{}, f);
 }
 
-template <class Base, int Schedule = kLockstep>
+// GateUpHalves: B is w13 as stored ([E, N, K], gate rows then up rows) and a 256-wide tile n is
+// gate rows [128 n, 128 n + 128) and the same up rows, [N/2 + 128 n, ...): the producer loads it as
+// two 128-row boxes and the weight scales likewise (load_auxiliary), so the fused epilogue meets
+// a gate block and its up block in one tile (Sm90SiluQuantEpilogue) without a copy of the weights.
+template <class Base, int Schedule = kLockstep, bool GateUpHalves = false>
 struct Sm90BlockScaledMainloop : Base {
   using typename Base::MainloopPipeline;
   using typename Base::PipelineState;
@@ -206,14 +211,37 @@ struct Sm90BlockScaledMainloop : Base {
       make_tensor(static_cast<typename Base::ElementB const*>(nullptr),
                   repeat_like(typename Base::StrideB{}, int32_t(0)), typename Base::StrideB{}),
       SmemLayoutB{}(_, _, _0{}), TileShape{}, Shape<_1, _1, _1>{}));
+  static constexpr bool kHalves = GateUpHalves;
+  static_assert(!kHalves || (size<1>(TileShape{}) == 256 && Base::ScaleGranularityN == 128),
+                "a gate/up tile is two 128-row weight blocks");
+  // One half of a stage's B tile (its rows lie first in the K-major layout: K is one swizzle atom
+  // wide) and the TMA copies of such a box, multicast to the cluster pair or not.
+  static constexpr int kHalfM = size<0>(TileShape{});
+  static constexpr int kHalfN = size<1>(TileShape{}) / 2;
+  static constexpr int kHalfK = size<2>(TileShape{});
+  using HalfTileShape = Shape<Int<kHalfM>, Int<kHalfN>, Int<kHalfK>>;
+  using SmemLayoutBHalf = decltype(tile_to_shape(typename Base::SmemLayoutAtomB{},
+                                                 make_shape(Int<kHalfN>{}, Int<kHalfK>{})));
+  template <class CopyOp, class Cluster>
+  using TmaBHalf = decltype(make_tma_copy_B_sm90(
+      CopyOp{},
+      make_tensor(static_cast<typename Base::ElementB const*>(nullptr),
+                  repeat_like(typename Base::StrideB{}, int32_t(0)), typename Base::StrideB{}),
+      SmemLayoutBHalf{}, HalfTileShape{}, Cluster{}));
+  // Not built without kHalves (the solo copy's type stands in, never constructed).
+  using TmaBHalfPair = cute::conditional_t<kHalves, TmaBHalf<typename Base::GmemTiledCopyB, ClusterShape>, TmaBSolo>;
+  using TmaBHalfSolo = cute::conditional_t<kHalves, TmaBHalf<SM90_TMA_LOAD, Shape<_1, _1, _1>>, TmaBSolo>;
   struct Arguments : Base::Arguments {
     const int32_t* block_expert = nullptr;  // [num_m_blocks], as the tile scheduler's
     int32_t num_m_blocks = 0;
   };
   struct Params : Base::Params {
     TmaBSolo tma_load_b_solo;
+    TmaBHalfPair tma_load_b_half;
+    TmaBHalfSolo tma_load_b_half_solo;
     const int32_t* block_expert = nullptr;
     int32_t num_m_blocks = 0;
+    int32_t n = 0, k = 0, l = 0;  // B's extents (kHalves: where the up rows start)
   };
 
   template <class ProblemShape>
@@ -227,8 +255,17 @@ struct Sm90BlockScaledMainloop : Base {
                            make_layout(make_shape(N, K, L), args.dB));
     p.tma_load_b_solo = make_tma_copy_B_sm90(SM90_TMA_LOAD{}, b, SmemLayoutB{}(_, _, _0{}),
                                              TileShape{}, Shape<_1, _1, _1>{});
+    if constexpr (kHalves) {
+      p.tma_load_b_half = make_tma_copy_B_sm90(typename Base::GmemTiledCopyB{}, b, SmemLayoutBHalf{},
+                                               HalfTileShape{}, ClusterShape{});
+      p.tma_load_b_half_solo = make_tma_copy_B_sm90(SM90_TMA_LOAD{}, b, SmemLayoutBHalf{},
+                                                    HalfTileShape{}, Shape<_1, _1, _1>{});
+    }
     p.block_expert = args.block_expert;
     p.num_m_blocks = args.num_m_blocks;
+    p.n = N;
+    p.k = K;
+    p.l = L;
     return p;
   }
 
@@ -285,6 +322,14 @@ struct Sm90BlockScaledMainloop : Base {
         mcast_mask_b |= uint16_t(1) << block_layout(m, cluster_id.y, Int<0>{});
       }
     }
+    // kHalves: B's 128-row blocks (gate block n_coord, up block N/256 + n_coord) and where they
+    // land in a stage's tile (the gate rows first).
+    constexpr int kHalfRows = kHalfN;
+    auto half_dst = [&](int stage, int half) CUTLASS_LAMBDA_FUNC_INLINE {
+      return make_tensor(make_smem_ptr(shared_tensors.smem_B.data() + (stage * 2 + half) * cosize(SmemLayoutBHalf{})),
+                         SmemLayoutBHalf{});
+    };
+    const int up_block = params.n / (2 * kHalfRows) + int(n_coord);
     CUTLASS_PRAGMA_NO_UNROLL
     for (; k_tile_count > 0; --k_tile_count) {
       pipeline.producer_acquire(smem_pipe_write);
@@ -293,7 +338,23 @@ struct Sm90BlockScaledMainloop : Base {
       if (lane_predicate) {
         copy(params.tma_load_a.with(*barrier, mcast_mask_a), tAgA(_, _, _, *k_tile_iter),
              tAsA(_, _, _, stage));
-        if (multicast_b) {
+        if constexpr (kHalves) {
+          Tensor gB_blocks = local_tile(params.tma_load_b_half.get_tma_tensor(make_shape(params.n, params.k, params.l)),
+                                        Shape<Int<kHalfN>, Int<kHalfK>>{}, make_coord(_, _, _));
+          CUTLASS_PRAGMA_UNROLL
+          for (int half = 0; half < 2; ++half) {
+            Tensor src = gB_blocks(_, _, half == 0 ? int(n_coord) : up_block, *k_tile_iter, l_coord);
+            if (multicast_b) {
+              auto tma = params.tma_load_b_half.get_slice(cluster_id.x);
+              copy(params.tma_load_b_half.with(*barrier, mcast_mask_b), tma.partition_S(src),
+                   tma.partition_D(half_dst(stage, half)));
+            } else {
+              auto tma = params.tma_load_b_half_solo.get_slice(0);
+              copy(params.tma_load_b_half_solo.with(*barrier), tma.partition_S(src),
+                   tma.partition_D(half_dst(stage, half)));
+            }
+          }
+        } else if (multicast_b) {
           copy(params.tma_load_b.with(*barrier, mcast_mask_b), tBgB(_, _, _, *k_tile_iter),
                tBsB(_, _, _, stage));
         } else {
@@ -305,6 +366,39 @@ struct Sm90BlockScaledMainloop : Base {
       }
       ++k_tile_iter;
       ++smem_pipe_write;
+    }
+  }
+
+  // The weight scales of each k tile by cp.async from this warp (the base's, except with kHalves:
+  // the gate block's and the up block's, lanes 0 and 1).
+  template <class TensorA, class TensorB, class TensorScaleA, class TensorScaleB, class KTileIterator,
+            class BlockCoord>
+  CUTLASS_DEVICE void load_auxiliary(Params const& params, MainloopPipeline pipeline,
+                                     PipelineState smem_pipe_write,
+                                     cute::tuple<TensorA, TensorB, TensorScaleA, TensorScaleB> const& inputs,
+                                     BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count,
+                                     int thread_idx, uint32_t block_rank_in_cluster,
+                                     TensorStorage& shared_tensors) {
+    if constexpr (!kHalves) {
+      Base::load_auxiliary(params, pipeline, smem_pipe_write, inputs, blk_coord, k_tile_iter, k_tile_count,
+                           thread_idx, block_rank_in_cluster, shared_tensors);
+    } else {
+      Tensor sSFB = make_tensor(make_smem_ptr(shared_tensors.smem_SFB.data()), filter_zeros(SmemLayoutSFB{}));
+      Tensor mSFB = get<3>(inputs);  // ((128, N/128), (128, K/128), L)
+      auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
+      const int block = thread_idx == 0 ? int(n_coord) : params.n / 256 + int(n_coord);
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (; k_tile_count > 0; --k_tile_count) {
+        pipeline.producer_acquire(smem_pipe_write);
+        if (thread_idx < 2) {
+          SM80_CP_ASYNC_CACHEALWAYS<float>::copy(
+              mSFB(make_coord(0, block), make_coord(0, *k_tile_iter), l_coord),
+              sSFB(thread_idx, 0, smem_pipe_write.index()));
+        }
+        pipeline.producer_commit(smem_pipe_write, cutlass::arch::cpasync_barrier_arrive_noinc);
+        ++k_tile_iter;
+        ++smem_pipe_write;
+      }
     }
   }
 
@@ -882,13 +976,17 @@ struct WithElement<cutlass::gemm::collective::CollectiveMma<Policy, Tile, EA, SA
                                                         Rest...>;
 };
 
+// The epilogue of a configuration: CUTLASS's subtiled one (bf16 out; its smaller buffer leaves
+// room for one more mainloop stage than the whole-tile one), Sm90WholeTileEpilogue (bf16 out), or
+// Sm90SiluQuantEpilogue (INT8 GEMM1 with the activation fused: 1x128 int8 codes and scales out).
+enum EpilogueKind : int { kSubtiledBf16 = 0, kWholeTileBf16 = 1, kSiluQuantInt8 = 2 };
+
 // One kernel configuration: operand type (cutlass::float_e4m3_t or int8_t), tile and cluster shape
 // (the tile's M must be kRowBlock), the
 // weight-scale group along N (128 / kGroupN copies of each 128x128 block scale are read) and the
-// epilogue: Sm90WholeTileEpilogue, or CUTLASS's subtiled one, whose smaller buffer leaves room
-// for one more mainloop stage; Schedule: the consumer warpgroups' (BlockScaledSchedule).
-template <class Element_, class TileShape_, class ClusterShape_, int GroupN, bool WholeTileEpilogue,
-          int Schedule = kLockstep>
+// epilogue (EpilogueKind); Schedule: the consumer warpgroups' (BlockScaledSchedule).
+template <class Element_, class TileShape_, class ClusterShape_, int GroupN, int Epilogue,
+          int Schedule = kLockstep>  // Epilogue kSiluQuantInt8: B's gate and up halves (GateUpHalves)
 struct BlockScaledContiguousGemmConfig : ContiguousStrides {
   static_assert(size<0>(TileShape_{}) == kRowBlock, "a tile's rows are one aligned block");
   static_assert(size<0>(ClusterShape_{}) == 1 || size<1>(ClusterShape_{}) == 1,
@@ -919,15 +1017,18 @@ struct BlockScaledContiguousGemmConfig : ContiguousStrides {
 
   using CutlassEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cute::conditional_t<WholeTileEpilogue, Shape<_128, _64>,
+      cute::conditional_t<Epilogue == kWholeTileBf16, Shape<_128, _64>,
                           cutlass::epilogue::collective::EpilogueTileAuto>,
       ElementAccumulator, ElementCompute, ElementC, StrideD, AlignmentD,
       ElementD, StrideD, AlignmentD, cutlass::epilogue::TmaWarpSpecializedCooperative,
       cutlass::epilogue::fusion::LinearCombination<ElementD, ElementCompute, ElementC,
                                                    ElementCompute>>::CollectiveOp;
-  using CollectiveEpilogue =
-      cute::conditional_t<WholeTileEpilogue, Sm90WholeTileEpilogue<CutlassEpilogue, TileShape>,
-                          CutlassEpilogue>;
+  // The fused epilogue takes the subtiled one's typedefs (pipelines) and nothing else from it.
+  using CollectiveEpilogue = cute::conditional_t<
+      Epilogue == kWholeTileBf16, Sm90WholeTileEpilogue<CutlassEpilogue, TileShape>,
+      cute::conditional_t<Epilogue == kSiluQuantInt8, Sm90SiluQuantEpilogue<CutlassEpilogue, TileShape>,
+                          CutlassEpilogue>>;
+  static_assert(Epilogue != kSiluQuantInt8 || cute::is_same_v<Element_, int8_t>, "the fused epilogue is INT8's");
 
   using CutlassMainloop = typename WithElement<
       typename cutlass::gemm::collective::CollectiveBuilder<
@@ -938,7 +1039,7 @@ struct BlockScaledContiguousGemmConfig : ContiguousStrides {
               sizeof(typename CollectiveEpilogue::SharedStorage))>,
           cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum>::CollectiveOp,
       ElementA, TileShape>::type;
-  using CollectiveMainloop = Sm90BlockScaledMainloop<CutlassMainloop, Schedule>;
+  using CollectiveMainloop = Sm90BlockScaledMainloop<CutlassMainloop, Schedule, Epilogue == kSiluQuantInt8>;
 
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
                                                           CollectiveEpilogue,
@@ -979,13 +1080,24 @@ std::pair<at::Tensor, at::Tensor> kernel_scales(const at::Tensor& a_scale, const
   return {sfa, repeated ? b_scale : b_scale.repeat_interleave(128 / Cfg::kGroupN, 1)};
 }
 
-// Arguments over the kernel_scales of the operands.
+// The bf16 epilogues' arguments: D = A @ B^T into out [M, N].
 template <class Cfg>
-typename Cfg::Gemm::Arguments make_arguments(at::Tensor& out, const at::Tensor& a,
-                                             const at::Tensor& sfa, const at::Tensor& b,
-                                             const at::Tensor& sfb, const int32_t* block_expert,
-                                             int sm_count, int64_t raster_along_n,
-                                             int64_t max_swizzle) {
+typename Cfg::CollectiveEpilogue::Arguments bf16_epilogue_arguments(at::Tensor& out, int64_t n, int64_t k) {
+  auto stride_d = std::get<2>(contiguous_strides<Cfg>(n, k));
+  typename Cfg::CollectiveEpilogue::Arguments epilogue{
+      {}, nullptr, stride_d, reinterpret_cast<typename Cfg::ElementD*>(out.data_ptr()), stride_d};
+  epilogue.thread.alpha = 1.0f;
+  epilogue.thread.beta = 0.0f;
+  return epilogue;
+}
+
+// Arguments over the kernel_scales of the operands, with the epilogue's.
+template <class Cfg>
+typename Cfg::Gemm::Arguments make_arguments(typename Cfg::CollectiveEpilogue::Arguments epilogue,
+                                             const at::Tensor& a, const at::Tensor& sfa,
+                                             const at::Tensor& b, const at::Tensor& sfb,
+                                             const int32_t* block_expert, int sm_count,
+                                             int64_t raster_along_n, int64_t max_swizzle) {
   const int num_experts = static_cast<int>(b.size(0));
   const int n = static_cast<int>(b.size(1));
   const int k = static_cast<int>(b.size(2));
@@ -1002,10 +1114,8 @@ typename Cfg::Gemm::Arguments make_arguments(at::Tensor& out, const at::Tensor& 
       {reinterpret_cast<const typename Cfg::ElementA*>(a.data_ptr()), stride_a,
        reinterpret_cast<const typename Cfg::ElementB*>(b.data_ptr()), stride_b,
        sfa.data_ptr<float>(), layout_sfa, sfb.data_ptr<float>(), layout_sfb},
-      {{}, nullptr, stride_d, reinterpret_cast<typename Cfg::ElementD*>(out.data_ptr()), stride_d},
+      epilogue,
       hardware_info(a, sm_count)};
-  args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = 0.0f;
   using RasterOrder = decltype(args.scheduler.raster_order);
   args.scheduler.raster_order = raster_along_n ? RasterOrder::AlongN : RasterOrder::AlongM;
   args.scheduler.max_swizzle_size = static_cast<int>(max_swizzle);
@@ -1024,7 +1134,23 @@ void run_block_scaled_gemm(at::Tensor& out, const at::Tensor& a, const at::Tenso
                            int64_t max_swizzle, bool pdl) {
   const int sm_count = at::cuda::getDeviceProperties(a.get_device())->multiProcessorCount;
   auto [sfa, sfb] = kernel_scales<Cfg>(a_scale, b_scale, b.size(1));
-  auto args = make_arguments<Cfg>(out, a, sfa, b, sfb, block_expert.data_ptr<int32_t>(), sm_count,
+  auto args = make_arguments<Cfg>(bf16_epilogue_arguments<Cfg>(out, b.size(1), b.size(2)), a, sfa, b, sfb,
+                                  block_expert.data_ptr<int32_t>(), sm_count, raster_along_n, max_swizzle);
+  run_gemm<typename Cfg::Gemm>(args, a, pdl);
+}
+
+// The same with the fused activation (Sm90SiluQuantEpilogue): q [M, N/2] int8 and q_scale
+// [M, N/256] fp32 (any strides: MN-major for the contiguous GEMM2, row-major for the masked one).
+template <class Cfg>
+void run_silu_quant_gemm(at::Tensor& q, at::Tensor& q_scale, const at::Tensor& a,
+                         const at::Tensor& a_scale, const at::Tensor& b, const at::Tensor& b_scale,
+                         const at::Tensor& block_expert, int64_t raster_along_n, int64_t max_swizzle,
+                         bool pdl) {
+  const int sm_count = at::cuda::getDeviceProperties(a.get_device())->multiProcessorCount;
+  auto [sfa, sfb] = kernel_scales<Cfg>(a_scale, b_scale, b.size(1));
+  typename Cfg::CollectiveEpilogue::Arguments epilogue{
+      q.data_ptr<int8_t>(), q_scale.data_ptr<float>(), q.stride(0), q_scale.stride(0), q_scale.stride(1)};
+  auto args = make_arguments<Cfg>(epilogue, a, sfa, b, sfb, block_expert.data_ptr<int32_t>(), sm_count,
                                   raster_along_n, max_swizzle);
   run_gemm<typename Cfg::Gemm>(args, a, pdl);
 }
@@ -1034,7 +1160,8 @@ template <class Cfg>
 int64_t workspace_size_for(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
                            const at::Tensor& b, const at::Tensor& b_scale, int64_t sm_count) {
   auto [sfa, sfb] = kernel_scales<Cfg>(a_scale, b_scale, b.size(1));
-  auto args = make_arguments<Cfg>(out, a, sfa, b, sfb, nullptr, static_cast<int>(sm_count), 1, 1);
+  auto args = make_arguments<Cfg>(bf16_epilogue_arguments<Cfg>(out, b.size(1), b.size(2)), a, sfa, b, sfb,
+                                  nullptr, static_cast<int>(sm_count), 1, 1);
   return static_cast<int64_t>(Cfg::Gemm::get_workspace_size(args));
 }
 
@@ -1054,10 +1181,14 @@ constexpr int kWeightScaleGroupN = TileN % 128 == 0 ? 128 : 64;
 // deeper pipeline for long k loops.
 template <class Element, int Schedule, int TileN = 192>
 using ShortKConfig = BlockScaledContiguousGemmConfig<Element, BlockScaledTile<TileN>, BlockScaledCluster,
-                                                     kWeightScaleGroupN<TileN>, true, Schedule>;
+                                                     kWeightScaleGroupN<TileN>, kWholeTileBf16, Schedule>;
 template <class Element, int Schedule, int TileN = 192>
 using LongKConfig = BlockScaledContiguousGemmConfig<Element, BlockScaledTile<TileN>, BlockScaledCluster,
-                                                    kWeightScaleGroupN<TileN>, false, Schedule>;
+                                                    kWeightScaleGroupN<TileN>, kSubtiledBf16, Schedule>;
+// GEMM1 of an INT8 block pass with the activation fused (Sm90SiluQuantEpilogue): 128 x 256 tiles.
+template <int Schedule>
+using SiluQuantConfig = BlockScaledContiguousGemmConfig<int8_t, BlockScaledTile<256>, BlockScaledCluster, 128,
+                                                        kSiluQuantInt8, Schedule>;
 // On the H200 (session 11, docs/fp8.md) the whole-tile epilogue took FP8 GEMM2 (K = 2048) from
 // 1.13 to 1.08-1.10x DeepGEMM's time, and was 0-5 % slower on GEMM1 (K = 7168). The boundary
 // between the two measured K is a choice.
@@ -1117,6 +1248,21 @@ void int8_block_gemm_variant(at::Tensor& out, const at::Tensor& a, const at::Ten
   static_assert(V >= 0 && V < kNumInt8BlockVariants);
   run_block_scaled_by_k<int8_t, kInt8BlockVariants[V].schedule, kInt8BlockVariants[V].tile_n>(
       out, a, a_scale, b, b_scale, block_expert, raster_along_n, max_swizzle, pdl);
+}
+
+// The variants that also build GEMM1 with the fused activation (int8_block_silu_gemm.cu picks one
+// at run time): the fastest 128 x 256 ones. kFusedSiluVariants in the binding is their count.
+constexpr int kSiluQuantVariants[] = {13, 14};
+constexpr int kNumSiluQuantVariants = sizeof(kSiluQuantVariants) / sizeof(kSiluQuantVariants[0]);
+
+template <int V>
+void int8_block_silu_gemm_variant(at::Tensor& q, at::Tensor& q_scale, const at::Tensor& a,
+                                  const at::Tensor& a_scale, const at::Tensor& b,
+                                  const at::Tensor& b_scale, const at::Tensor& block_expert,
+                                  int64_t raster_along_n, int64_t max_swizzle, bool pdl) {
+  static_assert(kInt8BlockVariants[V].tile_n == 256, "the fused epilogue takes 128 x 256 tiles");
+  run_silu_quant_gemm<SiluQuantConfig<kInt8BlockVariants[V].schedule>>(
+      q, q_scale, a, a_scale, b, b_scale, block_expert, raster_along_n, max_swizzle, pdl);
 }
 
 template <class Element>

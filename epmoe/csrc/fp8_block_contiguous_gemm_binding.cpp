@@ -23,6 +23,12 @@ void int8_block_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a,
                                      const at::Tensor& b_scale, const at::Tensor& segments,
                                      int64_t masked_max_m, int64_t raster_along_n,
                                      int64_t max_swizzle, int64_t schedule, bool pdl);
+// GEMM1 with the activation fused (silu_quant_epilogue.cuh): q [M, N/2] int8, q_scale [M, N/256].
+void int8_block_silu_gemm_coop(at::Tensor& q, at::Tensor& q_scale, const at::Tensor& a,
+                               const at::Tensor& a_scale, const at::Tensor& b,
+                               const at::Tensor& b_scale, const at::Tensor& segments,
+                               int64_t masked_max_m, int64_t raster_along_n, int64_t max_swizzle,
+                               int64_t variant, bool pdl);
 void int8_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
                                const at::Tensor& b, const at::Tensor& b_scale,
                                const at::Tensor& segments, int64_t masked_max_m,
@@ -38,6 +44,8 @@ constexpr int64_t kInt8DenseCooperative = 0;
 constexpr int64_t kInt8DensePingpong = 1;
 constexpr int64_t kInt8BlockVariants = 15;  // kNumInt8BlockVariants in block_scaled_contiguous_gemm.cuh
 constexpr int64_t kRowBlock = 128;
+// kSiluQuantVariants in block_scaled_contiguous_gemm.cuh: the schedules with a fused GEMM1.
+constexpr int64_t kSiluQuantVariants[] = {13, 14};
 }  // namespace epmoe
 
 namespace {
@@ -63,10 +71,16 @@ void check_ab(const char* op, const at::Tensor& a, const at::Tensor& b, at::Scal
               n * k, " exceeds int32");
 }
 
-// The block-scaled ops' operands (FP8 e4m3 or INT8): K and N multiples of 128, 1x128 and 128x128 scales.
-void check_operands(const char* op, at::ScalarType dtype, const at::Tensor& out, const at::Tensor& a,
-                    const at::Tensor& a_scale, const at::Tensor& b, const at::Tensor& b_scale) {
-  check_ab(op, a, b, dtype, 128, 128, {&a_scale, &b, &b_scale, &out});
+// The block-scaled ops' inputs (FP8 e4m3 or INT8): K and N multiples of 128, 1x128 and 128x128
+// scales; outputs: every tensor that must be on a's device besides them.
+void check_inputs(const char* op, at::ScalarType dtype, const at::Tensor& a, const at::Tensor& a_scale,
+                  const at::Tensor& b, const at::Tensor& b_scale,
+                  std::initializer_list<const at::Tensor*> outputs) {
+  check_ab(op, a, b, dtype, 128, 128, {&a_scale, &b, &b_scale});
+  for (const at::Tensor* t : outputs) {
+    TORCH_CHECK(t->is_cuda() && t->device() == a.device(), op,
+                ": every operand must be a CUDA tensor on a's device (", a.device(), ")");
+  }
   const int64_t m = a.size(0), k = a.size(1), e = b.size(0), n = b.size(1);
   // a_scale row-major, or the kernel's own MN-major layout seen transposed (strides (1, M4), M4 =
   // M rounded up to 4), which the kernels then read without a transposing copy.
@@ -82,6 +96,13 @@ void check_operands(const char* op, at::ScalarType dtype, const at::Tensor& out,
                   (b_scale.size(1) == n / 128 || b_scale.size(1) == n / 64) &&
                   b_scale.size(2) == k / 128,
               op, ": b_scale must be a contiguous fp32 [E, N/128, K/128] (or [E, N/64, K/128]) tensor");
+}
+
+// check_inputs and a bf16 out [M, N].
+void check_operands(const char* op, at::ScalarType dtype, const at::Tensor& out, const at::Tensor& a,
+                    const at::Tensor& a_scale, const at::Tensor& b, const at::Tensor& b_scale) {
+  check_inputs(op, dtype, a, a_scale, b, b_scale, {&out});
+  const int64_t m = a.size(0), n = b.size(1);
   TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.dim() == 2 &&
                   out.size(0) == m && out.size(1) == n,
               op, ": out must be a contiguous bf16 [M, N] tensor");
@@ -132,6 +153,43 @@ void int8_block_contiguous_gemm(at::Tensor out, const at::Tensor& a, const at::T
                                          max_swizzle, schedule, pdl);
 }
 
+// The fused GEMM1's operands: check_inputs (int8), N a multiple of 256 (a tile is 128 gate rows
+// and the same 128 up rows), q an int8 [M, N/2] with unit column stride, q_scale an fp32 [M, N/256]
+// (any strides), schedule one with a fused build.
+void check_silu_operands(const char* op, const at::Tensor& q, const at::Tensor& q_scale,
+                         const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
+                         const at::Tensor& b_scale, int64_t schedule) {
+  check_inputs(op, at::kChar, a, a_scale, b, b_scale, {&q, &q_scale});
+  const int64_t m = a.size(0), n = b.size(1);
+  TORCH_CHECK(n % 256 == 0, op, ": N=", n, " must be a multiple of 256 (gate and up halves of 128-row blocks)");
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.size(0) == m && q.size(1) == n / 2 &&
+                  q.stride(1) == 1 && q.stride(0) >= n / 2,
+              op, ": q must be an int8 [M, N/2] tensor with unit column stride; got ", q.sizes());
+  TORCH_CHECK(q_scale.scalar_type() == at::kFloat && q_scale.dim() == 2 && q_scale.size(0) == m &&
+                  q_scale.size(1) == n / 256,
+              op, ": q_scale must be an fp32 [M, N/256] tensor; got ", q_scale.sizes());
+  bool fused = false;
+  for (int64_t v : epmoe::kSiluQuantVariants) fused |= v == schedule;
+  TORCH_CHECK(fused, op, ": schedule=", schedule, " has no fused build (allowed: ",
+              epmoe::kSiluQuantVariants[0], ", ", epmoe::kSiluQuantVariants[1], ")");
+}
+
+// q, q_scale = silu(gate) * up of the block-scaled GEMM of the rows of each expert, quantized to
+// 1x128 int8 (b's rows: w13's, gate rows then up rows); rows outside offsets[0]:
+// offsets[E] are not written.
+void int8_block_silu_gemm(at::Tensor q, at::Tensor q_scale, const at::Tensor& a,
+                          const at::Tensor& a_scale, const at::Tensor& b, const at::Tensor& b_scale,
+                          const at::Tensor& offsets, int64_t raster_along_n, int64_t max_swizzle,
+                          int64_t schedule, bool pdl) {
+  const char* op = "int8_block_silu_gemm";
+  check_silu_operands(op, q, q_scale, a, a_scale, b, b_scale, schedule);
+  check_block_offsets_arg(op, a, b, offsets, max_swizzle);
+  if (a.size(0) == 0 || b.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(a.device());
+  epmoe::int8_block_silu_gemm_coop(q, q_scale, a, a_scale, b, b_scale, offsets, 0, raster_along_n,
+                                   max_swizzle, schedule, pdl);
+}
+
 // The masked layout's a [E, max_m, K], its scales [E, max_m, ...] and out [E, max_m, N] as the
 // E * max_m rows the contiguous kernels take (views), after checking what the masked ops add:
 // max_m a multiple of 128, masked_m a contiguous int32 [E] tensor on a's device.
@@ -177,6 +235,27 @@ void int8_block_masked_gemm(at::Tensor out, const at::Tensor& a, const at::Tenso
   const c10::cuda::CUDAGuard guard(a.device());
   epmoe::int8_block_contiguous_gemm_coop(rows.out, rows.a, rows.a_scale, b, b_scale, masked_m,
                                          rows.max_m, raster_along_n, max_swizzle, schedule, pdl);
+}
+
+// int8_block_silu_gemm on the masked layout: q [E, max_m, N/2], q_scale [E, max_m, N/256]
+// contiguous; rows past masked_m[e] hold anything.
+void int8_block_silu_masked_gemm(at::Tensor q, at::Tensor q_scale, const at::Tensor& a,
+                                 const at::Tensor& a_scale, const at::Tensor& b,
+                                 const at::Tensor& b_scale, const at::Tensor& masked_m,
+                                 int64_t raster_along_n, int64_t max_swizzle, int64_t schedule,
+                                 bool pdl) {
+  const char* op = "int8_block_silu_masked_gemm";
+  auto rows = masked_rows(op, q, a, a_scale, b, masked_m);
+  TORCH_CHECK(q_scale.dim() == 3 && q_scale.size(0) == a.size(0) && q_scale.size(1) == rows.max_m &&
+                  q_scale.is_contiguous(),
+              op, ": q_scale must be a contiguous [E, max_m, N/256] tensor; got ", q_scale.sizes());
+  at::Tensor row_scales = q_scale.view({rows.a.size(0), q_scale.size(2)});
+  check_silu_operands(op, rows.out, row_scales, rows.a, rows.a_scale, b, b_scale, schedule);
+  TORCH_CHECK(max_swizzle >= 1, op, ": max_swizzle=", max_swizzle, " (allowed >= 1)");
+  if (rows.a.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(a.device());
+  epmoe::int8_block_silu_gemm_coop(rows.out, row_scales, rows.a, rows.a_scale, b, b_scale, masked_m,
+                                   rows.max_m, raster_along_n, max_swizzle, schedule, pdl);
 }
 
 // The INT8 channel-scaled op's operands (named op in the messages): a [M, K], a_scale [M] or
@@ -293,6 +372,14 @@ EPMOE_LIBRARY(TORCH_EXTENSION_NAME, m) {
       "Tensor b_scale, Tensor masked_m, int raster_along_n=1, int max_swizzle=1, "
       "int schedule=0, bool pdl=False) -> ()");
   m.def(
+      "int8_block_silu_gemm(Tensor(a!) q, Tensor(b!) q_scale, Tensor a, Tensor a_scale, Tensor b, "
+      "Tensor b_scale, Tensor expert_offsets, int raster_along_n=1, int max_swizzle=1, "
+      "int schedule=14, bool pdl=False) -> ()");
+  m.def(
+      "int8_block_silu_masked_gemm(Tensor(a!) q, Tensor(b!) q_scale, Tensor a, Tensor a_scale, "
+      "Tensor b, Tensor b_scale, Tensor masked_m, int raster_along_n=1, int max_swizzle=1, "
+      "int schedule=14, bool pdl=False) -> ()");
+  m.def(
       "int8_masked_gemm(Tensor(a!) out, Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, "
       "Tensor masked_m, bool pdl=False) -> ()");
   m.def(
@@ -306,6 +393,8 @@ EPMOE_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CUDA, m) {
   m.impl("int8_contiguous_gemm", &int8_contiguous_gemm);
   m.impl("int8_block_contiguous_gemm", &int8_block_contiguous_gemm);
   m.impl("int8_block_masked_gemm", &int8_block_masked_gemm);
+  m.impl("int8_block_silu_gemm", &int8_block_silu_gemm);
+  m.impl("int8_block_silu_masked_gemm", &int8_block_silu_masked_gemm);
   m.impl("int8_masked_gemm", &int8_masked_gemm);
   m.impl("int8_dense_gemm", &int8_dense_gemm);
 }

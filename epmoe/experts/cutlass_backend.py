@@ -21,7 +21,10 @@ GEMMs: ``int8_channel`` sums K in int32 and applies the per-token and per-channe
 epilogue (``int8_channel_gemm.cuh``; the dense op may run it on CUTLASS's pingpong kernel too);
 ``int8_block`` is the FP8 kernel's structure with
 int8 MMAs, each 128-wide K block summed exactly in int32 and promoted to fp32 with the product of
-the 1x128 and 128x128 scales (``int8_block_contiguous_gemm.cu``). Which GEMMs a batch runs is
+the 1x128 and 128x128 scales (``int8_block_contiguous_gemm.cu``); on the variants of
+:data:`SILU_FUSED_SCHEDULES` its GEMM1 also computes ``silu(gate) * up`` requantized to 1x128 in
+the epilogue (``silu_quant_epilogue.cuh``: each tile is 128 gate rows and the same up rows of w13
+as stored), so GEMM1's bf16 output and the activation kernel that would read it back are gone. Which GEMMs a batch runs is
 chosen by its rows per expert (the host counts, or the dispatcher's hint when the sizes stayed on
 the device) from measured crossovers shipped as data (``epmoe/configs/int8_crossover.json``,
 :func:`int8_rule`): the Triton backend's pass below the crossover (on the batch packed to its rows,
@@ -62,6 +65,7 @@ import torch
 
 from .. import devices
 from ..errors import CutlassUnavailableError
+from ..kernels.common import mn_major_scales
 from ..kernels.configs import CUTLASS_DENSE_KERNELS
 from ..kernels.pdl import pdl_enabled
 from ..layouts import ContiguousBatch, MaskedBatch
@@ -102,10 +106,13 @@ SOURCES = (
     "int8_block_n256_halves_rs_gemm.cu",
     "int8_block_n256_quarters_run2_gemm.cu",
     "int8_block_n256_quarters_run4_gemm.cu",
+    "int8_block_silu_gemm.cu",
+    "int8_block_silu_run2_gemm.cu",
     "int8_channel_contiguous_gemm.cu",
     "int8_dense_pingpong_gemm.cu",
 )
-HEADERS = ("contiguous_gemm_common.cuh", "block_scaled_contiguous_gemm.cuh", "int8_channel_gemm.cuh")
+HEADERS = ("contiguous_gemm_common.cuh", "block_scaled_contiguous_gemm.cuh", "silu_quant_epilogue.cuh",
+           "int8_channel_gemm.cuh")  # fmt: skip
 ROW_BLOCK = 128
 """Rows of a tile of the project's kernel: every expert segment starts and ends on a multiple."""
 INT8_BLOCK_SCHEDULES = (
@@ -142,6 +149,21 @@ INT8_BLOCK_TILE_N = {name: 192 for name in ("lockstep", "staggered", "split_n", 
 """Tile width of each INT8 block variant: a 192-wide tile reads the weight scales on a 64-column
 grid (:func:`kernel_weight_scale`, repeated per call from the stored ``[E, N/128, K/128]``), the
 128- and 256-wide ones as stored."""
+SILU_FUSED_SCHEDULES = ("n256_quarters_run2", "n256_quarters_run4")
+"""The INT8 block variants also built as GEMM1 with the activation fused into the epilogue
+(``kSiluQuantVariants``, ``silu_quant_epilogue.cuh``; :func:`int8_block_silu_grouped_gemm`): a
+:class:`CutlassBackend` on one of them runs GEMM1 and ``silu(gate) * up`` requantized as one
+kernel; on the others, as two."""
+
+
+def gemm1_note(schedule: str, activation: str = "fused") -> str:
+    """How an ``int8_block`` pass on ``schedule`` runs GEMM1 and the activation (for the logs and
+    ``epmoe info``)."""
+    if activation == "fused" and schedule in SILU_FUSED_SCHEDULES:
+        return "GEMM1 with silu(gate) * up requantized in its epilogue"
+    return "GEMM1, then silu(gate) * up requantized by its own kernel"
+
+
 INT8_BLOCK_SCHEDULE_ENV = "EPMOE_INT8_BLOCK_SCHEDULE"
 """Environment variable naming the INT8 block kernel's schedule (one of
 :data:`INT8_BLOCK_SCHEDULES`), read when a :class:`CutlassBackend` is built."""
@@ -870,6 +892,70 @@ def int8_block_grouped_gemm(
     return out
 
 
+def int8_block_silu_grouped_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    *,
+    schedule: str = SILU_FUSED_SCHEDULES[-1],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GEMM1 of an ``int8_block`` pass with ``silu(gate) * up`` and its 1x128 requantization fused
+    into the epilogue: :func:`int8_block_grouped_gemm`'s fp32 sums of each expert's rows with
+    ``b`` = w13 as stored (gate rows ``[0, N/2)``, up rows ``[N/2, N)``) become
+    ``h = silu(gate) * up`` (``[M, N/2]``), quantized per 1 x 128 group by the rule of
+    :mod:`epmoe.kernels.quantize` (``scale = max(amax, 1e-10) / 127``, codes ``h / scale`` rounded
+    to nearest even). A tile is 128 gate rows and the same 128 up rows of ``b`` (two loads), so
+    GEMM1's output never reaches memory and the weights are read as stored.
+
+    Args:
+        a, a_scale, expert_offsets: as in :func:`int8_block_grouped_gemm`.
+        b: ``[E, N, K]`` int8 contiguous, ``N`` a multiple of 256 (``I`` of 128).
+        b_scale: ``[E, N/128, K/128]`` fp32.
+        schedule: one of :data:`SILU_FUSED_SCHEDULES`.
+
+    Raises:
+        TypeError, ValueError: what :func:`int8_block_grouped_gemm` refuses, ``N`` not a multiple
+            of 256, a schedule without a fused build; all before the extension is loaded.
+
+    Returns:
+        ``(q, q_scale)``: ``[M, N/2]`` int8 and ``[M, N/256]`` fp32 stored MN-major
+        (:func:`is_mn_major`: what GEMM2 reads without a copy); rows outside
+        ``offsets[0]:offsets[E]`` hold anything.
+    """
+    op = "int8_block_silu_grouped_gemm"
+    index = _fused_schedule_index(op, schedule)
+    _check_rows(a)
+    _check_block_scaled(op, torch.int8, a, a_scale, b, b_scale, expert_offsets, None, devices=False, tile_n=256)
+    _check_gate_up_rows(op, b)
+    _check_devices(op, a, a_scale, b, b_scale, None)
+    m, n = a.shape[0], b.shape[1]
+    q = torch.empty((m, n // 2), dtype=torch.int8, device=a.device)
+    q_scale = mn_major_scales(m, n // 2 // BLOCK, a.device)
+    if m == 0 or b.shape[0] == 0:
+        return q, q_scale
+    offsets = expert_offsets.to(device=a.device, dtype=torch.int32).contiguous()
+    load_extension().int8_block_silu_gemm(
+        q, q_scale, a.contiguous(), kernel_act_scale(a_scale), b, b_scale.contiguous(), offsets, *TILE_ORDER, index,
+        pdl_enabled(a.device),
+    )
+    return q, q_scale
+
+
+def _fused_schedule_index(op: str, schedule: str) -> int:
+    if schedule not in SILU_FUSED_SCHEDULES:
+        raise ValueError(f"{op}: schedule={schedule!r}; allowed (the fused builds): {list(SILU_FUSED_SCHEDULES)}")
+    return _schedule_index(schedule)
+
+
+def _check_gate_up_rows(op: str, b: torch.Tensor) -> None:
+    """The fused GEMM1's ``N = 2I``: gate and up halves of whole 128-row blocks."""
+    if b.shape[1] % (2 * BLOCK):
+        raise ValueError(f"{op}: b has N={b.shape[1]} rows; the fused GEMM1 needs a multiple of {2 * BLOCK} "
+                         f"(gate and up halves of whole {BLOCK}-row blocks)")  # fmt: skip
+
+
 def _schedule_index(schedule: str) -> int:
     _check_schedule(schedule, "schedule")
     return INT8_BLOCK_SCHEDULES.index(schedule)
@@ -981,6 +1067,47 @@ def int8_block_masked_gemm(
         ``out``, ``[E, max_m, N]`` bf16.
     """
     return _masked_gemm("int8_block", a, a_scale, b, b_scale, masked_m, out, schedule)
+
+
+def int8_block_silu_masked_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    masked_m: torch.Tensor,
+    *,
+    schedule: str = SILU_FUSED_SCHEDULES[-1],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`int8_block_silu_grouped_gemm` on the masked layout (operands as in
+    :func:`int8_block_masked_gemm`): ``(q, q_scale)``, ``[E, max_m, N/2]`` int8 and
+    ``[E, max_m, N/256]`` fp32 row-major (what the masked GEMM2 reads); rows past ``masked_m[e]``
+    hold anything.
+
+    Raises:
+        TypeError, ValueError: what :func:`int8_block_masked_gemm` refuses, ``N`` not a multiple of
+            256, a schedule without a fused build; all before the extension is loaded.
+    """
+    op = "int8_block_silu_masked_gemm"
+    index = _fused_schedule_index(op, schedule)
+    _check_masked(op, a, a_scale, b, masked_m, None, lambda k: (k // BLOCK,))
+    a, a_scale = a.contiguous(), a_scale.contiguous()
+    e, max_m, k = a.shape
+    rows = a.reshape(e * max_m, k)
+    _check_rows(rows)
+    _check_block_scaled(op, torch.int8, rows, a_scale.reshape(e * max_m, -1), b, b_scale, None, None,
+                        devices=False, tile_n=256)  # fmt: skip
+    _check_gate_up_rows(op, b)
+    _check_masked_devices(op, a, a_scale, b, b_scale, masked_m, None)
+    n = b.shape[1]
+    q = torch.empty((e, max_m, n // 2), dtype=torch.int8, device=a.device)
+    q_scale = torch.empty((e, max_m, n // 2 // BLOCK), dtype=torch.float32, device=a.device)
+    if q.numel() == 0:
+        return q, q_scale
+    masked_m = masked_m.to(device=a.device, dtype=torch.int32).contiguous()
+    load_extension().int8_block_silu_masked_gemm(
+        q, q_scale, a, a_scale, b, b_scale.contiguous(), masked_m, *TILE_ORDER, index, pdl_enabled(a.device)
+    )
+    return q, q_scale
 
 
 def int8_masked_gemm(
@@ -1109,8 +1236,8 @@ def _schedule_index_on(device: torch.device) -> int:
     # for the process; the choice is logged the first time.
     name = measured_or_default_schedule(device)
     log.info("cutlass backend, INT8 block kernel on %s (%s): variant %s (128 x %d tiles; the one measured "
-             "for this GPU, else the default)", device, gpu_name(device) or device.type, name,
-             INT8_BLOCK_TILE_N[name])  # fmt: skip
+             "for this GPU, else the default; %s unless activation='separate')", device,
+             gpu_name(device) or device.type, name, INT8_BLOCK_TILE_N[name], gemm1_note(name))  # fmt: skip
     return INT8_BLOCK_SCHEDULES.index(name)
 
 
@@ -1170,6 +1297,10 @@ def packed_batch(batch: ContiguousBatch) -> tuple[ContiguousBatch, torch.Tensor]
 INT8_SCHEMES = frozenset({"int8_channel", "int8_block"})
 INT8_KERNELS = ("auto", "cutlass", "triton")
 """``int8_kernel`` of :class:`CutlassBackend`: by rows per expert, or one of the two always."""
+ACTIVATIONS = ("fused", "separate")
+"""``activation`` of :class:`CutlassBackend`: ``int8_block``'s ``silu(gate) * up`` in GEMM1's
+epilogue where the schedule has a fused build (:data:`SILU_FUSED_SCHEDULES`), or a kernel of its
+own after GEMM1 (what every other schedule and scheme runs; the benchmarks compare the two)."""
 KERNEL_NAMES = {
     "fp8_block": "CUTLASS FP8 block kernel",
     "int8_channel": "CUTLASS INT8 kernel",
@@ -1186,28 +1317,34 @@ class CutlassBackend(ExpertsBackend):
     when the backend is built; :attr:`schedule`), else the one measured on the GPU that holds the
     weights (:meth:`schedule_for`, looked up per device, not for the current one).
     ``int8_kernel``: ``"auto"`` (the INT8 GEMMs by rows per expert, :meth:`int8_kernel`), or
-    ``"cutlass"`` / ``"triton"`` at every size (what the benchmarks compare)."""
+    ``"cutlass"`` / ``"triton"`` at every size (what the benchmarks compare). ``activation``: one
+    of :data:`ACTIVATIONS`."""
 
     name = "cutlass"
     schemes = frozenset({"fp8_block", "int8_channel", "int8_block"})
     layouts = frozenset({"contiguous", "masked"})
 
     def __init__(
-        self, scheme: QuantScheme, *, accumulator: str = "fp32", schedule: str | None = None, int8_kernel: str = "auto"
-    ) -> None:
+        self, scheme: QuantScheme, *, accumulator: str = "fp32", schedule: str | None = None, int8_kernel: str = "auto",
+        activation: str = "fused",
+    ) -> None:  # fmt: skip
         super().__init__(scheme, accumulator=accumulator)
         if scheme.name == "int8_channel" and accumulator != "int32":
             raise ValueError(_INT8_ACCUMULATOR)
         if int8_kernel not in INT8_KERNELS:
             raise ValueError(f"int8_kernel={int8_kernel!r}; allowed: {list(INT8_KERNELS)}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation={activation!r}; allowed: {list(ACTIVATIONS)}")
+        self.activation = activation
         # Only the INT8 block kernel has schedules: a bad $EPMOE_INT8_BLOCK_SCHEDULE must not stop
         # FP8 or channel-wise layers from building (a schedule named here is still checked).
         self.schedule = (named_int8_block_schedule(schedule) if scheme.name == "int8_block" or schedule is not None
                          else None)  # fmt: skip
         self.forced_int8_kernel = None if int8_kernel == "auto" else int8_kernel
         if scheme.name == "int8_block" and self.schedule is not None:
-            log.info("cutlass backend, INT8 block kernel: variant %s (128 x %d tiles; INT8_BLOCK_SCHEDULES)",
-                     self.schedule, INT8_BLOCK_TILE_N[self.schedule])  # fmt: skip
+            log.info("cutlass backend, INT8 block kernel: variant %s (128 x %d tiles; INT8_BLOCK_SCHEDULES); %s",
+                     self.schedule, INT8_BLOCK_TILE_N[self.schedule],
+                     gemm1_note(self.schedule, activation))  # fmt: skip
         # Below the measured INT8 crossover the whole pass is the Triton backend's (its GEMMs
         # too), so a Triton backend of the same scheme is held as a composed part for that
         # branch only; the CUTLASS pass calls the shared row-wise stages (stages.py) directly.
@@ -1413,7 +1550,8 @@ class CutlassBackend(ExpertsBackend):
 
     def _run_int8(self, batch: ContiguousBatch, weights: ExpertWeights) -> torch.Tensor:
         """quantize (per token or per 1x128 group, unless it arrived so) -> GEMM1 -> silu(gate) *
-        up requantized the same way -> GEMM2, on the scheme's kernel.
+        up requantized the same way -> GEMM2, on the scheme's kernel; GEMM1 and the activation in
+        one kernel where :meth:`_fused_gemm1` says so.
         GEMM1's output and the pass's are bf16 whatever the layer's dtype (the kernels write
         bf16). The row-wise stages are the shared Triton ones (:mod:`epmoe.experts.stages`);
         with spare rows (``batch.expected_m``) they skip them as in
@@ -1423,7 +1561,8 @@ class CutlassBackend(ExpertsBackend):
         from .. import ops
 
         scheme = self.scheme
-        gemm = functools.partial(ops.cutlass_grouped_gemm, scheme.name, schedule=self.schedule_for(weights.w13.device))
+        schedule = self.schedule_for(weights.w13.device)
+        gemm = functools.partial(ops.cutlass_grouped_gemm, scheme.name, schedule=schedule)
         offsets = batch.expert_offsets
         bound, lift, drop = spare_row_slab(batch)
         padding = stages.padding_rows(batch)
@@ -1433,12 +1572,25 @@ class CutlassBackend(ExpertsBackend):
         with phase("epmoe.quantize"):
             a, a_scale = stages.gemm1_input(scheme, lift(batch.x), lift(batch.x_scale), weights, *bound, padding,
                                             scale_mn_major=mn_major)  # fmt: skip
-        with phase("epmoe.gemm1"):
-            gate_up = gemm(drop(a), drop(a_scale), weights.w13, weights.w13_scale, offsets)
-        with phase("epmoe.activation"):
-            h, h_scale = stages.activation(scheme, lift(gate_up), weights, *bound, padding, scale_mn_major=mn_major)
+        if self._fused_gemm1(weights, schedule):
+            with phase("epmoe.gemm1"):  # and the activation, in its epilogue
+                h, h_scale = ops.cutlass_silu_gemm(drop(a), drop(a_scale), weights.w13, weights.w13_scale, offsets,
+                                                   schedule)  # fmt: skip
+        else:
+            with phase("epmoe.gemm1"):
+                gate_up = gemm(drop(a), drop(a_scale), weights.w13, weights.w13_scale, offsets)
+            with phase("epmoe.activation"):
+                h, h_scale = stages.activation(scheme, lift(gate_up), weights, *bound, padding, scale_mn_major=mn_major)
+                h, h_scale = drop(h), drop(h_scale)
         with phase("epmoe.gemm2"):
-            return gemm(drop(h), drop(h_scale), weights.w2, weights.w2_scale, offsets)
+            return gemm(h, h_scale, weights.w2, weights.w2_scale, offsets)
+
+    def _fused_gemm1(self, weights: ExpertWeights, schedule: str) -> bool:
+        """Whether GEMM1 runs with the activation in its epilogue: ``activation="fused"``,
+        ``int8_block``, a schedule with a fused build (:data:`SILU_FUSED_SCHEDULES`) and an
+        intermediate size of whole 128-column blocks (always, for int8_block)."""
+        return (self.activation == "fused" and self.scheme.name == "int8_block" and schedule in SILU_FUSED_SCHEDULES
+                and weights.intermediate_size % BLOCK == 0)  # fmt: skip
 
     def run_masked(
         self, batch: MaskedBatch, weights: ExpertWeights, out_dtype: torch.dtype
@@ -1470,14 +1622,19 @@ class CutlassBackend(ExpertsBackend):
         hint = None if batch.expected_m is None else max(1, int(batch.expected_m))
         cap = batch.x.shape[1]
         rows = -(-cap // ROW_BLOCK) * ROW_BLOCK
-        gemm = functools.partial(ops.cutlass_masked_gemm, scheme.name, schedule=self.schedule_for(weights.w13.device))
+        schedule = self.schedule_for(weights.w13.device)
+        gemm = functools.partial(ops.cutlass_masked_gemm, scheme.name, schedule=schedule)
         with phase("epmoe.quantize"):
             a, a_scale = stages.gemm1_input(scheme, batch.x, batch.x_scale, weights, masked_m, hint)
             a, a_scale = pad_capacity(a, rows), pad_capacity(a_scale.contiguous(), rows)
-        with phase("epmoe.gemm1"):
-            gate_up = gemm(a, a_scale, weights.w13, weights.w13_scale, masked_m)
-        with phase("epmoe.activation"):
-            h, h_scale = stages.activation(scheme, gate_up, weights, masked_m, hint)
+        if self._fused_gemm1(weights, schedule):
+            with phase("epmoe.gemm1"):  # and the activation, in its epilogue
+                h, h_scale = ops.cutlass_silu_masked_gemm(a, a_scale, weights.w13, weights.w13_scale, masked_m, schedule)
+        else:
+            with phase("epmoe.gemm1"):
+                gate_up = gemm(a, a_scale, weights.w13, weights.w13_scale, masked_m)
+            with phase("epmoe.activation"):
+                h, h_scale = stages.activation(scheme, gate_up, weights, masked_m, hint)
         with phase("epmoe.gemm2"):
             out = gemm(h, h_scale, weights.w2, weights.w2_scale, masked_m)
         return out if rows == cap else out[:, :cap]

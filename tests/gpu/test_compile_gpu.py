@@ -119,6 +119,9 @@ def test_opcheck_cutlass(kind):
         masked = (kind, a.view(e, m // e, k), a_scale.view(e, m // e, -1), b, b_scale,
                   torch.tensor([100, 7], dtype=torch.int32, device="cuda"), "split_n")  # fmt: skip
         torch.library.opcheck(ops._cutlass_masked_gemm.op, masked)
+        if kind == "int8_block":  # GEMM1 with the activation fused (b's rows read as gate/up pairs)
+            torch.library.opcheck(ops._cutlass_silu_gemm.op, (a, a_scale, b, b_scale, offsets, "n256_quarters_run4"))
+            torch.library.opcheck(ops._cutlass_silu_masked_gemm.op, (*masked[1:6], "n256_quarters_run2"))
         return
     # torch's schema check compares inputs before and after with arithmetic that has no CUDA
     # float8 kernel ("mul_cuda" not implemented for 'Float8_e4m3fn'), so the FP8 case runs the

@@ -689,6 +689,115 @@ def test_cutlass_int8_block_gemm(counts, n, k, spare, schedule):
         assert torch.isnan(out2[used:]).all()
 
 
+def silu_quant_bound(a, sa, b, sb, lo, hi, x):
+    """float64 ``(h, bound)`` of the fused GEMM1 for expert ``x``'s rows: ``h = silu(gate) * up``
+    from the exact block sums of ``b``'s rows (gate rows then up rows, as w13 is stored), and how
+    far the kernel's fp32 ``h`` may be from it: each fp32 sum within (K/128 + 2)
+    roundings of its terms' magnitudes (as in test_cutlass_int8_block_gemm), carried through
+    silu (|silu'| < 1.1) and the product, plus 2^-20 relative for the fast exp and reciprocal."""
+    full, mag = int8_block_reference(a, sa, b, sb, lo, hi, x)
+    err = (a.shape[1] // 128 + 2) * 2.0**-24 * mag * 1.01
+    inter = full.shape[1] // 2
+    g, u, eg, eu = full[:, :inter], full[:, inter:], err[:, :inter], err[:, inter:]
+    silu = g * torch.sigmoid(g)
+    h = silu * u
+    bound = 1.1 * eg * (u.abs() + eu) + silu.abs() * eu + 2.0**-20 * h.abs()
+    return h, bound
+
+
+def check_silu_quant(q, q_scale, h, bound, what):
+    """Codes and 1x128 scales of ``h`` (float64, each element known within ``bound``): every scale
+    within the group's bound of ``amax / 127`` and every code within half a step (plus the bound,
+    plus 2^-16 of a step for the product with the rounded reciprocal of the scale) of
+    ``h / scale``."""
+    rows, cols = h.shape
+    groups = lambda t: t.view(rows, cols // 128, 128)  # noqa: E731
+    want = groups(h).abs().amax(-1) / 127.0
+    slack = groups(bound).amax(-1) / 127.0 + want * 2.0**-22
+    scale = q_scale.double()
+    assert bool(((scale - want).abs() <= slack).all()), (what, "scales", float(((scale - want).abs() - slack).max()))
+    err = (groups(q.double()) * scale[..., None] - groups(h)).abs()
+    limit = scale[..., None] * (0.5 + 2.0**-16) + groups(bound)
+    assert bool((err <= limit).all()), (what, "codes", float((err - limit).max()))
+
+
+@needs_cutlass
+@pytest.mark.parametrize("schedule", ["n256_quarters_run2", "n256_quarters_run4"])
+@pytest.mark.parametrize(
+    "counts,n,k,spare",
+    [([128, 0, 384, 256], 256, 256, 64), ([256, 0, 128], 512, 1152, 128), ([640, 128, 0, 1024], 4096, 7168, 0),
+     ([0, 0, 0], 256, 128, 128)],
+)  # fmt: skip
+def test_cutlass_int8_block_silu_gemm(counts, n, k, spare, schedule):
+    """GEMM1 with the activation in its epilogue against float64: codes and 1x128 scales as the
+    quantizers' rule gives them for silu(gate) * up of the exact block sums (check_silu_quant);
+    empty experts, odd block counts (a parked cluster partner), spare rows left unwritten, a row
+    with a NaN scale (its group's scale NaN, its codes 0, the other rows untouched); every tile
+    order gives the same bits; the masked layout's op gives the contiguous one's rows."""
+    from epmoe.experts.cutlass_backend import (
+        INT8_BLOCK_SCHEDULES, int8_block_silu_grouped_gemm, int8_block_silu_masked_gemm, is_mn_major, load_extension,
+    )  # fmt: skip
+
+    g = torch.Generator(device="cuda").manual_seed(n + k + 1)
+    offsets = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    used = int(offsets[-1])
+    m, e, kb = used + spare, len(counts), k // 128
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
+    b = torch.randint(-127, 128, (e, n, k), dtype=torch.int8, device="cuda", generator=g)
+    sa = torch.rand(m, kb, device="cuda", generator=g) + 0.5
+    # Sums of order 1-4: silu's curve and the up factor both matter.
+    sb = (torch.rand(e, n // 128, kb, device="cuda", generator=g) + 0.5) * 4 / (127.0 * 127.0 * k**0.5)
+    nan_row = int(offsets[2]) if used > int(offsets[2]) else None
+    if nan_row is not None:
+        sa[nan_row, -1] = float("nan")
+    q, q_scale = int8_block_silu_grouped_gemm(a, sa, b, sb, offsets, schedule=schedule)
+    assert q.shape == (m, n // 2) and q.dtype == torch.int8 and is_mn_major(q_scale) and q_scale.shape == (m, n // 256)
+    for x in range(e):
+        lo, hi = int(offsets[x]), int(offsets[x + 1])
+        if hi == lo:
+            continue
+        keep = torch.arange(lo, hi, device="cuda") != (nan_row if nan_row is not None else -1)
+        h, bound = silu_quant_bound(a, sa, b, sb, lo, hi, x)
+        check_silu_quant(q[lo:hi][keep], q_scale[lo:hi][keep], h[keep], bound[keep], (schedule, x))
+    if nan_row is not None:
+        assert torch.isnan(q_scale[nan_row]).all() and not q[nan_row].any()
+    ext, index = load_extension(), INT8_BLOCK_SCHEDULES.index(schedule)
+    for raster, swizzle in {(0, 1), (1, 1), (1, 4)}:
+        q2 = torch.full_like(q, 0x55)
+        s2 = torch.full((n // 256, m), float("inf"), device="cuda").t()  # row-major strides work too
+        ext.int8_block_silu_gemm(q2, s2, a, sa, b, sb, offsets, raster, swizzle, index)
+        assert torch.equal(q2[:used], q[:used]), (raster, swizzle)
+        torch.testing.assert_close(s2[:used], q_scale[:used], rtol=0, atol=0, equal_nan=True)
+        assert (q2[used:] == 0x55).all() and torch.isinf(s2[used:]).all(), "spare rows must stay unwritten"
+    if used:  # the masked layout: each expert's slab of max_m rows, its first count rows valid
+        max_m = -(-max(counts) // 128) * 128
+        am = torch.zeros(e, max_m, k, dtype=torch.int8, device="cuda")
+        sam = torch.ones(e, max_m, kb, device="cuda")
+        for x, c in enumerate(counts):
+            am[x, :c], sam[x, :c] = a[int(offsets[x]) : int(offsets[x]) + c], sa[int(offsets[x]) : int(offsets[x]) + c]
+        qm, sm = int8_block_silu_masked_gemm(am, sam, b, sb, offsets.diff(), schedule=schedule)
+        for x, c in enumerate(counts):
+            lo = int(offsets[x])
+            assert torch.equal(qm[x, :c], q[lo : lo + c]), x
+            torch.testing.assert_close(sm[x, :c], q_scale[lo : lo + c], rtol=0, atol=0, equal_nan=True)
+
+
+@needs_cutlass
+def test_cutlass_int8_block_silu_gemm_refuses_bad_operands():
+    """The fused GEMM1's own refusals, in Python before the extension: N not gate and up halves of
+    whole 128-row blocks, a schedule without a fused build."""
+    from epmoe.experts.cutlass_backend import int8_block_silu_grouped_gemm
+
+    a = torch.zeros(128, 128, dtype=torch.int8, device="cuda")
+    offsets = torch.tensor([0, 128], dtype=torch.int32, device="cuda")
+    sa = torch.ones(128, 1, device="cuda")
+    b = torch.zeros(1, 384, 128, dtype=torch.int8, device="cuda")
+    with pytest.raises(ValueError, match="N=384 rows; the fused GEMM1 needs a multiple of 256"):
+        int8_block_silu_grouped_gemm(a, sa, b, torch.ones(1, 3, 1, device="cuda"), offsets)
+    with pytest.raises(ValueError, match="schedule='lockstep'; allowed"):
+        int8_block_silu_grouped_gemm(a, sa, b[:, :256], torch.ones(1, 2, 1, device="cuda"), offsets, schedule="lockstep")
+
+
 def _masked_operands(kind, masked_m, max_m, n, k, seed):
     """Random int8 operands of the masked layout with scales of the kind's granularity."""
     g = torch.Generator(device="cuda").manual_seed(seed)
