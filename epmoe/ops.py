@@ -460,10 +460,10 @@ def _(a, a_scale, b, b_scale, expert_offsets, schedule):
     return a.new_empty((a.shape[0], cols), dtype=torch.int8), mn_major_scales(a.shape[0], cols // 128, None, like=a)
 
 
-def cutlass_silu_gemm(a, a_scale, b, b_scale, expert_offsets, schedule="n256_quarters_run4"):
+def cutlass_silu_gemm(a, a_scale, b, b_scale, expert_offsets, schedule):
     """:func:`epmoe.experts.cutlass_backend.int8_block_silu_grouped_gemm`: GEMM1 of an INT8 block
-    pass with ``silu(gate) * up`` requantized in its epilogue; ``(q [M, N/2] int8, q_scale
-    [M, N/256] fp32 MN-major)``."""
+    pass with ``silu(gate) * up`` requantized in its epilogue (``schedule``: one of
+    ``SILU_FUSED_SCHEDULES``); ``(q [M, N/2] int8, q_scale [M, N/256] fp32 MN-major)``."""
     return _cutlass_silu_gemm(a, a_scale, b, b_scale, expert_offsets, schedule)
 
 
@@ -480,10 +480,11 @@ def _cutlass_silu_masked_gemm(
 @_cutlass_silu_masked_gemm.register_fake
 def _(a, a_scale, b, b_scale, masked_m, schedule):
     cols = b.shape[1] // 2
-    return a.new_empty((*a.shape[:2], cols), dtype=torch.int8), a.new_empty((*a.shape[:2], cols // 128), dtype=torch.float32)
+    rows = a.shape[:2]
+    return a.new_empty((*rows, cols), dtype=torch.int8), a.new_empty((*rows, cols // 128), dtype=torch.float32)
 
 
-def cutlass_silu_masked_gemm(a, a_scale, b, b_scale, masked_m, schedule="n256_quarters_run4"):
+def cutlass_silu_masked_gemm(a, a_scale, b, b_scale, masked_m, schedule):
     """:func:`epmoe.experts.cutlass_backend.int8_block_silu_masked_gemm`: ``(q [E, max_m, N/2]
     int8, q_scale [E, max_m, N/256] fp32)``."""
     return _cutlass_silu_masked_gemm(a, a_scale, b, b_scale, masked_m, schedule)

@@ -1489,6 +1489,15 @@ def test_int8_block_variants_agree_across_the_sources():
         if m:
             built[int(m.group(1))] = src
     assert sorted(built) == list(range(1, n))
+    # The fused GEMM1's builds: the Python names, the header's list, the binding's, the files.
+    fused = [cb.INT8_BLOCK_SCHEDULES.index(s) for s in cb.SILU_FUSED_SCHEDULES]
+    listed = lambda text: [int(v) for v in re.findall(r"\d+", re.search(r"kSiluQuantVariants\[\] = \{([^}]*)\}", text).group(1))]  # noqa: E731
+    assert listed(header) == fused and listed(binding) == fused
+    silu_built = set()
+    for src in cb.SOURCES:
+        silu_built |= {int(v) for v in re.findall(r"^template void int8_block_silu_gemm_variant<(\d+)>",
+                                                   (cb.CSRC / src).read_text(), re.M)}  # fmt: skip
+    assert sorted(silu_built) == fused
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter on CPU")
@@ -1650,3 +1659,29 @@ def test_cutlass_backend_activation_argument(caplog):
     with caplog.at_level(logging.INFO, logger="epmoe"):
         cb.CutlassBackend(get_scheme("int8_block"), schedule="n256_quarters_run2")
     assert "variant n256_quarters_run2" in caplog.text and "in its epilogue" in caplog.text
+
+
+def test_cutlass_int8_block_silu_wrappers_refuse_before_loading(monkeypatch):
+    """The fused GEMM1's wrappers refuse, in Python and before the extension is loaded: N not gate
+    and up halves of whole 128-row blocks, a schedule without a fused build, what the block kernel
+    refuses (here a CPU tensor), on both layouts."""
+    from epmoe.experts import cutlass_backend as cb
+
+    monkeypatch.setattr(cb, "load_extension", lambda: pytest.fail("the extension was loaded"))
+    a = torch.zeros(128, 128, dtype=torch.int8)
+    offsets = torch.tensor([0, 128], dtype=torch.int32)
+    sa = torch.ones(128, 1)
+    b = torch.zeros(1, 384, 128, dtype=torch.int8)
+    with pytest.raises(ValueError, match="N=384 rows; the fused GEMM1 needs a multiple of 256"):
+        cb.int8_block_silu_grouped_gemm(a, sa, b, torch.ones(1, 3, 1), offsets)
+    with pytest.raises(ValueError, match=r"schedule='lockstep'; allowed \(the fused builds\): \['n256_quarters_run2'"):
+        cb.int8_block_silu_grouped_gemm(a, sa, b[:, :256], torch.ones(1, 2, 1), offsets, schedule="lockstep")
+    with pytest.raises(ValueError, match="a must be a CUDA tensor"):
+        cb.int8_block_silu_grouped_gemm(a, sa, b[:, :256], torch.ones(1, 2, 1), offsets)
+    am, sam, counts = a.view(1, 128, 128), sa.view(1, 128, 1), torch.tensor([100], dtype=torch.int32)
+    with pytest.raises(ValueError, match="N=384 rows; the fused GEMM1 needs a multiple of 256"):
+        cb.int8_block_silu_masked_gemm(am, sam, b, torch.ones(1, 3, 1), counts)
+    with pytest.raises(ValueError, match="max_m=100 rows per expert"):
+        cb.int8_block_silu_masked_gemm(am[:, :100], sam[:, :100], b[:, :256], torch.ones(1, 2, 1), counts)
+    with pytest.raises(ValueError, match="a must be a CUDA tensor"):
+        cb.int8_block_silu_masked_gemm(am, sam, b[:, :256], torch.ones(1, 2, 1), counts)

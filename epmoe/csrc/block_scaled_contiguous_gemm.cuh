@@ -31,7 +31,10 @@
 //    second descriptor without multicast serves pairs that straddle two experts).
 // For short k loops the epilogue is replaced too (Sm90WholeTileEpilogue, DeepGEMM's), except in
 // the INT8 variants that keep CUTLASS's subtiled one for its extra mainloop stage
-// (kSubtiledEpilogue).
+// (kSubtiledEpilogue). INT8 GEMM1 on a few variants also comes with the activation in the epilogue
+// (Sm90SiluQuantEpilogue, silu_quant_epilogue.cuh: int8 codes and 1x128 scales of
+// silu(gate) * up out); its mainloop loads a tile's B as w13's 128 gate rows and the same up rows,
+// two boxes, and their weight scales likewise (GateUpHalves).
 // INT8: the same kernel with int8 x int8 -> int32 warpgroup MMAs. The sum of one 128-wide K block
 // is exact in int32 (|sum| <= 128 * 128 * 128 = 2^21) and is promoted once per K block, as FP8's
 // partial sums are: accum += float(partial) * SFA[row] * SFB[group] (see S32InF32Registers).
@@ -801,28 +804,24 @@ struct Sm90BlockScaledMainloop : Base {
 // DeepGEMM's epilogue about 6 % (docs/fp8.md, session 11). The 48 KB buffer costs one mainloop
 // stage. alpha / beta must be 1 / 0 (can_implement refuses others): the GEMM writes A @ B^T.
 template <class Base, class TileShape>
-struct Sm90WholeTileEpilogue {
+struct Sm90WholeTileEpilogue : EpilogueWithoutSource<Base> {
   static constexpr int kTileM = size<0>(TileShape{});
   static constexpr int kTileN = size<1>(TileShape{});
   static constexpr int kAtomN = 64;  // bf16 columns in one 128-byte swizzle row
   static constexpr int kAtoms = kTileN / kAtomN;
   static_assert(kTileN % kAtomN == 0 && kTileM == 128);
 
+  using Interface = EpilogueWithoutSource<Base>;
+  using typename Interface::LoadPipeline;
+  using typename Interface::LoadPipelineState;
+  using typename Interface::PipelineStorage;
+  using typename Interface::StorePipeline;
+  using typename Interface::StorePipelineState;
+  using typename Interface::StrideD;
   using ElementC = typename Base::ElementC;
-  using StrideC = typename Base::StrideC;
   using ElementD = typename Base::ElementD;
-  using StrideD = typename Base::StrideD;
-  using GmemTiledCopyC = typename Base::GmemTiledCopyC;
-  using GmemTiledCopyD = typename Base::GmemTiledCopyD;
-  using ThreadEpilogueOp = typename Base::ThreadEpilogueOp;
   using Arguments = typename Base::Arguments;
   using Params = typename Base::Params;
-  using LoadPipeline = typename Base::LoadPipeline;
-  using LoadPipelineState = typename Base::LoadPipelineState;
-  using StorePipeline = typename Base::StorePipeline;
-  using StorePipelineState = typename Base::StorePipelineState;
-  using PipelineStorage = typename Base::PipelineStorage;
-  static constexpr bool RequiresTransactionBytes = Base::RequiresTransactionBytes;
   static_assert(cute::is_void_v<ElementC> && cute::is_same_v<ElementD, cutlass::bfloat16_t>);
 
   using EpilogueTile = Shape<Int<kTileM>, Int<kAtomN>>;
@@ -868,28 +867,11 @@ struct Sm90WholeTileEpilogue {
            args.thread.alpha_ptr == nullptr && args.thread.beta_ptr == nullptr &&
            Base::can_implement(problem_shape, args);
   }
-  template <class TileShapeMNK>
-  CUTLASS_HOST_DEVICE static constexpr int get_load_pipe_increment(TileShapeMNK) {
-    return 1;
-  }
-  template <class TileShapeMNK>
-  CUTLASS_HOST_DEVICE static constexpr int get_store_pipe_increment(TileShapeMNK) {
-    return 1;
-  }
   CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
     cute::prefetch_tma_descriptor(params.tma_store_d.get_tma_descriptor());
   }
 
   CUTLASS_HOST_DEVICE Sm90WholeTileEpilogue(Params const& params, TensorStorage&) : params_(params) {}
-
-  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
-
-  // No source operand: the kernel never calls load (is_producer_load_needed is false).
-  template <class... Ts>
-  CUTLASS_DEVICE auto load(LoadPipeline, LoadPipelineState state, Ts&&...) {
-    return state;
-  }
-  CUTLASS_DEVICE auto load_tail(LoadPipeline, LoadPipelineState state) { return state; }
 
   template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class AccEngine,
             class AccLayout, class TiledMma>
@@ -1251,7 +1233,7 @@ void int8_block_gemm_variant(at::Tensor& out, const at::Tensor& a, const at::Ten
 }
 
 // The variants that also build GEMM1 with the fused activation (int8_block_silu_gemm.cu picks one
-// at run time): the fastest 128 x 256 ones. kFusedSiluVariants in the binding is their count.
+// at run time): the fastest 128 x 256 ones. The binding keeps the same list (kSiluQuantVariants).
 constexpr int kSiluQuantVariants[] = {13, 14};
 constexpr int kNumSiluQuantVariants = sizeof(kSiluQuantVariants) / sizeof(kSiluQuantVariants[0]);
 

@@ -337,6 +337,41 @@ void set_block_table(SchedulerArguments& scheduler, const int32_t* block_expert,
   scheduler.num_m_blocks = (m + kRowBlock - 1) / kRowBlock;
 }
 
+// What the kernel asks of an epilogue that reads no source operand (D written from the
+// accumulators alone: Sm90WholeTileEpilogue, Sm90SiluQuantEpilogue): CUTLASS's epilogue Base
+// supplies the copy and pipeline types the kernel allocates, the producer's load is a no-op and
+// each tile is one store.
+template <class Base>
+struct EpilogueWithoutSource {
+  using StrideC = typename Base::StrideC;
+  using StrideD = typename Base::StrideD;
+  using GmemTiledCopyC = typename Base::GmemTiledCopyC;
+  using GmemTiledCopyD = typename Base::GmemTiledCopyD;
+  using ThreadEpilogueOp = typename Base::ThreadEpilogueOp;
+  using LoadPipeline = typename Base::LoadPipeline;
+  using LoadPipelineState = typename Base::LoadPipelineState;
+  using StorePipeline = typename Base::StorePipeline;
+  using StorePipelineState = typename Base::StorePipelineState;
+  using PipelineStorage = typename Base::PipelineStorage;
+  static constexpr bool RequiresTransactionBytes = Base::RequiresTransactionBytes;
+
+  template <class TileShapeMNK>
+  CUTLASS_HOST_DEVICE static constexpr int get_load_pipe_increment(TileShapeMNK) {
+    return 1;
+  }
+  template <class TileShapeMNK>
+  CUTLASS_HOST_DEVICE static constexpr int get_store_pipe_increment(TileShapeMNK) {
+    return 1;
+  }
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
+  // No source operand: the kernel never calls load (is_producer_load_needed is false).
+  template <class... Ts>
+  CUTLASS_DEVICE auto load(LoadPipeline, LoadPipelineState state, Ts&&...) {
+    return state;
+  }
+  CUTLASS_DEVICE auto load_tail(LoadPipeline, LoadPipelineState state) { return state; }
+};
+
 // can_implement, a workspace from torch's allocator, initialize and run on a's current stream;
 // with pdl as a programmatic dependent launch (the kernel's warps wait in the scheduler's
 // initial_work_tile_info before they read anything; its last tiles let the next kernel launch).

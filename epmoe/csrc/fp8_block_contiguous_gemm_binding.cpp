@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include <initializer_list>
+#include <string>
 
 namespace epmoe {
 void fp8_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
@@ -44,7 +45,8 @@ constexpr int64_t kInt8DenseCooperative = 0;
 constexpr int64_t kInt8DensePingpong = 1;
 constexpr int64_t kInt8BlockVariants = 15;  // kNumInt8BlockVariants in block_scaled_contiguous_gemm.cuh
 constexpr int64_t kRowBlock = 128;
-// kSiluQuantVariants in block_scaled_contiguous_gemm.cuh: the schedules with a fused GEMM1.
+// kSiluQuantVariants in block_scaled_contiguous_gemm.cuh: the schedules with a fused GEMM1 (the
+// two lists and SILU_FUSED_SCHEDULES are compared by tests/test_fp8_selection.py).
 constexpr int64_t kSiluQuantVariants[] = {13, 14};
 }  // namespace epmoe
 
@@ -154,8 +156,9 @@ void int8_block_contiguous_gemm(at::Tensor out, const at::Tensor& a, const at::T
 }
 
 // The fused GEMM1's operands: check_inputs (int8), N a multiple of 256 (a tile is 128 gate rows
-// and the same 128 up rows), q an int8 [M, N/2] with unit column stride, q_scale an fp32 [M, N/256]
-// (any strides), schedule one with a fused build.
+// and the same 128 up rows), q an int8 [M, N/2] with unit column stride and 16-byte aligned rows
+// (the epilogue stores 16-byte chunks), q_scale an fp32 [M, N/256] (any strides), schedule one
+// with a fused build.
 void check_silu_operands(const char* op, const at::Tensor& q, const at::Tensor& q_scale,
                          const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
                          const at::Tensor& b_scale, int64_t schedule) {
@@ -163,15 +166,20 @@ void check_silu_operands(const char* op, const at::Tensor& q, const at::Tensor& 
   const int64_t m = a.size(0), n = b.size(1);
   TORCH_CHECK(n % 256 == 0, op, ": N=", n, " must be a multiple of 256 (gate and up halves of 128-row blocks)");
   TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.size(0) == m && q.size(1) == n / 2 &&
-                  q.stride(1) == 1 && q.stride(0) >= n / 2,
-              op, ": q must be an int8 [M, N/2] tensor with unit column stride; got ", q.sizes());
+                  q.stride(1) == 1 && q.stride(0) >= n / 2 && q.stride(0) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0,
+              op, ": q must be an int8 [M, N/2] tensor with unit column stride and rows 16-byte aligned; got ",
+              q.sizes(), " with strides ", q.strides());
   TORCH_CHECK(q_scale.scalar_type() == at::kFloat && q_scale.dim() == 2 && q_scale.size(0) == m &&
                   q_scale.size(1) == n / 256,
               op, ": q_scale must be an fp32 [M, N/256] tensor; got ", q_scale.sizes());
   bool fused = false;
-  for (int64_t v : epmoe::kSiluQuantVariants) fused |= v == schedule;
-  TORCH_CHECK(fused, op, ": schedule=", schedule, " has no fused build (allowed: ",
-              epmoe::kSiluQuantVariants[0], ", ", epmoe::kSiluQuantVariants[1], ")");
+  std::string allowed;
+  for (int64_t v : epmoe::kSiluQuantVariants) {
+    fused |= v == schedule;
+    allowed += (allowed.empty() ? "" : ", ") + std::to_string(v);
+  }
+  TORCH_CHECK(fused, op, ": schedule=", schedule, " has no fused build (allowed: ", allowed, ")");
 }
 
 // q, q_scale = silu(gate) * up of the block-scaled GEMM of the rows of each expert, quantized to
@@ -197,8 +205,10 @@ struct MaskedRows {
   at::Tensor out, a, a_scale;
   int64_t max_m;
 };
+// out_shape: how the messages name out ("out ... [E, max_m, N]", or the fused GEMM1's q).
 MaskedRows masked_rows(const char* op, const at::Tensor& out, const at::Tensor& a,
-                       const at::Tensor& a_scale, const at::Tensor& b, const at::Tensor& masked_m) {
+                       const at::Tensor& a_scale, const at::Tensor& b, const at::Tensor& masked_m,
+                       const char* out_shape = "out must be a contiguous [E, max_m, N] tensor") {
   TORCH_CHECK(a.dim() == 3 && a.is_contiguous() && b.dim() == 3 && a.size(0) == b.size(0), op,
               ": a must be a contiguous [E, max_m, K] tensor with b's E; got a ", a.sizes(),
               " and b ", b.sizes());
@@ -209,7 +219,7 @@ MaskedRows masked_rows(const char* op, const at::Tensor& out, const at::Tensor& 
                   a_scale.is_contiguous(),
               op, ": a_scale must be a contiguous [E, max_m, ...] tensor; got ", a_scale.sizes());
   TORCH_CHECK(out.dim() == 3 && out.size(0) == e && out.size(1) == max_m && out.is_contiguous(), op,
-              ": out must be a contiguous [E, max_m, N] tensor; got ", out.sizes());
+              ": ", out_shape, "; got ", out.sizes());
   TORCH_CHECK(masked_m.is_cuda() && masked_m.device() == a.device() &&
                   masked_m.scalar_type() == at::kInt && masked_m.is_contiguous() &&
                   masked_m.dim() == 1 && masked_m.size(0) == e,
@@ -245,7 +255,7 @@ void int8_block_silu_masked_gemm(at::Tensor q, at::Tensor q_scale, const at::Ten
                                  int64_t raster_along_n, int64_t max_swizzle, int64_t schedule,
                                  bool pdl) {
   const char* op = "int8_block_silu_masked_gemm";
-  auto rows = masked_rows(op, q, a, a_scale, b, masked_m);
+  auto rows = masked_rows(op, q, a, a_scale, b, masked_m, "q must be a contiguous [E, max_m, N/2] tensor");
   TORCH_CHECK(q_scale.dim() == 3 && q_scale.size(0) == a.size(0) && q_scale.size(1) == rows.max_m &&
                   q_scale.is_contiguous(),
               op, ": q_scale must be a contiguous [E, max_m, N/256] tensor; got ", q_scale.sizes());

@@ -1,8 +1,8 @@
 // GEMM1 of an INT8 block-scaled experts pass with the activation fused into its epilogue
 // (silu_quant_epilogue.cuh): the INT8 block kernel's variants listed in kSiluQuantVariants
 // (block_scaled_contiguous_gemm.cuh), over the contiguous or the masked layout. This file builds
-// the first and picks one at run time; int8_block_silu_run2_gemm.cu builds the other, so that they
-// compile in parallel.
+// variant 14 (n256_quarters_run4) and picks one at run time; int8_block_silu_run2_gemm.cu builds
+// variant 13, so that they compile in parallel.
 #include "block_scaled_contiguous_gemm.cuh"
 
 namespace epmoe {

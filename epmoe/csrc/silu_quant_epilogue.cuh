@@ -1,7 +1,7 @@
 // GEMM1's epilogue of an INT8 block-scaled experts pass with the activation fused in: from each
 // 128 x 256 tile of fp32 sums it writes silu(gate) * up quantized to 1x128 int8, the operand of
 // GEMM2, instead of the 128 x 256 bf16 tile that a separate kernel would read back to do the
-// same (at 2048 rows per expert that round trip is 4 GB of memory traffic).
+// same (4 bytes per gate/up pair, written and read: 16 KB a row of DeepSeek-V3's I = 2048).
 //
 // The mainloop loads each 256-wide tile n as w13's gate rows [128 n, 128 n + 128) and the same up
 // rows (Sm90BlockScaledMainloop's GateUpHalves: two 128-row boxes, the weights as stored), so a
@@ -29,31 +29,28 @@
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 
+#include "contiguous_gemm_common.cuh"
+
 namespace epmoe {
 
 using namespace cute;
 
 template <class Base, class TileShape>
-struct Sm90SiluQuantEpilogue {
+struct Sm90SiluQuantEpilogue : EpilogueWithoutSource<Base> {
   static constexpr int kTileM = size<0>(TileShape{});
   static constexpr int kTileN = size<1>(TileShape{});
   static constexpr int kHalfBlocks = kTileN / 16;  // 8-column blocks in one half (gate or up)
   static_assert(kTileM == 128 && kTileN == 256, "a 128-row block x (128 gate + 128 up) columns");
 
-  // The kernel's typedefs; D is this epilogue's own (int8 codes and their scales).
+  using Interface = EpilogueWithoutSource<Base>;
+  using typename Interface::LoadPipeline;
+  using typename Interface::LoadPipelineState;
+  using typename Interface::PipelineStorage;
+  using typename Interface::StorePipeline;
+  using typename Interface::StorePipelineState;
+  // D is this epilogue's own: int8 codes and their scales.
   using ElementC = void;
-  using StrideC = typename Base::StrideC;
   using ElementD = int8_t;
-  using StrideD = typename Base::StrideD;
-  using LoadPipeline = typename Base::LoadPipeline;
-  using LoadPipelineState = typename Base::LoadPipelineState;
-  using StorePipeline = typename Base::StorePipeline;
-  using StorePipelineState = typename Base::StorePipelineState;
-  using GmemTiledCopyC = typename Base::GmemTiledCopyC;
-  using GmemTiledCopyD = typename Base::GmemTiledCopyD;
-  using ThreadEpilogueOp = typename Base::ThreadEpilogueOp;
-  using PipelineStorage = typename Base::PipelineStorage;
-  static constexpr bool RequiresTransactionBytes = Base::RequiresTransactionBytes;
 
   struct Arguments {
     int8_t* q = nullptr;        // [M, N / 2]
@@ -94,26 +91,13 @@ struct Sm90SiluQuantEpilogue {
   template <class ProblemShape>
   static bool can_implement(ProblemShape const& problem_shape, Arguments const& args) {
     auto [M, N, K, L] = append<4>(problem_shape, 1);
-    return N % kTileN == 0 && args.q != nullptr && args.q_scale != nullptr && args.q_ld >= N / 2;
-  }
-  template <class TileShapeMNK>
-  CUTLASS_HOST_DEVICE static constexpr int get_load_pipe_increment(TileShapeMNK) {
-    return 1;
-  }
-  template <class TileShapeMNK>
-  CUTLASS_HOST_DEVICE static constexpr int get_store_pipe_increment(TileShapeMNK) {
-    return 1;
+    // 16-byte chunk stores: q's rows start on 16 bytes.
+    return N % kTileN == 0 && args.q != nullptr && args.q_scale != nullptr && args.q_ld >= N / 2 &&
+           args.q_ld % 16 == 0 && reinterpret_cast<uintptr_t>(args.q) % 16 == 0;
   }
   CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const&) {}
 
   CUTLASS_HOST_DEVICE Sm90SiluQuantEpilogue(Params const& params, TensorStorage&) : params_(params) {}
-
-  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
-  template <class... Ts>
-  CUTLASS_DEVICE auto load(LoadPipeline, LoadPipelineState state, Ts&&...) {
-    return state;
-  }
-  CUTLASS_DEVICE auto load_tail(LoadPipeline, LoadPipelineState state) { return state; }
 
   // silu(g) * u in fp32.
   CUTLASS_DEVICE static float silu_mul(float g, float u) {

@@ -24,8 +24,8 @@ int8 MMAs, each 128-wide K block summed exactly in int32 and promoted to fp32 wi
 the 1x128 and 128x128 scales (``int8_block_contiguous_gemm.cu``); on the variants of
 :data:`SILU_FUSED_SCHEDULES` its GEMM1 also computes ``silu(gate) * up`` requantized to 1x128 in
 the epilogue (``silu_quant_epilogue.cuh``: each tile is 128 gate rows and the same up rows of w13
-as stored), so GEMM1's bf16 output and the activation kernel that would read it back are gone. Which GEMMs a batch runs is
-chosen by its rows per expert (the host counts, or the dispatcher's hint when the sizes stayed on
+as stored), so GEMM1's bf16 output and the activation kernel that would read it back are gone.
+Which GEMMs a batch runs is chosen by its rows per expert (the host counts, or the dispatcher's hint when the sizes stayed on
 the device) from measured crossovers shipped as data (``epmoe/configs/int8_crossover.json``,
 :func:`int8_rule`): the Triton backend's pass below the crossover (on the batch packed to its rows,
 :func:`packed_batch`, without a host sync either way), the CUTLASS kernels from it; without data
@@ -1235,9 +1235,10 @@ def _schedule_index_on(device: torch.device) -> int:
     # Cached per device: the forward asks on every call, and the file and the GPU name are fixed
     # for the process; the choice is logged the first time.
     name = measured_or_default_schedule(device)
+    fused = " unless activation='separate'" if name in SILU_FUSED_SCHEDULES else ""
     log.info("cutlass backend, INT8 block kernel on %s (%s): variant %s (128 x %d tiles; the one measured "
-             "for this GPU, else the default; %s unless activation='separate')", device,
-             gpu_name(device) or device.type, name, INT8_BLOCK_TILE_N[name], gemm1_note(name))  # fmt: skip
+             "for this GPU, else the default; %s%s)", device, gpu_name(device) or device.type, name,
+             INT8_BLOCK_TILE_N[name], gemm1_note(name), fused)  # fmt: skip
     return INT8_BLOCK_SCHEDULES.index(name)
 
 
@@ -1551,9 +1552,9 @@ class CutlassBackend(ExpertsBackend):
     def _run_int8(self, batch: ContiguousBatch, weights: ExpertWeights) -> torch.Tensor:
         """quantize (per token or per 1x128 group, unless it arrived so) -> GEMM1 -> silu(gate) *
         up requantized the same way -> GEMM2, on the scheme's kernel; GEMM1 and the activation in
-        one kernel where :meth:`_fused_gemm1` says so.
-        GEMM1's output and the pass's are bf16 whatever the layer's dtype (the kernels write
-        bf16). The row-wise stages are the shared Triton ones (:mod:`epmoe.experts.stages`);
+        one kernel where :meth:`_fused_gemm1` says so (GEMM1's output then never reaches memory).
+        A separate GEMM1's output and the pass's are bf16 whatever the layer's dtype (the kernels
+        write bf16). The row-wise stages are the shared Triton ones (:mod:`epmoe.experts.stages`);
         with spare rows (``batch.expected_m``) they skip them as in
         :meth:`TritonBackend.run_contiguous` (:func:`~epmoe.experts.stages.spare_row_slab`), and
         the GEMMs skip the blocks past the last segment."""
@@ -1610,7 +1611,8 @@ class CutlassBackend(ExpertsBackend):
 
     def _run_int8_masked(self, batch: MaskedBatch, weights: ExpertWeights) -> torch.Tensor:
         """quantize (the valid rows; unless they arrived so) -> GEMM1 -> silu(gate) * up
-        requantized -> GEMM2 on the masked layout, ``[E, cap, H]`` bf16 out. The kernels tile whole
+        requantized (in GEMM1's epilogue where :meth:`_fused_gemm1` says so) -> GEMM2 on the
+        masked layout, ``[E, cap, H]`` bf16 out. The kernels tile whole
         128-row blocks of each expert's slab, so a capacity off the block is padded (GEMM1's
         operand, after quantization: one copy of the int8 rows) and the output cut back; the
         blocks past ``masked_m`` get no tiles and the row-wise stages skip those rows."""
@@ -1629,7 +1631,8 @@ class CutlassBackend(ExpertsBackend):
             a, a_scale = pad_capacity(a, rows), pad_capacity(a_scale.contiguous(), rows)
         if self._fused_gemm1(weights, schedule):
             with phase("epmoe.gemm1"):  # and the activation, in its epilogue
-                h, h_scale = ops.cutlass_silu_masked_gemm(a, a_scale, weights.w13, weights.w13_scale, masked_m, schedule)
+                h, h_scale = ops.cutlass_silu_masked_gemm(a, a_scale, weights.w13, weights.w13_scale, masked_m,
+                                                          schedule)  # fmt: skip
         else:
             with phase("epmoe.gemm1"):
                 gate_up = gemm(a, a_scale, weights.w13, weights.w13_scale, masked_m)

@@ -640,6 +640,21 @@ def int8_block_reference(a, sa, b, sb, lo, hi, x):
     return ref, mag
 
 
+def block_operands(counts, n, k, spare, seed, weight_scale=1.0):
+    """Random int8 operands of the contiguous layout with 1x128 and 128x128 scales: ``(offsets,
+    used rows, a, a_scale, b, b_scale)``, ``counts`` rows per expert and ``spare`` rows past them;
+    sums of order ``weight_scale``."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    offsets = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    used = int(offsets[-1])
+    m, e, kb = used + spare, len(counts), k // 128
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
+    b = torch.randint(-127, 128, (e, n, k), dtype=torch.int8, device="cuda", generator=g)
+    sa = torch.rand(m, kb, device="cuda", generator=g) + 0.5
+    sb = (torch.rand(e, n // 128, kb, device="cuda", generator=g) + 0.5) * weight_scale / (127.0 * 127.0 * k**0.5)
+    return offsets, used, a, sa, b, sb
+
+
 @needs_cutlass
 @pytest.mark.parametrize("schedule", INT8_BLOCK_SCHEDULES)
 @pytest.mark.parametrize(
@@ -659,14 +674,8 @@ def test_cutlass_int8_block_gemm(counts, n, k, spare, schedule):
     variant of the kernel (consumer schedule, tile width) meets the same bound."""
     from epmoe.experts.cutlass_backend import int8_block_grouped_gemm, load_extension
 
-    g = torch.Generator(device="cuda").manual_seed(n + k)
-    offsets = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    used = int(offsets[-1])
-    m, e, kb = used + spare, len(counts), k // 128
-    a = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
-    b = torch.randint(-127, 128, (e, n, k), dtype=torch.int8, device="cuda", generator=g)
-    sa = torch.rand(m, kb, device="cuda", generator=g) + 0.5
-    sb = (torch.rand(e, n // 128, kb, device="cuda", generator=g) + 0.5) / (127.0 * 127.0 * k**0.5)
+    offsets, used, a, sa, b, sb = block_operands(counts, n, k, spare, seed=n + k)
+    m, e, kb = a.shape[0], b.shape[0], k // 128
     refs = {x: int8_block_reference(a, sa, b, sb, int(offsets[x]), int(offsets[x + 1]), x)
             for x in range(e) if offsets[x + 1] > offsets[x]}  # fmt: skip
 
@@ -694,7 +703,9 @@ def silu_quant_bound(a, sa, b, sb, lo, hi, x):
     from the exact block sums of ``b``'s rows (gate rows then up rows, as w13 is stored), and how
     far the kernel's fp32 ``h`` may be from it: each fp32 sum within (K/128 + 2)
     roundings of its terms' magnitudes (as in test_cutlass_int8_block_gemm), carried through
-    silu (|silu'| < 1.1) and the product, plus 2^-20 relative for the fast exp and reciprocal."""
+    silu (|silu'| < 1.1) and the product, plus 2^-20 relative for the fast exp and reciprocal
+    (``__expf``: 2 + 1.17 |g| ulp, within that for |g| < 10; beyond, h is a few ulp of g * u or far
+    below the group's step, where the codes' half-step slack covers it)."""
     full, mag = int8_block_reference(a, sa, b, sb, lo, hi, x)
     err = (a.shape[1] // 128 + 2) * 2.0**-24 * mag * 1.01
     inter = full.shape[1] // 2
@@ -738,15 +749,9 @@ def test_cutlass_int8_block_silu_gemm(counts, n, k, spare, schedule):
         INT8_BLOCK_SCHEDULES, int8_block_silu_grouped_gemm, int8_block_silu_masked_gemm, is_mn_major, load_extension,
     )  # fmt: skip
 
-    g = torch.Generator(device="cuda").manual_seed(n + k + 1)
-    offsets = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    used = int(offsets[-1])
-    m, e, kb = used + spare, len(counts), k // 128
-    a = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
-    b = torch.randint(-127, 128, (e, n, k), dtype=torch.int8, device="cuda", generator=g)
-    sa = torch.rand(m, kb, device="cuda", generator=g) + 0.5
     # Sums of order 1-4: silu's curve and the up factor both matter.
-    sb = (torch.rand(e, n // 128, kb, device="cuda", generator=g) + 0.5) * 4 / (127.0 * 127.0 * k**0.5)
+    offsets, used, a, sa, b, sb = block_operands(counts, n, k, spare, seed=n + k + 1, weight_scale=4.0)
+    m, e, kb = a.shape[0], b.shape[0], k // 128
     nan_row = int(offsets[2]) if used > int(offsets[2]) else None
     if nan_row is not None:
         sa[nan_row, -1] = float("nan")
@@ -763,8 +768,9 @@ def test_cutlass_int8_block_silu_gemm(counts, n, k, spare, schedule):
         assert torch.isnan(q_scale[nan_row]).all() and not q[nan_row].any()
     ext, index = load_extension(), INT8_BLOCK_SCHEDULES.index(schedule)
     for raster, swizzle in {(0, 1), (1, 1), (1, 4)}:
-        q2 = torch.full_like(q, 0x55)
-        s2 = torch.full((n // 256, m), float("inf"), device="cuda").t()  # row-major strides work too
+        # Rows of q padded by 16 bytes and row-major scales: the op takes any such strides.
+        q2 = torch.full((m, n // 2 + 16), 0x55, dtype=torch.int8, device="cuda")[:, : n // 2]
+        s2 = torch.full((m, n // 256), float("inf"), device="cuda")
         ext.int8_block_silu_gemm(q2, s2, a, sa, b, sb, offsets, raster, swizzle, index)
         assert torch.equal(q2[:used], q[:used]), (raster, swizzle)
         torch.testing.assert_close(s2[:used], q_scale[:used], rtol=0, atol=0, equal_nan=True)
@@ -783,19 +789,37 @@ def test_cutlass_int8_block_silu_gemm(counts, n, k, spare, schedule):
 
 
 @needs_cutlass
-def test_cutlass_int8_block_silu_gemm_refuses_bad_operands():
-    """The fused GEMM1's own refusals, in Python before the extension: N not gate and up halves of
-    whole 128-row blocks, a schedule without a fused build."""
-    from epmoe.experts.cutlass_backend import int8_block_silu_grouped_gemm
+def test_cutlass_int8_block_fused_and_separate_activation_agree():
+    """The cutlass backend's int8_block pass on n256_quarters_run4 with the activation in GEMM1's
+    epilogue and as its own kernel, on the contiguous and the masked layout: both within the
+    scheme's bound of float64 and close to each other (what separates them: the separate kernel
+    reads GEMM1's output rounded to bf16, which moves some codes by one)."""
+    from cases import make_case
+    from epmoe.experts import cutlass_backend as cb
+    from epmoe.experts.base import ExpertWeights
+    from epmoe.layouts import gather_weighted, to_contiguous, to_masked
+    from helpers import make_weights
+    from reference import moe_reference, rel_err
 
-    a = torch.zeros(128, 128, dtype=torch.int8, device="cuda")
-    offsets = torch.tensor([0, 128], dtype=torch.int32, device="cuda")
-    sa = torch.ones(128, 1, device="cuda")
-    b = torch.zeros(1, 384, 128, dtype=torch.int8, device="cuda")
-    with pytest.raises(ValueError, match="N=384 rows; the fused GEMM1 needs a multiple of 256"):
-        int8_block_silu_grouped_gemm(a, sa, b, torch.ones(1, 3, 1, device="cuda"), offsets)
-    with pytest.raises(ValueError, match="schedule='lockstep'; allowed"):
-        int8_block_silu_grouped_gemm(a, sa, b[:, :256], torch.ones(1, 2, 1, device="cuda"), offsets, schedule="lockstep")
+    scheme = get_scheme("int8_block")
+    stored, (w13, w2) = make_weights(LE, LH, LI, "int8_block")
+    x, ids, w = make_case("empty_experts", 0, LE, LK, LH)
+    xc, idc, wc = x.cuda().bfloat16(), ids.cuda(), w.cuda()
+    ref = moe_reference(xc.float().cpu(), ids, w, w13, w2, "int8_block")
+    got = {}
+    for activation in cb.ACTIVATIONS:
+        backend = cb.CutlassBackend(scheme, schedule="n256_quarters_run4", int8_kernel="cutlass", activation=activation)
+        assert backend._fused_gemm1(ExpertWeights(scheme, *stored), "n256_quarters_run4") == (activation == "fused")
+        weights = backend.prepare_weights(ExpertWeights(scheme, *[t.cuda() for t in stored]))
+        batch = to_contiguous(xc, None, idc, LE, alignment=backend.alignment)
+        contiguous = gather_weighted(backend.run_contiguous(batch, weights, torch.bfloat16), batch.slot_pos, wc)
+        masked, slot_pos = to_masked(xc, None, idc, LE, capacity=256)
+        out = backend.run_masked(masked, weights, torch.bfloat16)
+        got[activation] = (contiguous.float(), gather_weighted(out.reshape(-1, LH), slot_pos, wc).float())
+        for layout, rows in zip(("contiguous", "masked"), got[activation]):
+            assert rel_err(rows.cpu(), ref) < scheme.rel_error_bound, (activation, layout, rel_err(rows.cpu(), ref))
+    for fused, separate in zip(got["fused"], got["separate"]):  # as the cutlass-vs-Triton checks above
+        assert rel_err(fused, separate) < 2e-2, rel_err(fused, separate)
 
 
 def _masked_operands(kind, masked_m, max_m, n, k, seed):
