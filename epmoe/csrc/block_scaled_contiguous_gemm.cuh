@@ -247,6 +247,11 @@ struct Sm90BlockScaledMainloop : Base {
     int32_t n = 0, k = 0, l = 0;  // B's extents (kHalves: where the up rows start)
   };
 
+  // kHalves: the 128-row block of B holding tile n's gate rows (n) or up rows (N/256 + n).
+  CUTLASS_DEVICE static int gate_up_block(Params const& p, int n, int half) {
+    return half == 0 ? n : p.n / (2 * kHalfN) + n;
+  }
+
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args,
                                         void* workspace) {
@@ -325,14 +330,20 @@ struct Sm90BlockScaledMainloop : Base {
         mcast_mask_b |= uint16_t(1) << block_layout(m, cluster_id.y, Int<0>{});
       }
     }
-    // kHalves: B's 128-row blocks (gate block n_coord, up block N/256 + n_coord) and where they
-    // land in a stage's tile (the gate rows first).
-    constexpr int kHalfRows = kHalfN;
+    // kHalves: B in 128-row blocks (gate_up_block) and where a block lands in a stage's tile
+    // (the gate rows first).
+    auto gB_blocks = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+      if constexpr (kHalves) {
+        return local_tile(params.tma_load_b_half.get_tma_tensor(make_shape(params.n, params.k, params.l)),
+                          Shape<Int<kHalfN>, Int<kHalfK>>{}, make_coord(_, _, _));
+      } else {
+        return 0;
+      }
+    }();
     auto half_dst = [&](int stage, int half) CUTLASS_LAMBDA_FUNC_INLINE {
       return make_tensor(make_smem_ptr(shared_tensors.smem_B.data() + (stage * 2 + half) * cosize(SmemLayoutBHalf{})),
                          SmemLayoutBHalf{});
     };
-    const int up_block = params.n / (2 * kHalfRows) + int(n_coord);
     CUTLASS_PRAGMA_NO_UNROLL
     for (; k_tile_count > 0; --k_tile_count) {
       pipeline.producer_acquire(smem_pipe_write);
@@ -342,11 +353,9 @@ struct Sm90BlockScaledMainloop : Base {
         copy(params.tma_load_a.with(*barrier, mcast_mask_a), tAgA(_, _, _, *k_tile_iter),
              tAsA(_, _, _, stage));
         if constexpr (kHalves) {
-          Tensor gB_blocks = local_tile(params.tma_load_b_half.get_tma_tensor(make_shape(params.n, params.k, params.l)),
-                                        Shape<Int<kHalfN>, Int<kHalfK>>{}, make_coord(_, _, _));
           CUTLASS_PRAGMA_UNROLL
           for (int half = 0; half < 2; ++half) {
-            Tensor src = gB_blocks(_, _, half == 0 ? int(n_coord) : up_block, *k_tile_iter, l_coord);
+            Tensor src = gB_blocks(_, _, gate_up_block(params, int(n_coord), half), *k_tile_iter, l_coord);
             if (multicast_b) {
               auto tma = params.tma_load_b_half.get_slice(cluster_id.x);
               copy(params.tma_load_b_half.with(*barrier, mcast_mask_b), tma.partition_S(src),
@@ -389,7 +398,7 @@ struct Sm90BlockScaledMainloop : Base {
       Tensor sSFB = make_tensor(make_smem_ptr(shared_tensors.smem_SFB.data()), filter_zeros(SmemLayoutSFB{}));
       Tensor mSFB = get<3>(inputs);  // ((128, N/128), (128, K/128), L)
       auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
-      const int block = thread_idx == 0 ? int(n_coord) : params.n / 256 + int(n_coord);
+      const int block = gate_up_block(params, int(n_coord), thread_idx);
       CUTLASS_PRAGMA_NO_UNROLL
       for (; k_tile_count > 0; --k_tile_count) {
         pipeline.producer_acquire(smem_pipe_write);

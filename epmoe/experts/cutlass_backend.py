@@ -25,8 +25,8 @@ the 1x128 and 128x128 scales (``int8_block_contiguous_gemm.cu``); on the variant
 :data:`SILU_FUSED_SCHEDULES` its GEMM1 also computes ``silu(gate) * up`` requantized to 1x128 in
 the epilogue (``silu_quant_epilogue.cuh``: each tile is 128 gate rows and the same up rows of w13
 as stored), so GEMM1's bf16 output and the activation kernel that would read it back are gone.
-Which GEMMs a batch runs is chosen by its rows per expert (the host counts, or the dispatcher's hint when the sizes stayed on
-the device) from measured crossovers shipped as data (``epmoe/configs/int8_crossover.json``,
+Which GEMMs a batch runs is chosen by its rows per expert (the host counts, or the dispatcher's
+hint when the sizes stayed on the device) from measured crossovers shipped as data (``epmoe/configs/int8_crossover.json``,
 :func:`int8_rule`): the Triton backend's pass below the crossover (on the batch packed to its rows,
 :func:`packed_batch`, without a host sync either way), the CUTLASS kernels from it; without data
 for the GPU and scheme, CUTLASS.
@@ -1003,6 +1003,17 @@ def _masked_output(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -
     return torch.empty((*a.shape[:2], b.shape[1]), dtype=torch.bfloat16, device=a.device) if out is None else out
 
 
+def _masked_rows(op, a, a_scale, b, masked_m, out, scale_cols):
+    """:func:`_check_masked`, then ``(a, a_scale)`` contiguous and their ``E * max_m`` rows as the
+    contiguous kernels take them (checked against the kernels' row limit)."""
+    _check_masked(op, a, a_scale, b, masked_m, out, scale_cols)
+    a, a_scale = a.contiguous(), a_scale.contiguous()
+    e, max_m, k = a.shape
+    rows = a.reshape(e * max_m, k)
+    _check_rows(rows)
+    return a, a_scale, rows, a_scale.reshape(e * max_m, -1)
+
+
 def _masked_gemm(kind: str, a, a_scale, b, b_scale, masked_m, out, schedule: str | None) -> torch.Tensor:
     """The INT8 GEMM ``kind`` (``int8_block`` or ``int8_channel``) on the masked layout: its own
     conditions (:func:`_check_masked`), then the kernel's operand rule on the ``E * max_m`` rows
@@ -1011,12 +1022,8 @@ def _masked_gemm(kind: str, a, a_scale, b, b_scale, masked_m, out, schedule: str
     op = "int8_block_masked_gemm" if block else "int8_masked_gemm"
     index = _schedule_index(schedule) if block else None
     per_row = isinstance(a_scale, torch.Tensor) and a_scale.dim() == 2  # channel: [E, max_m] or [E, max_m, 1]
-    _check_masked(op, a, a_scale, b, masked_m, out, (lambda k: (k // BLOCK,)) if block else
-                  (lambda k: () if per_row else (1,)))  # fmt: skip
-    a, a_scale = a.contiguous(), a_scale.contiguous()
-    e, max_m, k = a.shape
-    rows, row_scales = a.reshape(e * max_m, k), a_scale.reshape(e * max_m, -1)
-    _check_rows(rows)
+    a, a_scale, rows, row_scales = _masked_rows(op, a, a_scale, b, masked_m, out, (lambda k: (k // BLOCK,)) if block
+                                                else (lambda k: () if per_row else (1,)))  # fmt: skip
     if block:
         _check_block_scaled(op, torch.int8, rows, row_scales, b, b_scale, None, None, devices=False,
                             tile_n=INT8_BLOCK_TILE_N[schedule])  # fmt: skip
@@ -1089,16 +1096,11 @@ def int8_block_silu_masked_gemm(
     """
     op = "int8_block_silu_masked_gemm"
     index = _fused_schedule_index(op, schedule)
-    _check_masked(op, a, a_scale, b, masked_m, None, lambda k: (k // BLOCK,))
-    a, a_scale = a.contiguous(), a_scale.contiguous()
-    e, max_m, k = a.shape
-    rows = a.reshape(e * max_m, k)
-    _check_rows(rows)
-    _check_block_scaled(op, torch.int8, rows, a_scale.reshape(e * max_m, -1), b, b_scale, None, None,
-                        devices=False, tile_n=256)  # fmt: skip
+    a, a_scale, rows, row_scales = _masked_rows(op, a, a_scale, b, masked_m, None, lambda k: (k // BLOCK,))
+    _check_block_scaled(op, torch.int8, rows, row_scales, b, b_scale, None, None, devices=False, tile_n=256)
     _check_gate_up_rows(op, b)
     _check_masked_devices(op, a, a_scale, b, b_scale, masked_m, None)
-    n = b.shape[1]
+    (e, max_m, _), n = a.shape, b.shape[1]
     q = torch.empty((e, max_m, n // 2), dtype=torch.int8, device=a.device)
     q_scale = torch.empty((e, max_m, n // 2 // BLOCK), dtype=torch.float32, device=a.device)
     if q.numel() == 0:
@@ -1573,7 +1575,7 @@ class CutlassBackend(ExpertsBackend):
         with phase("epmoe.quantize"):
             a, a_scale = stages.gemm1_input(scheme, lift(batch.x), lift(batch.x_scale), weights, *bound, padding,
                                             scale_mn_major=mn_major)  # fmt: skip
-        if self._fused_gemm1(weights, schedule):
+        if self._fused_gemm1(schedule):
             with phase("epmoe.gemm1"):  # and the activation, in its epilogue
                 h, h_scale = ops.cutlass_silu_gemm(drop(a), drop(a_scale), weights.w13, weights.w13_scale, offsets,
                                                    schedule)  # fmt: skip
@@ -1586,12 +1588,11 @@ class CutlassBackend(ExpertsBackend):
         with phase("epmoe.gemm2"):
             return gemm(h, h_scale, weights.w2, weights.w2_scale, offsets)
 
-    def _fused_gemm1(self, weights: ExpertWeights, schedule: str) -> bool:
+    def _fused_gemm1(self, schedule: str) -> bool:
         """Whether GEMM1 runs with the activation in its epilogue: ``activation="fused"``,
-        ``int8_block``, a schedule with a fused build (:data:`SILU_FUSED_SCHEDULES`) and an
-        intermediate size of whole 128-column blocks (always, for int8_block)."""
-        return (self.activation == "fused" and self.scheme.name == "int8_block" and schedule in SILU_FUSED_SCHEDULES
-                and weights.intermediate_size % BLOCK == 0)  # fmt: skip
+        ``int8_block`` (whose sizes are whole 128-column blocks by the scheme's rule) and a
+        schedule with a fused build (:data:`SILU_FUSED_SCHEDULES`)."""
+        return self.activation == "fused" and self.scheme.name == "int8_block" and schedule in SILU_FUSED_SCHEDULES
 
     def run_masked(
         self, batch: MaskedBatch, weights: ExpertWeights, out_dtype: torch.dtype
@@ -1629,7 +1630,7 @@ class CutlassBackend(ExpertsBackend):
         with phase("epmoe.quantize"):
             a, a_scale = stages.gemm1_input(scheme, batch.x, batch.x_scale, weights, masked_m, hint)
             a, a_scale = pad_capacity(a, rows), pad_capacity(a_scale.contiguous(), rows)
-        if self._fused_gemm1(weights, schedule):
+        if self._fused_gemm1(schedule):
             with phase("epmoe.gemm1"):  # and the activation, in its epilogue
                 h, h_scale = ops.cutlass_silu_masked_gemm(a, a_scale, weights.w13, weights.w13_scale, masked_m,
                                                           schedule)  # fmt: skip

@@ -525,8 +525,7 @@ def _scale_rows(a_scale: torch.Tensor, rows: int) -> torch.Tensor:
     a view where one exists (row-major, or MN-major as
     :func:`~epmoe.kernels.common.mn_major_scales` makes it), copied only to change the dtype or
     where no 2-D view of those rows exists."""
-    s = a_scale.reshape(rows, -1)
-    return s if s.dtype == torch.float32 else s.float()
+    return a_scale.reshape(rows, -1).float()  # .float() is the tensor itself when it is fp32
 
 
 def with_scratch_allocator(device: torch.device, launch):

@@ -809,7 +809,7 @@ def test_cutlass_int8_block_fused_and_separate_activation_agree():
     got = {}
     for activation in cb.ACTIVATIONS:
         backend = cb.CutlassBackend(scheme, schedule="n256_quarters_run4", int8_kernel="cutlass", activation=activation)
-        assert backend._fused_gemm1(ExpertWeights(scheme, *stored), "n256_quarters_run4") == (activation == "fused")
+        assert backend._fused_gemm1("n256_quarters_run4") == (activation == "fused")
         weights = backend.prepare_weights(ExpertWeights(scheme, *[t.cuda() for t in stored]))
         batch = to_contiguous(xc, None, idc, LE, alignment=backend.alignment)
         contiguous = gather_weighted(backend.run_contiguous(batch, weights, torch.bfloat16), batch.slot_pos, wc)
