@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epmoe.experts.cutlass_backend import INT8_BLOCK_SCHEDULES
+from epmoe.experts.cutlass_backend import INT8_BLOCK_SCHEDULES, SILU_FUSED_SCHEDULES
 from epmoe.kernels.pdl import gdc_launch_dependents, gdc_wait
 
 try:  # Triton >= 3.4, as epmoe.kernels.pdl's grid dependency control (the tests using it skip without)
@@ -733,7 +733,7 @@ def check_silu_quant(q, q_scale, h, bound, what):
 
 
 @needs_cutlass
-@pytest.mark.parametrize("schedule", ["n256_quarters_run2", "n256_quarters_run4"])
+@pytest.mark.parametrize("schedule", SILU_FUSED_SCHEDULES)
 @pytest.mark.parametrize(
     "counts,n,k,spare",
     [([128, 0, 384, 256], 256, 256, 64), ([256, 0, 128], 512, 1152, 128), ([640, 128, 0, 1024], 4096, 7168, 0),
