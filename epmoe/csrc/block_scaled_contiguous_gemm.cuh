@@ -149,15 +149,11 @@ constexpr int kSubtiledEpilogue = 32;
 // shared-memory bandwidth is not what holds the quarters back, and the ldmatrix sits between a K
 // block's stage wait and its first MMA.
 constexpr int kRegisterA = 64;
-// Added to a chunked two-partial schedule: K blocks in runs of two (kUnroll2), four (kUnroll4)
-// or five (kUnroll5), the MMAs drained once per run instead of once per K block (see
-// mma_chunked): both warpgroups drain at the same time, leaving the tensor cores idle until one
-// issues again. The first K block is drained on its own and K blocks left over from whole runs
-// go one by one before them: five leaves none at the DeepSeek-V3 shapes (16 and 56 K blocks are
-// 1 + 3 x 5 and 1 + 11 x 5) where four leaves three single K blocks in each.
+// Added to a chunked two-partial schedule: K blocks in runs of two (kUnroll2) or four
+// (kUnroll4), the MMAs drained once per run instead of once per K block (see mma_chunked):
+// both warpgroups drain at the same time, leaving the tensor cores idle until one issues again.
 constexpr int kUnroll2 = 128;
 constexpr int kUnroll4 = 256;
-constexpr int kUnroll5 = 512;
 
 // The N chunks a warpgroup's MMAs are issued in and the partial accumulators they rotate through.
 template <int Schedule>
@@ -447,9 +443,8 @@ struct Sm90BlockScaledMainloop : Base {
   static constexpr bool kNative = (Schedule & kNativeConvert) != 0;
   static_assert(!kNative || kZero, "the native conversion reads zero-started int32 sums (kZeroStart)");
   static constexpr bool kRegA = (Schedule & kRegisterA) != 0;
-  static_assert(((Schedule & kUnroll2) != 0) + ((Schedule & kUnroll4) != 0) + ((Schedule & kUnroll5) != 0) <= 1,
-                "one run length");
-  static constexpr int kRun = (Schedule & kUnroll5) ? 5 : (Schedule & kUnroll4) ? 4 : (Schedule & kUnroll2) ? 2 : 1;
+  static_assert(!((Schedule & kUnroll2) && (Schedule & kUnroll4)), "one run length");
+  static constexpr int kRun = (Schedule & kUnroll4) ? 4 : (Schedule & kUnroll2) ? 2 : 1;
   static_assert(kRun == 1 || (ChunksOf<Schedule>::kChunked && ChunksOf<Schedule>::kBuffers == 2 && !kRegA),
                 "runs of K blocks: the two-partial chunked schedules, A from shared memory (the next "
                 "K block's A would overwrite registers an MMA in flight reads)");
@@ -714,7 +709,7 @@ struct Sm90BlockScaledMainloop : Base {
       }
       return;
     } else {
-      // K blocks go in runs of kRun (kUnroll2, kUnroll4, kUnroll5; else 1). Inside a run, a K block's last
+      // K blocks go in runs of kRun (kUnroll2, kUnroll4; else 1). Inside a run, a K block's last
       // chunk stays in flight while the next K block's first chunk is issued; where a run ends
       // every MMA has retired (ptxas serializes the MMAs when the registers of one in flight are
       // carried around a loop), and both warpgroups, in step, leave the tensor cores idle until
@@ -1233,7 +1228,6 @@ constexpr Int8BlockVariant kInt8BlockVariants[] = {
     {kSerialHalves + kZeroStart + kNativeConvert + kSubtiledEpilogue + kRegisterA, 256},
     {kSplitN4 + kZeroStart + kNativeConvert + kSubtiledEpilogue + kUnroll2, 256},
     {kSplitN4 + kZeroStart + kNativeConvert + kSubtiledEpilogue + kUnroll4, 256},
-    {kSplitN4 + kZeroStart + kNativeConvert + kSubtiledEpilogue + kUnroll5, 256},
 };
 constexpr int kNumInt8BlockVariants = sizeof(kInt8BlockVariants) / sizeof(kInt8BlockVariants[0]);
 
@@ -1249,7 +1243,7 @@ void int8_block_gemm_variant(at::Tensor& out, const at::Tensor& a, const at::Ten
 
 // The variants that also build GEMM1 with the fused activation (int8_block_silu_gemm.cu picks one
 // at run time): the fastest 128 x 256 ones. The binding keeps the same list (kSiluQuantVariants).
-constexpr int kSiluQuantVariants[] = {13, 14, 15};
+constexpr int kSiluQuantVariants[] = {13, 14};
 constexpr int kNumSiluQuantVariants = sizeof(kSiluQuantVariants) / sizeof(kSiluQuantVariants[0]);
 
 template <int V>

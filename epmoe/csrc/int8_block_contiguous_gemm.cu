@@ -26,8 +26,7 @@ EPMOE_INT8_BLOCK_ELSEWHERE(11)
 EPMOE_INT8_BLOCK_ELSEWHERE(12)
 EPMOE_INT8_BLOCK_ELSEWHERE(13)
 EPMOE_INT8_BLOCK_ELSEWHERE(14)
-EPMOE_INT8_BLOCK_ELSEWHERE(15)
-static_assert(kNumInt8BlockVariants == 16, "one case below and one source file per variant");
+static_assert(kNumInt8BlockVariants == 15, "one case below and one source file per variant");
 
 // segments, masked_max_m: as expert_block_table's; variant: an index of kInt8BlockVariants
 // (checked by the caller).
@@ -56,7 +55,6 @@ void int8_block_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a,
     case 12: run(Int<12>{}); break;
     case 13: run(Int<13>{}); break;
     case 14: run(Int<14>{}); break;
-    case 15: run(Int<15>{}); break;
     default: run(Int<0>{});
   }
 }

@@ -106,10 +106,8 @@ SOURCES = (
     "int8_block_n256_halves_rs_gemm.cu",
     "int8_block_n256_quarters_run2_gemm.cu",
     "int8_block_n256_quarters_run4_gemm.cu",
-    "int8_block_n256_quarters_run5_gemm.cu",
     "int8_block_silu_gemm.cu",
     "int8_block_silu_run2_gemm.cu",
-    "int8_block_silu_run5_gemm.cu",
     "int8_channel_contiguous_gemm.cu",
     "int8_dense_pingpong_gemm.cu",
 )
@@ -120,7 +118,7 @@ ROW_BLOCK = 128
 INT8_BLOCK_SCHEDULES = (
     "lockstep", "staggered", "split_n", "split_n_zero", "n256_quarters", "n256_halves", "n128_split_n",
     "n256_quarters_i2f", "n256_halves_i2f", "n256_quarters_i2f_s4", "n256_halves_i2f_s4", "n256_quarters_rs",
-    "n256_halves_rs", "n256_quarters_run2", "n256_quarters_run4", "n256_quarters_run5",
+    "n256_halves_rs", "n256_quarters_run2", "n256_quarters_run4",
 )  # fmt: skip
 """The INT8 block kernel's variants (``kInt8BlockVariants`` in ``block_scaled_contiguous_gemm.cuh``,
 in this order: the op takes the index): how its two consumer warpgroups overlap a K block's MMAs
@@ -141,18 +139,17 @@ float bias: two instructions an element in the promotion instead of three, the s
 stages where the whole-tile epilogue leaves a 256-wide tile three (the K = 2048 GEMM). The ``_rs``
 twins of the ``_s4`` ones have the MMAs read A from registers, loaded from shared memory once per
 K block (``kRegisterA``), where the others' MMAs read it from shared memory once per N chunk (four
-times a K block in the quarters). ``n256_quarters_run2`` / ``_run4`` / ``_run5`` are
-``n256_quarters_i2f_s4`` with K blocks in runs of two / four / five: the MMAs drained once per run
-instead of once per K block (five: no single K blocks left over at K = 2048 and 7168)."""
+times a K block in the quarters). ``n256_quarters_run2`` / ``_run4`` are ``n256_quarters_i2f_s4``
+with K blocks in runs of two / four: the MMAs drained once per run instead of once per K block."""
 INT8_BLOCK_TILE_N = {name: 192 for name in ("lockstep", "staggered", "split_n", "split_n_zero")} | {
     "n256_quarters": 256, "n256_halves": 256, "n128_split_n": 128, "n256_quarters_i2f": 256, "n256_halves_i2f": 256,
     "n256_quarters_i2f_s4": 256, "n256_halves_i2f_s4": 256, "n256_quarters_rs": 256, "n256_halves_rs": 256,
-    "n256_quarters_run2": 256, "n256_quarters_run4": 256, "n256_quarters_run5": 256,
+    "n256_quarters_run2": 256, "n256_quarters_run4": 256,
 }  # fmt: skip
 """Tile width of each INT8 block variant: a 192-wide tile reads the weight scales on a 64-column
 grid (:func:`kernel_weight_scale`, repeated per call from the stored ``[E, N/128, K/128]``), the
 128- and 256-wide ones as stored."""
-SILU_FUSED_SCHEDULES = ("n256_quarters_run2", "n256_quarters_run4", "n256_quarters_run5")
+SILU_FUSED_SCHEDULES = ("n256_quarters_run2", "n256_quarters_run4")
 """The INT8 block variants also built as GEMM1 with the activation fused into the epilogue
 (``kSiluQuantVariants``, ``silu_quant_epilogue.cuh``; :func:`int8_block_silu_grouped_gemm`): a
 :class:`CutlassBackend` on one of them runs GEMM1 and ``silu(gate) * up`` requantized as one
