@@ -71,14 +71,16 @@ def parse_args(argv):
     return args
 
 
-def time_gemm(ext, args, m: int, gemm: str, g: torch.Generator) -> list[dict]:
-    """One GEMM at ``m`` rows per expert: every variant and the channel kernel in turns (GEMM1:
-    with the fused variants and the activation kernel), a row each (its operands are freed on
-    return, before the next GEMM's are made)."""
+def gemm_kernels(ext, variants: list[str], experts: int, m: int, gemm: str, g: torch.Generator) -> dict:
+    """``{name: launch}`` of one GEMM of the pass at ``m`` rows per expert on fresh random operands
+    (activation scales MN-major, as the pass hands them over; the shipped tile order): each of
+    ``variants``, the channel kernel (``channel``) and, for GEMM1, ``<variant>+silu`` for the fused
+    builds and the Triton activation kernel (``activation``). Each launch writes into buffers of
+    its own kind shared by all (the outputs are not read)."""
     from epmoe.kernels.activation import silu_and_mul_quant
     from epmoe.kernels.common import mn_major_scales
 
-    dev, e, (n, k) = g.device, args.experts, GEMMS[gemm]
+    dev, e, (n, k) = g.device, experts, GEMMS[gemm]
     raster, swizzle = TILE_ORDER
     total = e * m
     a = torch.randint(-127, 128, (total, k), dtype=torch.int8, device=dev, generator=g)
@@ -93,17 +95,25 @@ def time_gemm(ext, args, m: int, gemm: str, g: torch.Generator) -> list[dict]:
     fns = {
         v: (lambda i=INT8_BLOCK_SCHEDULES.index(v): ext.int8_block_contiguous_gemm(
             out, a, a_block, b, b_block, offsets, raster, swizzle, i, True))
-        for v in args.variants
+        for v in variants
     }  # fmt: skip
     fns[CHANNEL] = lambda: ext.int8_contiguous_gemm(out, a, a_token, b, b_channel, offsets, raster, swizzle, True)
     if gemm == "gemm1":
         q, q_scale = torch.empty(total, n // 2, dtype=torch.int8, device=dev), mn_major_scales(total, n // 256, dev)
-        for v in args.variants:
+        for v in variants:
             if v in SILU_FUSED_SCHEDULES:
                 fns[f"{v}+silu"] = lambda i=INT8_BLOCK_SCHEDULES.index(v): ext.int8_block_silu_gemm(
                     q, q_scale, a, a_block, b, b_block, offsets, raster, swizzle, i, True)  # fmt: skip
         gate_up = torch.randn(total, n, device=dev, generator=g).to(torch.bfloat16)
         fns[ACTIVATION] = lambda: silu_and_mul_quant(gate_up, "group", 128, torch.int8, scale_mn_major=True)
+    return fns
+
+
+def time_gemm(ext, args, m: int, gemm: str, g: torch.Generator) -> list[dict]:
+    """One GEMM at ``m`` rows per expert: every kernel of :func:`gemm_kernels` in turns, a row
+    each (its operands are freed on return, before the next GEMM's are made)."""
+    dev, (n, k), total = g.device, GEMMS[gemm], args.experts * m
+    fns = gemm_kernels(ext, args.variants, args.experts, m, gemm, g)
     times = in_turns(fns, args.rounds, lambda fn: kernel_ms(fn, rep_ms=args.rep_ms, device=dev))
     ops = 2 * total * n * k
     rows = []
