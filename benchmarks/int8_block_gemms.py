@@ -19,33 +19,34 @@ separates the GEMMs from the quantizers and the activation between them. Needs a
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks.provenance, epmoe of this checkout
-from benchmarks.provenance import git_commit  # noqa: E402
+from benchmarks.provenance import run_record  # noqa: E402
 
 import torch  # noqa: E402
 
 from epmoe.bench.experts import DATASHEET  # noqa: E402
 from epmoe.experts.cutlass_backend import (  # noqa: E402
-    INT8_BLOCK_SCHEDULES, INT8_BLOCK_TILE_N, SILU_FUSED_SCHEDULES, TILE_ORDER,
+    INT8_BLOCK_SCHEDULES, SILU_FUSED_SCHEDULES, TILE_ORDER,
 )  # fmt: skip
 from epmoe.timing import in_turns, kernel_ms  # noqa: E402
 
 GEMMS = {"gemm1": (4096, 7168), "gemm2": (7168, 2048)}
 CHANNEL = "channel"
 ACTIVATION = "activation"
+SILU = "+silu"
+"""``<variant>+silu``: the variant's GEMM1 with the activation fused."""
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="benchmarks/int8_block_gemms.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="write the JSON here")
-    p.add_argument("--variants", default=",".join(v for v in INT8_BLOCK_SCHEDULES if INT8_BLOCK_TILE_N[v] == 256),
-                   help="comma-separated INT8 block variants (default: the 256-wide ones)")
+    p.add_argument("--variants", default=",".join(INT8_BLOCK_SCHEDULES),
+                   help="comma-separated INT8 block variants (default: all)")
     p.add_argument("--m", default="512,2048", help="rows per expert, comma-separated multiples of 128")
     p.add_argument("--experts", type=int, default=128, help="experts (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=3, help="rounds in which the kernels take turns (>= 1)")
@@ -102,7 +103,7 @@ def gemm_kernels(ext, variants: list[str], experts: int, m: int, gemm: str, g: t
         q, q_scale = torch.empty(total, n // 2, dtype=torch.int8, device=dev), mn_major_scales(total, n // 256, dev)
         for v in variants:
             if v in SILU_FUSED_SCHEDULES:
-                fns[f"{v}+silu"] = lambda i=INT8_BLOCK_SCHEDULES.index(v): ext.int8_block_silu_gemm(
+                fns[v + SILU] = lambda i=INT8_BLOCK_SCHEDULES.index(v): ext.int8_block_silu_gemm(
                     q, q_scale, a, a_block, b, b_block, offsets, raster, swizzle, i, True)  # fmt: skip
         gate_up = torch.randn(total, n, device=dev, generator=g).to(torch.bfloat16)
         fns[ACTIVATION] = lambda: silu_and_mul_quant(gate_up, "group", 128, torch.int8, scale_mn_major=True)
@@ -145,14 +146,8 @@ def main(argv=None) -> int:
             cells = [r for r in rows if r["m"] == m and r["gemm"] == gemm]
             print(f"{m:5d} {gemm:6} " + "  ".join(f"{r['kernel']}: {r['ms']:.3f}"
                   + ("" if r["kernel"] == ACTIVATION else f" ({r['frac_peak_datasheet']:.1%})") for r in cells))  # fmt: skip
-    report = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": git_commit(args.commit),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "command": " ".join(["python", "benchmarks/int8_block_gemms.py", *(argv if argv is not None else sys.argv[1:])]),
-        "experts": args.experts, "tile_order": list(TILE_ORDER), "rounds": args.rounds, "rows": rows,
-    }  # fmt: skip
+    report = {**run_record("benchmarks/int8_block_gemms.py", argv, args.commit),
+              "experts": args.experts, "tile_order": list(TILE_ORDER), "rounds": args.rounds, "rows": rows}  # fmt: skip
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
-import datetime
 import json
 import statistics
 import subprocess
@@ -37,12 +36,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks.*, epmoe of this checkout
-from benchmarks.int8_block_gemms import GEMMS, gemm_kernels  # noqa: E402
-from benchmarks.provenance import git_commit  # noqa: E402
+from benchmarks.int8_block_gemms import CHANNEL, GEMMS, SILU, gemm_kernels  # noqa: E402
+from benchmarks.provenance import run_record  # noqa: E402
+from benchmarks.sass_yield_hints import sass_mnemonic  # noqa: E402
 
 import torch  # noqa: E402
 
-from epmoe.experts.cutlass_backend import INT8_BLOCK_SCHEDULES, SILU_FUSED_SCHEDULES  # noqa: E402
+from epmoe.experts.cutlass_backend import INT8_BLOCK_SCHEDULES, ROW_BLOCK, SILU_FUSED_SCHEDULES  # noqa: E402
 
 DETAIL_METRICS = (
     "SM Frequency", "Duration", "Elapsed Cycles", "Compute (SM) Throughput", "Memory Throughput",
@@ -51,11 +51,13 @@ DETAIL_METRICS = (
     "Executed Instructions", "Registers Per Thread", "Dynamic Shared Memory Per Block",
 )  # fmt: skip
 """The ncu ``details`` rows a summary keeps (by metric name)."""
+DETAIL_RULES = ("HighPipeUtilization",)
+"""The ncu ``details`` rules whose text a summary keeps (the busiest pipe, by name)."""
 
 
 def kernel_names() -> list[str]:
     """What ``--kernels`` may name: every variant, the fused builds (``+silu``) and ``channel``."""
-    return [*INT8_BLOCK_SCHEDULES, *(f"{v}+silu" for v in SILU_FUSED_SCHEDULES), "channel"]
+    return [*INT8_BLOCK_SCHEDULES, *(v + SILU for v in SILU_FUSED_SCHEDULES), CHANNEL]
 
 
 def parse_args(argv):
@@ -81,9 +83,16 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.command == "summarize":
         for flag in ("details", "sass"):
-            bad = [v for v in getattr(args, flag) if "=" not in v or not v.split("=", 1)[0]]
-            if bad:
-                p.error(f"--{flag}={bad[0]!r}: expected NAME=CSV")
+            names = []
+            for value in getattr(args, flag):
+                name, eq, path = value.partition("=")
+                if not eq or not name or not path:
+                    p.error(f"--{flag}={value!r}: expected NAME=CSV")
+                if not Path(path).is_file():
+                    p.error(f"--{flag}={value!r}: no such file {path!r}")
+                if name in names:
+                    p.error(f"--{flag}={value!r}: {name!r} is given twice")
+                names.append(name)
         if not args.details and not args.sass:
             p.error("summarize needs at least one --details or --sass")
         return args
@@ -91,12 +100,12 @@ def parse_args(argv):
     unknown = [k for k in kernels if k not in kernel_names()]
     if unknown or not kernels:
         p.error(f"--kernels={args.kernels!r}: allowed are names of {kernel_names()}")
-    if args.gemm != "gemm1" and any(k.endswith("+silu") for k in kernels):
+    if args.gemm != "gemm1" and any(k.endswith(SILU) for k in kernels):
         p.error(f"--kernels={args.kernels!r}: the fused builds (+silu) are GEMM1 only; got --gemm={args.gemm}")
     if args.experts < 1:
         p.error(f"--experts must be >= 1; got {args.experts}")
-    if args.m < 128 or args.m % 128:
-        p.error(f"--m must be a positive multiple of 128 (the kernels' row block); got {args.m}")
+    if args.m < ROW_BLOCK or args.m % ROW_BLOCK:
+        p.error(f"--m must be a positive multiple of {ROW_BLOCK} (the kernels' row block); got {args.m}")
     if getattr(args, "iters", 1) < 1:
         p.error(f"--iters must be >= 1; got {args.iters}")
     if getattr(args, "seconds", 1.0) <= 0:
@@ -114,35 +123,43 @@ def _number(text: str) -> float | None:
 
 
 def details_summary(path: str | Path) -> dict:
-    """``{metric: {"value", "unit"}}`` of :data:`DETAIL_METRICS` from an ncu ``details`` CSV (the
-    first kernel in it)."""
-    rows = list(csv.DictReader(open(path, newline="")))
+    """``{metric: {"value", "unit"}}`` of :data:`DETAIL_METRICS` and ``{"rules": {rule: text}}`` of
+    :data:`DETAIL_RULES` from an ncu ``details`` CSV (the first kernel in it)."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
     if not rows or "Metric Name" not in rows[0]:
         raise ValueError(f"{path}: not an ncu --page details --csv file (no 'Metric Name' column)")
     first = rows[0]["ID"]
-    out = {}
+    out: dict = {}
+    rules = {}
     for r in rows:
-        if r["ID"] == first and r["Metric Name"] in DETAIL_METRICS and r["Metric Name"] not in out:
+        if r["ID"] != first:
+            continue
+        if r["Metric Name"] in DETAIL_METRICS and r["Metric Name"] not in out:
             out[r["Metric Name"]] = {"value": _number(r["Metric Value"]), "unit": r["Metric Unit"]}
+        if r.get("Rule Name") in DETAIL_RULES:
+            rules[r["Rule Name"]] = r["Rule Description"]
+    if rules:
+        out["rules"] = rules
     return out
 
 
-def _opcode(source: str) -> str:
-    """``FFMA`` of ``@P0 FFMA.FTZ R1, ...``: the opcode without predicate or modifiers."""
-    words = source.split()
-    if words and words[0].startswith("@"):
-        words = words[1:]
-    return words[0].split(".")[0] if words else ""
+SAMPLES = "Warp Stall Sampling (All Samples)"
 
 
 def sass_summary(path: str | Path, top: int = 12) -> dict:
-    """From an ncu ``source`` page (SASS, CSV): the warp stall reasons as fractions of all samples,
-    the samples and the executed instructions by opcode (the ``top`` largest)."""
+    """From an ncu ``source`` page (SASS, CSV, one kernel): the warp stall reasons as fractions of
+    all samples (``named_stall_total``: how much of them the named reasons cover), the samples and
+    the executed instructions by opcode (the ``top`` largest)."""
     with open(path, newline="") as f:
         lines = list(csv.reader(f))
-    header = next((i for i, r in enumerate(lines) if "Source" in r and "Instructions Executed" in r), None)
+    kernels = sum(1 for r in lines if r and r[0] == "Kernel Name")
+    if kernels > 1:
+        raise ValueError(f"{path}: {kernels} kernels in one source page; profile one launch (--launch-count 1)")
+    needed = ("Source", "Instructions Executed", SAMPLES)
+    header = next((i for i, r in enumerate(lines) if all(c in r for c in needed)), None)
     if header is None:
-        raise ValueError(f"{path}: not an ncu --page source --print-source sass --csv file (no header row)")
+        raise ValueError(f"{path}: not an ncu --page source --print-source sass --csv file (no header with {list(needed)})")
     col = {h: i for i, h in enumerate(lines[header])}
     stalls = [h for h in lines[header] if h.startswith("stall_") and "Not Issued" not in h]
     by_stall, samples_by_op, executed_by_op = collections.Counter(), collections.Counter(), collections.Counter()
@@ -150,8 +167,8 @@ def sass_summary(path: str | Path, top: int = 12) -> dict:
     for r in lines[header + 1:]:
         if len(r) < len(col):
             continue
-        op = _opcode(r[col["Source"]])
-        samples = _number(r[col["Warp Stall Sampling (All Samples)"]]) or 0.0
+        op = sass_mnemonic(r[col["Source"]]).split(".")[0]
+        samples = _number(r[col[SAMPLES]]) or 0.0
         total += samples
         samples_by_op[op] += samples
         executed_by_op[op] += _number(r[col["Instructions Executed"]]) or 0.0
@@ -161,6 +178,7 @@ def sass_summary(path: str | Path, top: int = 12) -> dict:
     return {
         "samples": total,
         "stall_fraction": {k: v / total for k, v in by_stall.most_common() if v} if total else {},
+        "named_stall_total": sum(by_stall.values()) / total if total else None,
         "samples_fraction_by_opcode": {k: v / total for k, v in samples_by_op.most_common(top)} if total else {},
         "executed_instructions": executed,
         "executed_fraction_by_opcode": {k: v / executed for k, v in executed_by_op.most_common(top)} if executed else {},
@@ -203,10 +221,12 @@ def smi_samples(lines: list[str]) -> tuple[list[float], list[float], str]:
 
 def sustain(fn, seconds: float) -> dict:
     """``fn`` back to back for ``seconds`` (in tens, synchronised between them), its mean ms per
-    launch from CUDA events, and the SM clock and power nvidia-smi saw meanwhile (medians)."""
+    launch from CUDA events, and the SM clock (median, least) and power (median) nvidia-smi saw
+    on this GPU meanwhile (chosen by its UUID: nvidia-smi's indices need not be CUDA's)."""
     fn()
     torch.cuda.synchronize()
-    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,clocks_event_reasons.active",
+    gpu = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
+    smi = subprocess.Popen(["nvidia-smi", "-i", gpu, "--query-gpu=clocks.sm,power.draw,clocks_event_reasons.active",
                             "--format=csv,noheader,nounits", "-lms", "250"], stdout=subprocess.PIPE, text=True)  # fmt: skip
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     launches, t0 = 0, time.time()
@@ -221,7 +241,7 @@ def sustain(fn, seconds: float) -> dict:
     smi.terminate()
     clocks, power, reasons = smi_samples(smi.stdout.read().splitlines())
     return {"ms_per_launch": start.elapsed_time(stop) / launches, "launches": launches,
-            "sm_mhz_median": statistics.median(clocks) if clocks else None,
+            "sm_mhz_median": statistics.median(clocks) if clocks else None, "sm_mhz_min": min(clocks) if clocks else None,
             "power_w_median": statistics.median(power) if power else None, "event_reasons": reasons}  # fmt: skip
 
 
@@ -235,7 +255,7 @@ def main(argv=None) -> int:
     from epmoe.experts.cutlass_backend import load_extension
 
     g = torch.Generator(device=torch.device("cuda")).manual_seed(0)
-    variants = sorted({k.removesuffix("+silu") for k in args.kernels if k != "channel"})
+    variants = sorted({k.removesuffix(SILU) for k in args.kernels if k != CHANNEL})
     fns = gemm_kernels(load_extension(), variants, args.experts, args.m, args.gemm, g)
     if args.command == "launch":
         for name in args.kernels:
@@ -251,12 +271,8 @@ def main(argv=None) -> int:
               f"{row['sm_mhz_median']} MHz, power median {row['power_w_median']} W, reasons {row['event_reasons']}")
         time.sleep(2)  # the next kernel meets the GPU after the same pause
     if args.out:
-        report = {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": git_commit(args.commit), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "command": " ".join(["python", "benchmarks/int8_block_profile.py", *(argv if argv is not None else sys.argv[1:])]),
-            "gemm": args.gemm, "experts": args.experts, "m": args.m, "rows": rows,
-        }  # fmt: skip
+        report = {**run_record("benchmarks/int8_block_profile.py", argv, args.commit),
+                  "gemm": args.gemm, "experts": args.experts, "m": args.m, "rows": rows}  # fmt: skip
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {args.out}")
     return 0

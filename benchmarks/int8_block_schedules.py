@@ -5,8 +5,8 @@ default; ``--turns`` rounds of the whole passes taking turns) with these rows:
 
 * ``torch_bf16`` (BF16 ``torch._grouped_mm``, the baseline);
 * ``cutlass_int8_channel_int32_cutlass`` and ``cutlass_int8_block_<variant>_cutlass`` for every
-  variant of the INT8 block kernel (``epmoe.experts.cutlass_backend.INT8_BLOCK_SCHEDULES``: the
-  consumer schedule and the tile width), the CUTLASS kernels at every size
+  variant of the INT8 block kernel the package builds
+  (``epmoe.experts.cutlass_backend.INT8_BLOCK_SCHEDULES``), the CUTLASS kernels at every size
   (``int8_kernel=cutlass``: no switch to Triton below the crossover);
 * with ``--triton``, the Triton backend's ``triton_int8_channel_int32`` and ``triton_int8_block``;
 * with ``--masked``, the same CUTLASS INT8 rows on the masked layout (``_masked``: every expert's

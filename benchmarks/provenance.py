@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import datetime
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,3 +32,18 @@ def git_dirty() -> bool | None:
                                    text=True, cwd=ROOT, check=True, timeout=30).stdout.strip())  # fmt: skip
     except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired):
         return None
+
+
+def run_record(script: str, argv: list[str] | None, commit: str | None = None) -> dict:
+    """What every result JSON of ``script`` (``benchmarks/<name>.py``) starts with: the date (UTC),
+    the commit (:func:`git_commit`), the GPU, torch's version and the command as given (``argv``,
+    else this process's arguments)."""
+    import torch
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(commit),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "command": " ".join(["python", script, *(argv if argv is not None else sys.argv[1:])]),
+    }

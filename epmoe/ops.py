@@ -417,7 +417,12 @@ def _(kind, a, a_scale, b, b_scale, expert_offsets, schedule, impl="auto"):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16)
 
 
-def cutlass_grouped_gemm(kind, a, a_scale, b, b_scale, expert_offsets, schedule="lockstep", impl="auto"):
+# The INT8 block kernel's default variant: cutlass_backend.DEFAULT_INT8_BLOCK_SCHEDULE, named here
+# because that module needs Triton (tests/test_fp8_selection.py keeps the two equal).
+DEFAULT_INT8_BLOCK_SCHEDULE = "n256_quarters_run4"
+
+
+def cutlass_grouped_gemm(kind, a, a_scale, b, b_scale, expert_offsets, schedule=DEFAULT_INT8_BLOCK_SCHEDULE, impl="auto"):
     """One of the CUTLASS grouped GEMMs of :mod:`epmoe.experts.cutlass_backend` (``kind`` in
     :data:`CUTLASS_GEMMS`; ``schedule``: the INT8 block kernel's, ``impl``: the FP8 GEMM's
     (:func:`~epmoe.experts.cutlass_backend.grouped_gemm`), each ignored by the others);
@@ -438,7 +443,7 @@ def _(kind, a, a_scale, b, b_scale, masked_m, schedule):
     return a.new_empty((*a.shape[:2], b.shape[1]), dtype=torch.bfloat16)
 
 
-def cutlass_masked_gemm(kind, a, a_scale, b, b_scale, masked_m, schedule="lockstep"):
+def cutlass_masked_gemm(kind, a, a_scale, b, b_scale, masked_m, schedule=DEFAULT_INT8_BLOCK_SCHEDULE):
     """One of the INT8 CUTLASS GEMMs on the masked layout (``kind``: ``int8_channel`` or
     ``int8_block``; ``a [E, max_m, K]``, ``max_m`` a multiple of 128); ``[E, max_m, N]`` bf16."""
     return _cutlass_masked_gemm(kind, a, a_scale, b, b_scale, masked_m, schedule)

@@ -99,10 +99,10 @@ def test_extra_takes_keyword_arguments_into_the_backend_and_label():
     """``?key=value&...`` builds the backend with those keyword arguments (the CUTLASS INT8 block
     kernel's schedules side by side in one run) and names the row after their values."""
     label, backend = experts.load_extra(
-        "epmoe.experts.cutlass_backend:CutlassBackend@int8_block?schedule=staggered&int8_kernel=cutlass"
+        "epmoe.experts.cutlass_backend:CutlassBackend@int8_block?schedule=n256_quarters_run2&int8_kernel=cutlass"
     )
-    assert label == "cutlass_int8_block_staggered_cutlass"
-    assert backend.schedule == "staggered" and backend.forced_int8_kernel == "cutlass"
+    assert label == "cutlass_int8_block_n256_quarters_run2_cutlass"
+    assert backend.schedule == "n256_quarters_run2" and backend.forced_int8_kernel == "cutlass"
     with pytest.raises(ValueError, match=r"'schedule' is not key=value"):
         experts.load_extra("epmoe.experts.cutlass_backend:CutlassBackend@int8_block?schedule")
     with pytest.raises(ValueError, match=r"int8_kernel='gpu'; allowed: \['auto', 'cutlass', 'triton'\]"):

@@ -7,13 +7,12 @@ import pytest
 import torch
 
 from benchmarks import int8_block_gemms as ibg
-from epmoe.experts.cutlass_backend import INT8_BLOCK_SCHEDULES, INT8_BLOCK_TILE_N
+from epmoe.experts.cutlass_backend import INT8_BLOCK_SCHEDULES
 
 
-def test_defaults_are_the_256_wide_variants():
+def test_defaults_are_every_variant():
     args = ibg.parse_args(["--out", "x.json"])
-    assert args.variants == [v for v in INT8_BLOCK_SCHEDULES if INT8_BLOCK_TILE_N[v] == 256]
-    assert "n256_quarters_run2" in args.variants and "lockstep" not in args.variants
+    assert args.variants == list(INT8_BLOCK_SCHEDULES) and "n256_quarters_run4" in args.variants
     assert args.ms == [512, 2048] and args.rounds == 3
 
 
@@ -53,12 +52,12 @@ def test_time_gemm_times_every_kernel_in_turns_on_its_shape():
             calls.append(("channel", None, tuple(a.shape), tuple(b.shape), a_scale.stride()))
 
     args = ibg.parse_args(["--out", "x.json", "--m", "128", "--experts", "2", "--rounds", "2",
-                           "--variants", "n256_quarters_run4,n256_quarters_rs"])  # fmt: skip
+                           "--variants", "n256_quarters_run4,n256_quarters_i2f_s4"])  # fmt: skip
     rows = ibg.time_gemm(Ext(), args, 128, "gemm2", torch.Generator().manual_seed(0))
-    assert [r["kernel"] for r in rows] == ["n256_quarters_run4", "n256_quarters_rs", "channel"]
+    assert [r["kernel"] for r in rows] == ["n256_quarters_run4", "n256_quarters_i2f_s4", "channel"]
     assert all(len(r["rounds_ms"]) == 2 and r["n"] == 7168 and r["k"] == 2048 for r in rows)
     blocks = {c[1] for c in calls if c[0] == "block"}
-    assert blocks == {INT8_BLOCK_SCHEDULES.index("n256_quarters_run4"), INT8_BLOCK_SCHEDULES.index("n256_quarters_rs")}
+    assert blocks == {INT8_BLOCK_SCHEDULES.index("n256_quarters_run4"), INT8_BLOCK_SCHEDULES.index("n256_quarters_i2f_s4")}
     assert all(c[2] == (256, 2048) and c[3] == (2, 7168, 2048) for c in calls)
     assert all(c[4] == (1, 256) for c in calls if c[0] == "block")  # MN-major, as the pass hands them
 
@@ -80,9 +79,9 @@ def test_time_gemm_times_the_fused_gemm1_and_the_activation(monkeypatch):
 
     monkeypatch.setattr("epmoe.kernels.activation.silu_and_mul_quant", lambda *a, **k: calls.append(("act", a[1:4], k)))
     args = ibg.parse_args(["--out", "x.json", "--m", "128", "--experts", "1", "--rounds", "1",
-                           "--variants", "n256_quarters_run4,n256_quarters_rs"])  # fmt: skip
+                           "--variants", "n256_quarters_run4,n256_quarters_i2f_s4"])  # fmt: skip
     rows = ibg.time_gemm(Ext(), args, 128, "gemm1", torch.Generator().manual_seed(0))
-    assert [r["kernel"] for r in rows] == ["n256_quarters_run4", "n256_quarters_rs", "channel",
+    assert [r["kernel"] for r in rows] == ["n256_quarters_run4", "n256_quarters_i2f_s4", "channel",
                                            "n256_quarters_run4+silu", ibg.ACTIVATION]  # fmt: skip
     assert ("silu", INT8_BLOCK_SCHEDULES.index("n256_quarters_run4"), (128, 2048), torch.int8, (1, 128)) in calls
     assert ("act", ("group", 128, torch.int8), {"scale_mn_major": True}) in calls

@@ -23,7 +23,7 @@ def test_every_schedule_is_a_row_with_cutlass_forced():
     assert [e.split("schedule=")[1] for e in extras[1:]] == [f"{s}&int8_kernel=cutlass" for s in INT8_BLOCK_SCHEDULES]
     assert "--masked" not in argv and argv[argv.index("--turns") + 1] == "2"
     assert argv[argv.index("--backends") + 1] == "torch_bf16"  # lean by default: no Triton rows
-    wide = ibs.bench_argv(ibs.parse_args(["--out", "x", "--masked", "--triton"]), "b", ["lockstep"])
+    wide = ibs.bench_argv(ibs.parse_args(["--out", "x", "--masked", "--triton"]), "b", ["n256_quarters_i2f_s4"])
     assert "--masked" in wide and "triton_int8_block" in wide[wide.index("--backends") + 1]
     with pytest.raises(SystemExit):
         ibs.parse_args(["--out", "x", "--turns", "0"])
@@ -31,22 +31,22 @@ def test_every_schedule_is_a_row_with_cutlass_forced():
 
 def test_summary_ratios_targets_and_fastest():
     rows = [_row("torch_bf16", 512, 10.0), _row("cutlass_int8_channel_int32_cutlass", 512, 5.0),
-            _row("cutlass_int8_block_lockstep_cutlass", 512, 7.0),
-            _row("cutlass_int8_block_staggered_cutlass", 512, 5.5),
-            _row("cutlass_int8_block_split_n_cutlass", 512, None, error="RuntimeError: boom"),
+            _row("cutlass_int8_block_n256_quarters_i2f_s4_cutlass", 512, 7.0),
+            _row("cutlass_int8_block_n256_quarters_run2_cutlass", 512, 5.5),
+            _row("cutlass_int8_block_n256_quarters_run4_cutlass", 512, None, error="RuntimeError: boom"),
             _row("cutlass_int8_channel_int32_cutlass_masked", 512, 6.0),
-            _row("cutlass_int8_block_lockstep_cutlass_masked", 512, 6.6),
-            _row("torch_bf16", 32, 4.0), _row("cutlass_int8_block_lockstep_cutlass", 32, 2.0)]  # fmt: skip
+            _row("cutlass_int8_block_n256_quarters_i2f_s4_cutlass_masked", 512, 6.6),
+            _row("torch_bf16", 32, 4.0), _row("cutlass_int8_block_n256_quarters_i2f_s4_cutlass", 32, 2.0)]  # fmt: skip
     s = ibs.summarize(rows)
     big = s["512"]["block"]
-    assert big["lockstep"] == {"ms": 7.0, "speedup_vs_bf16": 10 / 7, "time_vs_channel": 1.4, "meets_targets": False}
-    assert big["staggered"]["meets_targets"] is True and big["staggered"]["time_vs_channel"] == 1.1
-    assert "split_n" not in big  # its row failed: no time
-    assert big["lockstep_masked"]["time_vs_channel"] == pytest.approx(1.1)
-    assert s["512"]["fastest"] == {"contiguous": "staggered", "masked": "lockstep"}
-    assert s["32"]["block"]["lockstep"]["meets_targets"] is None  # no target at 32 rows, no channel row
+    assert big["n256_quarters_i2f_s4"] == {"ms": 7.0, "speedup_vs_bf16": 10 / 7, "time_vs_channel": 1.4, "meets_targets": False}
+    assert big["n256_quarters_run2"]["meets_targets"] is True and big["n256_quarters_run2"]["time_vs_channel"] == 1.1
+    assert "n256_quarters_run4" not in big  # its row failed: no time
+    assert big["n256_quarters_i2f_s4_masked"]["time_vs_channel"] == pytest.approx(1.1)
+    assert s["512"]["fastest"] == {"contiguous": "n256_quarters_run2", "masked": "n256_quarters_i2f_s4"}
+    assert s["32"]["block"]["n256_quarters_i2f_s4"]["meets_targets"] is None  # no target at 32 rows, no channel row
     text = ibs.table(s)
-    assert "staggered" in text and "MET" in text and "not met" in text
+    assert "n256_quarters_run2" in text and "MET" in text and "not met" in text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU dry run")
@@ -63,16 +63,16 @@ def test_winner_is_the_least_total_time_from_128_rows_over_complete_schedules():
     def entry(**ms):
         return {"block": {s: {"ms": v} for s, v in ms.items()}}
 
-    summary = {"8": entry(lockstep=1.0, staggered=9.0), "128": entry(lockstep=2.0, staggered=1.9, split_n=1.0),
-               "2048": entry(lockstep=30.0, staggered=25.0)}  # split_n lacks 2048: not a candidate
+    summary = {"8": entry(n256_quarters_i2f_s4=1.0, n256_quarters_run2=9.0), "128": entry(n256_quarters_i2f_s4=2.0, n256_quarters_run2=1.9, n256_quarters_run4=1.0),
+               "2048": entry(n256_quarters_i2f_s4=30.0, n256_quarters_run2=25.0)}  # n256_quarters_run4 lacks 2048: not a candidate
     best, table = ibs.winner(summary)
-    assert best == "staggered" and table == {"128": {"lockstep": 2.0, "staggered": 1.9, "split_n": 1.0},
-                                             "2048": {"lockstep": 30.0, "staggered": 25.0}}
-    assert ibs.winner({"8": entry(lockstep=1.0)})[0] is None
+    assert best == "n256_quarters_run2" and table == {"128": {"n256_quarters_i2f_s4": 2.0, "n256_quarters_run2": 1.9, "n256_quarters_run4": 1.0},
+                                             "2048": {"n256_quarters_i2f_s4": 30.0, "n256_quarters_run2": 25.0}}
+    assert ibs.winner({"8": entry(n256_quarters_i2f_s4=1.0)})[0] is None
     report = {"summary": summary, "gpu": "NVIDIA H200", "date": "2026-12-02T06:00:00+00:00", "commit": "abc",
               "shapes": {"experts": 128, "hidden": 7168, "intermediate": 2048}, "torch": "2.11.0+cu130"}
     entry = ibs.schedule_entry(report)["NVIDIA H200"]
-    assert entry["schedule"] == "staggered" and "commit abc" in entry["source"]
+    assert entry["schedule"] == "n256_quarters_run2" and "commit abc" in entry["source"]
     assert ibs.schedule_entry({**report, "gpu": None}) is None
 
 
@@ -108,7 +108,7 @@ def test_smoke_check_measures_against_the_package_reference(monkeypatch):
 
     monkeypatch.setattr(cb, "int8_block_grouped_gemm", _block_gemm)
     monkeypatch.setattr(cb, "int8_block_masked_gemm", _masked_gemm)
-    assert ibs.worst_error("lockstep", "cpu") < 2.0**-8  # bf16 output rounding
+    assert ibs.worst_error("n256_quarters_i2f_s4", "cpu") < 2.0**-8  # bf16 output rounding
     monkeypatch.setattr(cb, "int8_block_grouped_gemm", functools.partial(_block_gemm, wrong=True))
-    assert ibs.worst_error("lockstep", "cpu") > ibs.SMOKE_BOUND
+    assert ibs.worst_error("n256_quarters_i2f_s4", "cpu") > ibs.SMOKE_BOUND
     assert "worst_error(sys.argv[1])" in ibs.SMOKE  # the child process runs this very check

@@ -186,11 +186,11 @@ def test_gpu_only_ops_have_fake_shapes_without_a_gpu():
     b = torch.empty(3, 384, 256, dtype=torch.float8_e4m3fn, **meta)
     b_scale = torch.empty(3, 3, 2, **meta)
     offsets = torch.empty(4, dtype=torch.int32, **meta)
-    out = torch.ops.epmoe.cutlass_grouped_gemm("fp8_block", a, a_scale, b, b_scale, offsets, "lockstep")
+    out = torch.ops.epmoe.cutlass_grouped_gemm("fp8_block", a, a_scale, b, b_scale, offsets, "n256_quarters_run4")
     assert (out.shape, out.dtype) == ((256, 384), torch.bfloat16)
     qa, qb = a.view(torch.int8).reshape(2, 128, 256), b.view(torch.int8)[:2]
     out = torch.ops.epmoe.cutlass_masked_gemm("int8_block", qa, a_scale.reshape(2, 128, 2), qb, b_scale[:2],
-                                              torch.empty(2, dtype=torch.int32, **meta), "staggered")  # fmt: skip
+                                              torch.empty(2, dtype=torch.int32, **meta), "n256_quarters_run2")  # fmt: skip
     assert (out.shape, out.dtype) == ((2, 128, 384), torch.bfloat16)
     out = torch.ops.epmoe.deepgemm_contiguous(a, a_scale, b, b_scale, torch.empty(256, dtype=torch.int32, **meta))
     assert (out.shape, out.dtype) == ((256, 384), torch.bfloat16)

@@ -483,18 +483,16 @@ _BAD_OPERANDS = [
     ("int8_block", _int8_block_operands, lambda o: dict(b_scale=torch.ones(2, 128, 1)), ValueError,
      r"b_scale has shape \(2, 128, 1\); allowed: \(2, 1, 2\)"),
     ("int8_block", _int8_block_operands, lambda o: dict(a=o["a"].to(torch.float8_e4m3fn)), TypeError, "a must be torch.int8"),
-    # the 64-column weight-scale grid: for the variants of 192-wide tiles only
-    ("int8_block", _int8_block_operands, lambda o: dict(b_scale=torch.ones(2, 2, 2), schedule="split_n"), ValueError,
-     "a must be a CUDA tensor"),
-    ("int8_block", _int8_block_operands, lambda o: dict(b_scale=torch.ones(2, 2, 2), schedule="n256_quarters"),
+    # the weight scales as stored, one per 128 columns, on every variant (no 64-column grid)
+    ("int8_block", _int8_block_operands, lambda o: dict(b_scale=torch.ones(2, 2, 2), schedule="n256_quarters_run2"),
      ValueError, r"b_scale has shape \(2, 2, 2\); allowed: \(2, 1, 2\) \("),
-    ("int8_block_masked", _int8_block_masked_operands, lambda o: dict(b_scale=torch.ones(2, 2, 2), schedule="n128_split_n"),
+    ("int8_block_masked", _int8_block_masked_operands, lambda o: dict(b_scale=torch.ones(2, 2, 2)),
      ValueError, r"b_scale has shape \(2, 2, 2\); allowed: \(2, 1, 2\) \("),
     ("int8_block", _int8_block_operands, lambda o: dict(expert_offsets=torch.tensor([0, 100, 256], dtype=torch.int32)),
      ValueError, "non-decreasing multiples of 128"),
     ("int8_block", _int8_block_operands, lambda o: {}, ValueError, "a must be a CUDA tensor"),
     ("int8_block", _int8_block_operands, lambda o: dict(schedule="pingpong"), ValueError,
-     r"schedule='pingpong'; allowed: \['lockstep', 'staggered', 'split_n', 'split_n_zero', 'n256_quarters', 'n256_halves', 'n128_split_n', 'n256_quarters_i2f', 'n256_halves_i2f', 'n256_quarters_i2f_s4', 'n256_halves_i2f_s4', 'n256_quarters_rs', 'n256_halves_rs', 'n256_quarters_run2', 'n256_quarters_run4'\]"),
+     r"schedule='pingpong'; allowed: \['n256_quarters_i2f_s4', 'n256_quarters_run2', 'n256_quarters_run4'\]"),
     # the masked layout: whole 128-row blocks per expert, masked_m within them, the kind's scales
     ("int8_block_masked", _int8_block_masked_operands,
      lambda o: dict(a=torch.zeros(2, 96, 256, dtype=torch.int8), a_scale=torch.ones(2, 96, 2)), ValueError,
@@ -827,7 +825,7 @@ def test_cutlass_int8_block_plumbing_contiguous(monkeypatch, spare):
 
     def measured(device):  # the schedule is looked up for the weights' device, here the host
         asked.append(torch.device(device))
-        return "staggered"
+        return "n256_quarters_i2f_s4"  # no fused build: GEMM1 and the activation apart
 
     monkeypatch.setattr(cb, "int8_block_grouped_gemm", gemm)
     monkeypatch.setattr(cb, "int8_grouped_gemm", lambda *a, **k: pytest.fail("the channel kernel ran for int8_block"))
@@ -846,7 +844,7 @@ def test_cutlass_int8_block_plumbing_contiguous(monkeypatch, spare):
         assert out.dtype == torch.float32 and out.shape == (batch.x.shape[0], PH)
         got = gather_weighted(out, batch.slot_pos, w)
         assert rel_err(got, ref) < block.rel_error_bound, rel_err(got, ref)
-    assert schedules == ["staggered"] * 4 and set(asked) == {torch.device("cpu")}, (schedules, asked)
+    assert schedules == ["n256_quarters_i2f_s4"] * 4 and set(asked) == {torch.device("cpu")}, (schedules, asked)
 
 
 def _fake_masked(contiguous_fake, calls):
@@ -897,12 +895,12 @@ def test_cutlass_int8_plumbing_masked(monkeypatch, scheme_name):
     calls = []
     monkeypatch.setattr(cb, "int8_block_masked_gemm", _fake_masked(_fake_int8_block_grouped_gemm, calls))
     monkeypatch.setattr(cb, "int8_masked_gemm", _fake_masked(_fake_int8_grouped_gemm, calls))
-    monkeypatch.setenv(cb.INT8_BLOCK_SCHEDULE_ENV, "split_n")
+    monkeypatch.setenv(cb.INT8_BLOCK_SCHEDULE_ENV, "n256_quarters_i2f_s4")
     stored, (w13, w2) = make_weights(PE, PH, PI, scheme_name)
     x, ids, w = make_case("empty_experts", 0, PE, PK, PH)
     backend = cb.CutlassBackend(scheme, accumulator="int32" if scheme_name == "int8_channel" else "fp32")
     monkeypatch.delenv(cb.INT8_BLOCK_SCHEDULE_ENV)
-    assert backend.schedule == ("split_n" if scheme_name == "int8_block" else None)
+    assert backend.schedule == ("n256_quarters_i2f_s4" if scheme_name == "int8_block" else None)
     assert "masked" in backend.layouts
     weights = backend.prepare_weights(ExpertWeights(scheme, *stored))
     ref = moe_reference(x, ids, w, w13, w2, scheme_name)
@@ -912,7 +910,7 @@ def test_cutlass_int8_plumbing_masked(monkeypatch, scheme_name):
         assert out.dtype == torch.float32 and out.shape == (PE, capacity, PH)
         got = gather_weighted(out.reshape(-1, PH), slot_pos, w)
         assert rel_err(got, ref) < scheme.rel_error_bound, (capacity, rel_err(got, ref))
-    want = ["split_n"] * 4 if scheme_name == "int8_block" else [None] * 4
+    want = ["n256_quarters_i2f_s4"] * 4 if scheme_name == "int8_block" else [None] * 4
     assert calls == want, calls  # two GEMMs per pass
     # Below the crossover: the Triton backend's masked pass, not the CUTLASS kernels; a backend
     # built with int8_kernel="cutlass" runs them whatever the rule says.
@@ -920,7 +918,8 @@ def test_cutlass_int8_plumbing_masked(monkeypatch, scheme_name):
     out = backend.run_masked(masked, weights, torch.float32)
     assert len(calls) == 4
     assert rel_err(gather_weighted(out.reshape(-1, PH), slot_pos, w), ref) < scheme.rel_error_bound
-    forced = cb.CutlassBackend(scheme, accumulator=backend.accumulator, int8_kernel="cutlass")
+    forced = cb.CutlassBackend(scheme, accumulator=backend.accumulator, int8_kernel="cutlass",
+                               **({"schedule": backend.schedule} if scheme_name == "int8_block" else {}))
     forced.run_masked(masked, weights, torch.float32)
     assert len(calls) == 6
 
@@ -1014,6 +1013,7 @@ def test_int8_block_schedule_choice(monkeypatch, caplog):
     """The schedule of the INT8 block kernel: the argument, else the environment (read when the
     backend is built), else the measured one or the default; a name not in the list is refused with
     where it came from."""
+    from epmoe import ops
     from epmoe.experts import cutlass_backend as cb
     from epmoe.quant import get_scheme
 
@@ -1021,19 +1021,21 @@ def test_int8_block_schedule_choice(monkeypatch, caplog):
     monkeypatch.delenv(cb.INT8_BLOCK_SCHEDULE_ENV, raising=False)
     monkeypatch.setattr(cb, "measured_schedule", lambda gpu: None)  # a GPU without a measured one
     assert cb.DEFAULT_INT8_BLOCK_SCHEDULE in cb.INT8_BLOCK_SCHEDULES
+    assert ops.DEFAULT_INT8_BLOCK_SCHEDULE == cb.DEFAULT_INT8_BLOCK_SCHEDULE  # the ops' default, named there
+    assert cb.DEFAULT_INT8_BLOCK_SCHEDULE in cb.SILU_FUSED_SCHEDULES  # the fused wrappers' default too
     with caplog.at_level(logging.INFO, logger="epmoe"):
-        cb.CutlassBackend(block, schedule="split_n")
-    assert "INT8 block kernel: variant split_n (128 x 192 tiles" in caplog.text
+        cb.CutlassBackend(block, schedule="n256_quarters_run2")
+    assert "INT8 block kernel: variant n256_quarters_run2 (128 x 256 tiles" in caplog.text
     assert cb.CutlassBackend(block).schedule is None  # the measured one, looked up per device
     assert cb.CutlassBackend(block).schedule_for(torch.device("cpu")) == cb.DEFAULT_INT8_BLOCK_SCHEDULE
-    assert cb.CutlassBackend(block, schedule="staggered").schedule == "staggered"
-    monkeypatch.setenv(cb.INT8_BLOCK_SCHEDULE_ENV, "split_n")
-    assert cb.CutlassBackend(block).schedule == "split_n"
-    assert cb.CutlassBackend(block, schedule="lockstep").schedule == "lockstep"
+    assert cb.CutlassBackend(block, schedule="n256_quarters_i2f_s4").schedule == "n256_quarters_i2f_s4"
+    monkeypatch.setenv(cb.INT8_BLOCK_SCHEDULE_ENV, "n256_quarters_run2")
+    assert cb.CutlassBackend(block).schedule == "n256_quarters_run2"
+    assert cb.CutlassBackend(block, schedule="n256_quarters_run4").schedule == "n256_quarters_run4"
     monkeypatch.setenv(cb.INT8_BLOCK_SCHEDULE_ENV, "pingpong")
     with pytest.raises(ValueError, match=r"EPMOE_INT8_BLOCK_SCHEDULE \(from the environment\)='pingpong'; allowed"):
         cb.CutlassBackend(block)
-    with pytest.raises(ValueError, match=r"^schedule='fast'; allowed: \['lockstep', 'staggered', 'split_n', 'split_n_zero', 'n256_quarters', 'n256_halves', 'n128_split_n', 'n256_quarters_i2f', 'n256_halves_i2f', 'n256_quarters_i2f_s4', 'n256_halves_i2f_s4', 'n256_quarters_rs', 'n256_halves_rs', 'n256_quarters_run2', 'n256_quarters_run4'\]"):
+    with pytest.raises(ValueError, match=r"^schedule='fast'; allowed: \['n256_quarters_i2f_s4', 'n256_quarters_run2', 'n256_quarters_run4'\]"):
         cb.CutlassBackend(block, schedule="fast")
     # Only int8_block has schedules: the bad environment value does not stop the other schemes.
     for other in (cb.CutlassBackend(get_scheme("fp8_block")), cb.CutlassBackend(get_scheme("int8_channel"), accumulator="int32")):
@@ -1048,24 +1050,24 @@ def test_int8_block_schedule_measured_per_gpu(monkeypatch, tmp_path):
     cb.measured_schedule.cache_clear()
     assert cb.measured_schedule("NVIDIA H200") in (None, *cb.INT8_BLOCK_SCHEDULES)  # the shipped file loads
     path = tmp_path / "schedule.json"
-    path.write_text('{"GPU A": {"schedule": "staggered", "source": "x"}, "GPU B": {"schedule": "fast"}}')
-    assert cb.measured_schedule("GPU A", path) == "staggered"
+    path.write_text('{"GPU A": {"schedule": "n256_quarters_run2", "source": "x"}, "GPU B": {"schedule": "fast"}}')
+    assert cb.measured_schedule("GPU A", path) == "n256_quarters_run2"
     assert cb.measured_schedule("GPU C", path) is None and cb.measured_schedule(None, path) is None
     assert cb.measured_schedule("GPU A", tmp_path / "none.json") is None
-    path.write_text('{"GPU A": "staggered"}')
+    path.write_text('{"GPU A": "n256_quarters_run2"}')
     cb.measured_schedule.cache_clear()  # the file is read once per GPU
     with pytest.raises(ValueError, match="must map GPU names to"):
         cb.measured_schedule("GPU A", path)
     monkeypatch.delenv(cb.INT8_BLOCK_SCHEDULE_ENV, raising=False)
     gpus = {0: "GPU A", 1: "GPU B", 2: "GPU C"}
     monkeypatch.setattr(cb.devices, "name", lambda device=None: gpus[torch.device(device).index])
-    monkeypatch.setattr(cb, "measured_schedule", lambda gpu: {"GPU A": "split_n", "GPU B": "fast"}.get(gpu))
+    monkeypatch.setattr(cb, "measured_schedule", lambda gpu: {"GPU A": "n256_quarters_i2f_s4", "GPU B": "fast"}.get(gpu))
     with pytest.raises(ValueError, match=r"int8_block_schedule.json for 'GPU B'='fast'; allowed"):
         cb.int8_block_schedule("cuda:1")
-    assert cb.int8_block_schedule("cuda:0") == "split_n"
+    assert cb.int8_block_schedule("cuda:0") == "n256_quarters_i2f_s4"
     assert cb.int8_block_schedule(torch.device("cpu")) == cb.DEFAULT_INT8_BLOCK_SCHEDULE  # no measured one off CUDA
-    monkeypatch.setenv(cb.INT8_BLOCK_SCHEDULE_ENV, "lockstep")
-    assert cb.int8_block_schedule("cuda:0") == "lockstep"  # the environment first
+    monkeypatch.setenv(cb.INT8_BLOCK_SCHEDULE_ENV, "n256_quarters_run2")
+    assert cb.int8_block_schedule("cuda:0") == "n256_quarters_run2"  # the environment first
     monkeypatch.delenv(cb.INT8_BLOCK_SCHEDULE_ENV)
     assert cb.int8_block_schedule("cuda:2") == cb.DEFAULT_INT8_BLOCK_SCHEDULE
 
@@ -1083,16 +1085,16 @@ def test_int8_block_schedule_follows_the_weights_gpu(monkeypatch, caplog):
     monkeypatch.setattr(cb.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(cb.torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(cb.devices, "name", lambda device=None: gpus[cb.devices.cuda_index(device)])
-    monkeypatch.setattr(cb, "measured_schedule", lambda gpu: {"GPU A": "split_n", "GPU B": "n256_halves"}.get(gpu))
+    monkeypatch.setattr(cb, "measured_schedule", lambda gpu: {"GPU A": "n256_quarters_i2f_s4", "GPU B": "n256_quarters_run4"}.get(gpu))
     backend = cb.CutlassBackend(block)  # built while cuda:0 (GPU A) is current
     with caplog.at_level(logging.INFO, logger="epmoe"):
-        assert backend.schedule_for(torch.device("cuda", 1)) == "n256_halves"
-    assert "INT8 block kernel on cuda:1 (GPU B): variant n256_halves (128 x 256 tiles" in caplog.text
-    assert backend.schedule_for(torch.device("cuda", 0)) == "split_n"
-    assert cb.int8_block_schedule(torch.device("cuda", 1)) == "n256_halves"
-    assert cb.CutlassBackend(block, schedule="staggered").schedule_for(torch.device("cuda", 1)) == "staggered"
+        assert backend.schedule_for(torch.device("cuda", 1)) == "n256_quarters_run4"
+    assert "INT8 block kernel on cuda:1 (GPU B): variant n256_quarters_run4 (128 x 256 tiles" in caplog.text
+    assert backend.schedule_for(torch.device("cuda", 0)) == "n256_quarters_i2f_s4"
+    assert cb.int8_block_schedule(torch.device("cuda", 1)) == "n256_quarters_run4"
+    assert cb.CutlassBackend(block, schedule="n256_quarters_run2").schedule_for(torch.device("cuda", 1)) == "n256_quarters_run2"
     # 'cuda' without an index is the current device, as in torch (a layer built with device='cuda').
-    assert cb.int8_block_schedule("cuda") == "split_n"
+    assert cb.int8_block_schedule("cuda") == "n256_quarters_i2f_s4"
     assert cb.gpu_name(torch.device("cuda")) == "GPU A" and cb.gpu_name("cpu") is None
 
 
@@ -1362,8 +1364,8 @@ def test_int8_crossover_script_arguments(tmp_path, capsys):
         with pytest.raises(SystemExit):
             script.parse_args(["--out", str(out), *bad])
         assert text in capsys.readouterr().err
-    args = script.parse_args(["--out", str(out), "--schemes", "int8_block", "--schedule", "n256_quarters", "--no-unpadded"])
-    assert args.schedule == "n256_quarters" and not args.unpadded
+    args = script.parse_args(["--out", str(out), "--schemes", "int8_block", "--schedule", "n256_quarters_run2", "--no-unpadded"])
+    assert args.schedule == "n256_quarters_run2" and not args.unpadded
     with pytest.raises(SystemExit):
         script.parse_args(["--out", str(out), "--schedule", "fastest"])
     assert "invalid choice" in capsys.readouterr().err
@@ -1479,6 +1481,9 @@ def test_int8_block_variants_agree_across_the_sources():
     n = len(tiles)
     binding = (cb.CSRC / "fp8_block_contiguous_gemm_binding.cpp").read_text()
     assert f"kInt8BlockVariants = {n};" in binding
+    # The ops' default schedule index: the package's default variant, for every INT8 block op.
+    defaults = re.findall(r'"(int8_block\w*)\(.*?int schedule=(\d+)', binding.replace('"\n      "', ""), re.S)
+    assert len(defaults) == 4 and {int(v) for _, v in defaults} == {cb.INT8_BLOCK_SCHEDULES.index(cb.DEFAULT_INT8_BLOCK_SCHEDULE)}, defaults
     dispatch = (cb.CSRC / "int8_block_contiguous_gemm.cu").read_text()
     assert f"kNumInt8BlockVariants == {n}" in dispatch
     assert sorted(int(v) for v in re.findall(r"case (\d+): run", dispatch)) == list(range(1, n))
@@ -1524,12 +1529,15 @@ def test_cutlass_pass_writes_scales_in_the_kernels_layout(monkeypatch, scheme_na
     scheme = get_scheme(scheme_name)
     acc = "int32" if scheme_name == "int8_channel" else "fp32"
     monkeypatch.setattr(cb, "own_kernel_missing", lambda: None)
-    backend = cb.CutlassBackend(scheme, accumulator=acc)
+    # activation="separate": the activation kernel's scales are what this checks (a fused GEMM1
+    # writes them itself).
+    separate = {"activation": "separate"} if scheme_name == "int8_block" else {}
+    backend = cb.CutlassBackend(scheme, accumulator=acc, **separate)
     stored, _ = make_weights(PE, PH, PI, scheme_name)
     weights = backend.prepare_weights(ExpertWeights(scheme, *stored))
     seen = []
 
-    def gemm(kind, a, a_scale, b, b_scale, offsets, schedule="lockstep", impl="auto"):
+    def gemm(kind, a, a_scale, b, b_scale, offsets, schedule="n256_quarters_run4", impl="auto"):
         seen.append((kind, a.shape[0], tuple(a_scale.shape), cb.is_mn_major(a_scale)))
         return torch.zeros(a.shape[0], b.shape[1], dtype=torch.bfloat16)
 
@@ -1596,13 +1604,13 @@ def test_cutlass_int8_block_gemm1_takes_the_scattered_mn_major_scales_as_they_ar
     from epmoe.quant import get_scheme
 
     monkeypatch.setattr(cb, "own_kernel_missing", lambda: None)
-    backend = cb.CutlassBackend(get_scheme("int8_block"))
+    backend = cb.CutlassBackend(get_scheme("int8_block"), activation="separate")  # GEMM1 on its own
     batch, weights = _int8_block_scattered(backend, expected_m, scale_mn_major=True)
     row_major, _ = _int8_block_scattered(backend, expected_m, scale_mn_major=False)
     assert cb.is_mn_major(batch.x_scale) and not cb.is_mn_major(row_major.x_scale)
     seen = []
 
-    def gemm(kind, a, a_scale, b, b_scale, offsets, schedule="lockstep", impl="auto"):
+    def gemm(kind, a, a_scale, b, b_scale, offsets, schedule="n256_quarters_run4", impl="auto"):
         seen.append((a, a_scale))
         return torch.zeros(a.shape[0], b.shape[1], dtype=torch.bfloat16)
 
@@ -1674,8 +1682,8 @@ def test_cutlass_int8_block_silu_wrappers_refuse_before_loading(monkeypatch):
     b = torch.zeros(1, 384, 128, dtype=torch.int8)
     with pytest.raises(ValueError, match="N=384 rows; the fused GEMM1 needs a multiple of 256"):
         cb.int8_block_silu_grouped_gemm(a, sa, b, torch.ones(1, 3, 1), offsets)
-    with pytest.raises(ValueError, match=r"schedule='lockstep'; allowed \(the fused builds\): \['n256_quarters_run2'"):
-        cb.int8_block_silu_grouped_gemm(a, sa, b[:, :256], torch.ones(1, 2, 1), offsets, schedule="lockstep")
+    with pytest.raises(ValueError, match=r"schedule='n256_quarters_i2f_s4'; allowed \(the fused builds\): \['n256_quarters_run2'"):
+        cb.int8_block_silu_grouped_gemm(a, sa, b[:, :256], torch.ones(1, 2, 1), offsets, schedule="n256_quarters_i2f_s4")
     with pytest.raises(ValueError, match="a must be a CUDA tensor"):
         cb.int8_block_silu_grouped_gemm(a, sa, b[:, :256], torch.ones(1, 2, 1), offsets)
     am, sam, counts = a.view(1, 128, 128), sa.view(1, 128, 1), torch.tensor([100], dtype=torch.int32)

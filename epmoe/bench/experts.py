@@ -9,7 +9,7 @@ activation, GEMM2 and the whole pass (input quantization included) of:
 * any other :class:`~epmoe.experts.base.ExpertsBackend` given with
   ``--extra module:Class[@scheme][?key=value&...]`` (whole pass only, through its
   ``run_contiguous``; ``@int8_channel_int32`` for the int32 accumulator; the ``key=value`` pairs
-  are the backend's keyword arguments, e.g. ``?schedule=staggered&int8_kernel=cutlass``), so FP8
+  are the backend's keyword arguments, e.g. ``?schedule=n256_quarters_run2&int8_kernel=cutlass``), so FP8
   and CUTLASS INT8 rows need no edit here.
 
 With ``--masked`` each Triton row and each extra backend that runs the masked layout is also timed
@@ -250,7 +250,7 @@ def load_extra(spec: str):
     """``module:Class[@scheme][?key=value&...]`` -> (label, backend instance); ``scheme`` may also
     be ``int8_channel_int32`` (``int8_channel`` with the int32 accumulator, as in the config
     tables); the pairs are keyword arguments of the backend (string values), their values appended
-    to the label (``cutlass_int8_block_staggered``)."""
+    to the label (``cutlass_int8_block_n256_quarters_run2``)."""
     from ..kernels.configs import mode_and_accumulator
     from ..quant.schemes import get_scheme
 

@@ -23,7 +23,7 @@ def add_experts_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--extra", action="append", default=[],
                    help="module:Class[@scheme][?key=value&...] of another ExpertsBackend (repeatable; scheme may "
                         "be int8_channel_int32 for the int32 accumulator; key=value: keyword arguments of the "
-                        "backend, e.g. ?schedule=staggered)")
+                        "backend, e.g. ?schedule=n256_quarters_run2)")
     p.add_argument("--masked", action="store_true",
                    help="also time each Triton row and each --extra backend that runs the masked layout on it "
                         "(rows per expert in slabs of m rounded up to 128, as low-latency dispatch delivers them)")

@@ -43,11 +43,11 @@ void int8_dense_gemm_pingpong(at::Tensor& out, const at::Tensor& a, const at::Te
 // int8_dense_gemm's kernel argument (epmoe.kernels.configs.CUTLASS_DENSE_KERNELS, in this order).
 constexpr int64_t kInt8DenseCooperative = 0;
 constexpr int64_t kInt8DensePingpong = 1;
-constexpr int64_t kInt8BlockVariants = 15;  // kNumInt8BlockVariants in block_scaled_contiguous_gemm.cuh
+constexpr int64_t kInt8BlockVariants = 3;  // kNumInt8BlockVariants in block_scaled_contiguous_gemm.cuh
 constexpr int64_t kRowBlock = 128;
 // kSiluQuantVariants in block_scaled_contiguous_gemm.cuh: the schedules with a fused GEMM1 (the
 // two lists and SILU_FUSED_SCHEDULES are compared by tests/test_fp8_selection.py).
-constexpr int64_t kSiluQuantVariants[] = {13, 14};
+constexpr int64_t kSiluQuantVariants[] = {1, 2};
 }  // namespace epmoe
 
 namespace {
@@ -376,19 +376,19 @@ EPMOE_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def(
       "int8_block_contiguous_gemm(Tensor(a!) out, Tensor a, Tensor a_scale, Tensor b, "
       "Tensor b_scale, Tensor expert_offsets, int raster_along_n=1, int max_swizzle=1, "
-      "int schedule=0, bool pdl=False) -> ()");
+      "int schedule=2, bool pdl=False) -> ()");
   m.def(
       "int8_block_masked_gemm(Tensor(a!) out, Tensor a, Tensor a_scale, Tensor b, "
       "Tensor b_scale, Tensor masked_m, int raster_along_n=1, int max_swizzle=1, "
-      "int schedule=0, bool pdl=False) -> ()");
+      "int schedule=2, bool pdl=False) -> ()");
   m.def(
       "int8_block_silu_gemm(Tensor(a!) q, Tensor(b!) q_scale, Tensor a, Tensor a_scale, Tensor b, "
       "Tensor b_scale, Tensor expert_offsets, int raster_along_n=1, int max_swizzle=1, "
-      "int schedule=14, bool pdl=False) -> ()");
+      "int schedule=2, bool pdl=False) -> ()");
   m.def(
       "int8_block_silu_masked_gemm(Tensor(a!) q, Tensor(b!) q_scale, Tensor a, Tensor a_scale, "
       "Tensor b, Tensor b_scale, Tensor masked_m, int raster_along_n=1, int max_swizzle=1, "
-      "int schedule=14, bool pdl=False) -> ()");
+      "int schedule=2, bool pdl=False) -> ()");
   m.def(
       "int8_masked_gemm(Tensor(a!) out, Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, "
       "Tensor masked_m, bool pdl=False) -> ()");

@@ -1,10 +1,10 @@
-// GEMM1 with the fused activation (int8_block_silu_gemm.cu) on the INT8 block kernel's variant 13
+// GEMM1 with the fused activation (int8_block_silu_gemm.cu) on the INT8 block kernel's variant 1
 // (n256_quarters_run2); int8_block_silu_gemm.cu picks it at run time.
 #include "block_scaled_contiguous_gemm.cuh"
 
 namespace epmoe {
-template void int8_block_silu_gemm_variant<13>(at::Tensor&, at::Tensor&, const at::Tensor&,
-                                               const at::Tensor&, const at::Tensor&,
-                                               const at::Tensor&, const at::Tensor&, int64_t,
-                                               int64_t, bool);
+template void int8_block_silu_gemm_variant<1>(at::Tensor&, at::Tensor&, const at::Tensor&,
+                                              const at::Tensor&, const at::Tensor&,
+                                              const at::Tensor&, const at::Tensor&, int64_t,
+                                              int64_t, bool);
 }  // namespace epmoe

@@ -92,18 +92,6 @@ SOURCES = (
     "fp8_block_contiguous_gemm_binding.cpp",
     "fp8_block_contiguous_gemm.cu",
     "int8_block_contiguous_gemm.cu",
-    "int8_block_staggered_gemm.cu",
-    "int8_block_split_n_gemm.cu",
-    "int8_block_split_n_zero_gemm.cu",
-    "int8_block_n256_quarters_gemm.cu",
-    "int8_block_n256_halves_gemm.cu",
-    "int8_block_n128_split_n_gemm.cu",
-    "int8_block_n256_quarters_i2f_gemm.cu",
-    "int8_block_n256_halves_i2f_gemm.cu",
-    "int8_block_n256_quarters_i2f_s4_gemm.cu",
-    "int8_block_n256_halves_i2f_s4_gemm.cu",
-    "int8_block_n256_quarters_rs_gemm.cu",
-    "int8_block_n256_halves_rs_gemm.cu",
     "int8_block_n256_quarters_run2_gemm.cu",
     "int8_block_n256_quarters_run4_gemm.cu",
     "int8_block_silu_gemm.cu",
@@ -115,40 +103,19 @@ HEADERS = ("contiguous_gemm_common.cuh", "block_scaled_contiguous_gemm.cuh", "si
            "int8_channel_gemm.cuh")  # fmt: skip
 ROW_BLOCK = 128
 """Rows of a tile of the project's kernel: every expert segment starts and ends on a multiple."""
-INT8_BLOCK_SCHEDULES = (
-    "lockstep", "staggered", "split_n", "split_n_zero", "n256_quarters", "n256_halves", "n128_split_n",
-    "n256_quarters_i2f", "n256_halves_i2f", "n256_quarters_i2f_s4", "n256_halves_i2f_s4", "n256_quarters_rs",
-    "n256_halves_rs", "n256_quarters_run2", "n256_quarters_run4",
-)  # fmt: skip
+INT8_BLOCK_SCHEDULES = ("n256_quarters_i2f_s4", "n256_quarters_run2", "n256_quarters_run4")
 """The INT8 block kernel's variants (``kInt8BlockVariants`` in ``block_scaled_contiguous_gemm.cuh``,
-in this order: the op takes the index): how its two consumer warpgroups overlap a K block's MMAs
-with the promotion of the one before, where each K block's int32 sums start, and the tile's
-width. On 128 x 192 tiles: ``lockstep`` (both issue, wait and promote together: the tensor cores
-idle during the promotion), ``staggered`` (they take turns to issue, so one promotes while the
-other's MMAs run), ``split_n`` (each issues its MMAs in two N halves and promotes one while the
-other runs). Those three start each K block's sums from registers set to the float bias; the
-others start from zero (``kZeroStart``: no register moves between MMA issues, the bias added in
-the promotion): ``split_n_zero`` (``split_n`` so); on 128 x 256 tiles (N = 4096 and 7168 are
-whole multiples, where 192 leaves a part-empty last tile column) ``n256_quarters`` (four N chunks
-through two partials, each promoted while the next runs) and ``n256_halves`` (two N halves
-through one partial, each promoted before the next is issued); on 128 x 128 tiles
-``n128_split_n`` (``split_n``'s halves). The ``_i2f`` twins of the two 256-wide ones convert each
-int32 sum with a conversion instruction (``__int2float_rn``, sm_90a's I2FP) instead of through the
-float bias: two instructions an element in the promotion instead of three, the same floats. Their
-``_s4`` twins run CUTLASS's subtiled epilogue at every K (``kSubtiledEpilogue``): four mainloop
-stages where the whole-tile epilogue leaves a 256-wide tile three (the K = 2048 GEMM). The ``_rs``
-twins of the ``_s4`` ones have the MMAs read A from registers, loaded from shared memory once per
-K block (``kRegisterA``), where the others' MMAs read it from shared memory once per N chunk (four
-times a K block in the quarters). ``n256_quarters_run2`` / ``_run4`` are ``n256_quarters_i2f_s4``
-with K blocks in runs of two / four: the MMAs drained once per run instead of once per K block."""
-INT8_BLOCK_TILE_N = {name: 192 for name in ("lockstep", "staggered", "split_n", "split_n_zero")} | {
-    "n256_quarters": 256, "n256_halves": 256, "n128_split_n": 128, "n256_quarters_i2f": 256, "n256_halves_i2f": 256,
-    "n256_quarters_i2f_s4": 256, "n256_halves_i2f_s4": 256, "n256_quarters_rs": 256, "n256_halves_rs": 256,
-    "n256_quarters_run2": 256, "n256_quarters_run4": 256,
-}  # fmt: skip
-"""Tile width of each INT8 block variant: a 192-wide tile reads the weight scales on a 64-column
-grid (:func:`kernel_weight_scale`, repeated per call from the stored ``[E, N/128, K/128]``), the
-128- and 256-wide ones as stored."""
+in this order: the op takes the index), all on 128 x 256 tiles (N = 4096 and 7168, the DeepSeek-V3
+GEMMs, are whole multiples; a part-empty last tile column elsewhere): each consumer warpgroup
+issues a K block's MMAs in four 64-column chunks through two int32 partials started from zero,
+each chunk promoted (a conversion instruction and an FMA an element) while the next runs, with
+CUTLASS's subtiled epilogue at every K. ``n256_quarters_i2f_s4`` drains the MMAs once per K block;
+``n256_quarters_run2`` / ``_run4`` take K blocks in runs of two / four, drained once per run. The
+variants measured slower on the H200 (other schedules, tile widths, conversions and operand
+paths; README, "The CUTLASS INT8 block kernel's variants") are no longer built."""
+INT8_BLOCK_TILE_N = dict.fromkeys(INT8_BLOCK_SCHEDULES, 256)
+"""Tile width of each INT8 block variant: each tile lies on whole 128-column weight blocks and
+reads the weight scales as stored."""
 SILU_FUSED_SCHEDULES = ("n256_quarters_run2", "n256_quarters_run4")
 """The INT8 block variants also built as GEMM1 with the activation fused into the epilogue
 (``kSiluQuantVariants``, ``silu_quant_epilogue.cuh``; :func:`int8_block_silu_grouped_gemm`): a
@@ -167,8 +134,8 @@ def gemm1_note(schedule: str, activation: str = "fused") -> str:
 INT8_BLOCK_SCHEDULE_ENV = "EPMOE_INT8_BLOCK_SCHEDULE"
 """Environment variable naming the INT8 block kernel's schedule (one of
 :data:`INT8_BLOCK_SCHEDULES`), read when a :class:`CutlassBackend` is built."""
-DEFAULT_INT8_BLOCK_SCHEDULE = "lockstep"
-"""The schedule of a GPU without a measured one (:data:`SCHEDULE_FILE`): the FP8 kernel's."""
+DEFAULT_INT8_BLOCK_SCHEDULE = "n256_quarters_run4"
+"""The schedule of a GPU without a measured one (:data:`SCHEDULE_FILE`): the H200's."""
 SCHEDULE_FILE = Path(__file__).resolve().parent.parent / "configs" / "int8_block_schedule.json"
 """The fastest INT8 block schedule measured per GPU name, ``{"<GPU name>": {"schedule": ...,
 "source": ...}}`` (written by ``benchmarks/int8_block_schedules.py --schedule-out``)."""
@@ -899,7 +866,7 @@ def int8_block_silu_grouped_gemm(
     b_scale: torch.Tensor,
     expert_offsets: torch.Tensor,
     *,
-    schedule: str = "n256_quarters_run4",
+    schedule: str = DEFAULT_INT8_BLOCK_SCHEDULE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GEMM1 of an ``int8_block`` pass with ``silu(gate) * up`` and its 1x128 requantization fused
     into the epilogue: :func:`int8_block_grouped_gemm`'s fp32 sums of each expert's rows with
@@ -1083,7 +1050,7 @@ def int8_block_silu_masked_gemm(
     b_scale: torch.Tensor,
     masked_m: torch.Tensor,
     *,
-    schedule: str = "n256_quarters_run4",
+    schedule: str = DEFAULT_INT8_BLOCK_SCHEDULE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`int8_block_silu_grouped_gemm` on the masked layout (operands as in
     :func:`int8_block_masked_gemm`): ``(q, q_scale)``, ``[E, max_m, N/2]`` int8 and

@@ -111,13 +111,13 @@ def test_opcheck_cutlass(kind):
 
     # The op object itself: on the H200 (torch 2.11) a lookup through torch.ops.epmoe once found no
     # cutlass_grouped_gemm after the Triton ops' opchecks (not reproduced on CPU).
-    args = (kind, a, a_scale, b, b_scale, offsets, "staggered")
+    args = (kind, a, a_scale, b, b_scale, offsets, "n256_quarters_run2")
     if kind != "fp8_block":
         torch.library.opcheck(ops._cutlass_grouped_gemm.op, args)
         # The masked layout: the same rows as two experts' slabs of 128, 100 and 7 of them valid.
         (m, k), e = a.shape, b.shape[0]
         masked = (kind, a.view(e, m // e, k), a_scale.view(e, m // e, -1), b, b_scale,
-                  torch.tensor([100, 7], dtype=torch.int32, device="cuda"), "split_n")  # fmt: skip
+                  torch.tensor([100, 7], dtype=torch.int32, device="cuda"), "n256_quarters_i2f_s4")  # fmt: skip
         torch.library.opcheck(ops._cutlass_masked_gemm.op, masked)
         if kind == "int8_block":  # GEMM1 with the activation fused (b's rows read as gate/up pairs)
             torch.library.opcheck(ops._cutlass_silu_gemm.op, (a, a_scale, b, b_scale, offsets, "n256_quarters_run4"))

@@ -1174,8 +1174,8 @@ longer than the host takes to enqueue an op (checked) and the op's kernels to st
 def _op_case(op, g):
     """``(specs, make_inputs(seed), new_output(), run(views, out), valid(out, inputs))`` of one
     CUTLASS op: every tensor the op reads that a kernel before it could write (activations, their
-    scales, the offsets or masked_m) lives in the slab; the weights are fixed, the block scales already on the
-    kernels' grid (:func:`kernel_weight_scale`, as the backend prepares them: no repeat between the
+    scales, the offsets or masked_m) lives in the slab; the weights are fixed, FP8's block scales already on
+    its kernel's grid (:func:`kernel_weight_scale`, as the backend prepares them: no repeat between the
     table kernel and the GEMM). ``run`` writes into ``out``, filled with NaN by ``new_output``, so a
     tile the GEMM skipped on a wrong table shows; it returns ``out`` (every wrapper does)."""
     from epmoe.experts import cutlass_backend as cb
@@ -1187,7 +1187,7 @@ def _op_case(op, g):
     b = b.to(code)
     block = op in ("fp8_grouped", "int8_block_grouped", "int8_block_masked")
     b_scale = torch.rand(*((e, n // 128, k // 128) if block else (e, n, 1)), device="cuda", generator=g) * 1e-3 + 1e-4
-    if block:
+    if fp8:  # the FP8 kernel's 64-column grid; INT8 block reads the scales as stored
         b_scale = cb.kernel_weight_scale(b_scale)
     masked = op.endswith("masked")
     dense = op.startswith("dense")

@@ -158,8 +158,9 @@ def test_triton_padding_rows_never_reach_the_output(scheme):
 
 @pytest.mark.parametrize("kind", ["fp8_block", "int8_block"])
 def test_cutlass_takes_scales_in_its_own_layouts_as_given(kind):
-    """The kernels' own repeat of the weight scales (per call) and prepare_weights' (once) give the
-    same bits, and so do row-major activation scales (transposed per call) and MN-major ones."""
+    """FP8: the kernel's own repeat of the weight scales (per call) and prepare_weights' (once)
+    give the same bits (INT8 block's 256-wide tiles read them as stored, the only grid its ops
+    take); both: row-major activation scales (transposed per call) and MN-major ones too."""
     from epmoe.experts import cutlass_backend as cb
     from epmoe.quant import get_scheme
 
@@ -174,11 +175,12 @@ def test_cutlass_takes_scales_in_its_own_layouts_as_given(kind):
     if kind == "fp8_block" and cb._use_sgl():
         pytest.skip("sgl-kernel's op takes the 128-column grid only")
     want = gemm(a, a_scale, b, b_scale, offsets)
-    got = gemm(a, a_scale, b, cb.kernel_weight_scale(b_scale), offsets)
-    assert torch.equal(got, want)
+    w_scale = cb.kernel_weight_scale(b_scale) if kind == "fp8_block" else b_scale
+    if kind == "fp8_block":
+        assert torch.equal(gemm(a, a_scale, b, w_scale, offsets), want)
     # Activation scales given MN-major (what the layout and the activation write for the kernel).
     from epmoe.kernels.common import mn_major_scales
 
     mn = mn_major_scales(*a_scale.shape, a_scale.device)
     mn.copy_(a_scale)
-    assert cb.is_mn_major(mn) and torch.equal(gemm(a, mn, b, cb.kernel_weight_scale(b_scale), offsets), want)
+    assert cb.is_mn_major(mn) and torch.equal(gemm(a, mn, b, w_scale, offsets), want)

@@ -1,9 +1,0 @@
-// The INT8 block-scaled GEMM's variant 7 (kInt8BlockVariants in block_scaled_contiguous_gemm.cuh:
-// the kSplitN4 schedule from zero with the native conversion, 128 x 256 tiles); int8_block_contiguous_gemm.cu picks it at run time.
-#include "block_scaled_contiguous_gemm.cuh"
-
-namespace epmoe {
-template void int8_block_gemm_variant<7>(at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                          const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                          int64_t, int64_t, bool);
-}  // namespace epmoe
