@@ -718,12 +718,12 @@ def silu_quant_bound(a, sa, b, sb, lo, hi, x):
 
 def check_silu_quant(q, q_scale, h, bound, what):
     """Codes and 1x128 scales of ``h`` (float64, each element known within ``bound``): every scale
-    within the group's bound of ``amax / 127`` and every code within half a step (plus the bound,
-    plus 2^-16 of a step for the product with the rounded reciprocal of the scale) of
-    ``h / scale``."""
+    within the group's bound of ``max(amax, 1e-10) / 127`` (the quantizers' floor: an all-zero
+    group gets that scale and codes 0) and every code within half a step (plus the bound, plus
+    2^-16 of a step for the product with the rounded reciprocal of the scale) of ``h / scale``."""
     rows, cols = h.shape
     groups = lambda t: t.view(rows, cols // 128, 128)  # noqa: E731
-    want = groups(h).abs().amax(-1) / 127.0
+    want = groups(h).abs().amax(-1).clamp(min=1e-10) / 127.0
     slack = groups(bound).amax(-1) / 127.0 + want * 2.0**-22
     scale = q_scale.double()
     assert bool(((scale - want).abs() <= slack).all()), (what, "scales", float(((scale - want).abs() - slack).max()))
@@ -743,8 +743,9 @@ def test_cutlass_int8_block_silu_gemm(counts, n, k, spare, schedule):
     """GEMM1 with the activation in its epilogue against float64: codes and 1x128 scales as the
     quantizers' rule gives them for silu(gate) * up of the exact block sums (check_silu_quant);
     empty experts, odd block counts (a parked cluster partner), spare rows left unwritten, a row
-    with a NaN scale (its group's scale NaN, its codes 0, the other rows untouched); every tile
-    order gives the same bits; the masked layout's op gives the contiguous one's rows."""
+    with a NaN scale (its group's scale NaN, its codes 0, the other rows untouched), a row of zeros
+    (every group at the quantizers' floor scale, codes 0); every tile order gives the same bits;
+    the masked layout's op gives the contiguous one's rows."""
     from epmoe.experts.cutlass_backend import (
         INT8_BLOCK_SCHEDULES, int8_block_silu_grouped_gemm, int8_block_silu_masked_gemm, is_mn_major, load_extension,
     )  # fmt: skip
@@ -755,6 +756,8 @@ def test_cutlass_int8_block_silu_gemm(counts, n, k, spare, schedule):
     nan_row = int(offsets[2]) if used > int(offsets[2]) else None
     if nan_row is not None:
         sa[nan_row, -1] = float("nan")
+    if used and nan_row != 0:
+        a[0] = 0  # the first non-empty expert's first row: every group all zero
     q, q_scale = int8_block_silu_grouped_gemm(a, sa, b, sb, offsets, schedule=schedule)
     assert q.shape == (m, n // 2) and q.dtype == torch.int8 and is_mn_major(q_scale) and q_scale.shape == (m, n // 256)
     for x in range(e):
@@ -766,6 +769,8 @@ def test_cutlass_int8_block_silu_gemm(counts, n, k, spare, schedule):
         check_silu_quant(q[lo:hi][keep], q_scale[lo:hi][keep], h[keep], bound[keep], (schedule, x))
     if nan_row is not None:
         assert torch.isnan(q_scale[nan_row]).all() and not q[nan_row].any()
+    if used and nan_row != 0:  # its scales: the floor, checked with the others by check_silu_quant
+        assert not q[0].any() and bool((q_scale[0] > 0).all())
     ext, index = load_extension(), INT8_BLOCK_SCHEDULES.index(schedule)
     for raster, swizzle in {(0, 1), (1, 1), (1, 4)}:
         # Rows of q padded by 16 bytes and row-major scales: the op takes any such strides.
