@@ -411,8 +411,9 @@ struct Sm90BlockScaledMainloop : Base {
     }
   }
 
-  // The weight scales of each k tile by cp.async from this warp (the base's, except with kHalves:
-  // the gate block's and the up block's, lanes 0 and 1).
+  // The weight scales of each k tile by cp.async from this warp: the base's, except with kHalves or
+  // kBackoff, where lanes 0 and 1 load the tile's two weight blocks (kHalves: the gate block's and
+  // the up block's) after acquire().
   template <class TensorA, class TensorB, class TensorScaleA, class TensorScaleB, class KTileIterator,
             class BlockCoord>
   CUTLASS_DEVICE void load_auxiliary(Params const& params, MainloopPipeline pipeline,
