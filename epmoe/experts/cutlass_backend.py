@@ -901,7 +901,8 @@ def int8_block_silu_grouped_gemm(
     op = "int8_block_silu_grouped_gemm"
     index = _fused_schedule_index(op, schedule)
     _check_rows(a)
-    _check_block_scaled(op, torch.int8, a, a_scale, b, b_scale, expert_offsets, None, devices=False, tile_n=256)
+    _check_block_scaled(op, torch.int8, a, a_scale, b, b_scale, expert_offsets, None, devices=False,
+                        tile_n=INT8_BLOCK_TILE_N[schedule])  # fmt: skip
     _check_gate_up_rows(op, b)
     _check_devices(op, a, a_scale, b, b_scale, None)
     m, n = a.shape[0], b.shape[1]
@@ -1071,7 +1072,8 @@ def int8_block_silu_masked_gemm(
     op = "int8_block_silu_masked_gemm"
     index = _fused_schedule_index(op, schedule)
     a, a_scale, rows, row_scales = _masked_rows(op, a, a_scale, b, masked_m, None, lambda k: (k // BLOCK,))
-    _check_block_scaled(op, torch.int8, rows, row_scales, b, b_scale, None, None, devices=False, tile_n=256)
+    _check_block_scaled(op, torch.int8, rows, row_scales, b, b_scale, None, None, devices=False,
+                        tile_n=INT8_BLOCK_TILE_N[schedule])  # fmt: skip
     _check_gate_up_rows(op, b)
     _check_masked_devices(op, a, a_scale, b, b_scale, masked_m, None)
     (e, max_m, _), n = a.shape, b.shape[1]
