@@ -492,7 +492,7 @@ _BAD_OPERANDS = [
      ValueError, "non-decreasing multiples of 128"),
     ("int8_block", _int8_block_operands, lambda o: {}, ValueError, "a must be a CUDA tensor"),
     ("int8_block", _int8_block_operands, lambda o: dict(schedule="pingpong"), ValueError,
-     r"schedule='pingpong'; allowed: \['n256_quarters_i2f_s4', 'n256_quarters_run2', 'n256_quarters_run4', 'n256_quarters_run4_backoff'\]"),
+     r"schedule='pingpong'; allowed: \['n256_quarters_i2f_s4', 'n256_quarters_run2', 'n256_quarters_run4'\]"),
     # the masked layout: whole 128-row blocks per expert, masked_m within them, the kind's scales
     ("int8_block_masked", _int8_block_masked_operands,
      lambda o: dict(a=torch.zeros(2, 96, 256, dtype=torch.int8), a_scale=torch.ones(2, 96, 2)), ValueError,
@@ -1035,7 +1035,7 @@ def test_int8_block_schedule_choice(monkeypatch, caplog):
     monkeypatch.setenv(cb.INT8_BLOCK_SCHEDULE_ENV, "pingpong")
     with pytest.raises(ValueError, match=r"EPMOE_INT8_BLOCK_SCHEDULE \(from the environment\)='pingpong'; allowed"):
         cb.CutlassBackend(block)
-    with pytest.raises(ValueError, match=r"^schedule='fast'; allowed: \['n256_quarters_i2f_s4', 'n256_quarters_run2', 'n256_quarters_run4', 'n256_quarters_run4_backoff'\]"):
+    with pytest.raises(ValueError, match=r"^schedule='fast'; allowed: \['n256_quarters_i2f_s4', 'n256_quarters_run2', 'n256_quarters_run4'\]"):
         cb.CutlassBackend(block, schedule="fast")
     # Only int8_block has schedules: the bad environment value does not stop the other schemes.
     for other in (cb.CutlassBackend(get_scheme("fp8_block")), cb.CutlassBackend(get_scheme("int8_channel"), accumulator="int32")):

@@ -43,8 +43,7 @@
 // overlap the promotion), where each K block's sums start (kZeroStart), how a sum becomes a float
 // (kNativeConvert), the epilogue, the runs of K blocks and the tile's width (128, 192 or 256; 128
 // and 256 divide the DeepSeek-V3 N of 4096 and 7168 and read one weight scale per 128 columns).
-// The package builds the three fastest on the H200, all 256 wide, and run4 with the producers'
-// backoff (kProducerBackoff, to be measured); the other combinations this
+// The package builds the three fastest on the H200, all 256 wide; the other combinations this
 // file can express were measured slower there (README, "The CUTLASS INT8 block kernel's
 // variants") and are not built: one line in kInt8BlockVariants and a source file build one again.
 // Why not CUTLASS's ptr-array grouped kernel: it rewrites and fences the TMA descriptors of A, B
@@ -157,15 +156,6 @@ constexpr int kRegisterA = 64;
 // both warpgroups drain at the same time, leaving the tensor cores idle until one issues again.
 constexpr int kUnroll2 = 128;
 constexpr int kUnroll4 = 256;
-// Added to a 256-wide INT8 schedule: the two producer warps (TMA loads, weight-scale cp.async)
-// wait for a free stage by polling it kProducerBackoffNs apart instead of in CUTLASS's try_wait
-// loop. In the H200 profile of the fused GEMM1 that loop went round some 22 times per wait, one
-// wait per K block in each warp, five instructions a round, on the schedulers of two of the four
-// warps that issue each consumer warpgroup's MMAs; that kernel is issue-bound (ncu). A poll
-// lets a freed stage wait up to about two of them before it is refilled; four stages of about a
-// microsecond each cover that.
-constexpr int kProducerBackoff = 512;
-constexpr unsigned kProducerBackoffNs = 128;
 
 // The N chunks a warpgroup's MMAs are issued in and the partial accumulators they rotate through.
 template <int Schedule>
@@ -227,9 +217,6 @@ struct Sm90BlockScaledMainloop : Base {
                   repeat_like(typename Base::StrideB{}, int32_t(0)), typename Base::StrideB{}),
       SmemLayoutB{}(_, _, _0{}), TileShape{}, Shape<_1, _1, _1>{}));
   static constexpr bool kHalves = GateUpHalves;
-  static constexpr bool kBackoff = (Schedule & kProducerBackoff) != 0;
-  static_assert(!kBackoff || (kIntegerMma && size<1>(TileShape{}) == 256 && Base::ScaleGranularityN == 128),
-                "the producers' backoff: the 256-wide INT8 tiles (their weight-scale loads are this file's)");
   static_assert(!kHalves || (size<1>(TileShape{}) == 256 && Base::ScaleGranularityN == 128),
                 "a gate/up tile is two 128-row weight blocks");
   // One half of a stage's B tile (its rows lie first in the K-major layout: K is one swizzle atom
@@ -259,7 +246,7 @@ struct Sm90BlockScaledMainloop : Base {
     TmaBHalfSolo tma_load_b_half_solo;
     const int32_t* block_expert = nullptr;
     int32_t num_m_blocks = 0;
-    int32_t n = 0, k = 0, l = 0;  // B's extents (kHalves: where the up rows start; kBackoff: N's blocks)
+    int32_t n = 0, k = 0, l = 0;  // B's extents (kHalves: where the up rows start)
   };
 
   // kHalves: the 128-row block of B holding tile n's gate rows (n) or up rows (N/256 + n).
@@ -361,7 +348,7 @@ struct Sm90BlockScaledMainloop : Base {
     };
     CUTLASS_PRAGMA_NO_UNROLL
     for (; k_tile_count > 0; --k_tile_count) {
-      acquire(pipeline, smem_pipe_write);
+      pipeline.producer_acquire(smem_pipe_write);
       const int stage = smem_pipe_write.index();
       auto* barrier = pipeline.producer_get_barrier(smem_pipe_write);
       if (lane_predicate) {
@@ -396,24 +383,8 @@ struct Sm90BlockScaledMainloop : Base {
     }
   }
 
-  // A producer's wait for a free stage (and, by the leader, the stage's expected bytes): CUTLASS's,
-  // or with kBackoff polls kProducerBackoffNs apart.
-  CUTLASS_DEVICE static void acquire(MainloopPipeline& pipeline, PipelineState state) {
-    if constexpr (kBackoff) {
-      auto token = pipeline.producer_try_acquire(state);
-      while (!(token == cutlass::BarrierStatus::WaitDone)) {
-        __nanosleep(kProducerBackoffNs);
-        token = pipeline.producer_try_acquire(state);
-      }
-      pipeline.producer_acquire(state, token);
-    } else {
-      pipeline.producer_acquire(state);
-    }
-  }
-
-  // The weight scales of each k tile by cp.async from this warp: the base's, except with kHalves or
-  // kBackoff, where lanes 0 and 1 load the tile's two weight blocks (kHalves: the gate block's and
-  // the up block's) after acquire().
+  // The weight scales of each k tile by cp.async from this warp (the base's, except with kHalves:
+  // the gate block's and the up block's, lanes 0 and 1).
   template <class TensorA, class TensorB, class TensorScaleA, class TensorScaleB, class KTileIterator,
             class BlockCoord>
   CUTLASS_DEVICE void load_auxiliary(Params const& params, MainloopPipeline pipeline,
@@ -422,21 +393,18 @@ struct Sm90BlockScaledMainloop : Base {
                                      BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count,
                                      int thread_idx, uint32_t block_rank_in_cluster,
                                      TensorStorage& shared_tensors) {
-    if constexpr (!kHalves && !kBackoff) {
+    if constexpr (!kHalves) {
       Base::load_auxiliary(params, pipeline, smem_pipe_write, inputs, blk_coord, k_tile_iter, k_tile_count,
                            thread_idx, block_rank_in_cluster, shared_tensors);
     } else {
       Tensor sSFB = make_tensor(make_smem_ptr(shared_tensors.smem_SFB.data()), filter_zeros(SmemLayoutSFB{}));
       Tensor mSFB = get<3>(inputs);  // ((128, N/128), (128, K/128), L)
       auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
-      // The tile's two 128-column weight blocks: the gate block and its up block, or two in a row,
-      // the second past N in a last tile column half-empty (its columns are not stored).
-      const int block = kHalves ? gate_up_block(params, int(n_coord), thread_idx) : int(n_coord) * 2 + thread_idx;
-      const bool load = thread_idx < 2 && (kHalves || block < int(params.n) / 128);
+      const int block = gate_up_block(params, int(n_coord), thread_idx);
       CUTLASS_PRAGMA_NO_UNROLL
       for (; k_tile_count > 0; --k_tile_count) {
-        acquire(pipeline, smem_pipe_write);
-        if (load) {
+        pipeline.producer_acquire(smem_pipe_write);
+        if (thread_idx < 2) {
           SM80_CP_ASYNC_CACHEALWAYS<float>::copy(
               mSFB(make_coord(0, block), make_coord(0, *k_tile_iter), l_coord),
               sSFB(thread_idx, 0, smem_pipe_write.index()));
@@ -1250,7 +1218,6 @@ constexpr Int8BlockVariant kInt8BlockVariants[] = {
     {kSplitN4 + kZeroStart + kNativeConvert + kSubtiledEpilogue, 256},
     {kSplitN4 + kZeroStart + kNativeConvert + kSubtiledEpilogue + kUnroll2, 256},
     {kSplitN4 + kZeroStart + kNativeConvert + kSubtiledEpilogue + kUnroll4, 256},
-    {kSplitN4 + kZeroStart + kNativeConvert + kSubtiledEpilogue + kUnroll4 + kProducerBackoff, 256},
 };
 constexpr int kNumInt8BlockVariants = sizeof(kInt8BlockVariants) / sizeof(kInt8BlockVariants[0]);
 
@@ -1266,7 +1233,7 @@ void int8_block_gemm_variant(at::Tensor& out, const at::Tensor& a, const at::Ten
 
 // The variants that also build GEMM1 with the fused activation (int8_block_silu_gemm.cu picks one
 // at run time): the fastest 128 x 256 ones. The binding keeps the same list (kSiluQuantVariants).
-constexpr int kSiluQuantVariants[] = {1, 2, 3};
+constexpr int kSiluQuantVariants[] = {1, 2};
 constexpr int kNumSiluQuantVariants = sizeof(kSiluQuantVariants) / sizeof(kSiluQuantVariants[0]);
 
 template <int V>

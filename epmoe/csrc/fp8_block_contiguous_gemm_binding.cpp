@@ -43,11 +43,11 @@ void int8_dense_gemm_pingpong(at::Tensor& out, const at::Tensor& a, const at::Te
 // int8_dense_gemm's kernel argument (epmoe.kernels.configs.CUTLASS_DENSE_KERNELS, in this order).
 constexpr int64_t kInt8DenseCooperative = 0;
 constexpr int64_t kInt8DensePingpong = 1;
-constexpr int64_t kInt8BlockVariants = 4;  // kNumInt8BlockVariants in block_scaled_contiguous_gemm.cuh
+constexpr int64_t kInt8BlockVariants = 3;  // kNumInt8BlockVariants in block_scaled_contiguous_gemm.cuh
 constexpr int64_t kRowBlock = 128;
 // kSiluQuantVariants in block_scaled_contiguous_gemm.cuh: the schedules with a fused GEMM1 (the
 // two lists and SILU_FUSED_SCHEDULES are compared by tests/test_fp8_selection.py).
-constexpr int64_t kSiluQuantVariants[] = {1, 2, 3};
+constexpr int64_t kSiluQuantVariants[] = {1, 2};
 }  // namespace epmoe
 
 namespace {

@@ -15,10 +15,7 @@ extern template void int8_block_gemm_variant<1>(at::Tensor&, const at::Tensor&, 
 extern template void int8_block_gemm_variant<2>(at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                 const at::Tensor&, const at::Tensor&,
                                                 const at::Tensor&, int64_t, int64_t, bool);
-extern template void int8_block_gemm_variant<3>(at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                const at::Tensor&, const at::Tensor&,
-                                                const at::Tensor&, int64_t, int64_t, bool);
-static_assert(kNumInt8BlockVariants == 4, "one case below and one source file per variant");
+static_assert(kNumInt8BlockVariants == 3, "one case below and one source file per variant");
 
 // segments, masked_max_m: as expert_block_table's; variant: an index of kInt8BlockVariants
 // (checked by the caller).
@@ -35,7 +32,6 @@ void int8_block_contiguous_gemm_coop(at::Tensor& out, const at::Tensor& a,
   switch (variant) {
     case 1: run(Int<1>{}); break;
     case 2: run(Int<2>{}); break;
-    case 3: run(Int<3>{}); break;
     default: run(Int<0>{});
   }
 }

@@ -94,10 +94,8 @@ SOURCES = (
     "int8_block_contiguous_gemm.cu",
     "int8_block_n256_quarters_run2_gemm.cu",
     "int8_block_n256_quarters_run4_gemm.cu",
-    "int8_block_n256_quarters_run4_backoff_gemm.cu",
     "int8_block_silu_gemm.cu",
     "int8_block_silu_run2_gemm.cu",
-    "int8_block_silu_run4_backoff_gemm.cu",
     "int8_channel_contiguous_gemm.cu",
     "int8_dense_pingpong_gemm.cu",
 )
@@ -105,25 +103,20 @@ HEADERS = ("contiguous_gemm_common.cuh", "block_scaled_contiguous_gemm.cuh", "si
            "int8_channel_gemm.cuh")  # fmt: skip
 ROW_BLOCK = 128
 """Rows of a tile of the project's kernel: every expert segment starts and ends on a multiple."""
-INT8_BLOCK_SCHEDULES = (
-    "n256_quarters_i2f_s4", "n256_quarters_run2", "n256_quarters_run4", "n256_quarters_run4_backoff",
-)  # fmt: skip
+INT8_BLOCK_SCHEDULES = ("n256_quarters_i2f_s4", "n256_quarters_run2", "n256_quarters_run4")
 """The INT8 block kernel's variants (``kInt8BlockVariants`` in ``block_scaled_contiguous_gemm.cuh``,
 in this order: the op takes the index), all on 128 x 256 tiles (N = 4096 and 7168, the DeepSeek-V3
 GEMMs, are whole multiples; a part-empty last tile column elsewhere): each consumer warpgroup
 issues a K block's MMAs in four 64-column chunks through two int32 partials started from zero,
 each chunk promoted (a conversion instruction and an FMA an element) while the next runs, with
 CUTLASS's subtiled epilogue at every K. ``n256_quarters_i2f_s4`` drains the MMAs once per K block;
-``n256_quarters_run2`` / ``_run4`` take K blocks in runs of two / four, drained once per run;
-``n256_quarters_run4_backoff`` is ``_run4`` with its two producer warps polling for a free stage
-128 ns apart instead of in CUTLASS's wait loop, whose wake-ups take issue slots from the
-consumer warps on the same schedulers (built to be measured). The variants measured slower on
-the H200 (other schedules, tile widths, conversions and operand paths; README, "The CUTLASS INT8
-block kernel's variants") are no longer built."""
+``n256_quarters_run2`` / ``_run4`` take K blocks in runs of two / four, drained once per run. The
+variants measured slower on the H200 (other schedules, tile widths, conversions and operand
+paths; README, "The CUTLASS INT8 block kernel's variants") are no longer built."""
 INT8_BLOCK_TILE_N = dict.fromkeys(INT8_BLOCK_SCHEDULES, 256)
 """Tile width of each INT8 block variant: each tile lies on whole 128-column weight blocks and
 reads the weight scales as stored."""
-SILU_FUSED_SCHEDULES = ("n256_quarters_run2", "n256_quarters_run4", "n256_quarters_run4_backoff")
+SILU_FUSED_SCHEDULES = ("n256_quarters_run2", "n256_quarters_run4")
 """The INT8 block variants also built as GEMM1 with the activation fused into the epilogue
 (``kSiluQuantVariants``, ``silu_quant_epilogue.cuh``; :func:`int8_block_silu_grouped_gemm`): a
 :class:`CutlassBackend` on one of them runs GEMM1 and ``silu(gate) * up`` requantized as one
