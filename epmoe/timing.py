@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import statistics
 import time
@@ -189,13 +190,13 @@ def profile_phases(fn: Callable[[], object], iters: int, warmup: int, device: to
     count: ``fn`` may be a collective).
 
     A range's device time is the time of the GPU work launched inside it (kernels, copies,
-    memsets; a collective kernel's wait for a slower peer included); on a CPU, its host time.
-    Ranges nest (``epmoe.experts`` holds ``epmoe.gemm1`` ...): each is reported on its own.
+    memsets; a collective kernel's wait for a slower peer included; see :func:`range_device_us`);
+    on a CPU, its host time. Ranges nest (``epmoe.experts`` holds ``epmoe.gemm1`` ...): each is
+    reported on its own.
 
     Returns:
         ``{range name without the "epmoe." prefix: ms}``, restricted to ``names`` when given.
     """
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device is not None and torch.device(device).type == "cuda"
@@ -208,14 +209,52 @@ def profile_phases(fn: Callable[[], object], iters: int, warmup: int, device: to
         for _ in range(iters):
             fn()
         _Clock(device).sync()
-    totals: dict[str, float] = {}
-    for evt in prof.key_averages():
-        # The host-side range (the trace also holds its GPU-side span, gaps included): its device
-        # time is that of the GPU work launched inside it.
-        if not evt.key.startswith(PHASE_PREFIX) or evt.device_type != DeviceType.CPU:
-            continue
-        us = evt.device_time_total if cuda else evt.cpu_time_total
-        totals[evt.key[len(PHASE_PREFIX):]] = us / 1e3 / iters
+    totals = {name[len(PHASE_PREFIX):]: us / 1e3 / iters for name, us in range_device_us(prof.events(), cuda).items()}
     if names is not None:
         totals = {k: v for k, v in totals.items() if k in names}
     return totals
+
+
+def range_device_us(events, cuda: bool) -> dict[str, float]:
+    """Microseconds of device work per :func:`phase` range name, summed over its instances, from
+    a profiler's events (``FunctionEvent``-like: ``name``, ``device_type``, ``is_user_annotation``,
+    ``device_index``, ``device_resource_id``, ``time_range``, and for host ranges
+    ``device_time_total`` / ``cpu_time_total``).
+
+    With ``cuda``, the larger of two counts, each of which can miss work the other sees:
+    * the work the profiler links to the host-side range (kernels whose launch it recorded under
+      it: what it misses are launches it does not record, e.g. Triton's through the driver API);
+    * the work inside the range's GPU-side spans, stream by stream (the profiler's span of a range
+      on a stream runs from its first piece of work there to its last; stream order puts nothing
+      launched outside the range in between, and the span's own length would count the gaps too).
+    Without ``cuda``, the host ranges' own time.
+    """
+    host: dict[str, float] = {}
+    spans: dict[tuple, list] = {}
+    work: dict[tuple, list] = {}
+    for evt in events:
+        on_host = evt.device_type == torch.autograd.DeviceType.CPU
+        if evt.name.startswith(PHASE_PREFIX) and on_host:
+            host[evt.name] = host.get(evt.name, 0.0) + (evt.device_time_total if cuda else evt.cpu_time_total)
+        elif not on_host:
+            stream = (evt.device_index, evt.device_resource_id)
+            if evt.is_user_annotation:
+                if evt.name.startswith(PHASE_PREFIX):
+                    spans.setdefault(stream, []).append(evt)
+            else:
+                work.setdefault(stream, []).append(evt.time_range)
+    if not cuda:
+        return host
+    inside: dict[str, float] = {}
+    for stream, stream_spans in spans.items():
+        pieces = sorted(work.get(stream, []), key=lambda t: t.start)
+        starts = [t.start for t in pieces]
+        for span in stream_spans:
+            lo, hi = span.time_range.start, span.time_range.end
+            us = 0.0
+            for t in pieces[bisect.bisect_left(starts, lo):]:
+                if t.start >= hi:
+                    break
+                us += t.elapsed_us() if t.end <= hi else 0.0
+            inside[span.name] = inside.get(span.name, 0.0) + us
+    return {name: max(host.get(name, 0.0), inside.get(name, 0.0)) for name in host.keys() | inside.keys()}

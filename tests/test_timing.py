@@ -74,3 +74,40 @@ def test_profile_phases_reads_the_ranges_of_the_real_forward():
     assert {"route", "dispatch", "scatter", "experts", "gather", "combine"} <= set(got), got
     assert all(v >= 0 for v in got.values())
     assert set(timing.profile_phases(lambda: layer(x, logits), 1, 0, "cpu", collective=False, names=("route",))) == {"route"}
+
+
+def _evt(name, device, start, end, *, annotation=False, stream=7, device_us=0.0):
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import Interval
+
+    dev = DeviceType.CPU if device == "cpu" else DeviceType.CUDA
+    return SimpleNamespace(name=name, device_type=dev, is_user_annotation=annotation, device_index=0,
+                           device_resource_id=stream, time_range=Interval(start, end),
+                           device_time_total=device_us, cpu_time_total=end - start)  # fmt: skip
+
+
+def test_range_device_us_counts_work_the_host_range_does_not_link():
+    events = [
+        # host ranges: quantize linked no kernel (a Triton launch), gemm1 linked its 30 us
+        _evt("epmoe.quantize", "cpu", 0, 5, device_us=0.0),
+        _evt("epmoe.gemm1", "cpu", 5, 9, device_us=30.0),
+        _evt("epmoe.experts", "cpu", 0, 9, device_us=30.0),
+        # GPU-side spans on stream 7 (experts holds both), and the work
+        _evt("epmoe.quantize", "cuda", 100, 140, annotation=True),
+        _evt("epmoe.gemm1", "cuda", 150, 180, annotation=True),
+        _evt("epmoe.experts", "cuda", 100, 180, annotation=True),
+        _evt("group_quant_kernel", "cuda", 100, 112),
+        _evt("group_quant_kernel", "cuda", 130, 140),  # a gap of 18 us between the two is not work
+        _evt("gemm_kernel", "cuda", 150, 180),
+        _evt("comm_kernel", "cuda", 105, 135, stream=9),  # another stream, inside the time window
+        _evt("other_kernel", "cuda", 185, 190),  # after every span
+    ]
+    got = timing.range_device_us(events, cuda=True)
+    assert got == {"epmoe.quantize": 22.0, "epmoe.gemm1": 30.0, "epmoe.experts": 52.0}, got
+    # work the host range links but no span covers (its stream has none) still counts
+    got = timing.range_device_us(events[:3], cuda=True)
+    assert got == {"epmoe.quantize": 0.0, "epmoe.gemm1": 30.0, "epmoe.experts": 30.0}, got
+    # without CUDA: the host ranges' own time
+    assert timing.range_device_us(events, cuda=False) == {"epmoe.quantize": 5, "epmoe.gemm1": 4, "epmoe.experts": 9}
