@@ -217,44 +217,82 @@ def profile_phases(fn: Callable[[], object], iters: int, warmup: int, device: to
 
 def range_device_us(events, cuda: bool) -> dict[str, float]:
     """Microseconds of device work per :func:`phase` range name, summed over its instances, from
-    a profiler's events (``FunctionEvent``-like: ``name``, ``device_type``, ``is_user_annotation``,
-    ``device_index``, ``device_resource_id``, ``time_range``, and for host ranges
-    ``device_time_total`` / ``cpu_time_total``).
+    a profiler's events (``FunctionEvent``-like: ``name``, ``id``, ``device_type``,
+    ``is_user_annotation``, ``device_index``, ``device_resource_id``, ``time_range``, host ranges
+    also ``thread``, ``device_time_total`` and ``cpu_time_total``).
 
     With ``cuda``, the larger of two counts, each of which can miss work the other sees:
-    * the work the profiler links to the host-side range (kernels whose launch it recorded under
-      it: what it misses are launches it does not record, e.g. Triton's through the driver API);
-    * the work inside the range's GPU-side spans, stream by stream (the profiler's span of a range
-      on a stream runs from its first piece of work there to its last; stream order puts nothing
-      launched outside the range in between, and the span's own length would count the gaps too).
+    * the work the profiler links to the host-side range and the ranges inside it (kernels whose
+      launch it recorded there: it misses launches it does not record, e.g. Triton's through the
+      driver API);
+    * the work inside the GPU-side spans of the range and of the ranges nested in it on the host
+      (the profiler gives each range instance a span per stream, from the first piece of work
+      launched directly in it to the last; stream order puts nothing launched outside it in
+      between, and the span's own length would count the gaps too). A span whose host range is
+      not in ``events`` counts for its own name only.
     Without ``cuda``, the host ranges' own time.
     """
-    host: dict[str, float] = {}
+    ranges = [e for e in events if e.name.startswith(PHASE_PREFIX) and e.device_type == torch.autograd.DeviceType.CPU]
+    if not cuda:
+        return _sum_by_name((r.name, r.cpu_time_total) for r in ranges)
+    linked = _sum_by_name((r.name, r.device_time_total) for r in ranges)
+    spanned = _nested_span_us(ranges, _span_work_us(events))
+    return {name: max(linked.get(name, 0.0), spanned.get(name, 0.0)) for name in linked.keys() | spanned.keys()}
+
+
+def _sum_by_name(pairs) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for name, us in pairs:
+        out[name] = out.get(name, 0.0) + us
+    return out
+
+
+def _span_work_us(events) -> list[tuple[object, str, float]]:
+    """``(id, name, us)`` of every GPU-side span of a :func:`phase` range: the device work (not
+    annotations) on its stream that lies inside it and inside no span nested in it (a range's
+    span can hold its children's: it runs from its own first piece of work to its last)."""
     spans: dict[tuple, list] = {}
     work: dict[tuple, list] = {}
     for evt in events:
-        on_host = evt.device_type == torch.autograd.DeviceType.CPU
-        if evt.name.startswith(PHASE_PREFIX) and on_host:
-            host[evt.name] = host.get(evt.name, 0.0) + (evt.device_time_total if cuda else evt.cpu_time_total)
-        elif not on_host:
-            stream = (evt.device_index, evt.device_resource_id)
-            if evt.is_user_annotation:
-                if evt.name.startswith(PHASE_PREFIX):
-                    spans.setdefault(stream, []).append(evt)
-            else:
-                work.setdefault(stream, []).append(evt.time_range)
-    if not cuda:
-        return host
-    inside: dict[str, float] = {}
+        if evt.device_type == torch.autograd.DeviceType.CPU:
+            continue
+        stream = (evt.device_index, evt.device_resource_id)
+        if not evt.is_user_annotation:
+            work.setdefault(stream, []).append(evt.time_range)
+        elif evt.name.startswith(PHASE_PREFIX):
+            spans.setdefault(stream, []).append(evt)
+    own: dict[int, float] = {}
     for stream, stream_spans in spans.items():
-        pieces = sorted(work.get(stream, []), key=lambda t: t.start)
-        starts = [t.start for t in pieces]
-        for span in stream_spans:
-            lo, hi = span.time_range.start, span.time_range.end
-            us = 0.0
-            for t in pieces[bisect.bisect_left(starts, lo):]:
-                if t.start >= hi:
+        stream_spans.sort(key=lambda e: e.time_range.start)
+        starts = [e.time_range.start for e in stream_spans]
+        for piece in work.get(stream, []):
+            # The innermost span holding the piece: on one stream spans nest or follow each
+            # other, so it is the holding span that starts last.
+            for k in range(bisect.bisect_right(starts, piece.start) - 1, -1, -1):
+                if stream_spans[k].time_range.end >= piece.end:
+                    own[id(stream_spans[k])] = own.get(id(stream_spans[k]), 0.0) + piece.elapsed_us()
                     break
-                us += t.elapsed_us() if t.end <= hi else 0.0
-            inside[span.name] = inside.get(span.name, 0.0) + us
-    return {name: max(host.get(name, 0.0), inside.get(name, 0.0)) for name in host.keys() | inside.keys()}
+    return [(e.id, e.name, own.get(id(e), 0.0)) for stream_spans in spans.values() for e in stream_spans]
+
+
+def _nested_span_us(ranges, spans) -> dict[str, float]:
+    """Per range name, the span work (``_span_work_us``) of its host instances and of the host
+    ranges nested in them (same thread, inside its time); a span no host range claims (by id)
+    counts for its own name."""
+    own: dict[object, float] = {}
+    for span_id, _, us in spans:
+        own[span_id] = own.get(span_id, 0.0) + us
+    claimed = {r.id for r in ranges}
+    totals = _sum_by_name((name, us) for span_id, name, us in spans if span_id not in claimed)
+    by_thread: dict[object, list] = {}
+    for r in ranges:
+        by_thread.setdefault(r.thread, []).append(r)
+    for thread_ranges in by_thread.values():
+        open_ranges: list = []  # the ranges holding the current one, outermost first
+        for r in sorted(thread_ranges, key=lambda r: (r.time_range.start, -r.time_range.end)):
+            while open_ranges and open_ranges[-1].time_range.end <= r.time_range.start:
+                open_ranges.pop()
+            open_ranges.append(r)
+            for holder in open_ranges:
+                totals[holder.name] = totals.get(holder.name, 0.0) + own.get(r.id, 0.0)
+    return totals

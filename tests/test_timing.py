@@ -76,38 +76,55 @@ def test_profile_phases_reads_the_ranges_of_the_real_forward():
     assert set(timing.profile_phases(lambda: layer(x, logits), 1, 0, "cpu", collective=False, names=("route",))) == {"route"}
 
 
-def _evt(name, device, start, end, *, annotation=False, stream=7, device_us=0.0):
+def _evt(name, device, start, end, *, span_of=None, stream=7, device_us=0.0, id=0):
+    """A FunctionEvent-like record: a host range (``device="cpu"``, its ``id``), a GPU-side span of
+    the host range whose id is ``span_of``, or a piece of device work."""
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
     from torch.autograd.profiler_util import Interval
 
     dev = DeviceType.CPU if device == "cpu" else DeviceType.CUDA
-    return SimpleNamespace(name=name, device_type=dev, is_user_annotation=annotation, device_index=0,
-                           device_resource_id=stream, time_range=Interval(start, end),
-                           device_time_total=device_us, cpu_time_total=end - start)  # fmt: skip
+    return SimpleNamespace(name=name, id=span_of if span_of is not None else id, device_type=dev,
+                           is_user_annotation=span_of is not None, device_index=0, device_resource_id=stream,
+                           thread=1, time_range=Interval(start, end), device_time_total=device_us,
+                           cpu_time_total=end - start)  # fmt: skip
+
+
+def _forward(t0, g0):
+    """One forward as the profiler records it: ``experts`` (host 0-9) holds ``quantize`` (a Triton
+    kernel the host range does not link) and ``gemm1`` (a linked kernel), and launches a copy of
+    its own before them and one after, so its GPU-side span holds its children's work."""
+    return [
+        _evt("epmoe.experts", "cpu", t0, t0 + 9, id=t0 + 1, device_us=30.0),
+        _evt("epmoe.quantize", "cpu", t0 + 1, t0 + 5, id=t0 + 2),
+        _evt("epmoe.gemm1", "cpu", t0 + 5, t0 + 8, id=t0 + 3, device_us=30.0),
+        _evt("epmoe.experts", "cuda", g0, g0 + 90, span_of=t0 + 1),
+        _evt("epmoe.quantize", "cuda", g0 + 5, g0 + 45, span_of=t0 + 2),
+        _evt("epmoe.gemm1", "cuda", g0 + 50, g0 + 80, span_of=t0 + 3),
+        _evt("copy", "cuda", g0, g0 + 2),
+        _evt("group_quant_kernel", "cuda", g0 + 5, g0 + 17),
+        _evt("group_quant_kernel", "cuda", g0 + 35, g0 + 45),  # the 18 us between the two are no work
+        _evt("gemm_kernel", "cuda", g0 + 50, g0 + 80),
+        _evt("copy", "cuda", g0 + 88, g0 + 90),
+        _evt("comm_kernel", "cuda", g0 + 10, g0 + 40, stream=9),  # another stream, inside the window
+        _evt("other_kernel", "cuda", g0 + 95, g0 + 99),  # in no range
+    ]
 
 
 def test_range_device_us_counts_work_the_host_range_does_not_link():
-    events = [
-        # host ranges: quantize linked no kernel (a Triton launch), gemm1 linked its 30 us
-        _evt("epmoe.quantize", "cpu", 0, 5, device_us=0.0),
-        _evt("epmoe.gemm1", "cpu", 5, 9, device_us=30.0),
-        _evt("epmoe.experts", "cpu", 0, 9, device_us=30.0),
-        # GPU-side spans on stream 7 (experts holds both), and the work
-        _evt("epmoe.quantize", "cuda", 100, 140, annotation=True),
-        _evt("epmoe.gemm1", "cuda", 150, 180, annotation=True),
-        _evt("epmoe.experts", "cuda", 100, 180, annotation=True),
-        _evt("group_quant_kernel", "cuda", 100, 112),
-        _evt("group_quant_kernel", "cuda", 130, 140),  # a gap of 18 us between the two is not work
-        _evt("gemm_kernel", "cuda", 150, 180),
-        _evt("comm_kernel", "cuda", 105, 135, stream=9),  # another stream, inside the time window
-        _evt("other_kernel", "cuda", 185, 190),  # after every span
-    ]
+    events = _forward(0, 100) + _forward(20, 300)  # two forwards: instances add up
     got = timing.range_device_us(events, cuda=True)
-    assert got == {"epmoe.quantize": 22.0, "epmoe.gemm1": 30.0, "epmoe.experts": 52.0}, got
-    # work the host range links but no span covers (its stream has none) still counts
-    got = timing.range_device_us(events[:3], cuda=True)
-    assert got == {"epmoe.quantize": 0.0, "epmoe.gemm1": 30.0, "epmoe.experts": 30.0}, got
-    # without CUDA: the host ranges' own time
-    assert timing.range_device_us(events, cuda=False) == {"epmoe.quantize": 5, "epmoe.gemm1": 4, "epmoe.experts": 9}
+    assert got == {"epmoe.quantize": 44.0, "epmoe.gemm1": 60.0, "epmoe.experts": 2 * (4 + 22 + 30)}, got
+    # A range that launches nothing itself has no span: it gets the work of the ranges inside it.
+    bare = [e for e in _forward(0, 100) if e.name != "copy" and not (e.name == "epmoe.experts" and e.is_user_annotation)]
+    assert timing.range_device_us(bare, cuda=True)["epmoe.experts"] == 22.0 + 30.0
+    # The host-linked count wins where it sees more: a span-less range, or a host range missing.
+    no_spans = [e for e in events if not e.is_user_annotation]
+    assert timing.range_device_us(no_spans, cuda=True) == {"epmoe.quantize": 0.0, "epmoe.gemm1": 60.0,
+                                                           "epmoe.experts": 60.0}  # fmt: skip
+    orphan = [e for e in _forward(0, 100) if not (e.name == "epmoe.experts" and e.device_type.name == "CPU")]
+    assert timing.range_device_us(orphan, cuda=True) == {"epmoe.quantize": 22.0, "epmoe.gemm1": 30.0,
+                                                         "epmoe.experts": 4.0}  # fmt: skip
+    # Without CUDA: the host ranges' own time.
+    assert timing.range_device_us(events, cuda=False) == {"epmoe.experts": 18, "epmoe.quantize": 8, "epmoe.gemm1": 6}
