@@ -43,7 +43,7 @@ DEFAULT_EXTRA = (
 
 def _rows(text: str) -> list[int]:
     try:
-        ms = [int(v) for v in text.split(",") if v]
+        ms = [int(v) for v in text.split(",")]
     except ValueError:
         ms = []
     if not ms or any(m < 1 for m in ms):
@@ -67,9 +67,12 @@ def parse_args(argv):
     for name in ("experts", "rounds", "iters"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1; got {getattr(args, name)}")
-    if args.rep_ms <= 0:
+    if not args.rep_ms > 0:  # NaN too
         p.error(f"--rep-ms must be > 0; got {args.rep_ms}")
     args.extra = args.extra or list(DEFAULT_EXTRA)
+    repeated = sorted({spec for spec in args.extra if args.extra.count(spec) > 1})
+    if repeated:
+        p.error(f"--extra {repeated[0]!r} is given more than once; each backend once")
     return args
 
 
@@ -78,7 +81,8 @@ def medians(samples: dict[str, list]) -> dict:
     out = {}
     for name, rounds in samples.items():
         if isinstance(rounds[0], dict):
-            out[name] = {k: statistics.median(r.get(k, 0.0) for r in rounds) for k in rounds[0]}
+            keys = dict.fromkeys(k for r in rounds for k in r)  # every round's, in order of appearance
+            out[name] = {k: statistics.median(r.get(k, 0.0) for r in rounds) for k in keys}
         else:
             out[name] = statistics.median(rounds)
     return out
@@ -123,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     problem = build_problem(args.experts, HIDDEN, INTERMEDIATE, device, torch.bfloat16)
     backends = [load_extra(spec) for spec in args.extra]
+    labels = [label for label, _ in backends]
+    if len(set(labels)) < len(labels):
+        print(f"benchmarks/experts_phases.py: --extra {args.extra} name the same backend twice ({labels})", file=sys.stderr)
+        return 2
     rows = []
     for i, m in enumerate(args.m):
         batch = uniform_batch(problem, m, device, torch.bfloat16, seed=1000 + i)

@@ -22,6 +22,9 @@ def test_defaults():
     (["--iters", "0"], "--iters must be >= 1; got 0"),
     (["--experts", "0"], "--experts must be >= 1; got 0"),
     (["--rep-ms", "0"], "--rep-ms must be > 0; got 0.0"),
+    (["--rep-ms", "nan"], "--rep-ms must be > 0; got nan"),
+    (["--m", "512,,2048"], "--m='512,,2048'"),
+    (["--extra", "a:B", "--extra", "a:B"], "--extra 'a:B' is given more than once"),
 ])  # fmt: skip
 def test_bad_arguments_are_refused_by_name(argv, said, capsys):
     with pytest.raises(SystemExit):
@@ -40,6 +43,9 @@ def test_medians_of_rounds_and_of_per_round_dicts():
     assert xp.medians({"a": [3.0, 1.0, 2.0]}) == {"a": 2.0}
     got = xp.medians({"a": [{"gemm1": 1.0, "gemm2": 4.0}, {"gemm1": 3.0, "gemm2": 2.0}, {"gemm1": 2.0}]})
     assert got == {"a": {"gemm1": 2.0, "gemm2": 2.0}}
+    # a phase missing from the first round still counts (0 where a round lacks it)
+    got = xp.medians({"a": [{"gemm1": 1.0}, {"gemm1": 3.0, "activation": 5.0}, {"gemm1": 2.0, "activation": 4.0}]})
+    assert got == {"a": {"gemm1": 2.0, "activation": 4.0}}
 
 
 def test_time_passes_reports_each_backends_phases_in_turns():
